@@ -1,0 +1,558 @@
+"""The FUSE operations: a faithful pass-through of a backing directory tree.
+
+This module only translates FUSE requests into syscalls on the backing store, relative to
+descriptors (see :mod:`qosfs.inodes`). What a request is charged to and when it may
+proceed is asked of the QoS engine (``self.qos``): the class of a file is chosen at
+open, where pyfuse3 tells us the caller, and kept in the handle.
+
+Choices made here, each for a reason:
+
+* Writes are synchronous pass-through (no writeback cache): a write is acknowledged only
+  once the backing store has it, so a daemon crash loses nothing that was acknowledged,
+  and every byte is accounted when it really moves.
+* The page cache is used for reads unless the QoS class asks for ``direct_io`` (a capped
+  read class must not escape its cap through cached pages). ``keep_cache`` is off by
+  default so each open revalidates against the backing store, like NFS close-to-open.
+* Entry and attribute timeouts default to 1 s, the same order as NFS's ``actimeo``:
+  repeated stats do not cost a round trip, and changes made under the mount by other
+  nodes become visible within a second.
+* Only ``FUSEError`` may leave a handler (anything else kills pyfuse3's main loop): a
+  backing-store ``OSError`` becomes its own errno; anything unexpected is logged and
+  answered with EIO.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pyfuse3
+from pyfuse3 import FUSEError
+
+from qosfs import syscalls
+from qosfs.backing_io import BackingIO
+from qosfs.handles import DirHandle, FileHandle
+from qosfs.inodes import Inode, InodeTable
+from qosfs.qos import QosEngine
+
+log = logging.getLogger(__name__)
+
+_F = TypeVar("_F", bound=Callable[..., Awaitable[Any]])
+
+# Flags the kernel handles itself (or that make no sense when reopening an existing
+# object through its /proc magic link; O_NOFOLLOW would refuse the magic link).
+_OPEN_DROP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_NOFOLLOW
+_ACCMODE = os.O_RDONLY | os.O_WRONLY | os.O_RDWR
+_SUID_SGID = stat.S_ISUID | stat.S_ISGID
+
+
+def fuse_handler(fn: _F) -> _F:
+    """Turn every failure of a metadata handler into a ``FUSEError`` the kernel understands."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: Any) -> Any:
+        try:
+            return await fn(*args)
+        except FUSEError:
+            raise
+        except OSError as exc:
+            raise FUSEError(exc.errno or errno.EIO) from None
+        except Exception:
+            log.exception("unexpected failure in %s; answering EIO", fn.__name__)
+            raise FUSEError(errno.EIO) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, slots=True)
+class FsOptions:
+    """Mount-wide knobs of the pass-through (see the module docstring for the defaults)."""
+
+    entry_timeout: float = 1.0
+    attr_timeout: float = 1.0
+    cache: str = "auto"  # "auto": page cache, revalidated per open; "always"; "never"
+
+
+class PassthroughOperations(pyfuse3.Operations):
+    """pyfuse3 operations that forward everything to a backing directory."""
+
+    supports_dot_lookup = True
+    enable_writeback_cache = False  # see module docstring: acknowledged means written
+    enable_acl = False
+
+    def __init__(self, root_fd: int, io: BackingIO, qos: QosEngine, options: FsOptions) -> None:
+        super().__init__()
+        self.inodes = InodeTable(root_fd)
+        self.io = io
+        self.qos = qos
+        self.options = options
+        self.files: dict[int, FileHandle] = {}
+        self.dirs: dict[int, DirHandle] = {}
+        self._as_root = os.geteuid() == 0
+        self._root_prefix = os.readlink(f"/proc/self/fd/{root_fd}").rstrip("/") + "/"
+        self._meta_limiter = qos.meta_limiter
+
+    # ----------------------------------------------------------------- helpers
+
+    def _entry(self, inode: Inode, st: os.stat_result) -> pyfuse3.EntryAttributes:
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = inode.nodeid
+        e.generation = 0
+        e.entry_timeout = self.options.entry_timeout
+        e.attr_timeout = self.options.attr_timeout
+        e.st_mode = st.st_mode
+        e.st_nlink = st.st_nlink
+        e.st_uid = st.st_uid
+        e.st_gid = st.st_gid
+        e.st_rdev = st.st_rdev
+        e.st_size = st.st_size
+        e.st_blksize = st.st_blksize
+        e.st_blocks = st.st_blocks
+        e.st_atime_ns = st.st_atime_ns
+        e.st_mtime_ns = st.st_mtime_ns
+        e.st_ctime_ns = st.st_ctime_ns
+        return e
+
+    def relpath(self, inode: Inode) -> str:
+        """The object's current path relative to the mount root ("" for the root).
+
+        Read from the descriptor's /proc link, so renames made underneath are seen; used at
+        open and by metadata classification only, never per read/write.
+        """
+        if inode is self.inodes.root:
+            return ""
+        try:
+            path = os.readlink(inode.proc_path)
+        except OSError:
+            return ""
+        if path.endswith(" (deleted)"):
+            path = path[: -len(" (deleted)")]
+        return path[len(self._root_prefix):] if path.startswith(self._root_prefix) else ""
+
+    async def _meta(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self.io.meta(self._meta_limiter, fn, *args)
+
+    async def _admit_meta(self, inode: Inode, ctx: pyfuse3.RequestContext) -> None:
+        if self.qos.meta_limited:
+            await self.qos.admit_meta(self, inode, ctx)
+
+    async def _adopt_new(self, parent: Inode, name: bytes) -> pyfuse3.EntryAttributes:
+        fd, st = await self._meta(self.inodes.resolve, parent.fd, name)
+        inode = self.inodes.adopt(fd, st)
+        return self._entry(inode, st)
+
+    def _give_to_caller(self, parent: Inode, name: bytes, ctx: pyfuse3.RequestContext,
+                        mode: int) -> None:
+        """Make a freshly created object owned by the caller, as if they had created it.
+
+        The daemon runs as root, so the backing store made it root's. The group follows
+        the caller unless the parent directory is setgid (then the backing store already
+        gave it the directory's group). chown clears setuid/setgid bits, so they are put
+        back when the caller asked for them.
+        """
+        if not self._as_root:
+            return
+        parent_mode = os.fstat(parent.fd).st_mode
+        gid = -1 if parent_mode & stat.S_ISGID else ctx.gid
+        os.chown(name, ctx.uid, gid, dir_fd=parent.fd, follow_symlinks=False)
+        if mode & _SUID_SGID and not stat.S_ISLNK(mode):
+            os.chmod(name, stat.S_IMODE(mode), dir_fd=parent.fd)
+
+    # ----------------------------------------------------------------- lookups
+
+    @fuse_handler
+    async def lookup(self, parent_inode: int, name: bytes,
+                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        parent = self.inodes.get(parent_inode)
+        await self._admit_meta(parent, ctx)
+        if name == b"." or (name == b".." and parent is self.inodes.root):
+            # Never leave the source tree through '..' of the mount root.
+            parent.lookups += 1
+            return self._entry(parent, await self._meta(os.fstat, parent.fd))
+        try:
+            fd, st = await self._meta(self.inodes.resolve, parent.fd, name)
+        except FileNotFoundError:
+            # A negative entry the kernel may cache for entry_timeout (st_ino 0).
+            e = pyfuse3.EntryAttributes()
+            e.st_ino = 0
+            e.entry_timeout = self.options.entry_timeout
+            return e
+        return self._entry(self.inodes.adopt(fd, st), st)
+
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        for nodeid, count in inode_list:
+            try:
+                self.inodes.forget(nodeid, count)
+            except Exception:  # forget must not raise: no request to answer
+                log.exception("forget(%d, %d) failed", nodeid, count)
+
+    @fuse_handler
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        node = self.inodes.get(inode)
+        await self._admit_meta(node, ctx)
+        return self._entry(node, await self._meta(os.fstat, node.fd))
+
+    @fuse_handler
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes,
+                      fields: pyfuse3.SetattrFields, fh: int | None,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        node = self.inodes.get(inode)
+        await self._admit_meta(node, ctx)
+        handle = self.files.get(fh) if fh is not None else None
+        await self._meta(self._apply_setattr, node, handle, attr, fields, ctx.uid)
+        return self._entry(node, await self._meta(os.fstat, node.fd))
+
+    def _apply_setattr(self, node: Inode, handle: FileHandle | None,
+                       attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                       caller_uid: int) -> None:
+        if fields.update_size:
+            if handle is not None:
+                os.ftruncate(handle.fd, attr.st_size)
+            else:
+                os.truncate(node.proc_path, attr.st_size)
+            if caller_uid != 0:
+                self._kill_priv(node.fd)
+        if fields.update_mode:
+            mode = stat.S_IMODE(attr.st_mode)
+            if handle is not None:
+                os.fchmod(handle.fd, mode)
+            else:
+                os.chmod(node.proc_path, mode)
+        if fields.update_uid or fields.update_gid:
+            uid = attr.st_uid if fields.update_uid else -1
+            gid = attr.st_gid if fields.update_gid else -1
+            syscalls.chown_fd(node.fd, uid, gid)
+        if fields.update_atime or fields.update_mtime:
+            syscalls.utimens_fd(
+                node.fd,
+                attr.st_atime_ns if fields.update_atime else None,
+                attr.st_mtime_ns if fields.update_mtime else None,
+            )
+
+    @staticmethod
+    def _kill_priv(fd: int) -> None:
+        """Clear setuid (and group-exec setgid) as the kernel does when a non-root user writes.
+
+        The daemon writes as root, which keeps those bits, so it clears them itself.
+        """
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            return
+        kill = stat.S_ISUID | (stat.S_ISGID if mode & stat.S_IXGRP else 0)
+        if mode & kill:
+            os.chmod(f"/proc/self/fd/{fd}", stat.S_IMODE(mode) & ~kill)
+
+    @fuse_handler
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        node = self.inodes.get(inode)
+        await self._admit_meta(node, ctx)
+        return await self._meta(functools.partial(os.readlink, b"", dir_fd=node.fd))
+
+    # ----------------------------------------------------------------- namespace changes
+
+    @fuse_handler
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        parent = self.inodes.get(parent_inode)
+        await self._admit_meta(parent, ctx)
+        await self._meta(self._mknod, parent, name, mode, rdev, ctx)
+        return await self._adopt_new(parent, name)
+
+    def _mknod(self, parent: Inode, name: bytes, mode: int, rdev: int,
+               ctx: pyfuse3.RequestContext) -> None:
+        os.mknod(name, mode, rdev, dir_fd=parent.fd)
+        self._give_to_caller(parent, name, ctx, mode)
+
+    @fuse_handler
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        parent = self.inodes.get(parent_inode)
+        await self._admit_meta(parent, ctx)
+        await self._meta(self._mkdir, parent, name, mode, ctx)
+        return await self._adopt_new(parent, name)
+
+    def _mkdir(self, parent: Inode, name: bytes, mode: int, ctx: pyfuse3.RequestContext) -> None:
+        os.mkdir(name, stat.S_IMODE(mode), dir_fd=parent.fd)
+        # chown keeps a directory's setgid bit, so no mode fix-up is needed here.
+        self._give_to_caller(parent, name, ctx, mode & ~_SUID_SGID)
+
+    @fuse_handler
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        parent = self.inodes.get(parent_inode)
+        await self._admit_meta(parent, ctx)
+        await self._meta(self._symlink, parent, name, target, ctx)
+        return await self._adopt_new(parent, name)
+
+    def _symlink(self, parent: Inode, name: bytes, target: bytes,
+                 ctx: pyfuse3.RequestContext) -> None:
+        os.symlink(target, name, dir_fd=parent.fd)
+        self._give_to_caller(parent, name, ctx, stat.S_IFLNK)
+
+    @fuse_handler
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+                   ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        node = self.inodes.get(inode)
+        parent = self.inodes.get(new_parent_inode)
+        await self._admit_meta(parent, ctx)
+        await self._meta(syscalls.link_fd, node.fd, parent.fd, new_name)
+        return await self._adopt_new(parent, new_name)
+
+    @fuse_handler
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        parent = self.inodes.get(parent_inode)
+        await self._admit_meta(parent, ctx)
+        await self._meta(functools.partial(os.unlink, name, dir_fd=parent.fd))
+
+    @fuse_handler
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        parent = self.inodes.get(parent_inode)
+        await self._admit_meta(parent, ctx)
+        await self._meta(functools.partial(os.rmdir, name, dir_fd=parent.fd))
+
+    @fuse_handler
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
+                     name_new: bytes, flags: int, ctx: pyfuse3.RequestContext) -> None:
+        old = self.inodes.get(parent_inode_old)
+        new = self.inodes.get(parent_inode_new)
+        await self._admit_meta(old, ctx)
+        await self._meta(syscalls.renameat2, old.fd, name_old, new.fd, name_new, flags)
+
+    # ----------------------------------------------------------------- files
+
+    def _open_backing(self, opener: Callable[[int], int], flags: int) -> tuple[int, bool]:
+        """Open with the caller's flags; fall back to buffered I/O if O_DIRECT is refused."""
+        flags |= os.O_CLOEXEC
+        try:
+            return opener(flags), bool(flags & os.O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or not flags & os.O_DIRECT:
+                raise
+        return opener(flags & ~os.O_DIRECT), False
+
+    def _file_info(self, fd: int, direct: bool, flow: Any, writing: bool,
+                   node_fd: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        kill_priv = False
+        if writing and ctx.uid != 0:
+            kill_priv = bool(os.fstat(node_fd).st_mode & _SUID_SGID)
+        self.files[fd] = FileHandle(fd, direct, flow, kill_priv)
+        cache = self.options.cache
+        return pyfuse3.FileInfo(
+            fh=fd,
+            direct_io=flow.direct_io or cache == "never",
+            keep_cache=cache == "always" and not flow.direct_io,
+        )
+
+    @fuse_handler
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        node = self.inodes.get(inode)
+        writing = (flags & _ACCMODE) != os.O_RDONLY
+        flow = self.qos.open_flow(self, node, ctx, writing)
+        path = node.proc_path
+        fd, direct = await self._meta(
+            self._open_backing, lambda f: os.open(path, f), flags & ~_OPEN_DROP
+        )
+        return self._file_info(fd, direct, flow, writing, node.fd, ctx)
+
+    @fuse_handler
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        parent = self.inodes.get(parent_inode)
+        await self._admit_meta(parent, ctx)
+        pfd = parent.fd
+        fd, direct = await self._meta(
+            self._open_backing,
+            lambda f: os.open(name, f, stat.S_IMODE(mode), dir_fd=pfd),
+            (flags & ~(os.O_NOCTTY | os.O_NOFOLLOW)) | os.O_CREAT,
+        )
+        try:
+            await self._meta(self._give_to_caller, parent, name, ctx, mode)
+            opath = os.open(f"/proc/self/fd/{fd}", os.O_PATH | os.O_CLOEXEC)
+            st = os.fstat(opath)
+        except BaseException:
+            os.close(fd)
+            raise
+        node = self.inodes.adopt(opath, st)
+        flow = self.qos.open_flow(self, node, ctx, True)
+        return self._file_info(fd, direct, flow, True, node.fd, ctx), self._entry(node, st)
+
+    async def read(self, fh: int, off: int, size: int) -> Any:
+        # Hot path: no decorator frame, no logging, everything resolved at open.
+        handle = self.files[fh]
+        flow = handle.flow
+        if flow.limited:
+            await flow.admit_read(size)
+        try:
+            data = await self.io.read(handle.fd, off, size, handle.direct, flow.limiter)
+        except OSError as exc:
+            raise FUSEError(exc.errno or errno.EIO) from None
+        flow.bytes_read += len(data)
+        flow.ops_read += 1
+        return data
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        handle = self.files[fh]
+        flow = handle.flow
+        if flow.limited:
+            await flow.admit_write(len(buf))
+        try:
+            if handle.kill_priv:
+                handle.kill_priv = False
+                self._kill_priv(handle.fd)
+            n = await self.io.write(handle.fd, off, buf, handle.direct, flow.limiter)
+        except OSError as exc:
+            raise FUSEError(exc.errno or errno.EIO) from None
+        flow.bytes_written += n
+        flow.ops_write += 1
+        return n
+
+    @fuse_handler
+    async def flush(self, fh: int) -> None:
+        # Writes are already on the backing store. On a network filesystem, closing a
+        # duplicate descriptor makes the client flush and report deferred write errors
+        # (NFS reports them at close), so the caller's close() sees them.
+        if self.io.mode.value == "threads":
+            handle = self.files[fh]
+            await self.io.blocking(handle.flow.limiter, _close_dup, handle.fd)
+
+    @fuse_handler
+    async def release(self, fh: int) -> None:
+        handle = self.files.pop(fh)
+        handle.flow.release()
+        await self.io.blocking(handle.flow.limiter, os.close, handle.fd)
+
+    @fuse_handler
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        handle = self.files[fh]
+        await self.io.blocking(handle.flow.limiter, os.fdatasync if datasync else os.fsync,
+                               handle.fd)
+
+    # ----------------------------------------------------------------- directories
+
+    @fuse_handler
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        node = self.inodes.get(inode)
+        await self._admit_meta(node, ctx)
+        fd = await self._meta(os.open, node.proc_path,
+                              os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.dirs[fd] = DirHandle(fd, node)
+        return fd
+
+    @fuse_handler
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        handle = self.dirs[fh]
+        if start_id == 0 or not handle.listed:
+            # A snapshot per pass keeps offsets stable while entries come and go.
+            handle.names = await self._meta(_list_names, handle.fd)
+            handle.listed = True
+        names = handle.names
+        resolve = self.inodes.resolve
+        for index in range(start_id, len(names)):
+            name = names[index]
+            if index < 2:  # "." and "..": listed like the backing store, never counted
+                if not pyfuse3.readdir_reply(token, name, self._dot_entry(handle, name),
+                                             index + 1):
+                    break
+                continue
+            try:
+                fd, st = await self._meta(resolve, handle.fd, name)
+            except OSError:
+                continue  # removed since the snapshot
+            inode = self.inodes.adopt(fd, st)
+            if not pyfuse3.readdir_reply(token, name, self._entry(inode, st), index + 1):
+                self.inodes.forget(inode.nodeid, 1)  # not sent: the kernel holds no reference
+                break
+
+    def _dot_entry(self, handle: DirHandle, name: bytes) -> pyfuse3.EntryAttributes:
+        node = handle.inode
+        if name == b".." and node is not self.inodes.root:
+            st = os.stat(b"..", dir_fd=node.fd, follow_symlinks=False)
+            nodeid = self.inodes.nodeid_of(st)
+        else:
+            st = os.fstat(node.fd)
+            nodeid = node.nodeid
+        entry = self._entry(node, st)
+        entry.st_ino = nodeid
+        return entry
+
+    @fuse_handler
+    async def releasedir(self, fh: int) -> None:
+        handle = self.dirs.pop(fh)
+        os.close(handle.fd)
+
+    @fuse_handler
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        handle = self.dirs[fh]
+        await self.io.blocking(self._meta_limiter, os.fsync, handle.fd)
+
+    # ----------------------------------------------------------------- filesystem-wide
+
+    @fuse_handler
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        sv = await self._meta(os.fstatvfs, self.inodes.root.fd)
+        out = pyfuse3.StatvfsData()
+        out.f_bsize = sv.f_bsize
+        out.f_frsize = sv.f_frsize
+        out.f_blocks = sv.f_blocks
+        out.f_bfree = sv.f_bfree
+        out.f_bavail = sv.f_bavail
+        out.f_files = sv.f_files
+        out.f_ffree = sv.f_ffree
+        out.f_favail = sv.f_favail
+        out.f_namemax = sv.f_namemax
+        return out
+
+    # ----------------------------------------------------------------- xattrs
+
+    @fuse_handler
+    async def setxattr(self, inode: int, name: bytes, value: bytes,
+                       ctx: pyfuse3.RequestContext) -> None:
+        node = self.inodes.get(inode)
+        await self._admit_meta(node, ctx)
+        await self._meta(os.setxattr, node.proc_path, name, value)
+
+    @fuse_handler
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        node = self.inodes.get(inode)
+        await self._admit_meta(node, ctx)
+        return await self._meta(os.getxattr, node.proc_path, name)
+
+    @fuse_handler
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        node = self.inodes.get(inode)
+        await self._admit_meta(node, ctx)
+        names = await self._meta(os.listxattr, node.proc_path)
+        return [os.fsencode(n) for n in names]
+
+    @fuse_handler
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        node = self.inodes.get(inode)
+        await self._admit_meta(node, ctx)
+        await self._meta(os.removexattr, node.proc_path, name)
+
+    # ----------------------------------------------------------------- shutdown
+
+    def close_all(self) -> None:
+        """Close every backing descriptor once the kernel connection is gone."""
+        for fd in list(self.files) + list(self.dirs):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.files.clear()
+        self.dirs.clear()
+        self.inodes.close_all()
+
+
+def _close_dup(fd: int) -> None:
+    os.close(os.dup(fd))
+
+
+def _list_names(fd: int) -> list[bytes]:
+    return [b".", b".."] + [os.fsencode(name) for name in os.listdir(fd)]

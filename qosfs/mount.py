@@ -1,0 +1,237 @@
+"""Mount lifecycle: checks, daemonizing, the trio main loop, signals and clean unmount.
+
+Order matters and is deliberate:
+
+1. every check that can fail with a clear message runs before anything is mounted;
+2. the source directory is opened *before* mounting, so mounting in place over it works
+   (all later access goes through that descriptor);
+3. without ``--foreground`` the process forks; the parent waits on a pipe and exits 0 only
+   once the child's mount answers a ``stat`` (or prints the child's one-line error);
+4. the child runs pyfuse3 under trio; SIGTERM/SIGINT call ``pyfuse3.terminate()``, which
+   lets in-flight requests finish before ``main()`` returns, then the mount is removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pyfuse3
+import trio
+
+from qosfs import tuning
+from qosfs.backing_io import BackingIO, IoMode, backing_mount, choose_io_mode
+from qosfs.errors import EXIT_FUSE, EXIT_MOUNTPOINT, EXIT_SOURCE, QosfsError
+from qosfs.fs import FsOptions, PassthroughOperations
+from qosfs.qos import PassThroughQos
+
+log = logging.getLogger(__name__)
+
+# pyfuse3 gives every request its own task, up to max_tasks, and stops reading
+# /dev/fuse when they are all busy. A request parked by QoS holds a task, so the limit
+# must exceed everything the kernel can have outstanding at once (max_background plus
+# one synchronous request per calling thread); trio tasks are cheap, so be generous.
+MAX_TASKS = 1024
+MIN_TASKS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class MountConfig:
+    """Everything ``qosfs mount`` was asked to do."""
+
+    source: str
+    mountpoint: str
+    foreground: bool = False
+    fuse_options: tuple[str, ...] = ()
+    io_mode: str = "auto"
+    fs_options: FsOptions = field(default_factory=FsOptions)
+    max_background: int = tuning.DEFAULT_MAX_BACKGROUND
+    read_ahead_kb: int = tuning.DEFAULT_READ_AHEAD_KB
+
+
+def check_mount_args(source: str, mountpoint: str) -> None:
+    """Fail early, with one line, on everything that would make the mount fail later."""
+    if not os.path.exists(source):
+        raise QosfsError(f"source {source} does not exist", EXIT_SOURCE)
+    if not os.path.isdir(source):
+        raise QosfsError(f"source {source} is not a directory", EXIT_SOURCE)
+    try:
+        os.stat(mountpoint)
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            clean_stale_mount(mountpoint)
+        elif exc.errno == errno.ENOENT:
+            raise QosfsError(f"mountpoint {mountpoint} does not exist", EXIT_MOUNTPOINT) from None
+        else:
+            raise QosfsError(f"mountpoint {mountpoint}: {exc.strerror}", EXIT_MOUNTPOINT) from None
+    if not os.path.isdir(mountpoint):
+        raise QosfsError(f"mountpoint {mountpoint} is not a directory", EXIT_MOUNTPOINT)
+    if mount_type(mountpoint) == "fuse.qosfs":
+        raise QosfsError(f"{mountpoint} is already mounted by qosfs", EXIT_MOUNTPOINT)
+    if not os.path.exists("/dev/fuse"):
+        raise QosfsError("/dev/fuse is missing (load the fuse module)", EXIT_FUSE)
+    if os.geteuid() != 0 and shutil.which("fusermount3") is None:
+        raise QosfsError("fusermount3 not found (install the fuse3 package)", EXIT_FUSE)
+
+
+def mount_type(path: str) -> str | None:
+    """The filesystem type mounted exactly at *path*, or None if nothing is."""
+    target = os.path.realpath(path)
+    found = None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                mnt = fields[4].encode().decode("unicode_escape")
+                if mnt == target and " - " in line:
+                    found = line.split(" - ", 1)[1].split()[0]  # the last one is on top
+    except OSError:
+        return None
+    return found
+
+
+def clean_stale_mount(mountpoint: str) -> None:
+    """Remove a mount whose daemon died ("Transport endpoint is not connected")."""
+    log.warning("%s is a stale mount (daemon gone); unmounting it", mountpoint)
+    for cmd in (["fusermount3", "-u", "-z", mountpoint], ["umount", "-l", mountpoint]):
+        if shutil.which(cmd[0]) and subprocess.run(cmd, capture_output=True).returncode == 0:
+            return
+    raise QosfsError(f"{mountpoint} is a stale mount and could not be unmounted",
+                     EXIT_MOUNTPOINT)
+
+
+def _raise_fd_limit() -> None:
+    """Every inode the kernel knows holds a descriptor: allow as many as the system does."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _fuse_options(cfg: MountConfig, backing_options: frozenset[str]) -> set[str]:
+    opts = set(pyfuse3.default_options)  # default_permissions: the kernel checks modes
+    opts.add(f"fsname={os.path.abspath(cfg.source)}")
+    opts.add("subtype=qosfs")
+    if os.geteuid() == 0:
+        opts.add("allow_other")  # a shared filesystem: every user sees it, as underneath
+        # FUSE mounts default to nosuid,nodev; mirror the backing mount instead, so setuid
+        # programs and device nodes behave exactly as they do underneath.
+        opts.add("nosuid" if "nosuid" in backing_options else "suid")
+        opts.add("nodev" if "nodev" in backing_options else "dev")
+    if "noexec" in backing_options:
+        opts.add("noexec")
+    opts.update(o for o in cfg.fuse_options if o)
+    return opts
+
+
+def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> int:
+    """Mount and serve until unmounted or signalled. Returns the exit code."""
+    check_mount_args(cfg.source, cfg.mountpoint)
+    root_fd = os.open(cfg.source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fstype, backing_options = backing_mount(root_fd)
+    if cfg.io_mode == "auto":
+        mode = choose_io_mode(fstype)
+        log.info("backing filesystem %s: I/O mode %s", fstype or "unknown", mode.value)
+    else:
+        mode = IoMode(cfg.io_mode)
+    _raise_fd_limit()
+    # The kernel applied the caller's umask already; ours must not mask again.
+    os.umask(0)
+    ops = PassthroughOperations(root_fd, BackingIO(mode), PassThroughQos(), cfg.fs_options)
+    mountpoint = os.path.abspath(cfg.mountpoint)
+    try:
+        pyfuse3.init(ops, mountpoint, _fuse_options(cfg, backing_options))
+    except RuntimeError as exc:
+        raise QosfsError(f"mounting {mountpoint} failed: {exc}", EXIT_FUSE) from None
+    unmounted_by_us = False
+    try:
+        trio.run(_serve, cfg, mountpoint, on_ready)
+        unmounted_by_us = True
+    finally:
+        still_mounted = mount_type(mountpoint) == "fuse.qosfs"
+        pyfuse3.close(unmount=still_mounted)
+        ops.close_all()
+        log.info("unmounted %s (%s)", mountpoint,
+                 "clean" if unmounted_by_us else "after an error")
+    return 0
+
+
+async def _serve(cfg: MountConfig, mountpoint: str, on_ready: Callable[[], None] | None) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_watch_signals, nursery.cancel_scope)
+        nursery.start_soon(_become_ready, cfg, mountpoint, on_ready)
+        await pyfuse3.main(min_tasks=MIN_TASKS, max_tasks=MAX_TASKS)
+        nursery.cancel_scope.cancel()  # the kernel ended the session (fusermount3 -u)
+
+
+async def _become_ready(cfg: MountConfig, mountpoint: str,
+                        on_ready: Callable[[], None] | None) -> None:
+    # stat() through our own mount needs the main loop running, so ask from a thread.
+    st = await trio.to_thread.run_sync(os.stat, mountpoint)
+    tuning.tune_connection(st.st_dev, cfg.max_background, cfg.read_ahead_kb)
+    log.info("qosfs serving %s on %s", cfg.source, mountpoint)
+    if on_ready is not None:
+        on_ready()
+
+
+async def _watch_signals(scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("received %s: finishing in-flight requests, then unmounting",
+                     signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return
+
+
+def daemonize_and_mount(cfg: MountConfig) -> int:
+    """Fork; the parent returns 0 once the child's mount answers, or the child's error."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as pipe:
+            report = pipe.read().decode(errors="replace")
+        if report.startswith("OK"):
+            return 0
+        _, waited = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(waited)
+        message = report.partition(" ")[2].strip() or f"the daemon exited with code {code}"
+        raise QosfsError(message, code if code > 0 else EXIT_FUSE)
+    # Child: detach from the terminal, report success or failure through the pipe.
+    os.close(read_end)
+    os.setsid()
+    pipe = os.fdopen(write_end, "wb", buffering=0)
+
+    def ready() -> None:
+        pipe.write(b"OK\n")
+        pipe.close()
+        _detach_stdio()
+
+    try:
+        code = run_mount(cfg, on_ready=ready)
+    except QosfsError as exc:
+        if not pipe.closed:
+            pipe.write(f"ERR {exc}\n".encode())
+        os._exit(exc.exit_code)
+    except BaseException as exc:  # noqa: BLE001 - report anything, then die
+        log.exception("daemon failed")
+        if not pipe.closed:
+            pipe.write(f"ERR daemon failed: {exc}\n".encode())
+        os._exit(8)
+    os._exit(code)
+
+
+def _detach_stdio() -> None:
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    sys.stderr = open(os.devnull, "w")  # noqa: SIM115

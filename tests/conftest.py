@@ -1,0 +1,84 @@
+"""Shared fixtures: real mounts over temporary directories, always torn down."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.mounting import QosfsMount, is_mounted
+
+HAVE_FUSE = os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
+IS_ROOT = os.geteuid() == 0
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("mount") and not HAVE_FUSE:
+            item.add_marker(pytest.mark.skip(reason="needs /dev/fuse and fusermount3"))
+        if item.get_closest_marker("root") and not IS_ROOT:
+            item.add_marker(pytest.mark.skip(reason="needs root"))
+
+
+@pytest.fixture(autouse=True)
+def _no_unexpected_warnings(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """A test fails if code in this process logged a WARNING or ERROR it did not expect."""
+    yield
+    bad = [r for r in caplog.get_records("call") if r.levelno >= logging.WARNING
+           and not getattr(r, "expected", False)]
+    assert not bad, f"unexpected log records: {[r.getMessage() for r in bad]}"
+
+
+@pytest.fixture
+def tmp_tree(tmp_path: Path) -> Path:
+    """A directory for sources and mountpoints, readable by other users (for uid tests)."""
+    os.chmod(tmp_path, 0o755)
+    for parent in tmp_path.parents:
+        if parent == Path("/"):
+            break
+        mode = parent.stat().st_mode
+        if not mode & 0o001:
+            os.chmod(parent, mode | 0o711)
+    return tmp_path
+
+
+@pytest.fixture
+def qmount(tmp_tree: Path) -> Iterator[QosfsMount]:
+    """qosfs mounted from tmp/src on tmp/mnt."""
+    src, mnt = tmp_tree / "src", tmp_tree / "mnt"
+    src.mkdir(mode=0o755)
+    mnt.mkdir()
+    os.chmod(src, 0o755)
+    m = QosfsMount(src, mnt)
+    m.start()
+    try:
+        yield m
+    finally:
+        code = m.stop()
+        assert code == 0, f"daemon exited with {code}: {m.log()}"
+        assert "Traceback" not in m.log(), m.log()
+
+
+@pytest.fixture
+def inplace_mount(tmp_tree: Path) -> Iterator[tuple[QosfsMount, Path]]:
+    """qosfs mounted in place over tmp/src; the backing tree stays visible at tmp/view
+    through a bind mount taken before (root only)."""
+    src, view = tmp_tree / "src", tmp_tree / "view"
+    src.mkdir(mode=0o755)
+    view.mkdir()
+    os.chmod(src, 0o755)
+    subprocess.run(["mount", "--bind", str(src), str(view)], check=True)
+    m = QosfsMount(src, src, log_path=tmp_tree / "inplace.log")
+    try:
+        m.start()
+        yield m, view
+    finally:
+        code = m.stop()
+        subprocess.run(["umount", str(view)], check=False)
+        assert not is_mounted(src) and not is_mounted(view)
+        assert code == 0, m.log()

@@ -1,0 +1,75 @@
+"""Start and stop real qosfs mounts for tests: always unmounted, never left stale."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def is_mounted(path: str | os.PathLike[str]) -> bool:
+    target = os.path.realpath(path)
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        return any(line.split()[4] == target for line in f)
+
+
+class QosfsMount:
+    """A foreground qosfs daemon in a subprocess, so the test knows its PID."""
+
+    def __init__(self, source: Path, mountpoint: Path, *args: str,
+                 log_path: Path | None = None) -> None:
+        self.source = source
+        self.mountpoint = mountpoint
+        self.args = args
+        self.log_path = log_path or mountpoint.parent / f"qosfs-{mountpoint.name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 20.0) -> QosfsMount:
+        cmd = [sys.executable, "-m", "qosfs", "mount", "--foreground", str(self.source)]
+        if self.mountpoint != self.source:
+            cmd.append(str(self.mountpoint))
+        cmd += list(self.args)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"qosfs exited with {self.proc.returncode}: {self.log()}")
+            if is_mounted(self.mountpoint) and b"serving" in self.log_path.read_bytes():
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"qosfs did not become ready: {self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """Unmount politely, then by force; returns the daemon's exit code."""
+        if self.proc is None:
+            return None
+        if is_mounted(self.mountpoint):
+            subprocess.run(["fusermount3", "-u", str(self.mountpoint)], capture_output=True)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait(timeout)
+        if is_mounted(self.mountpoint):  # last resort: never leave a stale mount behind
+            subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True)
+        if is_mounted(self.mountpoint) and shutil.which("umount"):
+            subprocess.run(["umount", "-l", str(self.mountpoint)], capture_output=True)
+        self._log.close()
+        self.proc = None
+        return code
+
+    def __enter__(self) -> QosfsMount:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
