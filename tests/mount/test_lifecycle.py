@@ -1,0 +1,170 @@
+"""Mount lifecycle: readiness, clear errors, signals, unmount, stale mounts, forgets."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.mounting import ROOT, QosfsMount, is_mounted
+
+pytestmark = pytest.mark.mount
+
+
+def qosfs(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qosfs", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+def _dirs(tmp: Path) -> tuple[Path, Path]:
+    src, mnt = tmp / "src", tmp / "mnt"
+    src.mkdir()
+    mnt.mkdir()
+    return src, mnt
+
+
+def _unmount(mnt: Path) -> None:
+    subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True)
+    deadline = time.monotonic() + 10
+    while is_mounted(mnt) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if is_mounted(mnt):
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_background_mount_is_usable_when_the_command_returns(tmp_tree: Path) -> None:
+    src, mnt = _dirs(tmp_tree)
+    (src / "hello").write_text("world")
+    try:
+        result = qosfs("mount", str(src), str(mnt))
+        assert result.returncode == 0, result.stderr
+        assert (mnt / "hello").read_text() == "world"  # no polling: ready means ready
+        again = qosfs("mount", str(src), str(mnt))
+        assert again.returncode == 4
+        assert again.stderr.strip() == f"qosfs: {mnt} is already mounted by qosfs"
+    finally:
+        _unmount(mnt)
+    assert not is_mounted(mnt)
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["/nonexistent/src", "{mnt}"], 3, "qosfs: source /nonexistent/src does not exist"),
+        (["{src}", "{tmp}/nope"], 4, "qosfs: mountpoint {tmp}/nope does not exist"),
+        (["{src}/file", "{mnt}"], 3, "qosfs: source {src}/file is not a directory"),
+    ],
+)
+def test_mount_errors_are_one_line_with_distinct_codes(tmp_tree: Path, args: list[str],
+                                                       code: int, message: str) -> None:
+    src, mnt = _dirs(tmp_tree)
+    (src / "file").write_text("")
+    fmt = {"src": src, "mnt": mnt, "tmp": tmp_tree}
+    result = qosfs("mount", *(a.format(**fmt) for a in args))
+    assert result.returncode == code
+    assert result.stderr.strip() == message.format(**fmt)
+    assert "Traceback" not in result.stderr
+    assert not is_mounted(mnt)
+
+
+def test_sigterm_unmounts_cleanly_with_exit_0(tmp_tree: Path) -> None:
+    src, mnt = _dirs(tmp_tree)
+    m = QosfsMount(src, mnt).start()
+    try:
+        (mnt / "f").write_text("data")
+        fd = os.open(mnt / "f", os.O_RDONLY)  # an open file does not block shutdown
+        assert m.proc is not None
+        m.proc.send_signal(signal.SIGTERM)
+        assert m.proc.wait(20) == 0
+        with pytest.raises(OSError):  # the file outlived the connection: ENOTCONN on close
+            os.close(fd)
+        assert not is_mounted(mnt)
+        assert (src / "f").read_text() == "data"
+    finally:
+        m.stop()
+
+
+def test_fusermount_u_ends_the_daemon_with_exit_0(tmp_tree: Path) -> None:
+    src, mnt = _dirs(tmp_tree)
+    m = QosfsMount(src, mnt).start()
+    try:
+        subprocess.run(["fusermount3", "-u", str(mnt)], check=True)
+        assert m.proc is not None and m.proc.wait(20) == 0
+        assert "Traceback" not in m.log()
+    finally:
+        m.stop()
+
+
+@pytest.mark.root
+def test_stale_mount_after_kill_9_is_recovered_and_fsynced_data_kept(tmp_tree: Path) -> None:
+    src, mnt = _dirs(tmp_tree)
+    m = QosfsMount(src, mnt).start()
+    try:
+        with open(mnt / "durable", "wb") as f:
+            f.write(b"d" * 1_000_000)
+            f.flush()
+            os.fsync(f.fileno())
+        assert m.proc is not None
+        m.proc.kill()
+        m.proc.wait(10)
+        with pytest.raises(OSError) as info:
+            os.stat(mnt / "durable")
+        assert info.value.errno == errno.ENOTCONN
+        m2 = QosfsMount(src, mnt, log_path=tmp_tree / "second.log").start()
+        try:
+            assert (mnt / "durable").read_bytes() == b"d" * 1_000_000
+        finally:
+            assert m2.stop() == 0
+    finally:
+        m.stop()
+
+
+@pytest.mark.root
+def test_forgotten_inodes_release_their_descriptors(qmount) -> None:
+    tree = qmount.source / "many"
+    tree.mkdir()
+    for i in range(3000):
+        (tree / f"f{i}").write_bytes(b"")
+    assert len(os.listdir(qmount.mountpoint / "many")) == 3000
+    for i in range(3000):
+        os.stat(qmount.mountpoint / "many" / f"f{i}")
+    pid = qmount.proc.pid
+    before = len(os.listdir(f"/proc/{pid}/fd"))
+    assert before > 3000
+    deadline = time.monotonic() + 10
+    after = before
+    while time.monotonic() < deadline:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("2\n")
+        after = len(os.listdir(f"/proc/{pid}/fd"))
+        if after < 100:
+            break
+        time.sleep(0.2)
+    assert after < 100, f"{before} descriptors before, {after} after the kernel forgot"
+    # And the tree still works after the forgets.
+    assert (qmount.mountpoint / "many" / "f2999").stat().st_size == 0
+
+
+@pytest.mark.root
+def test_enospc_from_a_small_source_reaches_the_caller(tmp_tree: Path) -> None:
+    src, mnt = _dirs(tmp_tree)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(src)], check=True)
+    try:
+        with QosfsMount(src, mnt):
+            with pytest.raises(OSError) as info:
+                with open(mnt / "big", "wb") as f:
+                    for _ in range(8):
+                        f.write(b"x" * (1 << 20))
+                        f.flush()
+            assert info.value.errno == errno.ENOSPC
+            os.unlink(mnt / "big")
+            (mnt / "small").write_text("still works")
+            assert (src / "small").read_text() == "still works"
+    finally:
+        subprocess.run(["umount", str(src)], check=False)

@@ -1,0 +1,83 @@
+"""Operations called directly (no mount): error translation and inode bookkeeping."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from pathlib import Path
+
+import pyfuse3
+import pytest
+import trio
+
+from qosfs.backing_io import BackingIO, IoMode
+from qosfs.fs import FsOptions, PassthroughOperations
+from qosfs.qos import PassThroughQos
+
+
+class _Ctx:
+    uid = os.getuid()
+    gid = os.getgid()
+    pid = os.getpid()
+    umask = 0o022
+
+
+def _ops(root: Path) -> PassthroughOperations:
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    return PassthroughOperations(fd, BackingIO(IoMode.INLINE), PassThroughQos(), FsOptions())
+
+
+def test_backing_errors_become_their_own_errno(tmp_path: Path) -> None:
+    ops = _ops(tmp_path)
+
+    async def main() -> None:
+        entry = await ops.lookup(pyfuse3.ROOT_INODE, b"missing", _Ctx())
+        assert entry.st_ino == 0  # negative entry, cacheable
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            await ops.rmdir(pyfuse3.ROOT_INODE, b"missing", _Ctx())
+        assert info.value.errno == errno.ENOENT
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            await ops.mkdir(pyfuse3.ROOT_INODE, b"x" * 300, 0o755, _Ctx())
+        assert info.value.errno == errno.ENAMETOOLONG
+
+    trio.run(main)
+
+
+def test_unexpected_exception_is_logged_and_answered_eio(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    ops = _ops(tmp_path)
+    (tmp_path / "f").write_text("x")
+
+    def broken(*args: object) -> None:
+        raise ValueError("bug")
+
+    monkeypatch.setattr(ops.inodes, "resolve", broken)
+
+    async def main() -> None:
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            await ops.lookup(pyfuse3.ROOT_INODE, b"f", _Ctx())
+        assert info.value.errno == errno.EIO
+
+    with caplog.at_level(logging.ERROR):
+        trio.run(main)
+    records = [r for r in caplog.records if "unexpected failure in lookup" in r.getMessage()]
+    assert len(records) == 1
+    for r in records:
+        r.expected = True  # type: ignore[attr-defined]
+
+
+def test_hard_links_share_one_inode_and_forget_releases_it(tmp_path: Path) -> None:
+    ops = _ops(tmp_path)
+    (tmp_path / "a").write_text("x")
+    os.link(tmp_path / "a", tmp_path / "b")
+
+    async def main() -> None:
+        a = await ops.lookup(pyfuse3.ROOT_INODE, b"a", _Ctx())
+        b = await ops.lookup(pyfuse3.ROOT_INODE, b"b", _Ctx())
+        assert a.st_ino == b.st_ino == os.stat(tmp_path / "a").st_ino
+        assert len(ops.inodes) == 2  # root + one shared inode
+        await ops.forget([(a.st_ino, 2)])
+        assert len(ops.inodes) == 1
+
+    trio.run(main)
