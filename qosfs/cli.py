@@ -16,6 +16,7 @@ from qosfs import __version__, tuning
 from qosfs.errors import EXIT_DAEMON, QosfsError
 from qosfs.fs import FsOptions
 from qosfs.logsetup import setup_logging
+from qosfs.policy import DEFAULT_POLICY_TEXT, load_policy
 from qosfs.mount import MountConfig, daemonize_and_mount, run_mount
 
 log = logging.getLogger("qosfs")
@@ -43,7 +44,19 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="kernel FUSE background queue depth (0 keeps the kernel default)")
     m.add_argument("--read-ahead-kb", type=int, default=tuning.DEFAULT_READ_AHEAD_KB)
     m.add_argument("--log-file", help="log here instead of syslog when daemonized")
+    m.add_argument("--policy", metavar="FILE",
+                   help="policy file (default: the embedded policy, see 'qosfs policy default')")
+    m.add_argument("--no-qos", action="store_true",
+                   help="no policy at all: pure pass-through that only counts (a baseline)")
     m.set_defaults(func=_cmd_mount)
+
+    c = sub.add_parser("check", help="validate a policy file and print it resolved")
+    c.add_argument("file")
+    c.set_defaults(func=_cmd_check)
+
+    p = sub.add_parser("policy", help="print the embedded default policy")
+    p.add_argument("which", choices=["default"])
+    p.set_defaults(func=_cmd_policy)
     return parser
 
 
@@ -59,12 +72,26 @@ def _cmd_mount(args: argparse.Namespace) -> int:
                              cache=args.cache),
         max_background=args.max_background,
         read_ahead_kb=args.read_ahead_kb,
+        policy_path=args.policy,
+        qos=not args.no_qos,
     )
+    if args.policy:
+        load_policy(args.policy)  # a bad policy fails here, before anything is mounted
     if args.foreground:
         setup_logging(args.debug, daemon=False, log_file=args.log_file)
         return run_mount(cfg)
     setup_logging(args.debug, daemon=True, log_file=args.log_file)
     return daemonize_and_mount(cfg)
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    sys.stdout.write(load_policy(args.file).render())
+    return 0
+
+
+def _cmd_policy(args: argparse.Namespace) -> int:
+    sys.stdout.write(DEFAULT_POLICY_TEXT)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,7 +31,9 @@ from qosfs import tuning
 from qosfs.backing_io import BackingIO, IoMode, backing_mount, choose_io_mode
 from qosfs.errors import EXIT_FUSE, EXIT_MOUNTPOINT, EXIT_SOURCE, QosfsError
 from qosfs.fs import FsOptions, PassthroughOperations
+from qosfs.policy import default_policy, load_policy
 from qosfs.qos import PassThroughQos
+from qosfs.scheduler import PolicyQos
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,8 @@ class MountConfig:
     fs_options: FsOptions = field(default_factory=FsOptions)
     max_background: int = tuning.DEFAULT_MAX_BACKGROUND
     read_ahead_kb: int = tuning.DEFAULT_READ_AHEAD_KB
+    policy_path: str | None = None  # None: the embedded default policy
+    qos: bool = True  # False: pure pass-through that only counts (benchmark baseline)
 
 
 def check_mount_args(source: str, mountpoint: str) -> None:
@@ -134,6 +138,7 @@ def _fuse_options(cfg: MountConfig, backing_options: frozenset[str]) -> set[str]
 def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> int:
     """Mount and serve until unmounted or signalled. Returns the exit code."""
     check_mount_args(cfg.source, cfg.mountpoint)
+    policy = load_policy(cfg.policy_path) if cfg.policy_path else default_policy()
     root_fd = os.open(cfg.source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     fstype, backing_options = backing_mount(root_fd)
     if cfg.io_mode == "auto":
@@ -144,7 +149,8 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
     _raise_fd_limit()
     # The kernel applied the caller's umask already; ours must not mask again.
     os.umask(0)
-    ops = PassthroughOperations(root_fd, BackingIO(mode), PassThroughQos(), cfg.fs_options)
+    engine = PolicyQos(policy) if cfg.qos else PassThroughQos()
+    ops = PassthroughOperations(root_fd, BackingIO(mode), engine, cfg.fs_options)
     mountpoint = os.path.abspath(cfg.mountpoint)
     try:
         pyfuse3.init(ops, mountpoint, _fuse_options(cfg, backing_options))

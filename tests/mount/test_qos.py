@@ -1,0 +1,135 @@
+"""QoS through real mounts: caps hold, classification by path/uid/job, no collateral."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.mounting import QosfsMount
+
+pytestmark = pytest.mark.mount
+
+MiB = 1 << 20
+POLICY = """
+[classes.capped]
+paths = ["capped/**"]
+write_bandwidth = "40MiB/s"
+read_bandwidth = "40MiB/s"
+burst = "4MiB"
+
+[classes.jobcap]
+job_env = "SLURM_JOB_ID"
+jobs = ["77*"]
+write_bandwidth = "20MiB/s"
+burst = "2MiB"
+
+[classes.usercap]
+uids = [4242]
+write_bandwidth = "20MiB/s"
+burst = "2MiB"
+"""
+
+WRITE = r"""
+import os, sys, time
+path, total = sys.argv[1], int(sys.argv[2])
+block = b"q" * (1 << 20)
+t = time.monotonic()
+with open(path, "wb") as f:
+    for _ in range(total // len(block)):
+        f.write(block)
+        f.flush()
+    os.fsync(f.fileno())
+print(time.monotonic() - t)
+"""
+
+
+@pytest.fixture
+def policy_mount(tmp_tree: Path):
+    src, mnt = tmp_tree / "src", tmp_tree / "mnt"
+    for d in (src, mnt):
+        d.mkdir()
+        os.chmod(d, 0o777)
+    for sub in ("capped", "free"):
+        (src / sub).mkdir()
+        os.chmod(src / sub, 0o777)
+    policy = tmp_tree / "policy.toml"
+    policy.write_text(POLICY)
+    with QosfsMount(src, mnt, "--policy", str(policy)) as m:
+        yield m
+
+
+def _timed_write(path: Path, total: int, env: dict[str, str] | None = None,
+                 user: int | None = None) -> float:
+    def drop() -> None:
+        if user is not None:
+            os.setgroups([])
+            os.setgid(user)
+            os.setuid(user)
+
+    python = "/usr/bin/python3" if user is not None else sys.executable
+    out = subprocess.run([python, "-c", WRITE, str(path), str(total)], capture_output=True,
+                         text=True, env={**os.environ, **(env or {})},
+                         preexec_fn=drop, check=True)
+    return float(out.stdout)
+
+
+def test_write_cap_holds_and_uncapped_class_is_not_slowed(policy_mount) -> None:
+    mnt = policy_mount.mountpoint
+    results: dict[str, float] = {}
+    capped = threading.Thread(target=lambda: results.__setitem__(
+        "capped", _timed_write(mnt / "capped" / "ckpt", 100 * MiB)))
+    capped.start()
+    time.sleep(0.3)
+    results["free"] = _timed_write(mnt / "free" / "data", 100 * MiB)
+    capped.join()
+    expected = (100 - 4) / 40  # the burst goes at once, the rest at the cap
+    assert expected * 0.85 <= results["capped"] <= expected * 1.15, results
+    assert results["free"] < results["capped"] / 3, results
+    assert (policy_mount.source / "capped" / "ckpt").stat().st_size == 100 * MiB
+
+
+def test_read_cap_is_not_escaped_through_the_page_cache(policy_mount) -> None:
+    path = policy_mount.source / "capped" / "dataset"
+    path.write_bytes(os.urandom(40 * MiB))
+    for _ in range(2):  # the second read would come from cache without direct_io
+        t = time.monotonic()
+        assert len((policy_mount.mountpoint / "capped" / "dataset").read_bytes()) == 40 * MiB
+        elapsed = time.monotonic() - t
+        assert elapsed >= (40 - 4) / 40 * 0.85, elapsed
+
+
+def test_job_id_from_the_callers_environment_selects_the_class(policy_mount) -> None:
+    mnt = policy_mount.mountpoint / "free"
+    slow = _timed_write(mnt / "job", 30 * MiB, env={"SLURM_JOB_ID": "7712"})
+    fast = _timed_write(mnt / "nojob", 30 * MiB, env={"SLURM_JOB_ID": "1"})
+    assert (30 - 2) / 20 * 0.85 <= slow <= (30 - 2) / 20 * 1.15
+    assert fast < slow / 3
+
+
+@pytest.mark.root
+def test_uid_selects_the_class(policy_mount) -> None:
+    mnt = policy_mount.mountpoint / "free"
+    slow = _timed_write(mnt / "user", 30 * MiB, user=4242)
+    fast = _timed_write(mnt / "root", 30 * MiB)
+    assert (30 - 2) / 20 * 0.85 <= slow <= (30 - 2) / 20 * 1.15
+    assert fast < slow / 3
+    assert (policy_mount.source / "free" / "user").stat().st_uid == 4242
+
+
+def test_bad_policy_is_refused_before_mounting(tmp_tree: Path) -> None:
+    src, mnt = tmp_tree / "src", tmp_tree / "mnt"
+    src.mkdir()
+    mnt.mkdir()
+    bad = tmp_tree / "bad.toml"
+    bad.write_text('[classes.x]\npaths = ["a/**"]\nwrite_bandwidth = "-4MiB/s"\n')
+    out = subprocess.run([sys.executable, "-m", "qosfs", "mount", "--policy", str(bad),
+                          str(src), str(mnt)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 6
+    assert out.stderr.startswith(f"qosfs: {bad}:3: classes.x.write_bandwidth: ")
+    assert not os.path.ismount(mnt)
