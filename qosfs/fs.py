@@ -308,7 +308,11 @@ class PassthroughOperations(pyfuse3.Operations):
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         parent = self.inodes.get(parent_inode)
         await self._admit_meta(parent, ctx)
-        await self._meta(functools.partial(os.unlink, name, dir_fd=parent.fd))
+        st = await self._meta(_unlink, parent.fd, name)
+        inode = self.inodes.find(st)
+        if inode is not None and st.st_nlink <= 1:
+            # The last name is gone: let go of the blocks now, as a native unlink does.
+            self.inodes.release_unlinked(inode)
 
     @fuse_handler
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
@@ -337,11 +341,12 @@ class PassthroughOperations(pyfuse3.Operations):
         return opener(flags & ~os.O_DIRECT), False
 
     def _file_info(self, fd: int, direct: bool, flow: Any, writing: bool,
-                   node_fd: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+                   node: Inode, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         kill_priv = False
         if writing and ctx.uid != 0:
-            kill_priv = bool(os.fstat(node_fd).st_mode & _SUID_SGID)
-        self.files[fd] = FileHandle(fd, direct, flow, kill_priv)
+            kill_priv = bool(os.fstat(node.fd).st_mode & _SUID_SGID)
+        node.opens += 1
+        self.files[fd] = FileHandle(fd, direct, flow, node, kill_priv)
         cache = self.options.cache
         return pyfuse3.FileInfo(
             fh=fd,
@@ -358,7 +363,7 @@ class PassthroughOperations(pyfuse3.Operations):
         fd, direct = await self._meta(
             self._open_backing, lambda f: os.open(path, f), flags & ~_OPEN_DROP
         )
-        return self._file_info(fd, direct, flow, writing, node.fd, ctx)
+        return self._file_info(fd, direct, flow, writing, node, ctx)
 
     @fuse_handler
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
@@ -380,7 +385,7 @@ class PassthroughOperations(pyfuse3.Operations):
             raise
         node = self.inodes.adopt(opath, st)
         flow = self.qos.open_flow(self, node, ctx, True)
-        return self._file_info(fd, direct, flow, True, node.fd, ctx), self._entry(node, st)
+        return self._file_info(fd, direct, flow, True, node, ctx), self._entry(node, st)
 
     async def read(self, fh: int, off: int, size: int) -> Any:
         # Hot path: no decorator frame, no logging, everything resolved at open.
@@ -425,7 +430,10 @@ class PassthroughOperations(pyfuse3.Operations):
     async def release(self, fh: int) -> None:
         handle = self.files.pop(fh)
         handle.flow.release()
+        handle.inode.opens -= 1
         await self.io.blocking(handle.flow.limiter, os.close, handle.fd)
+        if handle.inode.opens == 0 and handle.inode.lookups > 0:
+            self.inodes.release_unlinked(handle.inode)
 
     @fuse_handler
     async def fsync(self, fh: int, datasync: bool) -> None:
@@ -548,6 +556,12 @@ class PassthroughOperations(pyfuse3.Operations):
         self.files.clear()
         self.dirs.clear()
         self.inodes.close_all()
+
+
+def _unlink(parent_fd: int, name: bytes) -> os.stat_result:
+    st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    os.unlink(name, dir_fd=parent_fd)
+    return st
 
 
 def _close_dup(fd: int) -> None:

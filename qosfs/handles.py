@@ -21,6 +21,7 @@ class FileHandle:
     fd: int
     direct: bool  # backing fd has O_DIRECT: buffers must be aligned
     flow: Any  # the QoS flow (class/tenant/user levels) chosen at open
+    inode: Inode
     kill_priv: bool = False  # clear setuid/setgid on the first write (unprivileged writer)
 
 

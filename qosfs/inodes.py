@@ -20,6 +20,7 @@ bounded by the kernel's inode cache, not by the size of the tree.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ class Inode:
     fd: int  # O_PATH descriptor, owned by the table
     key: tuple[int, int]  # (st_dev, st_ino) of the backing object
     lookups: int
+    opens: int = 0  # open file handles on it (an unlinked file must stay reachable)
 
     @property
     def proc_path(self) -> str:
@@ -62,8 +64,11 @@ class InodeTable:
         return len(self._by_id)
 
     def get(self, nodeid: int) -> Inode:
-        """The inode for a node id the kernel gave us (KeyError means a kernel/daemon mismatch)."""
-        return self._by_id[nodeid]
+        """The inode for a node id the kernel gave us; ESTALE if it was let go."""
+        inode = self._by_id[nodeid]
+        if inode.fd < 0:
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+        return inode
 
     @staticmethod
     def resolve(parent_fd: int, name: bytes) -> tuple[int, os.stat_result]:
@@ -107,6 +112,27 @@ class InodeTable:
             return inode.nodeid
         return st.st_ino if st.st_dev == self.root_dev and st.st_ino > 1 else 0
 
+    def find(self, st: os.stat_result) -> Inode | None:
+        """The known inode for a backing object, if the kernel knows it."""
+        return self._by_key.get((st.st_dev, st.st_ino))
+
+    def release_unlinked(self, inode: Inode) -> None:
+        """Let go of a file whose last name is gone and that nobody has open.
+
+        Our O_PATH descriptor would otherwise keep its blocks allocated until the kernel
+        gets round to forgetting it, so ``rm`` would not free space as it does natively.
+        The node id stays valid (the kernel may still forget it); any later use of it
+        answers ESTALE.
+        """
+        if inode is self.root or inode.opens or inode.fd < 0:
+            return
+        if os.fstat(inode.fd).st_nlink:
+            return
+        if self._by_key.get(inode.key) is inode:
+            del self._by_key[inode.key]
+        os.close(inode.fd)
+        inode.fd = -1
+
     def forget(self, nodeid: int, count: int) -> None:
         """Drop *count* kernel references; close the descriptor when none remain."""
         inode = self._by_id.get(nodeid)
@@ -119,12 +145,13 @@ class InodeTable:
         del self._by_id[nodeid]
         if self._by_key.get(inode.key) is inode:
             del self._by_key[inode.key]
-        os.close(inode.fd)
+        if inode.fd >= 0:
+            os.close(inode.fd)
 
     def close_all(self) -> None:
         """Close every descriptor (after unmount, when the kernel will send no more forgets)."""
         for inode in self._by_id.values():
-            if inode is not self.root:
+            if inode is not self.root and inode.fd >= 0:
                 os.close(inode.fd)
         self._by_id = {pyfuse3.ROOT_INODE: self.root}
         self._by_key = {self.root.key: self.root}
