@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shlex
 import shutil
 import statistics
@@ -76,6 +77,7 @@ class Group:
     # filled by the runner: row key -> side -> list of per-repetition records
     runs: dict[str, dict[str, list[dict[str, Any]]]] = field(default_factory=dict)
     error: str | None = None
+    elapsed: float = 0.0
 
 
 @dataclass
@@ -121,6 +123,8 @@ class Runner:
         self.log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
         self.caches_dropped = True
         self.cwd: str | None = None  # fio's working directory (exec_prerun writes there)
+        self.backing = ""  # the directory the current qosfs mount serves
+        self.native_top = ""
 
     # --------------------------------------------------------------- measuring
 
@@ -130,6 +134,8 @@ class Runner:
         self.caches_dropped &= drop_caches()
         waited, busy_before = wait_quiet(self.cfg.quiet_wait)
         cpu0 = mount.cpu_seconds() if mount else None
+        io0 = mount.io_bytes() if mount else None
+        kids0 = _child_cpu()
         meter = CpuMeter()
         t0 = time.monotonic()
         metrics, doc, cmd = fiolib.run_job(self.fio, JOBS_DIR / job, directory, env, extra,
@@ -144,15 +150,19 @@ class Runner:
         rec["machine_busy_pct"] = round(busy, 1)
         rec["busy_before_pct"] = round(busy_before, 1)
         rec["quiet_wait_s"] = round(waited, 2)
-        fio_cpu = (metrics.usr_cpu + metrics.sys_cpu) / 100 * metrics.runtime_ms / 1e3
+        fio_cpu = _child_cpu() - kids0  # fio and its job processes, set-up included
         daemon_cpu = None
         if mount is not None and cpu0 is not None:
             cpu1 = mount.cpu_seconds()
             if cpu1 is not None:
                 daemon_cpu = cpu1 - cpu0
                 rec["daemon_cpu_pct"] = round(100 * daemon_cpu / wall, 1)
+            io1 = mount.io_bytes()
+            if io0 is not None and io1 is not None:
+                rec["daemon_rchar"] = io1[0] - io0[0]
+                rec["daemon_wchar"] = io1[1] - io0[1]
         # CPU the machine spent on anything but fio and our daemon (other tenants, kernel
-        # threads), in percent of one CPU: a noisy neighbour shows up here.
+        # threads, this runner), in percent of one CPU: a noisy neighbour shows up here.
         other = busy / 100 * ncpu * wall - fio_cpu - (daemon_cpu or 0.0)
         rec["other_cpu_pct"] = round(max(0.0, 100 * other / wall), 1)
         rec["fio_disk_util"] = doc.get("disk_util", [])
@@ -170,10 +180,12 @@ class Runner:
     def run_group(self, group: Group, area: Path, mnt_dir: Path, log_file: str) -> None:
         native = str(area / "native")
         backing = str(area / "backing")
+        self.native_top = native
         mnt = str(mnt_dir)
         args = (*group.mount_args, *self.cfg.qosfs_args)
         with QosfsMount(backing, mnt, args, log_file) as mount:
             try:
+                self.backing = backing
                 getattr(self, f"_group_{group.name.replace('-', '_')}")(group, native, mnt,
                                                                        mount)
             finally:
@@ -196,14 +208,21 @@ class Runner:
                  + (f"  other load {rec['other_cpu_pct']:.0f}%"
                     if rec["other_cpu_pct"] >= 20 else ""))
 
-    def _layout(self, job: str, env: dict[str, str], dirs: tuple[str, ...]) -> None:
-        for d in dirs:
-            fiolib.run_job(self.fio, JOBS_DIR / job, d, env, ("--create_only=1",), parse=False,
-                           cwd=self.cwd)
+    def _layout(self, job: str, env: dict[str, str], native: str,
+                extra: tuple[str, ...] = ()) -> None:
+        """Lay out a job's files (untimed) on the native side and copy them to the backing
+        directory: writing them through qosfs would only make the set-up slower."""
+        fiolib.run_job(self.fio, JOBS_DIR / job, native, env, ("--create_only=1", *extra),
+                       parse=False, cwd=self.cwd)
+        rel = os.path.relpath(native, self.native_top)
+        dst_dir = os.path.normpath(os.path.join(self.backing, rel))
+        for entry in os.scandir(native):
+            if entry.is_file(follow_symlinks=False):
+                shutil.copyfile(entry.path, os.path.join(dst_dir, entry.name))
 
     def _group_seqread(self, group: Group, native: str, mnt: str, mount: QosfsMount) -> None:
         base = {"SIZE": self.cfg.size, "RUNTIME": str(self.cfg.runtime)}
-        self._layout("seqread.fio", {**base, "DIRECT": "0"}, (native, mnt))
+        self._layout("seqread.fio", {**base, "DIRECT": "0"}, native)
         for row, direct in zip(group.rows, ("0", "1")):
             for _ in range(self.cfg.reps):
                 for side, d in self._sides(native, mnt):
@@ -220,7 +239,7 @@ class Runner:
 
     def _group_randread(self, group: Group, native: str, mnt: str, mount: QosfsMount) -> None:
         base = {"SIZE": self.cfg.size, "RUNTIME": str(self.cfg.runtime), "DIRECT": "1"}
-        self._layout("randread.fio", {**base, "NUMJOBS": "1"}, (native, mnt))
+        self._layout("randread.fio", {**base, "NUMJOBS": "1"}, native)
         for row, jobs in zip(group.rows, ("1", "4")):
             for _ in range(self.cfg.reps):
                 for side, d in self._sides(native, mnt):
@@ -232,21 +251,31 @@ class Runner:
         env = {"NRFILES": str(self.cfg.nrfiles)}
         create, stat, unlink = group.rows
         for rep in range(self.cfg.reps):
-            for side, top in self._sides(native, mnt):
-                d = os.path.join(top, f"meta-{rep}")
-                os.mkdir(d)
-                m = mount if side == "qosfs" else None
-                self._record(group, create, side,
-                             self._measure("meta.fio", d, env, m, ("--section=create",)))
-                # filestat needs files of `filesize`: lay them out, untimed, then go cold.
-                fiolib.run_job(self.fio, JOBS_DIR / "meta.fio", d, env,
-                               ("--section=stat", "--create_only=1"), parse=False, cwd=self.cwd)
-                self._record(group, stat, side,
-                             self._measure("meta.fio", d, env, m, ("--section=stat",)))
-                self._record(group, unlink, side,
-                             self._measure("meta.fio", d, env, m, ("--section=delete",)))
-                shutil.rmtree(d, ignore_errors=True)
+            sub = f"meta-{rep}"
+            for d in (native, mnt):
+                os.mkdir(os.path.join(d, sub))
+            sides = self._sides(native, mnt)
+            for side, top in sides:
+                self._record(group, create, side, self._measure(
+                    "meta.fio", os.path.join(top, sub), env,
+                    mount if side == "qosfs" else None, ("--section=create",)))
+            # filestat and filedelete need files of `filesize`: lay them out (untimed) on
+            # the native side and copy them to the backing directory, replacing the empty
+            # ones filecreate made (the mount forgets the old ones when caches drop).
+            self._layout("meta.fio", env, os.path.join(native, sub), ("--section=stat",))
+            for row, section in ((stat, "stat"), (unlink, "delete")):
+                for side, top in sides:
+                    self._record(group, row, side, self._measure(
+                        "meta.fio", os.path.join(top, sub), env,
+                        mount if side == "qosfs" else None, (f"--section={section}",)))
+            for d in (native, mnt):
+                shutil.rmtree(os.path.join(d, sub), ignore_errors=True)
 
+
+def _child_cpu() -> float:
+    """CPU seconds of our waited-for children (fio and the job processes it reaped)."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def _metrics(rec: dict[str, Any]) -> FioMetrics:
@@ -308,7 +337,8 @@ def write_report(cfg: Config, info: dict[str, Any], groups: list[Group],
                    "tmpfs_size": cfg.tmpfs_size, "qosfs_args": list(cfg.qosfs_args)},
         "summary": [{k: v for k, v in s.items() if k != "display"} for s in summary],
         "groups": [{"name": g.name, "mount_args": list(g.mount_args), "note": g.note,
-                    "error": g.error, "runs": g.runs} for g in groups],
+                    "error": g.error, "elapsed_s": round(g.elapsed, 1), "runs": g.runs}
+                   for g in groups],
     }
     jpath = cfg.out / "overhead.json"
     jpath.write_text(json.dumps(doc, indent=2) + "\n")
@@ -349,6 +379,12 @@ def write_report(cfg: Config, info: dict[str, Any], groups: list[Group],
         lines.append(f"| {s['label']} | {us(s['native_p99_us'])} | {us(s['qosfs_p50_us'])} | "
                      f"{us(s['qosfs_p99_us'])} | {'—' if cpu is None else f'{cpu:.0f}%'} | "
                      f"{'—' if other is None else f'{other:.0f}%'} |")
+    cold = [r["daemon_rchar"] / r["io_bytes"] for g in groups
+            for r in g.runs.get("seqread-buffered", {}).get("qosfs", [])
+            if r.get("daemon_rchar") and r.get("io_bytes")]
+    cold_note = (f" Checked: the daemon read {statistics.median(cold):.2f}× the bytes fio "
+                 "read (its /proc/PID/io rchar), so no pass was served from cache."
+                 if cold else "")
     busy = [r["other_cpu_pct"] for g in groups for side in g.runs.values()
             for recs in side.values() for r in recs]
     noisy = sum(1 for b in busy if b >= 20)
@@ -364,7 +400,7 @@ def write_report(cfg: Config, info: dict[str, Any], groups: list[Group],
         "run, and each pass reopens the file (fio invalidate=1; qosfs revalidates per open), "
         "so on qosfs every byte goes readahead → FUSE READ → daemon → tmpfs. tmpfs data "
         "cannot be dropped (its pages are the files): a native buffered read is a memory "
-        "copy.",
+        "copy." + cold_note,
         "- **direct=1**: O_DIRECT on both sides; on qosfs each read is one FUSE request "
         "answered by the daemon (no page cache).",
         f"- Metadata: fio filecreate/filestat/filedelete, {cfg.nrfiles} files, one job; "
@@ -422,12 +458,15 @@ def run(cfg: Config) -> int:
                     runner.log(f"{g.name}: skipped: {g.error}")
                     continue
                 runner.log(f"{g.name}:")
+                tg = time.monotonic()
                 try:
                     runner.run_group(g, area, mnt_dir, log_file)
                 except (FioError, BenchError, OSError) as exc:
                     g.error = str(exc).splitlines()[0][:300]
                     runner.log(f"  {g.name} failed: {g.error}")
                     _log_tail(log_file, runner.log)
+                g.elapsed = time.monotonic() - tg
+                runner.log(f"  ({g.elapsed:.0f} s)")
         complete = True
     except KeyboardInterrupt:
         runner.log("bench: interrupted; writing what was measured")

@@ -124,6 +124,18 @@ class QosfsMount:
             return None
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def io_bytes(self) -> tuple[int, int] | None:
+        """(rchar, wchar) of the daemon: bytes through its read/write syscalls, backing
+        store and /dev/fuse together (a check that cold reads really reached it)."""
+        if self.pid is None:
+            return None
+        try:
+            fields = dict(line.split(": ") for line in
+                          Path(f"/proc/{self.pid}/io").read_text().splitlines())
+        except (OSError, ValueError):
+            return None
+        return int(fields["rchar"]), int(fields["wchar"])
+
     def __exit__(self, *exc: object) -> None:
         mnt = self.mountpoint
         if os.path.ismount(mnt):
