@@ -77,11 +77,6 @@ def backing_mount(fd: int) -> tuple[str, frozenset[str]]:
     return found
 
 
-def filesystem_type(fd: int) -> str:
-    """The type of the filesystem *fd* lives on ("" if unknown)."""
-    return backing_mount(fd)[0]
-
-
 def choose_io_mode(fstype: str) -> IoMode:
     """The syscall strategy for a backing filesystem type (see the module docstring)."""
     if fstype in _MEMORY_FS:

@@ -20,8 +20,6 @@ if TYPE_CHECKING:
 
     from qosfs.inodes import Inode
 
-META = "meta"
-
 # Threads one flow may occupy at once for blocking backing-store calls (fsync, network
 # filesystems). Bounded per flow so that a class whose calls hang cannot take them all.
 THREADS_PER_FLOW = 16
