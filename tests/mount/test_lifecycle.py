@@ -82,8 +82,9 @@ def test_sigterm_unmounts_cleanly_with_exit_0(tmp_tree: Path) -> None:
         assert m.proc is not None
         m.proc.send_signal(signal.SIGTERM)
         assert m.proc.wait(20) == 0
-        with pytest.raises(OSError):  # the file outlived the connection: ENOTCONN on close
-            os.close(fd)
+        # The file outlived the connection. close() asks nothing of the daemon (it
+        # answered FLUSH with ENOSYS once, so the kernel stopped sending it): no error.
+        os.close(fd)
         assert not is_mounted(mnt)
         assert (src / "f").read_text() == "data"
     finally:
