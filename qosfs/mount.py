@@ -32,7 +32,7 @@ from qosfs.backing_io import BackingIO, IoMode, backing_mount, choose_io_mode
 from qosfs.errors import EXIT_FUSE, EXIT_MOUNTPOINT, EXIT_SOURCE, QosfsError
 from qosfs.fs import FsOptions, PassthroughOperations
 from qosfs.policy import default_policy, load_policy
-from qosfs.qos import PassThroughQos
+from qosfs.qos import PassThroughQos, QosEngine
 from qosfs.scheduler import PolicyQos
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def check_mount_args(source: str, mountpoint: str) -> None:
             raise QosfsError(f"mountpoint {mountpoint}: {exc.strerror}", EXIT_MOUNTPOINT) from None
     if not os.path.isdir(mountpoint):
         raise QosfsError(f"mountpoint {mountpoint} is not a directory", EXIT_MOUNTPOINT)
-    if mount_type(mountpoint) == "fuse.qosfs":
+    if mount_type(os.path.realpath(mountpoint)) == "fuse.qosfs":
         raise QosfsError(f"{mountpoint} is already mounted by qosfs", EXIT_MOUNTPOINT)
     if not os.path.exists("/dev/fuse"):
         raise QosfsError("/dev/fuse is missing (load the fuse module)", EXIT_FUSE)
@@ -87,8 +87,13 @@ def check_mount_args(source: str, mountpoint: str) -> None:
 
 
 def mount_type(path: str) -> str | None:
-    """The filesystem type mounted exactly at *path*, or None if nothing is."""
-    target = os.path.realpath(path)
+    """The filesystem type mounted exactly at *path*, or None if nothing is.
+
+    *path* must be absolute and already resolved: this function makes no system call on
+    it, because the daemon asks after its own loop stopped, when a stat() of its own
+    mountpoint would wait for ever for an answer nobody is left to give.
+    """
+    target = os.path.normpath(path)
     found = None
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
@@ -149,16 +154,16 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
     _raise_fd_limit()
     # The kernel applied the caller's umask already; ours must not mask again.
     os.umask(0)
-    engine = PolicyQos(policy) if cfg.qos else PassThroughQos()
+    engine: QosEngine = PolicyQos(policy) if cfg.qos else PassThroughQos()
     ops = PassthroughOperations(root_fd, BackingIO(mode), engine, cfg.fs_options)
-    mountpoint = os.path.abspath(cfg.mountpoint)
+    mountpoint = os.path.realpath(cfg.mountpoint)  # resolved before we serve it
     try:
         pyfuse3.init(ops, mountpoint, _fuse_options(cfg, backing_options))
     except RuntimeError as exc:
         raise QosfsError(f"mounting {mountpoint} failed: {exc}", EXIT_FUSE) from None
     unmounted_by_us = False
     try:
-        trio.run(_serve, cfg, mountpoint, on_ready)
+        trio.run(_serve, cfg, mountpoint, engine, on_ready)
         unmounted_by_us = True
     finally:
         still_mounted = mount_type(mountpoint) == "fuse.qosfs"
@@ -169,9 +174,10 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
     return 0
 
 
-async def _serve(cfg: MountConfig, mountpoint: str, on_ready: Callable[[], None] | None) -> None:
+async def _serve(cfg: MountConfig, mountpoint: str, engine: QosEngine,
+                 on_ready: Callable[[], None] | None) -> None:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_watch_signals, nursery.cancel_scope)
+        nursery.start_soon(_watch_signals, engine)
         nursery.start_soon(_become_ready, cfg, mountpoint, on_ready)
         await pyfuse3.main(min_tasks=MIN_TASKS, max_tasks=MAX_TASKS)
         nursery.cancel_scope.cancel()  # the kernel ended the session (fusermount3 -u)
@@ -187,11 +193,14 @@ async def _become_ready(cfg: MountConfig, mountpoint: str,
         on_ready()
 
 
-async def _watch_signals(scope: trio.CancelScope) -> None:
+async def _watch_signals(engine: QosEngine) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             log.info("received %s: finishing in-flight requests, then unmounting",
                      signal.Signals(signum).name)
+            # No new request is read after terminate(); those already read, including
+            # the ones parked for tokens, are served -- at once, since limits are lifted.
+            engine.drain()
             pyfuse3.terminate()
             return
 
