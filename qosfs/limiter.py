@@ -39,6 +39,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
@@ -62,6 +63,7 @@ __all__ = [  # the limit values are re-exported from qosfs.bucket for convenienc
     "LevelStatistics",
     "Limit",
     "RateLevel",
+    "Stage",
     "admit",
     "refund_bytes",
 ]
@@ -100,6 +102,25 @@ class LevelStatistics:
     throttled_seconds: float
     queue_depth: int
     waits: int
+
+
+class Stage(Protocol):
+    """What :func:`admit` needs of a level: :class:`RateLevel`, or a class's port to the
+    backend (:class:`qosfs.backend_share.ClassPort`), which dispatches by priority."""
+
+    @property
+    def _limited(self) -> tuple[bool, ...]: ...
+
+    @property
+    def _queues(self) -> Sequence[object]: ...
+
+    def _try_pass(self, kind: Kind, nbytes: int, now: float) -> bool: ...
+
+    def _count(self, kind: Kind, nbytes: int, ops: int) -> None: ...
+
+    def _refund(self, kind: Kind, nbytes: int, ops: int) -> None: ...
+
+    async def _wait(self, kind: Kind, nbytes: int) -> float: ...
 
 
 def _number(x: float) -> str:
@@ -298,7 +319,7 @@ class RateLevel:
         return waited
 
 
-async def admit(levels: Sequence[RateLevel], kind: Kind, nbytes: int) -> float:
+async def admit(levels: Sequence[Stage], kind: Kind, nbytes: int) -> float:
     """Charge a request at every level, in order, waiting wherever a level is short.
 
     Args:
@@ -326,7 +347,7 @@ async def admit(levels: Sequence[RateLevel], kind: Kind, nbytes: int) -> float:
     return 0.0
 
 
-async def _admit_slow(levels: Sequence[RateLevel], start: int, kind: Kind, nbytes: int) -> float:
+async def _admit_slow(levels: Sequence[Stage], start: int, kind: Kind, nbytes: int) -> float:
     """Continue :func:`admit` from ``levels[start]``, which could not admit at once."""
     passed = start  # levels[:passed] have charged this request
     waited = 0.0
@@ -343,7 +364,7 @@ async def _admit_slow(levels: Sequence[RateLevel], start: int, kind: Kind, nbyte
     return waited
 
 
-def refund_bytes(levels: Sequence[RateLevel], kind: Kind, nbytes: int) -> None:
+def refund_bytes(levels: Sequence[Stage], kind: Kind, nbytes: int) -> None:
     """Give back bytes that were admitted but not transferred (a short read at EOF).
 
     Without it, a 4 KiB file read with the kernel's 128 KiB readahead would be charged

@@ -40,6 +40,8 @@ class Flow(Protocol):
 
     async def admit_write(self, nbytes: int) -> None: ...
 
+    def refund_read(self, nbytes: int) -> None: ...
+
     def release(self) -> None: ...
 
 
@@ -53,6 +55,9 @@ class QosEngine(Protocol):
                   writing: bool) -> Flow: ...
 
     async def admit_meta(self, fs: Any, inode: Inode, ctx: pyfuse3.RequestContext) -> None: ...
+
+    def drain(self) -> None:
+        """Shutdown: let every parked request through now (they are delayed, never dropped)."""
 
 
 class CountingFlow:
@@ -82,6 +87,9 @@ class CountingFlow:
     async def admit_write(self, nbytes: int) -> None:
         return None
 
+    def refund_read(self, nbytes: int) -> None:
+        return None
+
     def release(self) -> None:
         self.open_files -= 1
 
@@ -101,4 +109,7 @@ class PassThroughQos:
         return self.flow
 
     async def admit_meta(self, fs: Any, inode: Inode, ctx: pyfuse3.RequestContext) -> None:
+        return None
+
+    def drain(self) -> None:
         return None

@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from qosfs.backend_share import BackendLevel, ClassPort, Share
 from qosfs.bucket import UNLIMITED, LevelLimits, Limit
 from qosfs.classify import Classifier, JobCache, JobInfo
-from qosfs.limiter import FairShareGroup, Kind, LevelStatistics, RateLevel, admit
+from qosfs.limiter import FairShareGroup, Kind, LevelStatistics, RateLevel, admit, refund_bytes
 from qosfs.policy import ClassRule, Limits, Policy
 from qosfs.qos import THREADS_PER_FLOW
 
@@ -54,6 +55,13 @@ def level_limits(limits: Limits) -> LevelLimits:
         write_ops=iops(limits.write_iops),
         meta_ops=iops(limits.meta_iops),
     )
+
+
+def backend_share(rule: ClassRule) -> Share:
+    """How a class competes for the declared backend capacity."""
+    return Share(weight=float(rule.priority_weight),
+                 min_read_bandwidth=rule.min_read_bandwidth or 0.0,
+                 min_write_bandwidth=rule.min_write_bandwidth or 0.0)
 
 
 class ClassState:
@@ -93,7 +101,7 @@ class PolicyFlow:
                  "bytes_read", "bytes_written", "ops_read", "ops_write", "open_files",
                  "_chain", "__weakref__")
 
-    def __init__(self, cls: ClassState, tenant: RateLevel | None, backend: RateLevel | None,
+    def __init__(self, cls: ClassState, tenant: RateLevel | None, backend: BackendLevel | None,
                  uid: int) -> None:
         self.uid = uid
         self.limited = True  # admission also counts per level, so it is always called
@@ -109,14 +117,14 @@ class PolicyFlow:
         cache = cls.rule.cache
         self.direct_io = cache == "direct" or (cache == "auto" and cls.read_capped)
         self.limiter = cls.limiter
-        chain = [cls.level]
+        chain: list[RateLevel | ClassPort] = [cls.level]
         if self.tenant is not None:
             chain.append(self.tenant)
         if self.backend is not None:
-            chain.append(self.backend)
+            chain.append(self.backend.port(cls.rule.name, backend_share(cls.rule)))
         self._chain = chain
 
-    def _levels(self) -> list[RateLevel]:
+    def _levels(self) -> list[RateLevel | ClassPort]:
         group = self.cls.group
         if group is None:
             return self._chain
@@ -130,6 +138,10 @@ class PolicyFlow:
 
     async def admit_meta(self) -> None:
         await admit(self._levels(), Kind.META, 0)
+
+    def refund_read(self, nbytes: int) -> None:
+        """Give back what a short read (EOF) was charged but did not transfer."""
+        refund_bytes(self._levels(), Kind.READ, nbytes)
 
     def release(self) -> None:
         self.open_files -= 1
@@ -156,7 +168,7 @@ class PolicyQos:
         self.meta_limiter = trio.CapacityLimiter(THREADS_PER_FLOW)
         self.classes: dict[str, ClassState] = {}
         self.tenants: dict[str, RateLevel] = {}
-        self.backend: RateLevel | None = None
+        self.backend: BackendLevel | None = None
         self._flows: dict[tuple[str, str | None, int], PolicyFlow] = {}
         self._all_flows: weakref.WeakSet[PolicyFlow] = weakref.WeakSet()
         self._jobs = JobCache()
@@ -189,8 +201,15 @@ class PolicyQos:
                 self.backend.set_limits(LevelLimits())  # wake anything parked there
             backend = None
         else:
-            backend = self.backend or RateLevel("backend")
-            backend.set_limits(level_limits(policy.backend.limits))
+            limits = level_limits(policy.backend.limits)
+            if self.backend is None:  # built with its limits: the first swap runs before trio
+                backend = BackendLevel(limits)
+            else:
+                backend = self.backend
+                backend.set_limits(limits)
+            for rule in policy.classes:
+                backend.port(rule.name, backend_share(rule))
+            backend.retire_ports({rule.name for rule in policy.classes})
         old_classes, old_tenants = self.classes, self.tenants
         self.policy, self.classifier = policy, classifier
         self.classes, self.tenants, self.backend = classes, tenants, backend
@@ -221,6 +240,23 @@ class PolicyQos:
                 level.set_limits(LevelLimits())
         self._flows = {k: f for k, f in self._flows.items()
                        if self.classes.get(k[0]) is f.cls}
+
+    def drain(self) -> None:
+        """Lift every limit at once: the daemon is shutting down.
+
+        Throttling delays, it never drops: a request parked for tokens when SIGTERM
+        arrives is still served, and it is served now rather than at the cap's pace, so a
+        deep queue of checkpoint writes does not hold the unmount for minutes.
+        """
+        for state in self.classes.values():
+            if state.group is not None:
+                state.group.set_limits(LevelLimits())
+            else:
+                state.level.set_limits(LevelLimits())
+        for level in self.tenants.values():
+            level.set_limits(LevelLimits())
+        if self.backend is not None:
+            self.backend.set_limits(LevelLimits())
 
     # ------------------------------------------------------------------ QosEngine
 

@@ -1,0 +1,158 @@
+"""Sharing through real mounts: backend priorities and minimums, tenants, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.mounting import QosfsMount, is_mounted
+
+pytestmark = pytest.mark.mount
+
+MiB = 1 << 20
+
+# Writes 1 MiB blocks for a while and prints [(seconds since start, bytes acknowledged)].
+TIMED_WRITER = r"""
+import json, os, sys, time
+path, seconds, start_at = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+block = b"w" * (1 << 20)
+while time.time() < start_at:
+    time.sleep(0.001)
+marks, done = [], 0
+fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+try:
+    while time.time() < start_at + seconds:
+        done += os.write(fd, block)
+        marks.append((time.time() - start_at, done))
+except OSError as exc:
+    marks.append((time.time() - start_at, -exc.errno))
+finally:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+print(json.dumps(marks))
+"""
+
+
+def _dirs(tmp_tree: Path, *subdirs: str) -> tuple[Path, Path]:
+    src, mnt = tmp_tree / "src", tmp_tree / "mnt"
+    for d in (src, mnt, *(src / s for s in subdirs)):
+        d.mkdir()
+        os.chmod(d, 0o777)
+    return src, mnt
+
+
+def _start_writer(path: Path, seconds: float, start_at: float,
+                  user: int | None = None) -> subprocess.Popen[str]:
+    def drop() -> None:
+        if user is not None:
+            os.setgroups([])
+            os.setgid(user)
+            os.setuid(user)
+
+    python = "/usr/bin/python3" if user is not None else sys.executable
+    return subprocess.Popen([python, "-c", TIMED_WRITER, str(path), str(seconds),
+                             str(start_at)], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=drop)
+
+
+def _marks(proc: subprocess.Popen[str]) -> list[tuple[float, int]]:
+    out, _ = proc.communicate(timeout=60)
+    return [tuple(m) for m in json.loads(out)]  # type: ignore[misc]
+
+
+def _rate(marks: list[tuple[float, int]], t0: float, t1: float) -> float:
+    """MiB/s acknowledged between t0 and t1 (steady state, bursts excluded)."""
+    def done_at(t: float) -> int:
+        return max((b for s, b in marks if s <= t), default=0)
+
+    return (done_at(t1) - done_at(t0)) / MiB / (t1 - t0)
+
+
+SHARING_POLICY = """
+[backend]
+write_bandwidth = "80MiB/s"
+
+[classes.fast]
+paths = ["fast/**"]
+priority = "high"
+
+[classes.slow]
+paths = ["slow/**"]
+priority = "low"
+{min_line}
+"""
+
+
+@pytest.mark.parametrize("expect_slow", [20.0, None], ids=["min-20MiB", "no-min"])
+def test_backend_is_shared_by_minimum_then_priority(tmp_tree: Path,
+                                                    expect_slow: float | None) -> None:
+    src, mnt = _dirs(tmp_tree, "fast", "slow")
+    policy = tmp_tree / "policy.toml"
+    min_line = f'min_write_bandwidth = "{expect_slow:g}MiB/s"' if expect_slow else ""
+    policy.write_text(SHARING_POLICY.format(min_line=min_line))
+    with QosfsMount(src, mnt, "--policy", str(policy)):
+        start = time.time() + 0.5
+        fast = _start_writer(mnt / "fast" / "f", 4.0, start)
+        slow = _start_writer(mnt / "slow" / "s", 4.0, start)
+        fast_marks, slow_marks = _marks(fast), _marks(slow)
+    fast_rate, slow_rate = _rate(fast_marks, 1.0, 4.0), _rate(slow_marks, 1.0, 4.0)
+    assert fast_rate + slow_rate <= 80 * 1.1, (fast_rate, slow_rate)  # the backend holds
+    if expect_slow is not None:  # the minimum is met, the high class gets the rest
+        assert expect_slow * 0.75 <= slow_rate <= expect_slow * 1.3, (fast_rate, slow_rate)
+        assert fast_rate >= (80 - expect_slow) * 0.75, (fast_rate, slow_rate)
+    else:  # weights 100:1 -- the low class is slowed to a trickle, not stopped
+        assert 0 < slow_rate <= 4, (fast_rate, slow_rate)
+        assert fast_rate >= 80 * 0.8, (fast_rate, slow_rate)
+
+
+@pytest.mark.root
+def test_tenant_cap_applies_to_its_members_only(tmp_tree: Path) -> None:
+    src, mnt = _dirs(tmp_tree, "free")
+    policy = tmp_tree / "policy.toml"
+    policy.write_text('[tenants.team]\nuids = ["4243-4244"]\nwrite_bandwidth = "20MiB/s"\n'
+                      'burst = "2MiB"\n')
+    with QosfsMount(src, mnt, "--policy", str(policy)):
+        start = time.time() + 0.3
+        member = _start_writer(mnt / "free" / "member", 3.0, start, user=4243)
+        other = _start_writer(mnt / "free" / "other", 3.0, start)
+        member_rate = _rate(_marks(member), 0.5, 3.0)
+        other_rate = _rate(_marks(other), 0.5, 3.0)
+    assert 20 * 0.85 <= member_rate <= 20 * 1.15, member_rate
+    assert other_rate > 3 * member_rate, (member_rate, other_rate)
+    assert (src / "free" / "member").stat().st_uid == 4243
+
+
+def test_sigterm_serves_parked_requests_at_once_and_loses_nothing(tmp_tree: Path) -> None:
+    src, mnt = _dirs(tmp_tree, "ckpt")
+    policy = tmp_tree / "policy.toml"
+    policy.write_text('[classes.ckpt]\npaths = ["ckpt/**"]\nwrite_bandwidth = "2MiB/s"\n'
+                      'burst = "1MiB"\n')
+    m = QosfsMount(src, mnt, "--policy", str(policy)).start()
+    try:
+        start = time.time() + 0.2
+        writers = [_start_writer(mnt / "ckpt" / f"w{i}", 30.0, start) for i in range(8)]
+        time.sleep(1.5)  # 8 writers at 2 MiB/s in total: most writes are parked
+        assert m.proc is not None
+        t = time.monotonic()
+        m.proc.send_signal(signal.SIGTERM)
+        assert m.proc.wait(20) == 0
+        drained = time.monotonic() - t
+        assert not is_mounted(mnt)
+        results = [_marks(w) for w in writers]
+    finally:
+        m.stop()
+    # Without the drain, the 6+ MiB parked would take 3 s or more at the cap.
+    assert drained < 2.0, drained
+    for i, marks in enumerate(results):
+        acknowledged = max((b for _, b in marks if b >= 0), default=0)
+        # Every write the writer was told succeeded is in the backing file.
+        assert (src / "ckpt" / f"w{i}").stat().st_size >= acknowledged, (i, marks)
