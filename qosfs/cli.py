@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
-from qosfs import __version__, tuning
+from qosfs import __version__, ctl, top, tuning
 from qosfs.errors import EXIT_DAEMON, QosfsError
-from qosfs.fs import FsOptions
 from qosfs.logsetup import setup_logging
 from qosfs.policy import DEFAULT_POLICY_TEXT, load_policy
-from qosfs.mount import MountConfig, daemonize_and_mount, run_mount
 
 log = logging.getLogger("qosfs")
 
@@ -48,7 +47,12 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="policy file (default: the embedded policy, see 'qosfs policy default')")
     m.add_argument("--no-qos", action="store_true",
                    help="no policy at all: pure pass-through that only counts (a baseline)")
+    m.add_argument("--socket", metavar="PATH",
+                   help="control socket (default: derived from the mountpoint in /run/qosfs)")
     m.set_defaults(func=_cmd_mount)
+
+    ctl.add_parser(sub)
+    top.add_parser(sub)
 
     c = sub.add_parser("check", help="validate a policy file and print it resolved")
     c.add_argument("file")
@@ -61,6 +65,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_mount(args: argparse.Namespace) -> int:
+    # Imported here: pyfuse3 and trio are not needed by ctl/top/check.
+    from qosfs.fs import FsOptions
+    from qosfs.mount import MountConfig, daemonize_and_mount, run_mount
+
     options = tuple(o.strip() for opt in args.options for o in opt.split(",") if o.strip())
     cfg = MountConfig(
         source=args.source,
@@ -74,6 +82,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         read_ahead_kb=args.read_ahead_kb,
         policy_path=args.policy,
         qos=not args.no_qos,
+        socket_path=os.path.abspath(args.socket) if args.socket else None,
     )
     if args.policy:
         load_policy(args.policy)  # a bad policy fails here, before anything is mounted
