@@ -49,6 +49,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="no policy at all: pure pass-through that only counts (a baseline)")
     m.add_argument("--socket", metavar="PATH",
                    help="control socket (default: derived from the mountpoint in /run/qosfs)")
+    m.add_argument("--metrics", metavar="[HOST:]PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics "
+                        "(HOST defaults to 127.0.0.1)")
     m.set_defaults(func=_cmd_mount)
 
     ctl.add_parser(sub)
@@ -66,6 +69,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _cmd_mount(args: argparse.Namespace) -> int:
     # Imported here: pyfuse3 and trio are not needed by ctl/top/check.
+    from qosfs.exporter import parse_address
     from qosfs.fs import FsOptions
     from qosfs.mount import MountConfig, daemonize_and_mount, run_mount
 
@@ -83,9 +87,12 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         policy_path=args.policy,
         qos=not args.no_qos,
         socket_path=os.path.abspath(args.socket) if args.socket else None,
+        metrics=args.metrics,
     )
     if args.policy:
         load_policy(args.policy)  # a bad policy fails here, before anything is mounted
+    if args.metrics:
+        parse_address(args.metrics)  # likewise a malformed address
     if args.foreground:
         setup_logging(args.debug, daemon=False, log_file=args.log_file)
         return run_mount(cfg)

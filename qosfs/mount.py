@@ -10,9 +10,9 @@ Order matters and is deliberate:
 4. the child runs pyfuse3 under trio; SIGTERM/SIGINT call ``pyfuse3.terminate()``, which
    lets in-flight requests finish before ``main()`` returns, then the mount is removed.
 
-The control socket is bound in step 1 (a busy path is a clear error, not a half-started
-daemon) and served from the same trio loop as the filesystem (:mod:`qosfs.control`);
-SIGHUP reloads the policy.
+The control socket and the metrics listener are bound in step 1 (a busy path or port is
+a clear error, not a half-started daemon) and served from the same trio loop as the
+filesystem (:mod:`qosfs.control`, :mod:`qosfs.exporter`); SIGHUP reloads the policy.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from qosfs.backing_io import BackingIO, IoMode, backing_mount, choose_io_mode
 from qosfs.control import ControlSocket
 from qosfs.controller import Controller
 from qosfs.errors import EXIT_FUSE, EXIT_MOUNTPOINT, EXIT_SOURCE, QosfsError
+from qosfs.exporter import MetricsServer
 from qosfs.fs import FsOptions, PassthroughOperations
 from qosfs.policy import default_policy, load_policy
 from qosfs.protocol import default_socket_path
@@ -70,6 +71,7 @@ class MountConfig:
     policy_path: str | None = None  # None: the embedded default policy
     qos: bool = True  # False: pure pass-through that only counts (benchmark baseline)
     socket_path: str | None = None  # None: derived from the mountpoint under /run/qosfs
+    metrics: str | None = None  # "[HOST:]PORT" to serve /metrics; None: no exporter
 
 
 def check_mount_args(source: str, mountpoint: str) -> None:
@@ -187,7 +189,7 @@ Service = Callable[..., Awaitable[Any]]
 
 def _open_services(cfg: MountConfig, mountpoint: str, engine: Any,
                    stack: ExitStack) -> list[Service]:
-    """Bind the control socket now; closed when ``stack`` unwinds."""
+    """Bind the control socket (and metrics port) now; closed when ``stack`` unwinds."""
     source = os.path.abspath(cfg.source)
     path = os.path.abspath(cfg.socket_path or default_socket_path(mountpoint))
     policy = getattr(engine, "policy", None)
@@ -199,6 +201,11 @@ def _open_services(cfg: MountConfig, mountpoint: str, engine: Any,
     services: list[Service] = [controller.run, functools.partial(control.serve,
                                                                  controller.handle)]
     log.info("control socket %s", path)
+    if cfg.metrics is not None:
+        metrics = MetricsServer(cfg.metrics, controller.snapshot)
+        stack.callback(metrics.close)
+        services.append(metrics.serve)
+        log.info("serving metrics on http://%s:%d/metrics", metrics.host, metrics.port)
     return services
 
 

@@ -1,4 +1,4 @@
-"""The control socket and ``qosfs ctl``/``top`` through real mounts."""
+"""The control socket, ``qosfs ctl``/``top`` and ``/metrics`` through real mounts."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,15 @@ class Mounted:
         with Client(str(self.sock)) as client:
             return client.request(body)
 
+    def metrics_url(self) -> str:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            found = re.search(r"serving metrics on (http://\S+)", self.mount.log())
+            if found:
+                return found[1]
+            time.sleep(0.05)
+        raise AssertionError(self.mount.log())
+
 
 @pytest.fixture
 def ctl_mount(tmp_tree: Path) -> Iterator[Mounted]:
@@ -56,7 +66,7 @@ def ctl_mount(tmp_tree: Path) -> Iterator[Mounted]:
     policy = tmp_tree / "policy.toml"
     policy.write_text(POLICY)
     sock = tmp_tree / "ctl.sock"
-    m = QosfsMount(src, mnt, "--policy", str(policy), "--socket", str(sock))
+    m = QosfsMount(src, mnt, "--policy", str(policy), "--socket", str(sock), "--metrics", "0")
     m.start()
     try:
         yield Mounted(m, sock, policy)
@@ -293,6 +303,41 @@ def test_raised_cap_takes_effect_for_a_parked_writer(ctl_mount: Mounted) -> None
     thread.join(30)
     assert done and done[0] - changed < 1.0, done[0] - changed
     assert (ctl_mount.src / "capped" / "big").stat().st_size == 16 * MiB
+
+
+def test_metrics_after_traffic(ctl_mount: Mounted) -> None:
+    (ctl_mount.mnt / "capped" / "m").write_bytes(b"m" * 3 * MiB)  # 1 s under the cap
+    for _ in range(3):
+        assert len((ctl_mount.mnt / "capped" / "m").read_bytes()) == 3 * MiB
+    with urllib.request.urlopen(ctl_mount.metrics_url(), timeout=10) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = response.read().decode()
+
+    def value(pattern: str) -> float:
+        found = re.search(r"^" + pattern + r" (\S+)$", text, re.M)
+        assert found, pattern
+        return float(found[1])
+
+    capped = 'class="capped",tenant="",uid=""'
+    assert value(f"qosfs_write_bytes_total{{{capped}}}") == 3 * MiB
+    assert value(f"qosfs_read_bytes_total{{{capped}}}") >= 3 * MiB
+    assert value('qosfs_ops_total{class="capped",op="write",tenant="",uid=""}') >= 3
+    assert 0.8 <= value(f"qosfs_throttled_seconds_total{{{capped}}}") < 5  # 2 MiB over the burst
+    assert value(f'qosfs_request_duration_seconds_count{{class="capped",op="write",'
+                 f'tenant="",uid=""}}') >= 3
+    assert value(f'qosfs_request_duration_seconds_sum{{class="capped",op="write",'
+                 f'tenant="",uid=""}}') >= 0.8
+    assert value(f'qosfs_backend_duration_seconds_sum{{class="capped",op="write",'
+                 f'tenant="",uid=""}}') < 1.0
+    assert value('qosfs_queue_depth{level="class",name="capped",uid=""}') == 0
+    assert value('qosfs_limit_bytes_per_second{direction="write",level="class",'
+                 'name="capped",uid=""}') == 2 * MiB
+    assert value("qosfs_policy_generation") == 1
+    assert value('qosfs_policy_changes_total{command="reload",result="applied"}') == 0
+    for family in ("qosfs_level_throttled_seconds_total", "qosfs_policy_last_reload_success",
+                   "qosfs_backend_duration_seconds_bucket"):
+        assert family in text
 
 
 def test_top_once(ctl_mount: Mounted, capsys: pytest.CaptureFixture[str]) -> None:
