@@ -24,10 +24,10 @@ from qosfs.errors import EXIT_CONTROL, EXIT_POLICY, QosfsError
 from qosfs.policy import read_policy_text
 from qosfs.protocol import (
     ProtocolError,
-    default_socket_path,
     parse_assignments,
     parse_target,
-    socket_dir,
+    socket_dirs,
+    socket_name,
 )
 
 MAX_REPLY_BYTES = 64 << 20
@@ -36,20 +36,27 @@ TIMEOUT = 10.0
 
 def resolve_socket(arg: str | None) -> str:
     """The control socket path from ``--socket`` (a socket, a mountpoint, or nothing)."""
+    dirs = socket_dirs()
     if arg is not None:
-        return default_socket_path(arg) if os.path.isdir(arg) else arg
-    directory = socket_dir()
-    try:
-        found = sorted(n for n in os.listdir(directory) if n.endswith(".sock"))
-    except OSError:
-        found = []
+        if not os.path.isdir(arg):
+            return arg
+        paths = [os.path.join(d, socket_name(arg)) for d in dirs]
+        return next((p for p in paths if os.path.exists(p)), paths[0])
+    found = []
+    for directory in dirs:
+        try:
+            found += sorted(os.path.join(directory, n) for n in os.listdir(directory)
+                            if n.endswith(".sock"))
+        except OSError:
+            pass
     if len(found) == 1:
-        return os.path.join(directory, found[0])
+        return found[0]
+    where = " or ".join(dirs)
     if not found:
-        raise QosfsError(f"no qosfs control socket in {directory} (is a mount running? "
+        raise QosfsError(f"no qosfs control socket in {where} (is a mount running? "
                          "pass --socket PATH or --socket MOUNTPOINT)", EXIT_CONTROL)
-    raise QosfsError(f"several qosfs mounts ({', '.join(found)} in {directory}): pass "
-                     "--socket PATH or --socket MOUNTPOINT", EXIT_CONTROL)
+    raise QosfsError(f"several qosfs mounts ({', '.join(found)}): pass --socket PATH or "
+                     "--socket MOUNTPOINT", EXIT_CONTROL)
 
 
 class Client:

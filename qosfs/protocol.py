@@ -50,6 +50,8 @@ __all__ = [
     "parse_request",
     "parse_target",
     "socket_dir",
+    "socket_dirs",
+    "socket_name",
 ]
 
 MAX_REQUEST_BYTES = 64 * 1024  # a whole policy fits (reload); anything longer is refused
@@ -245,13 +247,22 @@ def socket_dir() -> str:
     return os.path.join(runtime, "qosfs") if runtime else SYSTEM_SOCKET_DIR
 
 
-def default_socket_path(mountpoint: str) -> str:
-    """The control socket of the mount at ``mountpoint``, e.g. /run/qosfs/mnt-mlfs-1a2b3c4d.sock.
+def socket_dirs() -> list[str]:
+    """Where a client looks: its own default directory, then the system one (a user
+    reading the status of root's mount)."""
+    return list(dict.fromkeys([socket_dir(), SYSTEM_SOCKET_DIR]))
 
-    Readable (the path with "/" as "-"), unambiguous (a hash of the whole path, so
-    /a-b and /a/b differ) and short enough for a Unix socket address (108 bytes).
-    """
+
+def socket_name(mountpoint: str) -> str:
+    """``mnt-mlfs-1a2b3c4d.sock`` for /mnt/mlfs: readable (the path with "/" as "-"),
+    unambiguous (a hash of the whole path, so /a-b and /a/b differ) and short enough for
+    a Unix socket address (108 bytes)."""
     path = os.path.realpath(mountpoint)
     readable = re.sub(r"[^A-Za-z0-9_.-]", "_", path.strip("/").replace("/", "-"))[:48] or "root"
     digest = hashlib.sha256(os.fsencode(path)).hexdigest()[:8]
-    return os.path.join(socket_dir(), f"{readable}-{digest}.sock")
+    return f"{readable}-{digest}.sock"
+
+
+def default_socket_path(mountpoint: str) -> str:
+    """The daemon's control socket for ``mountpoint``, e.g. /run/qosfs/mnt-mlfs-1a2b3c4d.sock."""
+    return os.path.join(socket_dir(), socket_name(mountpoint))
