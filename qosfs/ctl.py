@@ -21,7 +21,6 @@ import sys
 from typing import Any
 
 from qosfs.errors import EXIT_CONTROL, EXIT_POLICY, QosfsError
-from qosfs.policy import read_policy_text
 from qosfs.protocol import (
     ProtocolError,
     parse_assignments,
@@ -290,6 +289,8 @@ def build_request(args: argparse.Namespace) -> dict[str, Any]:
     if command == "reload":
         if args.file is None:
             return {"cmd": "reload"}
+        from qosfs.policy import read_policy_text  # the parser's imports cost ~20 ms
+
         path = os.path.abspath(args.file)
         return {"cmd": "reload", "text": read_policy_text(path), "source": path}
     return {"cmd": command}

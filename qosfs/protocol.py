@@ -27,7 +27,6 @@ policy), ``policy`` (the change is invalid; nothing changed), ``unavailable`` (m
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -257,6 +256,8 @@ def socket_name(mountpoint: str) -> str:
     """``mnt-mlfs-1a2b3c4d.sock`` for /mnt/mlfs: readable (the path with "/" as "-"),
     unambiguous (a hash of the whole path, so /a-b and /a/b differ) and short enough for
     a Unix socket address (108 bytes)."""
+    import hashlib  # here: `qosfs ctl` without --socket MOUNTPOINT should not pay for it
+
     path = os.path.realpath(mountpoint)
     readable = re.sub(r"[^A-Za-z0-9_.-]", "_", path.strip("/").replace("/", "-"))[:48] or "root"
     digest = hashlib.sha256(os.fsencode(path)).hexdigest()[:8]
