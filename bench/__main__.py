@@ -3,8 +3,9 @@
 Suites:
   demo       a one-minute look at what QoS does for a dataset reader
   overhead   pass-through cost: each workload on native tmpfs and through qosfs (no policy)
+  live-change  how fast a raised cap (ctl set / reload) reaches a writer already waiting
 
-More suites (cap accuracy, isolation, live change) plug in as further subcommands.
+More suites (cap accuracy, isolation) plug in as further subcommands.
 """
 
 from __future__ import annotations
@@ -45,11 +46,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="before each run, wait up to this long for the machine to be idle "
                         "(other tenants); 0 disables (default 2)")
     sub.add_parser("demo", help="a one-minute demo: a reader alone, under a storm, with QoS")
+    from bench import live_change
+
+    lc = sub.add_parser("live-change", help="delay until a raised cap reaches a parked writer")
+    lc.add_argument("--out", type=Path, default=live_change.default_out(),
+                    help="directory for live-change.md and .json (default: bench/results)")
     args = parser.parse_args(argv)
     if args.suite == "demo":
         from bench import demo
 
         return demo.run()
+    if args.suite == "live-change":
+        signal.signal(signal.SIGTERM, _terminate)
+        return live_change.run(args.out)
 
     signal.signal(signal.SIGTERM, _terminate)
     cfg = overhead.Config(

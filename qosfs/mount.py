@@ -9,11 +9,16 @@ Order matters and is deliberate:
    once the child's mount answers a ``stat`` (or prints the child's one-line error);
 4. the child runs pyfuse3 under trio; SIGTERM/SIGINT call ``pyfuse3.terminate()``, which
    lets in-flight requests finish before ``main()`` returns, then the mount is removed.
+
+The control socket and the metrics listener are bound in step 1 (a busy path or port is
+a clear error, not a half-started daemon) and served from the same trio loop as the
+filesystem (:mod:`qosfs.control`, :mod:`qosfs.exporter`); SIGHUP reloads the policy.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import resource
@@ -21,17 +26,23 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
+from typing import Any
 
 import pyfuse3
 import trio
 
 from qosfs import tuning
 from qosfs.backing_io import BackingIO, IoMode, backing_mount, choose_io_mode
+from qosfs.control import ControlSocket
+from qosfs.controller import Controller
 from qosfs.errors import EXIT_FUSE, EXIT_MOUNTPOINT, EXIT_SOURCE, QosfsError
+from qosfs.exporter import MetricsServer
 from qosfs.fs import FsOptions, PassthroughOperations
 from qosfs.policy import default_policy, load_policy
+from qosfs.protocol import default_socket_path
 from qosfs.qos import PassThroughQos, QosEngine
 from qosfs.scheduler import PolicyQos
 
@@ -59,6 +70,8 @@ class MountConfig:
     read_ahead_kb: int = tuning.DEFAULT_READ_AHEAD_KB
     policy_path: str | None = None  # None: the embedded default policy
     qos: bool = True  # False: pure pass-through that only counts (benchmark baseline)
+    socket_path: str | None = None  # None: derived from the mountpoint under /run/qosfs
+    metrics: str | None = None  # "[HOST:]PORT" to serve /metrics; None: no exporter
 
 
 def check_mount_args(source: str, mountpoint: str) -> None:
@@ -157,27 +170,56 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
     engine: QosEngine = PolicyQos(policy) if cfg.qos else PassThroughQos()
     ops = PassthroughOperations(root_fd, BackingIO(mode), engine, cfg.fs_options)
     mountpoint = os.path.realpath(cfg.mountpoint)  # resolved before we serve it
-    try:
-        pyfuse3.init(ops, mountpoint, _fuse_options(cfg, backing_options))
-    except RuntimeError as exc:
-        raise QosfsError(f"mounting {mountpoint} failed: {exc}", EXIT_FUSE) from None
-    unmounted_by_us = False
-    try:
-        trio.run(_serve, cfg, mountpoint, engine, on_ready)
-        unmounted_by_us = True
-    finally:
-        still_mounted = mount_type(mountpoint) == "fuse.qosfs"
-        pyfuse3.close(unmount=still_mounted)
-        ops.close_all()
-        log.info("unmounted %s (%s)", mountpoint,
-                 "clean" if unmounted_by_us else "after an error")
+    with ExitStack() as stack:
+        services = _open_services(cfg, mountpoint, engine, stack)
+        try:
+            pyfuse3.init(ops, mountpoint, _fuse_options(cfg, backing_options))
+        except RuntimeError as exc:
+            raise QosfsError(f"mounting {mountpoint} failed: {exc}", EXIT_FUSE) from None
+        unmounted_by_us = False
+        try:
+            trio.run(_serve, cfg, mountpoint, engine, on_ready, services)
+            unmounted_by_us = True
+        finally:
+            still_mounted = mount_type(mountpoint) == "fuse.qosfs"
+            pyfuse3.close(unmount=still_mounted)
+            ops.close_all()
+            log.info("unmounted %s (%s)", mountpoint,
+                     "clean" if unmounted_by_us else "after an error")
     return 0
 
 
+Service = Callable[..., Awaitable[Any]]
+
+
+def _open_services(cfg: MountConfig, mountpoint: str, engine: Any,
+                   stack: ExitStack) -> list[Service]:
+    """Bind the control socket (and metrics port) now; closed when ``stack`` unwinds."""
+    source = os.path.abspath(cfg.source)
+    path = os.path.abspath(cfg.socket_path or default_socket_path(mountpoint))
+    policy = getattr(engine, "policy", None)
+    control = ControlSocket(path, policy.control.admin_gid if policy is not None else None)
+    stack.callback(control.close)
+    controller = Controller(engine, cfg.policy_path,
+                            {"source": source, "mountpoint": mountpoint, "socket": path})
+    controller.on_swap.append(lambda p: control.set_admin_group(p.control.admin_gid))
+    services: list[Service] = [controller.run, functools.partial(control.serve,
+                                                                 controller.handle)]
+    log.info("control socket %s", path)
+    if cfg.metrics is not None:
+        metrics = MetricsServer(cfg.metrics, controller.snapshot)
+        stack.callback(metrics.close)
+        services.append(metrics.serve)
+        log.info("serving metrics on http://%s:%d/metrics", metrics.host, metrics.port)
+    return services
+
+
 async def _serve(cfg: MountConfig, mountpoint: str, engine: QosEngine,
-                 on_ready: Callable[[], None] | None) -> None:
+                 on_ready: Callable[[], None] | None, services: Sequence[Service] = ()) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_watch_signals, engine)
+        for service in services:  # already bound: "started" means "answering"
+            await nursery.start(service)
         nursery.start_soon(_become_ready, cfg, mountpoint, on_ready)
         await pyfuse3.main(min_tasks=MIN_TASKS, max_tasks=MAX_TASKS)
         nursery.cancel_scope.cancel()  # the kernel ended the session (fusermount3 -u)

@@ -253,6 +253,12 @@ def parse_policy(text: str, source: str = "<string>") -> Policy:
 
 def load_policy(path: str | PathLike[str]) -> Policy:
     """Read and parse a policy file; unreadable or non-UTF-8 files are PolicyErrors too."""
+    return parse_policy(read_policy_text(path), str(path))
+
+
+def read_policy_text(path: str | PathLike[str]) -> str:
+    """The text of a policy file (``qosfs ctl reload FILE`` reads it as the caller and
+    sends it, so the daemon never opens files on a client's behalf)."""
     name = str(path)
     try:
         with open(path, "rb") as stream:
@@ -260,11 +266,10 @@ def load_policy(path: str | PathLike[str]) -> Policy:
     except OSError as exc:
         raise PolicyError(f"cannot read policy: {exc.strerror or exc}", source=name) from None
     try:
-        text = data.decode("utf-8-sig")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise PolicyError("not UTF-8 text", source=name,
                           line=data[:exc.start].count(b"\n") + 1) from None
-    return parse_policy(text, name)
 
 
 def default_policy() -> Policy:

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
+from qosfs.accounting import Accounts, FlowStats
+
 if TYPE_CHECKING:
     import pyfuse3
 
@@ -31,14 +33,11 @@ class Flow(Protocol):
     limited: bool  # False: admit_* would never wait, so the hot path skips the call
     direct_io: bool  # the kernel must bypass the page cache for this file
     limiter: trio.CapacityLimiter  # worker threads this flow may use
-    bytes_read: int
-    bytes_written: int
-    ops_read: int
-    ops_write: int
+    stats: FlowStats  # traffic counters and latency histograms (qosfs.accounting)
 
-    async def admit_read(self, nbytes: int) -> None: ...
+    async def admit_read(self, nbytes: int) -> float: ...  # returns seconds waited
 
-    async def admit_write(self, nbytes: int) -> None: ...
+    async def admit_write(self, nbytes: int) -> float: ...
 
     def refund_read(self, nbytes: int) -> None: ...
 
@@ -50,6 +49,7 @@ class QosEngine(Protocol):
 
     meta_limited: bool
     meta_limiter: trio.CapacityLimiter
+    accounts: Accounts  # every flow's FlowStats, for status and metrics
 
     def open_flow(self, fs: Any, inode: Inode, ctx: pyfuse3.RequestContext,
                   writing: bool) -> Flow: ...
@@ -63,29 +63,24 @@ class QosEngine(Protocol):
 class CountingFlow:
     """A flow that never waits and only counts (the traffic of a mount without policy)."""
 
-    __slots__ = ("name", "limited", "direct_io", "limiter", "bytes_read", "bytes_written",
-                 "ops_read", "ops_write", "open_files")
+    __slots__ = ("name", "limited", "direct_io", "limiter", "stats", "open_files")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, stats: FlowStats | None = None) -> None:
         self.name = name
         self.limited = False
         self.direct_io = False
         self.limiter = trio.CapacityLimiter(THREADS_PER_FLOW)
-        self.bytes_read = 0
-        self.bytes_written = 0
-        self.ops_read = 0
-        self.ops_write = 0
+        self.stats = stats if stats is not None else FlowStats()
         self.open_files = 0
 
     def __repr__(self) -> str:
-        return (f"CountingFlow({self.name!r}, read={self.bytes_read}, "
-                f"written={self.bytes_written}, open={self.open_files})")
+        return f"CountingFlow({self.name!r}, {self.stats!r}, open={self.open_files})"
 
-    async def admit_read(self, nbytes: int) -> None:
-        return None
+    async def admit_read(self, nbytes: int) -> float:
+        return 0.0
 
-    async def admit_write(self, nbytes: int) -> None:
-        return None
+    async def admit_write(self, nbytes: int) -> float:
+        return 0.0
 
     def refund_read(self, nbytes: int) -> None:
         return None
@@ -100,7 +95,8 @@ class PassThroughQos:
     meta_limited = False
 
     def __init__(self) -> None:
-        self.flow = CountingFlow("default")
+        self.accounts = Accounts()
+        self.flow = CountingFlow("default", self.accounts.get("default", None, None))
         self.meta_limiter = trio.CapacityLimiter(THREADS_PER_FLOW)
 
     def open_flow(self, fs: Any, inode: Inode, ctx: pyfuse3.RequestContext,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from qosfs.accounting import AccountKey, Accounts
 from qosfs.backend_share import BackendLevel, ClassPort, Share
 from qosfs.bucket import UNLIMITED, LevelLimits, Limit
 from qosfs.classify import Classifier, JobCache, JobInfo
@@ -98,16 +99,17 @@ class PolicyFlow:
     """What one (class, tenant, uid) is charged to; shared by all its open files."""
 
     __slots__ = ("cls", "tenant", "backend", "uid", "limited", "direct_io", "limiter",
-                 "bytes_read", "bytes_written", "ops_read", "ops_write", "open_files",
-                 "_chain", "__weakref__")
+                 "stats", "tenant_name", "open_files", "_accounts", "_chain", "__weakref__")
 
     def __init__(self, cls: ClassState, tenant: RateLevel | None, backend: BackendLevel | None,
-                 uid: int) -> None:
+                 uid: int, tenant_name: str | None = None,
+                 accounts: Accounts | None = None) -> None:
         self.uid = uid
         self.limited = True  # admission also counts per level, so it is always called
-        self.bytes_read = self.bytes_written = self.ops_read = self.ops_write = 0
         self.open_files = 0
         self.tenant = tenant
+        self.tenant_name = tenant_name
+        self._accounts = accounts if accounts is not None else Accounts()
         self.backend = backend
         self.bind(cls)
 
@@ -117,6 +119,9 @@ class PolicyFlow:
         cache = cls.rule.cache
         self.direct_io = cache == "direct" or (cache == "auto" and cls.read_capped)
         self.limiter = cls.limiter
+        # Traffic counters (qosfs.accounting): per uid only where the class is per-user.
+        self.stats = self._accounts.get(cls.rule.name, self.tenant_name,
+                                        self.uid if cls.rule.per_user else None)
         chain: list[RateLevel | ClassPort] = [cls.level]
         if self.tenant is not None:
             chain.append(self.tenant)
@@ -130,14 +135,16 @@ class PolicyFlow:
             return self._chain
         return [group.level_for(self.uid), *self._chain]
 
-    async def admit_read(self, nbytes: int) -> None:
-        await admit(self._levels(), Kind.READ, nbytes)
+    async def admit_read(self, nbytes: int) -> float:
+        """Wait until every level admits the read; returns the seconds spent waiting."""
+        return await admit(self._levels(), Kind.READ, nbytes)
 
-    async def admit_write(self, nbytes: int) -> None:
-        await admit(self._levels(), Kind.WRITE, nbytes)
+    async def admit_write(self, nbytes: int) -> float:
+        return await admit(self._levels(), Kind.WRITE, nbytes)
 
     async def admit_meta(self) -> None:
         await admit(self._levels(), Kind.META, 0)
+        self.stats.meta_ops += 1
 
     def refund_read(self, nbytes: int) -> None:
         """Give back what a short read (EOF) was charged but did not transfer."""
@@ -172,6 +179,7 @@ class PolicyQos:
         self._flows: dict[tuple[str, str | None, int], PolicyFlow] = {}
         self._all_flows: weakref.WeakSet[PolicyFlow] = weakref.WeakSet()
         self._jobs = JobCache()
+        self.accounts = Accounts()  # traffic counters per (class, tenant, uid), for metrics
         self.generation = 0
         self.swap(policy)
 
@@ -229,6 +237,7 @@ class PolicyQos:
             cls = self.classes.get(flow.cls.rule.name)
             if flow.tenant is not None and flow.tenant not in self.tenants.values():
                 flow.tenant = None
+                flow.tenant_name = None
             flow.backend = self.backend
             flow.bind(cls if cls is not None else default)
         # Anything still parked at a level that left the policy must not wait for ever.
@@ -240,6 +249,13 @@ class PolicyQos:
                 level.set_limits(LevelLimits())
         self._flows = {k: f for k, f in self._flows.items()
                        if self.classes.get(k[0]) is f.cls}
+        self.accounts.retain(self._account_in_policy)
+
+    def _account_in_policy(self, key: AccountKey) -> bool:
+        cls, tenant, uid = key
+        state = self.classes.get(cls)
+        return (state is not None and (tenant is None or tenant in self.tenants)
+                and (uid is not None) == state.rule.per_user)
 
     def drain(self) -> None:
         """Lift every limit at once: the daemon is shutting down.
@@ -274,7 +290,8 @@ class PolicyQos:
         flow = self._flows.get(key)
         if flow is None:
             flow = PolicyFlow(self.classes[rule.name],
-                              self.tenants.get(tname) if tname else None, self.backend, uid)
+                              self.tenants.get(tname) if tname else None, self.backend, uid,
+                              tname, self.accounts)
             self._flows[key] = flow
             self._all_flows.add(flow)
         return flow

@@ -1,0 +1,151 @@
+"""Prometheus metrics: a custom collector that publishes a :class:`~qosfs.snapshot.Snapshot`.
+
+The hot path never touches prometheus_client: ``Counter.labels().inc()`` takes a lock and
+a label lookup per call. Requests bump plain integers (:mod:`qosfs.accounting`,
+:mod:`qosfs.limiter`); at scrape time the exporter takes a snapshot on the event loop and
+this collector turns it into metric families, in a worker thread.
+
+Families (label sets in braces; an empty label value means "not applicable"):
+
+Traffic, per account ``{class, tenant, uid}`` (uid only for ``per_user`` classes):
+``qosfs_read_bytes_total``, ``qosfs_write_bytes_total``, ``qosfs_ops_total{op}``
+(read, write, meta; meta ops are classified and counted only when some ``meta_iops`` cap
+exists), ``qosfs_throttled_seconds_total`` (time requests spent waiting for tokens),
+``qosfs_request_duration_seconds{op}`` (histogram of the whole request, throttle wait
+included) and ``qosfs_backend_duration_seconds{op}`` (the backing syscall alone).
+
+Enforcement, per level ``{level, name, uid}`` (level: class, user, tenant, backend):
+``qosfs_queue_depth`` (requests parked now), ``qosfs_level_throttled_seconds_total``,
+``qosfs_limit_bytes_per_second{direction}``, ``qosfs_limit_ops_per_second{op}`` (caps in
+force; unlimited ones are absent).
+
+Policy: ``qosfs_policy_generation``, ``qosfs_policy_changes_total{command, result}``
+(command: set, reload; result: applied, rejected), ``qosfs_policy_last_reload_success``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+from qosfs.accounting import HistogramSnapshot
+from qosfs.snapshot import Snapshot
+
+__all__ = ["CONTENT_TYPE", "SnapshotCollector", "render"]
+
+#: The classic text format every Prometheus version reads (what prometheus_client's own
+#: server answers when the scraper does not negotiate).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_ACCOUNT = ["class", "tenant", "uid"]
+_LEVEL = ["level", "name", "uid"]
+
+
+def _label(value: object) -> str:
+    return "" if value is None else str(value)
+
+
+def _buckets(h: HistogramSnapshot) -> list[tuple[str, float]]:
+    return [(floatToGoString(bound), float(n)) for bound, n in h.cumulative()]
+
+
+class SnapshotCollector:
+    """A prometheus_client collector over one snapshot (build one per scrape)."""
+
+    def __init__(self, snap: Snapshot) -> None:
+        self.snap = snap
+
+    def __repr__(self) -> str:
+        return f"<SnapshotCollector generation={self.snap.generation}>"
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._traffic()
+        yield from self._levels()
+        yield from self._policy()
+
+    def _traffic(self) -> Iterator[Metric]:
+        read = CounterMetricFamily("qosfs_read_bytes", "Bytes read through the mount.",
+                                   labels=_ACCOUNT, unit="bytes")
+        write = CounterMetricFamily("qosfs_write_bytes", "Bytes written through the mount.",
+                                    labels=_ACCOUNT, unit="bytes")
+        ops = CounterMetricFamily("qosfs_ops", "Requests served, by operation.",
+                                  labels=[*_ACCOUNT, "op"])
+        throttled = CounterMetricFamily(
+            "qosfs_throttled_seconds", "Time requests spent waiting for tokens.",
+            labels=_ACCOUNT, unit="seconds")
+        whole = HistogramMetricFamily(
+            "qosfs_request_duration_seconds",
+            "Read/write request duration: throttle wait plus backing syscall.",
+            labels=[*_ACCOUNT, "op"], unit="seconds")
+        backend = HistogramMetricFamily(
+            "qosfs_backend_duration_seconds",
+            "Duration of the backing store syscall of a read/write, without throttling.",
+            labels=[*_ACCOUNT, "op"], unit="seconds")
+        for (cls, tenant, uid), acc in self.snap.accounts:
+            labels = [cls, _label(tenant), _label(uid)]
+            read.add_metric(labels, acc.read_bytes)
+            write.add_metric(labels, acc.write_bytes)
+            ops.add_metric([*labels, "read"], acc.read_ops)
+            ops.add_metric([*labels, "write"], acc.write_ops)
+            ops.add_metric([*labels, "meta"], acc.meta_ops)
+            throttled.add_metric(labels, acc.throttled_seconds)
+            for op in ("read", "write"):
+                h = getattr(acc, f"{op}_latency")
+                whole.add_metric([*labels, op], _buckets(h), h.sum_seconds)
+                h = getattr(acc, f"{op}_backend")
+                backend.add_metric([*labels, op], _buckets(h), h.sum_seconds)
+        yield from (read, write, ops, throttled, whole, backend)
+
+    def _levels(self) -> Iterator[Metric]:
+        depth = GaugeMetricFamily("qosfs_queue_depth",
+                                  "Requests waiting for tokens at a level now.", labels=_LEVEL)
+        throttled = CounterMetricFamily(
+            "qosfs_level_throttled_seconds",
+            "Time requests spent waiting for tokens at this level.", labels=_LEVEL,
+            unit="seconds")
+        bandwidth = GaugeMetricFamily(
+            "qosfs_limit_bytes_per_second", "Bandwidth cap in force (absent: unlimited).",
+            labels=[*_LEVEL, "direction"])
+        iops = GaugeMetricFamily("qosfs_limit_ops_per_second",
+                                 "Operations-per-second cap in force (absent: unlimited).",
+                                 labels=[*_LEVEL, "op"])
+        for row in self.snap.levels:
+            labels = [row.level, row.name, _label(row.uid)]
+            depth.add_metric(labels, row.queue_depth)
+            throttled.add_metric(labels, row.throttled_seconds)
+            for key, value in row.limits.items():
+                kind, _, unit = key.partition("_")
+                if unit == "bandwidth":
+                    bandwidth.add_metric([*labels, kind], value)
+                else:
+                    iops.add_metric([*labels, kind], value)
+        yield from (depth, throttled, bandwidth, iops)
+
+    def _policy(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("qosfs_policy_generation",
+                                "Policy generation in force (0: no policy, --no-qos).",
+                                value=self.snap.generation)
+        changes = CounterMetricFamily("qosfs_policy_changes",
+                                      "Policy changes asked for through ctl set/reload/SIGHUP.",
+                                      labels=["command", "result"])
+        for command in ("set", "reload"):
+            for result in ("applied", "rejected"):
+                changes.add_metric([command, result],
+                                   self.snap.changes.get((command, result), 0))
+        yield changes
+        yield GaugeMetricFamily("qosfs_policy_last_reload_success",
+                                "1 if the last reload was applied (or none was asked), else 0.",
+                                value=1.0 if self.snap.last_reload_ok else 0.0)
+
+
+def render(snap: Snapshot) -> bytes:
+    """The Prometheus text exposition of ``snap`` (safe to call from any thread)."""
+    return generate_latest(SnapshotCollector(snap))  # type: ignore[arg-type]

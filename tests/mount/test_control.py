@@ -1,0 +1,396 @@
+"""The control socket, ``qosfs ctl``/``top`` and ``/metrics`` through real mounts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qosfs import cli
+from qosfs.ctl import Client
+from qosfs.protocol import MAX_REQUEST_BYTES, default_socket_path
+from tests.mounting import ROOT, QosfsMount, is_mounted
+
+pytestmark = pytest.mark.mount
+
+MiB = 1 << 20
+POLICY = """
+[tenants.team]
+uids = [4242]
+[classes.capped]
+paths = ["capped/**"]
+write_bandwidth = "2MiB/s"
+burst = "1MiB"
+[classes.default]
+"""
+
+
+class Mounted:
+    def __init__(self, mount: QosfsMount, sock: Path, policy: Path) -> None:
+        self.mount, self.sock, self.policy = mount, sock, policy
+        self.mnt, self.src = mount.mountpoint, mount.source
+
+    def request(self, body: dict[str, Any]) -> dict[str, Any]:
+        with Client(str(self.sock)) as client:
+            return client.request(body)
+
+    def metrics_url(self) -> str:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            found = re.search(r"serving metrics on (http://\S+)", self.mount.log())
+            if found:
+                return found[1]
+            time.sleep(0.05)
+        raise AssertionError(self.mount.log())
+
+
+@pytest.fixture
+def ctl_mount(tmp_tree: Path) -> Iterator[Mounted]:
+    src, mnt = tmp_tree / "src", tmp_tree / "mnt"
+    for d in (src, mnt, src / "capped"):
+        d.mkdir()
+        os.chmod(d, 0o777)
+    policy = tmp_tree / "policy.toml"
+    policy.write_text(POLICY)
+    sock = tmp_tree / "ctl.sock"
+    m = QosfsMount(src, mnt, "--policy", str(policy), "--socket", str(sock), "--metrics", "0")
+    m.start()
+    try:
+        yield Mounted(m, sock, policy)
+    finally:
+        code = m.stop()
+        assert code == 0, m.log()
+        assert "Traceback" not in m.log(), m.log()
+        assert not sock.exists()  # removed on the way out
+
+
+def ctl(capsys: pytest.CaptureFixture[str], sock: Path, *args: str) -> tuple[int, str, str]:
+    code = cli.main(["ctl", "--socket", str(sock), *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def policy_view(status: dict[str, Any]) -> tuple[Any, ...]:
+    """What a change could alter: the generation and every level's limits and settings."""
+    return (status["generation"], status["policy_source"],
+            [(lv["level"], lv["name"], lv["uid"], lv["limits"], lv.get("priority"),
+              lv.get("per_user"), lv.get("cache")) for lv in status["levels"]])
+
+
+def test_status_set_and_stats(ctl_mount: Mounted, capsys: pytest.CaptureFixture[str]) -> None:
+    sock = ctl_mount.sock
+    assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
+    code, out, _ = ctl(capsys, sock, "status")
+    assert code == 0
+    assert re.search(r"^class\s+capped\s+w:2MiB/s\s", out, re.M), out
+    assert "generation 1" in out
+
+    code, out, _ = ctl(capsys, sock, "set", "capped", "write_bandwidth=400MiB/s",
+                       "write_iops=2000")
+    assert (code, out) == (0, f"generation 2 in force (policy {ctl_mount.policy})\n")
+    assert ctl(capsys, sock, "set", "tenant:team", "write_bandwidth=1GiB/s")[0] == 0
+    assert ctl(capsys, sock, "set", "backend", "read_bandwidth=4GiB/s")[0] == 0
+    status = ctl_mount.request({"cmd": "status"})
+    limits = {(lv["level"], lv["name"]): lv["limits"] for lv in status["levels"]}
+    assert limits[("class", "capped")] == {"write_bandwidth": 400 * MiB, "write_iops": 2000}
+    assert limits[("tenant", "team")] == {"write_bandwidth": 1 << 30}
+    assert limits[("backend", "backend")] == {"read_bandwidth": 4 << 30}
+    assert status["generation"] == 4
+
+    (ctl_mount.mnt / "capped" / "f").write_bytes(b"x" * 3 * MiB)
+    assert (ctl_mount.mnt / "capped" / "f").read_bytes() == b"x" * 3 * MiB
+    code, out, _ = ctl(capsys, sock, "stats", "--json")
+    stats = json.loads(out)
+    capped = next(a for a in stats["accounts"] if a["class"] == "capped")
+    assert capped["write_bytes"] == 3 * MiB and capped["write_ops"] >= 3
+    assert capped["latency"]["write_backend"]["count"] == capped["write_ops"]
+    code, out, _ = ctl(capsys, sock, "stats")
+    assert code == 0 and re.search(r"^capped\s+-\s+-\s+\S+\s+3MiB", out, re.M), out
+    code, out, _ = ctl(capsys, sock, "status")
+    assert re.search(r"^backend\s+backend\s+r:4GiB/s", out, re.M), out
+
+
+def test_rejected_set_and_reload_leave_the_policy_unchanged(
+        ctl_mount: Mounted, capsys: pytest.CaptureFixture[str], tmp_tree: Path) -> None:
+    sock = ctl_mount.sock
+    before = policy_view(ctl_mount.request({"cmd": "status"}))
+    code, _, err = ctl(capsys, sock, "set", "capped", "write_bandwidth=400MiB/s",
+                       "write_iops=-3")
+    assert code == 6
+    assert err.startswith("qosfs: ctl: classes.capped.write_iops: "), err
+    code, _, err = ctl(capsys, sock, "set", "nosuch", "write_bandwidth=1MiB/s")
+    assert code == 6 and 'no class named "nosuch"' in err
+    bad = tmp_tree / "bad.toml"
+    bad.write_text('[classes.x]\npaths = ["a/**"]\nwrite_bandwidth = "fast"\n')
+    code, _, err = ctl(capsys, sock, "reload", str(bad))
+    assert code == 6 and err.startswith(f"qosfs: {bad}:3: classes.x.write_bandwidth: "), err
+    code, _, err = ctl(capsys, sock, "reload", str(tmp_tree / "missing.toml"))
+    assert code == 6 and "cannot read policy" in err
+    after = ctl_mount.request({"cmd": "status"})
+    assert policy_view(after) == before
+    assert after["last_reload_ok"] is False
+    rejected = {(c["command"], c["result"]): c["count"] for c in after["changes"]}
+    assert rejected == {("set", "rejected"): 2, ("reload", "rejected"): 1}
+
+
+def test_reload_a_file_then_the_mounts_own(ctl_mount: Mounted,
+                                          capsys: pytest.CaptureFixture[str],
+                                          tmp_tree: Path) -> None:
+    new = tmp_tree / "new.toml"
+    new.write_text(POLICY.replace("2MiB/s", "8MiB/s"))
+    assert ctl(capsys, ctl_mount.sock, "reload", str(new))[0] == 0
+    status = ctl_mount.request({"cmd": "status"})
+    assert status["policy_source"] == str(new) and status["generation"] == 2
+    capped = next(lv for lv in status["levels"] if lv["name"] == "capped")
+    assert capped["limits"] == {"write_bandwidth": 8 * MiB}
+    assert ctl(capsys, ctl_mount.sock, "reload")[0] == 0  # back to the --policy file
+    status = ctl_mount.request({"cmd": "status"})
+    assert status["policy_source"] == str(ctl_mount.policy) and status["generation"] == 3
+
+
+def _wait_generation(m: Mounted, generation: int) -> dict[str, Any]:
+    deadline = time.monotonic() + 10
+    while True:
+        status = m.request({"cmd": "status"})
+        if status["generation"] >= generation or time.monotonic() > deadline:
+            return status
+        time.sleep(0.05)
+
+
+def test_sighup_reloads_the_policy_file(ctl_mount: Mounted) -> None:
+    assert ctl_mount.mount.proc is not None
+    pid = ctl_mount.mount.proc.pid
+    ctl_mount.policy.write_text(POLICY.replace("2MiB/s", "16MiB/s"))
+    os.kill(pid, signal.SIGHUP)
+    status = _wait_generation(ctl_mount, 2)
+    capped = next(lv for lv in status["levels"] if lv["name"] == "capped")
+    assert status["generation"] == 2 and capped["limits"] == {"write_bandwidth": 16 * MiB}
+    ctl_mount.policy.write_text("[classes.default]\nwrite_bandwidth = 1\n")  # invalid
+    os.kill(pid, signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while "SIGHUP reload rejected" not in ctl_mount.mount.log():
+        assert time.monotonic() < deadline, ctl_mount.mount.log()
+        time.sleep(0.05)
+    status = ctl_mount.request({"cmd": "status"})
+    assert status["generation"] == 2 and status["last_reload_ok"] is False
+    assert ctl_mount.mount.proc.poll() is None  # still serving
+
+
+UNPRIVILEGED_CLIENT = r"""
+import json, socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+f = s.makefile("rwb")
+out = []
+for line in sys.argv[2:]:
+    f.write(line.encode() + b"\n")
+    f.flush()
+    out.append(json.loads(f.readline()))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.root
+def test_unprivileged_peer_reads_status_but_may_not_change(ctl_mount: Mounted) -> None:
+    os.chmod(ctl_mount.sock, 0o666)  # let everyone connect; changes are checked per request
+
+    def drop() -> None:
+        os.setgroups([])
+        os.setgid(4242)
+        os.setuid(4242)
+
+    requests = [{"cmd": "status"},
+                {"cmd": "set", "target": "class", "name": "capped",
+                 "changes": {"write_bandwidth": "1GiB/s"}},
+                {"cmd": "reload"}]
+    out = subprocess.run(["/usr/bin/python3", "-c", UNPRIVILEGED_CLIENT, str(ctl_mount.sock),
+                          *(json.dumps(r) for r in requests)],
+                         capture_output=True, text=True, preexec_fn=drop, cwd="/", timeout=30)
+    assert out.returncode == 0, out.stderr
+    status, set_reply, reload_reply = json.loads(out.stdout)
+    assert status["ok"] is True and status["generation"] == 1
+    for reply in (set_reply, reload_reply):
+        assert reply["ok"] is False and reply["code"] == "denied"
+        assert "uid 4242 may not change the policy" in reply["error"]
+    assert ctl_mount.request({"cmd": "status"})["generation"] == 1
+
+
+def _connect(path: Path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(str(path))
+    return s
+
+
+def _line(s: socket.socket) -> dict[str, Any]:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = s.recv(65536)
+        assert chunk, "connection closed"
+        data += chunk
+    return json.loads(data)
+
+
+def test_misbehaving_clients_block_neither_others_nor_the_filesystem(
+        ctl_mount: Mounted) -> None:
+    sock = ctl_mount.sock
+    silent = _connect(sock)
+    partial = _connect(sock)
+    partial.sendall(b'{"cmd": "sta')
+    garbage = _connect(sock)
+    garbage.sendall(b"\x00\xff garbage }{\n")
+    assert _line(garbage) == {"ok": False, "code": "protocol",
+                              "error": "request is not UTF-8"}
+    garbage.sendall(b'{"cmd": "status"}\n')  # the connection survives a bad line
+    assert _line(garbage)["ok"] is True
+    oversized = _connect(sock)
+    try:
+        oversized.sendall(b"x" * (MAX_REQUEST_BYTES + 4096))
+    except BrokenPipeError:  # pragma: no cover - the server may close before we finish
+        pass
+    reply = _line(oversized)
+    assert reply["code"] == "protocol" and "longer than" in reply["error"]
+    assert oversized.recv(1) == b""  # and closed
+    flooder = _connect(sock)  # asks and asks, never reads a reply
+    flooder.setblocking(False)
+    try:
+        for _ in range(5000):
+            flooder.send(b'{"cmd":"stats"}\n')
+    except BlockingIOError:
+        pass
+
+    t0 = time.monotonic()
+    assert ctl_mount.request({"cmd": "status"})["ok"] is True
+    (ctl_mount.mnt / "free").write_bytes(b"y" * MiB)
+    assert (ctl_mount.mnt / "free").read_bytes() == b"y" * MiB
+    assert time.monotonic() - t0 < 1.0
+    for s in (silent, partial, garbage, oversized, flooder):
+        s.close()
+
+
+def test_raised_cap_takes_effect_for_a_parked_writer(ctl_mount: Mounted) -> None:
+    done: list[float] = []
+
+    def writer() -> None:
+        with open(ctl_mount.mnt / "capped" / "big", "wb", buffering=0) as f:
+            for _ in range(16):  # 15 s at 2 MiB/s
+                f.write(b"z" * MiB)
+        done.append(time.monotonic())
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    time.sleep(1.0)
+    assert not done
+    parked = ctl_mount.request({"cmd": "status"})
+    assert next(lv for lv in parked["levels"] if lv["name"] == "capped")["queue_depth"] >= 1
+    reply = ctl_mount.request({"cmd": "set", "target": "class", "name": "capped",
+                               "changes": {"write_bandwidth": "1GiB/s"}})
+    changed = time.monotonic()
+    assert reply["ok"] is True
+    thread.join(30)
+    assert done and done[0] - changed < 1.0, done[0] - changed
+    assert (ctl_mount.src / "capped" / "big").stat().st_size == 16 * MiB
+
+
+def test_metrics_after_traffic(ctl_mount: Mounted) -> None:
+    (ctl_mount.mnt / "capped" / "m").write_bytes(b"m" * 3 * MiB)  # 1 s under the cap
+    for _ in range(3):
+        assert len((ctl_mount.mnt / "capped" / "m").read_bytes()) == 3 * MiB
+    with urllib.request.urlopen(ctl_mount.metrics_url(), timeout=10) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = response.read().decode()
+
+    def value(pattern: str) -> float:
+        found = re.search(r"^" + pattern + r" (\S+)$", text, re.M)
+        assert found, pattern
+        return float(found[1])
+
+    capped = 'class="capped",tenant="",uid=""'
+    assert value(f"qosfs_write_bytes_total{{{capped}}}") == 3 * MiB
+    assert value(f"qosfs_read_bytes_total{{{capped}}}") >= 3 * MiB
+    assert value('qosfs_ops_total{class="capped",op="write",tenant="",uid=""}') >= 3
+    assert 0.8 <= value(f"qosfs_throttled_seconds_total{{{capped}}}") < 5  # 2 MiB over the burst
+    assert value(f'qosfs_request_duration_seconds_count{{class="capped",op="write",'
+                 f'tenant="",uid=""}}') >= 3
+    assert value(f'qosfs_request_duration_seconds_sum{{class="capped",op="write",'
+                 f'tenant="",uid=""}}') >= 0.8
+    assert value(f'qosfs_backend_duration_seconds_sum{{class="capped",op="write",'
+                 f'tenant="",uid=""}}') < 1.0
+    assert value('qosfs_queue_depth{level="class",name="capped",uid=""}') == 0
+    assert value('qosfs_limit_bytes_per_second{direction="write",level="class",'
+                 'name="capped",uid=""}') == 2 * MiB
+    assert value("qosfs_policy_generation") == 1
+    assert value('qosfs_policy_changes_total{command="reload",result="applied"}') == 0
+    for family in ("qosfs_level_throttled_seconds_total", "qosfs_policy_last_reload_success",
+                   "qosfs_backend_duration_seconds_bucket"):
+        assert family in text
+
+
+def test_top_once(ctl_mount: Mounted, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["top", "--socket", str(ctl_mount.sock), "--once"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out
+    assert re.search(r"^LEVEL\s+NAME\s+LIMITS\s+READ/s\s+WRITE/s", out, re.M), out
+    assert re.search(r"^class\s+capped\s+w:2MiB/s", out, re.M), out
+
+
+def test_no_qos_mount_has_status_but_nothing_to_change(
+        tmp_tree: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src, mnt = tmp_tree / "src", tmp_tree / "mnt"
+    src.mkdir()
+    mnt.mkdir()
+    sock = tmp_tree / "ctl.sock"
+    with QosfsMount(src, mnt, "--no-qos", "--socket", str(sock)):
+        (mnt / "f").write_bytes(b"n" * 4096)
+        code, out, _ = ctl(capsys, sock, "status")
+        assert code == 0 and "no policy: mounted with --no-qos" in out
+        code, _, err = ctl(capsys, sock, "set", "default", "write_bandwidth=1MiB/s")
+        assert code == 7 and "no policy (mounted with --no-qos)" in err
+        code, out, _ = ctl(capsys, sock, "stats", "--json")
+        assert json.loads(out)["accounts"][0]["write_bytes"] == 4096
+
+
+def test_default_socket_is_derived_from_the_mountpoint(
+        tmp_tree: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src, mnt = tmp_tree / "src", tmp_tree / "mnt"
+    src.mkdir()
+    mnt.mkdir()
+    expected = Path(default_socket_path(str(mnt)))
+    with QosfsMount(src, mnt):
+        assert expected.exists()
+        code, out, _ = ctl(capsys, mnt, "status")  # --socket MOUNTPOINT
+        assert code == 0 and str(mnt) in out
+    assert not expected.exists()
+
+
+def test_a_socket_in_use_is_refused_before_mounting(ctl_mount: Mounted,
+                                                    tmp_tree: Path) -> None:
+    src, mnt = tmp_tree / "src2", tmp_tree / "mnt2"
+    src.mkdir()
+    mnt.mkdir()
+    try:
+        out = subprocess.run([sys.executable, "-m", "qosfs", "mount", str(src), str(mnt),
+                              "--socket", str(ctl_mount.sock)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    finally:
+        if is_mounted(mnt):  # pragma: no cover - only if the refusal is broken
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
+    assert out.returncode == 7
+    assert out.stderr == (f"qosfs: control socket {ctl_mount.sock} is in use by a running "
+                          "qosfs daemon; pass another --socket\n")
+    assert not is_mounted(mnt)
+    assert ctl_mount.request({"cmd": "status"})["ok"] is True
