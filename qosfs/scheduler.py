@@ -188,8 +188,12 @@ class PolicyQos:
             if self.backend is not None:
                 self.backend.set_limits(LevelLimits())  # wake anything parked there
             backend = None
+        elif self.backend is None:
+            # Built with its limits, like a new tenant: set_limits() needs a running trio
+            # loop, and the first swap happens in __init__, before the loop starts.
+            backend = RateLevel("backend", level_limits(policy.backend.limits))
         else:
-            backend = self.backend or RateLevel("backend")
+            backend = self.backend
             backend.set_limits(level_limits(policy.backend.limits))
         old_classes, old_tenants = self.classes, self.tenants
         self.policy, self.classifier = policy, classifier
