@@ -169,8 +169,9 @@ def plan_policy_text(plan: Plan) -> str:
         f"paths = {_toml_list(checkpoints.paths)}",
         f'write_bandwidth = "{format_bandwidth(t.cap_per_mount)}"',
         "",
-        "# Training data: never capped here, first in line when the backend is contended"
-        + (", with a guaranteed share." if "reserve" in per_mount else "."),
+        "# Training data: never capped here, first in line when the backend is contended.",
+        *(["# min_read_bandwidth: this mount's share of --reserve-read."]
+          if "reserve" in per_mount else []),
         "[classes.datasets]",
         f"paths = {_toml_list(datasets.paths)}",
         'priority = "high"',
