@@ -14,6 +14,7 @@ EXIT_FUSE = 5  # /dev/fuse or fusermount3 unavailable, mount refused by the kern
 EXIT_POLICY = 6  # policy file invalid
 EXIT_CONTROL = 7  # control socket unreachable or request refused
 EXIT_DAEMON = 8  # the daemon failed after starting
+EXIT_PLAN = 9  # qosfs plan: inputs out of range, or a plan the storage cannot carry out
 
 
 class QosfsError(Exception):

@@ -11,6 +11,9 @@ range-checked (positive, finite, not absurd). Booleans are never numbers here.
 - IOPS: a number, or a string with an optional ``k`` (10^3) or ``M`` (10^6) suffix:
   ``2000``, ``"2k"``, ``"1.5M"``. At most 1e9.
 - Durations: ``ns us ms s``: ``"5ms"``, ``"250us"``. At most one hour.
+- Intervals (``qosfs plan``, not policies): ``s m min h d``: ``"30m"``, ``"1.5h"``, ``"60s"``.
+  At most 30 days. Kept apart from durations so a policy's ``"5m"`` stays an error rather
+  than silently meaning five minutes where milliseconds were meant.
 
 The ``format_*`` functions return the shortest spelling that parses back to exactly the
 same value, which is what makes a rendered policy round-trip.
@@ -34,7 +37,8 @@ from typing import Any
 __all__ = [
     "MAX_BANDWIDTH", "MAX_IOPS", "MAX_SIZE", "UnitError",
     "format_bandwidth", "format_duration", "format_iops", "format_size",
-    "parse_bandwidth", "parse_duration", "parse_iops", "parse_size", "show_value",
+    "parse_bandwidth", "parse_duration", "parse_interval", "parse_iops", "parse_size",
+    "show_value",
 ]
 
 PIB = 2**50
@@ -44,6 +48,7 @@ MIN_BANDWIDTH = 1.0  # below one byte per second a "cap" is a typo, not a policy
 MAX_IOPS = 1e9
 MIN_IOPS = 0.01
 MAX_DURATION = 3600.0
+MAX_INTERVAL = 30 * 86400.0
 
 # Insertion order matters: on equal length the earlier (binary) spelling wins.
 SIZE_UNITS: dict[str, Decimal] = {
@@ -56,11 +61,16 @@ DURATION_UNITS: dict[str, Decimal] = {
     "s": Decimal(1), "ms": Decimal("0.001"), "us": Decimal("0.000001"),
     "\u00b5s": Decimal("0.000001"), "ns": Decimal("0.000000001"),
 }
+INTERVAL_UNITS: dict[str, Decimal] = {
+    "s": Decimal(1), "m": Decimal(60), "min": Decimal(60), "h": Decimal(3600),
+    "d": Decimal(86400),
+}
 
 _BANDWIDTH = 'a bandwidth like "400MiB/s"'
 _SIZE = 'a size like "128MiB" or a whole number of bytes'
 _IOPS = 'an IOPS rate like 2000 or "2k"'
 _DURATION = 'a duration like "5ms", "250us" or "1s"'
+_INTERVAL = 'a time like "30m", "1.5h" or "60s"'
 
 # Exact arithmetic: 17 significant digits times a 13-digit multiplier must not round.
 _CTX = decimal.Context(prec=80)
@@ -172,6 +182,17 @@ def parse_duration(value: Any) -> float:
     number, unit = _split(value, _DURATION, DURATION_UNITS, per_second=False)
     return _check(_scale(number, unit), "a duration", _DURATION, value, (1e-9, "1ns"),
                   (MAX_DURATION, "3600s"))
+
+
+def parse_interval(value: Any) -> float:
+    """Parse ``"30m"``, ``"1.5h"``, ``"60s"`` or ``"2d"`` into seconds; the unit is mandatory.
+
+    For the human-scale times of capacity planning (checkpoint intervals, tolerable stalls),
+    which policy durations (at most an hour, ``m`` not accepted) cannot spell.
+    """
+    number, unit = _split(value, _INTERVAL, INTERVAL_UNITS, per_second=False)
+    return _check(_scale(number, unit), "a time", _INTERVAL, value, (1e-3, "1ms"),
+                  (MAX_INTERVAL, "30d"))
 
 
 def _positional(d: Decimal) -> str:

@@ -18,6 +18,7 @@ from qosfs.units import (
     format_size,
     parse_bandwidth,
     parse_duration,
+    parse_interval,
     parse_iops,
     parse_size,
 )
@@ -133,6 +134,30 @@ def test_parse_duration(text: str, expected: float) -> None:
 def test_parse_duration_rejects(value: object) -> None:
     with pytest.raises(UnitError, match="duration"):
         parse_duration(value)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("30m", 1800.0), ("30min", 1800.0), ("1.5h", 5400.0), ("60s", 60.0), ("2d", 172800.0),
+    (" 90 m ", 5400.0), ("0.5s", 0.5), ("30d", 30 * 86400.0),
+])
+def test_parse_interval(text: str, expected: float) -> None:
+    assert parse_interval(text) == expected
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("30", 'expected a time like "30m", "1.5h" or "60s", got "30"'),
+    (1800, 'expected a time like "30m", "1.5h" or "60s", got 1800'),
+    ("5ms", 'expected a time like "30m", "1.5h" or "60s", got "5ms"'),
+    ("30M", 'expected a time like "30m", "1.5h" or "60s", got "30M"'),
+    ("1h30m", 'expected a time like "30m", "1.5h" or "60s", got "1h30m"'),
+    ("0m", 'expected a time above zero, got "0m"'),
+    ("-1h", 'expected a time above zero, got "-1h"'),
+    ("0.0001s", 'expected a time of at least 1ms, got "0.0001s"'),
+    ("31d", 'expected a time of at most 30d, got "31d"'),
+])
+def test_parse_interval_rejects(value: object, message: str) -> None:
+    with pytest.raises(UnitError, match=f"^{re.escape(message)}$"):
+        parse_interval(value)
 
 
 @pytest.mark.parametrize(("bps", "text"), [
