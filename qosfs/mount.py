@@ -76,6 +76,10 @@ class MountConfig:
 
 def check_mount_args(source: str, mountpoint: str) -> None:
     """Fail early, with one line, on everything that would make the mount fail later."""
+    # A stale mount first: mounting in place after a crash, the source is that same dead
+    # mount, and would look missing ("does not exist") until it is cleaned.
+    if _statfs_errno(mountpoint) == errno.ENOTCONN:
+        clean_stale_mount(mountpoint)
     if not os.path.exists(source):
         raise QosfsError(f"source {source} does not exist", EXIT_SOURCE)
     if not os.path.isdir(source):
@@ -97,6 +101,17 @@ def check_mount_args(source: str, mountpoint: str) -> None:
         raise QosfsError("/dev/fuse is missing (load the fuse module)", EXIT_FUSE)
     if os.geteuid() != 0 and shutil.which("fusermount3") is None:
         raise QosfsError("fusermount3 not found (install the fuse3 package)", EXIT_FUSE)
+
+
+def _statfs_errno(path: str) -> int:
+    """statfs, not stat: for up to --attr-timeout after its daemon died, a FUSE mount's
+    root attributes still come from the kernel's cache, so stat succeeds (and the dead
+    mount would look "already mounted by qosfs"); statfs always asks the daemon."""
+    try:
+        os.statvfs(path)
+    except OSError as exc:
+        return exc.errno or 0
+    return 0
 
 
 def mount_type(path: str) -> str | None:
