@@ -66,8 +66,9 @@ install-python:
 install-files:
 	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(UNITDIR) $(DESTDIR)$(DOCDIR)/examples \
 		$(DESTDIR)$(CONFDIR)
-	printf '#!/bin/sh\n# written by make install: qosfs from its virtualenv\nexec %s -P -m qosfs "$$@"\n' \
-		'$(LIBDIR)/bin/python' > $(DESTDIR)$(BINDIR)/qosfs
+	printf '#!/bin/sh\n# written by make install: qosfs from its virtualenv\n' \
+		> $(DESTDIR)$(BINDIR)/qosfs
+	printf 'exec %s -P -m qosfs "$$@"\n' '$(LIBDIR)/bin/python' >> $(DESTDIR)$(BINDIR)/qosfs
 	chmod 0755 $(DESTDIR)$(BINDIR)/qosfs
 	sed 's|/usr/local/|$(PREFIX)/|g' systemd/qosfs@.service > $(DESTDIR)$(UNITDIR)/qosfs@.service
 	chmod 0644 $(DESTDIR)$(UNITDIR)/qosfs@.service

@@ -10,6 +10,10 @@ Order matters and is deliberate:
 4. the child runs pyfuse3 under trio; SIGTERM/SIGINT call ``pyfuse3.terminate()``, which
    lets in-flight requests finish before ``main()`` returns, then the mount is removed.
 
+Under systemd (``Type=notify``, :mod:`qosfs.notify`) the daemon reports ``READY=1`` where
+step 3 reports to the parent, ``STOPPING=1`` as step 4 begins, and ``RELOADING=1`` ...
+``READY=1`` around every policy reload.
+
 The control socket and the metrics listener are bound in step 1 (a busy path or port is
 a clear error, not a half-started daemon) and served from the same trio loop as the
 filesystem (:mod:`qosfs.control`, :mod:`qosfs.exporter`); SIGHUP reloads the policy.
