@@ -1,13 +1,27 @@
 # qosfs: everything a fresh machine needs is installed by these targets.
 #   make demo   install, mount a demo tree with the default policy, run a short workload
 #   make test   install, run the test suite (what .ci/run runs)
+#   make install          qosfs in its own virtualenv, /usr/local/bin/qosfs, the systemd
+#                         unit and the samples (PREFIX, DESTDIR respected)
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-SYSTEM_PACKAGES := fuse3 libfuse3-dev pkg-config fio
+# systemd: systemd-analyze and systemd-escape, which the tests run on the unit.
+SYSTEM_PACKAGES := fuse3 libfuse3-dev pkg-config fio systemd
 
-.PHONY: deps system-deps venv demo test bench bench-quick check clean
+# make install: where things go. DESTDIR stages them (packaging, tests) without touching
+# the real system; the installed files refer to PREFIX paths only.
+PREFIX  ?= /usr/local
+DESTDIR ?=
+BINDIR  := $(PREFIX)/bin
+LIBDIR  := $(PREFIX)/lib/qosfs
+UNITDIR := $(PREFIX)/lib/systemd/system
+DOCDIR  := $(PREFIX)/share/doc/qosfs
+CONFDIR := /etc/qosfs
+
+.PHONY: deps system-deps venv demo test bench bench-quick check clean \
+	install install-python install-files uninstall
 
 deps: system-deps venv
 
@@ -37,6 +51,34 @@ bench: deps
 
 bench-quick: deps
 	$(PY) -m bench all --quick
+
+# qosfs and its dependencies in a virtualenv of their own (pyfuse3 is built against
+# libfuse3, hence system-deps). The launcher runs its python by path, which stays valid
+# when DESTDIR is moved into place; -P keeps the caller's directory off sys.path.
+install: system-deps install-python install-files
+	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
+
+install-python:
+	$(PYTHON) -m venv --clear $(DESTDIR)$(LIBDIR)
+	$(DESTDIR)$(LIBDIR)/bin/python -m pip install -q .
+
+# Everything but the Python package: no network, no compiler.
+install-files:
+	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(UNITDIR) $(DESTDIR)$(DOCDIR)/examples \
+		$(DESTDIR)$(CONFDIR)
+	printf '#!/bin/sh\n# written by make install: qosfs from its virtualenv\n' \
+		> $(DESTDIR)$(BINDIR)/qosfs
+	printf 'exec %s -P -m qosfs "$$@"\n' '$(LIBDIR)/bin/python' >> $(DESTDIR)$(BINDIR)/qosfs
+	chmod 0755 $(DESTDIR)$(BINDIR)/qosfs
+	sed 's|/usr/local/|$(PREFIX)/|g' systemd/qosfs@.service > $(DESTDIR)$(UNITDIR)/qosfs@.service
+	chmod 0644 $(DESTDIR)$(UNITDIR)/qosfs@.service
+	install -m 0644 README.md $(DESTDIR)$(DOCDIR)/README.md
+	install -m 0644 systemd/mnt-mlfs.toml systemd/mnt-mlfs.env $(DESTDIR)$(DOCDIR)/examples/
+
+# Leaves /etc/qosfs (the administrator's policies) alone.
+uninstall:
+	rm -f $(DESTDIR)$(BINDIR)/qosfs $(DESTDIR)$(UNITDIR)/qosfs@.service
+	rm -rf $(DESTDIR)$(LIBDIR) $(DESTDIR)$(DOCDIR)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

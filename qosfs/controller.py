@@ -20,6 +20,7 @@ import os
 import signal
 from collections import Counter
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import trio
@@ -61,6 +62,8 @@ class Controller:
         self.last_reload_ok = True
         self.sampler = RateSampler()
         self.on_swap: list[Callable[[Policy], None]] = []  # e.g. the socket's admin group
+        # Entered around every reload, accepted or not (systemd: RELOADING=1 ... READY=1).
+        self.reloading: Callable[[], AbstractContextManager[object]] = nullcontext
         self._started: float | None = None  # set when run() starts
 
     def __repr__(self) -> str:
@@ -156,6 +159,10 @@ class Controller:
 
     async def reload(self, request: ReloadRequest, who: str) -> dict[str, Any]:
         """Replace the whole policy: the text sent, or the mount's own file re-read."""
+        with self.reloading():
+            return await self._reload(request, who)
+
+    async def _reload(self, request: ReloadRequest, who: str) -> dict[str, Any]:
         refused = self._unavailable("reload")
         if refused is not None:
             self.last_reload_ok = False

@@ -1,7 +1,10 @@
 """Logging set-up: stderr in the foreground, journald/syslog or a file for a daemon.
 
-Under systemd (``$JOURNAL_STREAM`` or ``$INVOCATION_ID`` set) stderr goes to the journal,
-so records carry a ``<N>`` syslog priority prefix the journal understands.
+When stderr is the journal (systemd's ``StandardError=journal``, the default for a unit:
+``$JOURNAL_STREAM`` names stderr's device and inode) records go there with a ``<N>``
+syslog priority prefix on every line, which the journal turns into the entry's priority
+(``journalctl -p warning``). A daemonized mount (no ``--foreground``) loses its stderr, so
+it logs to syslog instead, which the journal also collects with priorities.
 """
 
 from __future__ import annotations
@@ -20,12 +23,28 @@ class _JournalFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         prio = _PRIORITY.get(record.levelname, 6)
-        return f"<{prio}>{record.name}: {record.getMessage()}" + (
-            "\n" + self.formatException(record.exc_info) if record.exc_info else "")
+        text = f"{record.name}: {record.getMessage()}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        # The journal reads stderr line by line: a traceback's lines each need the prefix.
+        return "\n".join(f"<{prio}>{line}" for line in text.splitlines())
 
 
 def under_systemd() -> bool:
-    return bool(os.environ.get("JOURNAL_STREAM") or os.environ.get("INVOCATION_ID"))
+    """Whether stderr is connected to the journal.
+
+    ``$JOURNAL_STREAM`` (``DEVICE:INODE``) is inherited by children too, so it counts only
+    when it names this process's stderr (systemd.exec(5)); ``$INVOCATION_ID`` alone says
+    nothing about where stderr goes (``StandardError=file:...``, a redirected child).
+    """
+    stream = os.environ.get("JOURNAL_STREAM")
+    if not stream:
+        return False
+    try:
+        st = os.fstat(2)
+    except OSError:
+        return False
+    return stream == f"{st.st_dev}:{st.st_ino}"
 
 
 def setup_logging(debug: bool, daemon: bool = False, log_file: str | None = None) -> None:
@@ -38,7 +57,7 @@ def setup_logging(debug: bool, daemon: bool = False, log_file: str | None = None
     if log_file:
         handler = logging.FileHandler(log_file)
         handler.setFormatter(logging.Formatter(_FORMAT))
-    elif under_systemd():
+    elif under_systemd() and not daemon:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(_JournalFormatter())
     elif daemon and os.path.exists("/dev/log"):

@@ -10,6 +10,10 @@ Order matters and is deliberate:
 4. the child runs pyfuse3 under trio; SIGTERM/SIGINT call ``pyfuse3.terminate()``, which
    lets in-flight requests finish before ``main()`` returns, then the mount is removed.
 
+Under systemd (``Type=notify``, :mod:`qosfs.notify`) the daemon reports ``READY=1`` where
+step 3 reports to the parent, ``STOPPING=1`` as step 4 begins, and ``RELOADING=1`` ...
+``READY=1`` around every policy reload.
+
 The control socket and the metrics listener are bound in step 1 (a busy path or port is
 a clear error, not a half-started daemon) and served from the same trio loop as the
 filesystem (:mod:`qosfs.control`, :mod:`qosfs.exporter`); SIGHUP reloads the policy.
@@ -26,8 +30,8 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable, Sequence
-from contextlib import ExitStack
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +45,7 @@ from qosfs.controller import Controller
 from qosfs.errors import EXIT_FUSE, EXIT_MOUNTPOINT, EXIT_SOURCE, QosfsError
 from qosfs.exporter import MetricsServer
 from qosfs.fs import FsOptions, PassthroughOperations
+from qosfs.notify import notify, reloading
 from qosfs.policy import default_policy, load_policy
 from qosfs.protocol import default_socket_path
 from qosfs.qos import PassThroughQos, QosEngine
@@ -76,6 +81,10 @@ class MountConfig:
 
 def check_mount_args(source: str, mountpoint: str) -> None:
     """Fail early, with one line, on everything that would make the mount fail later."""
+    # A stale mount first: mounting in place after a crash, the source is that same dead
+    # mount, and would look missing ("does not exist") until it is cleaned.
+    if _statfs_errno(mountpoint) == errno.ENOTCONN:
+        clean_stale_mount(mountpoint)
     if not os.path.exists(source):
         raise QosfsError(f"source {source} does not exist", EXIT_SOURCE)
     if not os.path.isdir(source):
@@ -97,6 +106,17 @@ def check_mount_args(source: str, mountpoint: str) -> None:
         raise QosfsError("/dev/fuse is missing (load the fuse module)", EXIT_FUSE)
     if os.geteuid() != 0 and shutil.which("fusermount3") is None:
         raise QosfsError("fusermount3 not found (install the fuse3 package)", EXIT_FUSE)
+
+
+def _statfs_errno(path: str) -> int:
+    """statfs, not stat: for up to --attr-timeout after its daemon died, a FUSE mount's
+    root attributes still come from the kernel's cache, so stat succeeds (and the dead
+    mount would look "already mounted by qosfs"); statfs always asks the daemon."""
+    try:
+        os.statvfs(path)
+    except OSError as exc:
+        return exc.errno or 0
+    return 0
 
 
 def mount_type(path: str) -> str | None:
@@ -203,6 +223,7 @@ def _open_services(cfg: MountConfig, mountpoint: str, engine: Any,
     controller = Controller(engine, cfg.policy_path,
                             {"source": source, "mountpoint": mountpoint, "socket": path})
     controller.on_swap.append(lambda p: control.set_admin_group(p.control.admin_gid))
+    controller.reloading = _notify_reloading
     services: list[Service] = [controller.run, functools.partial(control.serve,
                                                                  controller.handle)]
     log.info("control socket %s", path)
@@ -222,7 +243,8 @@ async def _serve(cfg: MountConfig, mountpoint: str, engine: QosEngine,
             await nursery.start(service)
         nursery.start_soon(_become_ready, cfg, mountpoint, on_ready)
         await pyfuse3.main(min_tasks=MIN_TASKS, max_tasks=MAX_TASKS)
-        nursery.cancel_scope.cancel()  # the kernel ended the session (fusermount3 -u)
+        _notify_stopping()  # the kernel ended the session (fusermount3 -u)
+        nursery.cancel_scope.cancel()
 
 
 async def _become_ready(cfg: MountConfig, mountpoint: str,
@@ -231,8 +253,29 @@ async def _become_ready(cfg: MountConfig, mountpoint: str,
     st = await trio.to_thread.run_sync(os.stat, mountpoint)
     tuning.tune_connection(st.st_dev, cfg.max_background, cfg.read_ahead_kb)
     log.info("qosfs serving %s on %s", cfg.source, mountpoint)
-    if on_ready is not None:
-        on_ready()
+    # The services were started (listening) before this task: all three now answer.
+    (on_ready or _notify_ready)()
+
+
+def _notify_ready() -> None:
+    """Tell systemd (Type=notify) the mount, the control socket and /metrics answer."""
+    notify("READY=1")
+
+
+@functools.cache  # once per process, whichever comes first: a signal or the kernel
+def _notify_stopping() -> bool:
+    return notify("STOPPING=1")
+
+
+@contextmanager
+def _notify_reloading() -> Iterator[None]:
+    """RELOADING=1 ... READY=1 around a policy reload (SIGHUP, ``ctl reload``), accepted
+    or not: either way the daemon serves again afterwards."""
+    notify(reloading())
+    try:
+        yield
+    finally:
+        notify("READY=1")
 
 
 async def _watch_signals(engine: QosEngine) -> None:
@@ -242,6 +285,7 @@ async def _watch_signals(engine: QosEngine) -> None:
                      signal.Signals(signum).name)
             # No new request is read after terminate(); those already read, including
             # the ones parked for tokens, are served -- at once, since limits are lifted.
+            _notify_stopping()
             engine.drain()
             pyfuse3.terminate()
             return
@@ -256,6 +300,8 @@ def daemonize_and_mount(cfg: MountConfig) -> int:
         with os.fdopen(read_end, "rb") as pipe:
             report = pipe.read().decode(errors="replace")
         if report.startswith("OK"):
+            # Under Type=notify without --foreground: the daemon is the child, not us.
+            notify(f"MAINPID={pid}\nREADY=1")
             return 0
         _, waited = os.waitpid(pid, 0)
         code = os.waitstatus_to_exitcode(waited)

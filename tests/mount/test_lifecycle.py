@@ -127,6 +127,31 @@ def test_stale_mount_after_kill_9_is_recovered_and_fsynced_data_kept(tmp_tree: P
 
 
 @pytest.mark.root
+def test_in_place_mount_recovers_at_once_after_kill_9(tmp_tree: Path) -> None:
+    """In place, the source is the dead mount itself; and right after the crash its root's
+    attributes are still cached, so only asking the daemon (statfs) reveals it is gone."""
+    src = tmp_tree / "mlfs"
+    src.mkdir()
+    m = QosfsMount(src, src).start()
+    try:
+        with open(src / "durable", "wb") as f:
+            f.write(b"d" * 100_000)
+            os.fsync(f.fileno())
+        assert m.proc is not None
+        m.proc.kill()
+        m.proc.wait(10)
+        m2 = QosfsMount(src, src, log_path=tmp_tree / "second.log").start()
+        try:
+            assert (src / "durable").read_bytes() == b"d" * 100_000
+            assert "stale mount" in m2.log()
+        finally:
+            assert m2.stop() == 0
+    finally:
+        m.stop()
+    assert not is_mounted(src)
+
+
+@pytest.mark.root
 def test_forgotten_inodes_release_their_descriptors(qmount) -> None:
     tree = qmount.source / "many"
     tree.mkdir()
