@@ -90,7 +90,8 @@ def test_write_cap_holds_and_uncapped_class_is_not_slowed(policy_mount) -> None:
     capped.join()
     expected = (100 - 4) / 40  # the burst goes at once, the rest at the cap
     assert expected * 0.85 <= results["capped"] <= expected * 1.15, results
-    assert results["free"] < results["capped"] / 3, results
+    # Uncapped: 100 MiB in well under the capped writer's 2.4 s, even on a loaded machine.
+    assert results["free"] < results["capped"] / 2, results
     assert (policy_mount.source / "capped" / "ckpt").stat().st_size == 100 * MiB
 
 

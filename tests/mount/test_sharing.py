@@ -79,7 +79,7 @@ def _rate(marks: list[tuple[float, int]], t0: float, t1: float) -> float:
 
 SHARING_POLICY = """
 [backend]
-write_bandwidth = "80MiB/s"
+write_bandwidth = "40MiB/s"
 
 [classes.fast]
 paths = ["fast/**"]
@@ -92,7 +92,7 @@ priority = "low"
 """
 
 
-@pytest.mark.parametrize("expect_slow", [20.0, None], ids=["min-20MiB", "no-min"])
+@pytest.mark.parametrize("expect_slow", [10.0, None], ids=["min-10MiB", "no-min"])
 def test_backend_is_shared_by_minimum_then_priority(tmp_tree: Path,
                                                     expect_slow: float | None) -> None:
     src, mnt = _dirs(tmp_tree, "fast", "slow")
@@ -105,13 +105,14 @@ def test_backend_is_shared_by_minimum_then_priority(tmp_tree: Path,
         slow = _start_writer(mnt / "slow" / "s", 4.0, start)
         fast_marks, slow_marks = _marks(fast), _marks(slow)
     fast_rate, slow_rate = _rate(fast_marks, 1.0, 4.0), _rate(slow_marks, 1.0, 4.0)
-    assert fast_rate + slow_rate <= 80 * 1.1, (fast_rate, slow_rate)  # the backend holds
+    # A 40 MiB/s backend: low enough that even a loaded 2-core machine contends for it.
+    assert fast_rate + slow_rate <= 40 * 1.1, (fast_rate, slow_rate)  # the backend holds
     if expect_slow is not None:  # the minimum is met, the high class gets the rest
         assert expect_slow * 0.75 <= slow_rate <= expect_slow * 1.3, (fast_rate, slow_rate)
-        assert fast_rate >= (80 - expect_slow) * 0.75, (fast_rate, slow_rate)
+        assert fast_rate >= (40 - expect_slow) * 0.75, (fast_rate, slow_rate)
     else:  # weights 100:1 -- the low class is slowed to a trickle, not stopped
-        assert 0 < slow_rate <= 4, (fast_rate, slow_rate)
-        assert fast_rate >= 80 * 0.8, (fast_rate, slow_rate)
+        assert 0 < slow_rate <= 2, (fast_rate, slow_rate)
+        assert fast_rate >= 40 * 0.75, (fast_rate, slow_rate)
 
 
 @pytest.mark.root
