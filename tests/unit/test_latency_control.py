@@ -303,3 +303,37 @@ async def test_unreachable_target_keeps_the_floor_and_recovers() -> None:
     # The four writes parked at 1 MiB/s when the storm ends drain by t=12; then the class
     # is idle under its cap and released, though the target is still missed.
     assert trace[-1]["cap"] is None and trace[-1]["state"] == "unreachable"
+
+
+# ------------------------------------------------------------------ what status shows
+
+
+@mock_clock
+async def test_status_top_and_metrics_show_the_controller() -> None:
+    from qosfs.ctl import format_latency, format_levels
+    from qosfs.metrics import render
+    from qosfs.snapshot import take_snapshot, to_json
+
+    engine = PolicyQos(policy())
+    control = LatencyControl(engine)
+    control._sync_policy()
+    control.controller.step(0.0, ds(0.006), ck(write=100 * MiB))
+    control._apply(control.controller.caps())
+    snap = take_snapshot(engine, trio.current_time(), latency=control.status())
+    body = to_json(snap, None, accounts=False)
+    lc = body["latency_control"]
+    assert lc["state"] == "throttling"
+    assert lc["throttled"] == [{"class": "checkpoints", "read_bandwidth": None,
+                                "write_bandwidth": 70 * MiB}]
+    assert lc["protected"][0]["target_seconds"] == 0.005
+    level = next(lv for lv in body["levels"] if lv["name"] == "checkpoints")
+    assert level["limits"] == {"write_bandwidth": 70 * MiB}
+    assert level["auto_limits"] == {"write_bandwidth": 70 * MiB}
+    assert any("(auto)" in line for line in format_levels(body))
+    text = "\n".join(format_latency(body))
+    assert "latency control: throttling" in text and "checkpoints: capped w:70MiB/s" in text
+    metrics = render(snap).decode()
+    assert 'qosfs_latency_control_state{state="throttling"} 1.0' in metrics
+    assert ('qosfs_latency_auto_limit_bytes_per_second{class="checkpoints",'
+            'direction="write"} 7.340032e+07') in metrics
+    assert 'qosfs_latency_target_seconds{class="datasets"} 0.005' in metrics
