@@ -4,6 +4,7 @@ Suites:
   demo       a one-minute look at what QoS does for a dataset reader
   overhead   pass-through cost: each workload on native tmpfs and through qosfs (no policy)
   live-change  how fast a raised cap (ctl set / reload) reaches a writer already waiting
+  latency-target  a reader's latency target held against an uncapped checkpoint storm
 
 More suites (cap accuracy, isolation) plug in as further subcommands.
 """
@@ -51,7 +52,17 @@ def main(argv: list[str] | None = None) -> int:
     lc = sub.add_parser("live-change", help="delay until a raised cap reaches a parked writer")
     lc.add_argument("--out", type=Path, default=live_change.default_out(),
                     help="directory for live-change.md and .json (default: bench/results)")
+    from bench import latency_target
+
+    lt = sub.add_parser("latency-target",
+                        help="a reader's latency target against an uncapped checkpoint storm")
+    lt.add_argument("--quick", action="store_true", help="shorter phases (about 40 s)")
+    lt.add_argument("--out", type=Path, default=latency_target.default_out(),
+                    help="directory for latency-target.md and .json (default: bench/results)")
     args = parser.parse_args(argv)
+    if args.suite == "latency-target":
+        signal.signal(signal.SIGTERM, _terminate)
+        return latency_target.run(args.out, quick=args.quick)
     if args.suite == "demo":
         from bench import demo
 

@@ -22,6 +22,11 @@ request waited for tokens and the nanoseconds the backing syscall took (one
   the backing syscall alone. The second is the backend latency a latency-target
   controller needs per protected class and short window: take
   :meth:`Accounts.histogram` twice and subtract (:meth:`HistogramSnapshot.__sub__`).
+* Factor-2 buckets are too coarse to hold a target: a 5 ms target would be judged on the
+  4.1 ms / 8.2 ms bounds. The classes with a latency target (:mod:`qosfs.latency_control`)
+  therefore also record their read backend times in a :class:`FineHistogram` (8 buckets
+  per power of two, quantiles within 12.5 %), switched on per class
+  (:meth:`Accounts.set_fine_classes`) so other classes pay one ``is None`` test.
 
 Keys live as long as the policy has their class and tenant (:meth:`Accounts.retain`), so
 a Prometheus counter only ever restarts when its class was removed and came back.
@@ -36,6 +41,7 @@ __all__ = [
     "BUCKET_BOUNDS_SECONDS",
     "Accounts",
     "AccountKey",
+    "FineHistogram",
     "FlowSnapshot",
     "FlowStats",
     "HistogramSnapshot",
@@ -132,6 +138,86 @@ class HistogramSnapshot:
         return float("inf")  # pragma: no cover - the last bucket always reaches total
 
 
+#: FineHistogram: 8 sub-buckets per power of two of microseconds, up to 2**FINE_OCTAVES us.
+FINE_SUB = 8
+FINE_OCTAVES = 25
+_FINE_TOP = (FINE_OCTAVES - 2) * FINE_SUB  # index of the overflow slot
+
+
+def fine_index(ns: int) -> int:
+    """The :class:`FineHistogram` slot of a duration: exact below 8 us, then 8 per octave."""
+    us = ns // 1000 if ns > 0 else 0
+    b = us.bit_length()
+    if b <= 3:
+        return us
+    i = (b - 3) * FINE_SUB + (us >> (b - 4)) - FINE_SUB
+    return i if i < _FINE_TOP else _FINE_TOP
+
+
+def fine_upper_bound(i: int) -> float:
+    """Seconds: the exclusive upper bound of slot ``i`` (inf for the overflow slot)."""
+    if i >= _FINE_TOP:
+        return float("inf")
+    if i < FINE_SUB:
+        return (i + 1) * 1e-6
+    b, m = i // FINE_SUB + 3, FINE_SUB + i % FINE_SUB
+    return ((m + 1) << (b - 4)) * 1e-6
+
+
+class FineHistogram:
+    """Log-linear latency counts (8 per octave): what a latency target is judged on.
+
+    Slot ``i`` of a duration is :func:`fine_index`; quantiles are the upper bound of the
+    slot holding the rank, so an estimate is never low and at most 12.5 % high (factor-2
+    buckets: up to 100 %). Counts only; take :meth:`snapshot` twice and subtract for a
+    window. One writer at a time (the event loop, or one probe thread): ``counts`` is a
+    list of ints, and a reader on another thread copies it with ``tuple()``, which holds
+    the GIL, so it sees each slot either before or after an increment.
+
+    Example:
+        >>> h = FineHistogram()
+        >>> for ns in (1_000_000,) * 98 + (4_500_000, 9_000_000):
+        ...     h.observe(ns)
+        >>> round(FineHistogram.quantile(h.snapshot(), 0.99) * 1e3, 3)   # ms
+        4.608
+    """
+
+    __slots__ = ("counts",)
+
+    def __init__(self) -> None:
+        self.counts = [0] * (_FINE_TOP + 1)
+
+    def observe(self, ns: int) -> None:
+        self.counts[fine_index(ns)] += 1
+
+    def snapshot(self) -> tuple[int, ...]:
+        return tuple(self.counts)
+
+    @staticmethod
+    def window(now: tuple[int, ...], before: tuple[int, ...] | None) -> tuple[int, ...]:
+        """The counts observed between two snapshots (``before`` None: since the start)."""
+        if before is None:
+            return now
+        return tuple(a - b for a, b in zip(now, before, strict=True))
+
+    @staticmethod
+    def quantile(counts: tuple[int, ...], q: float) -> float | None:
+        """Upper bound of the slot holding quantile ``q`` of ``counts``; None when empty."""
+        total = sum(counts)
+        if total == 0:
+            return None
+        rank = q * total
+        seen = 0
+        for i, n in enumerate(counts):
+            seen += n
+            if n and seen >= rank:
+                return fine_upper_bound(i)
+        return float("inf")  # pragma: no cover - rounding only
+
+    def __repr__(self) -> str:
+        return f"<FineHistogram count={sum(self.counts)}>"
+
+
 @dataclass(frozen=True, slots=True)
 class FlowSnapshot:
     """A frozen copy of one :class:`FlowStats`."""
@@ -169,9 +255,9 @@ def _record(backend: LatencyHistogram, whole: LatencyHistogram, ns: int, waited:
 class FlowStats:
     """The traffic of one (class, tenant, uid): what moved, how long it waited and took."""
 
-    __slots__ = ("meta_ops", "read_backend", "read_bytes", "read_latency", "read_ops",
-                 "throttled_seconds", "write_backend", "write_bytes", "write_latency",
-                 "write_ops")
+    __slots__ = ("meta_ops", "read_backend", "read_bytes", "read_fine", "read_latency",
+                 "read_ops", "throttled_seconds", "write_backend", "write_bytes",
+                 "write_latency", "write_ops")
 
     def __init__(self) -> None:
         self.read_bytes = self.write_bytes = 0
@@ -181,6 +267,8 @@ class FlowStats:
         self.write_latency = LatencyHistogram()
         self.read_backend = LatencyHistogram()  # the backing syscall alone
         self.write_backend = LatencyHistogram()
+        # Read backend times at fine resolution, only for classes with a latency target.
+        self.read_fine: FineHistogram | None = None
 
     def record_read(self, nbytes: int, waited: float, backend_ns: int) -> None:
         """Count one read of ``nbytes`` that waited ``waited`` s and took ``backend_ns``.
@@ -193,6 +281,8 @@ class FlowStats:
         _record(self.read_backend, self.read_latency, backend_ns, waited)
         if waited:
             self.throttled_seconds += waited
+        if self.read_fine is not None:
+            self.read_fine.observe(backend_ns)
 
     def record_write(self, nbytes: int, waited: float, backend_ns: int) -> None:
         """Count one write; see :meth:`record_read`."""
@@ -216,10 +306,11 @@ class FlowStats:
 class Accounts:
     """The :class:`FlowStats` of every (class, tenant, uid) that had an open or a request."""
 
-    __slots__ = ("_stats",)
+    __slots__ = ("_fine", "_stats")
 
     def __init__(self) -> None:
         self._stats: dict[AccountKey, FlowStats] = {}
+        self._fine: frozenset[str] = frozenset()
 
     def get(self, cls: str, tenant: str | None, uid: int | None) -> FlowStats:
         """The stats of a key, created on first use (at open, never per request)."""
@@ -227,7 +318,29 @@ class Accounts:
         stats = self._stats.get(key)
         if stats is None:
             stats = self._stats[key] = FlowStats()
+            if cls in self._fine:
+                stats.read_fine = FineHistogram()
         return stats
+
+    def set_fine_classes(self, classes: frozenset[str]) -> None:
+        """Record fine read backend histograms for exactly these classes from now on."""
+        if classes == self._fine:
+            return
+        self._fine = classes
+        for (cls, _, _), stats in self._stats.items():
+            if cls not in classes:
+                stats.read_fine = None
+            elif stats.read_fine is None:
+                stats.read_fine = FineHistogram()
+
+    def fine_by_key(self, cls: str) -> dict[AccountKey, tuple[int, ...]]:
+        """Per key of class ``cls``: its fine read backend counts (keys recording them).
+
+        Keys come and go between two samples (a swap retires some, a new uid adds one):
+        difference per key, treating a new key as starting from zero.
+        """
+        return {key: s.read_fine.snapshot() for key, s in self._stats.items()
+                if key[0] == cls and s.read_fine is not None}
 
     def retain(self, keep: Callable[[AccountKey], bool]) -> None:
         """Forget every key ``keep`` rejects (after a policy swap re-bound the flows)."""

@@ -51,11 +51,13 @@ class Controller:
         policy_path: the file the mount was started with (``reload`` without a file and
             SIGHUP re-read it); None: the embedded default policy.
         info: shown in status (source, mountpoint, socket...).
+        latency: the mount's :class:`~qosfs.latency_control.LatencyControl` (status only).
     """
 
     def __init__(self, engine: Any, policy_path: str | None = None,
-                 info: dict[str, Any] | None = None) -> None:
+                 info: dict[str, Any] | None = None, latency: Any = None) -> None:
         self.engine = engine
+        self.latency = latency  # a qosfs.latency_control.LatencyControl, shown in status
         self.policy_path = policy_path
         self.info = dict(info or {})
         self.changes: Counter[tuple[str, str]] = Counter()
@@ -83,7 +85,8 @@ class Controller:
         info = {**self.info, "pid": os.getpid(), "version": __version__,
                 "uptime_seconds": now - started}
         return take_snapshot(self.engine, now, changes=dict(self.changes),
-                             last_reload_ok=self.last_reload_ok, info=info)
+                             last_reload_ok=self.last_reload_ok, info=info,
+                             latency=self.latency.status() if self.latency else None)
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Sample rates every second and reload on SIGHUP, until cancelled."""

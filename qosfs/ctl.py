@@ -197,7 +197,10 @@ def format_levels(reply: dict[str, Any]) -> list[str]:
     for lv in reply.get("levels", []):
         rates = lv["rates"]
         ops = rates["read_ops"] + rates["write_ops"] + rates["meta_ops"]
-        rows.append([lv["level"], level_name(lv), format_limits(lv["limits"]),
+        limits = format_limits(lv["limits"])
+        if lv.get("auto_limits"):
+            limits += " (auto)"  # lowered by the latency controller
+        rows.append([lv["level"], level_name(lv), limits,
                      human_bytes(rates["read_bytes"], "/s"),
                      human_bytes(rates["write_bytes"], "/s"), human_count(ops),
                      str(lv["queue_depth"]), human_seconds(lv["throttled_seconds"])])
@@ -227,10 +230,32 @@ def format_header(reply: dict[str, Any]) -> list[str]:
     return lines
 
 
+def format_latency(reply: dict[str, Any]) -> list[str]:
+    """The latency controller's state, one line per protected and per capped class."""
+    lc = reply.get("latency_control")
+    if not lc or not lc.get("protected"):
+        return []
+    lines = [f"latency control: {lc['state']} (window {lc['window_seconds']:g}s, "
+             f"{lc['decisions']['decrease']} decreases, {lc['decisions']['increase']} "
+             f"increases, {lc['decisions']['release']} releases)"]
+    for p in lc["protected"]:
+        pct = f"p{p['percentile']:g}"
+        lines.append(f"  {p['class']}: {pct} {p['measure']} "
+                     f"{human_seconds(p['latency_seconds'])} / target "
+                     f"{human_seconds(p['target_seconds'])}  {p['verdict']}")
+    for t in lc["throttled"]:
+        caps = {k: v for k, v in (("read_bandwidth", t["read_bandwidth"]),
+                                  ("write_bandwidth", t["write_bandwidth"])) if v is not None}
+        lines.append(f"  {t['class']}: capped {format_limits(caps)}")
+    return lines
+
+
 def format_status(reply: dict[str, Any]) -> str:
     window = reply.get("window_seconds") or 0.0
     note = f"rates over the last {window:.1f}s" if window else "rates: no sample yet"
-    return "\n".join([*format_header(reply), note, "", *format_levels(reply)]) + "\n"
+    latency = format_latency(reply)
+    return "\n".join([*format_header(reply), note, "", *format_levels(reply),
+                      *([""] + latency if latency else [])]) + "\n"
 
 
 def format_stats(reply: dict[str, Any]) -> str:

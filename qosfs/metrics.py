@@ -19,6 +19,14 @@ Enforcement, per level ``{level, name, uid}`` (level: class, user, tenant, backe
 ``qosfs_limit_bytes_per_second{direction}``, ``qosfs_limit_ops_per_second{op}`` (caps in
 force; unlimited ones are absent).
 
+Latency control (:mod:`qosfs.latency_control`), when some class has a target:
+``qosfs_latency_target_seconds{class}``, ``qosfs_latency_observed_seconds{class}`` (the
+estimate of the last window; absent when not judged), ``qosfs_latency_target_met{class}``
+(1 met or idle, 0 missed), ``qosfs_latency_control_state{state}`` (1 for the current one
+of idle, watching, throttling, unreachable), ``qosfs_latency_auto_limit_bytes_per_second
+{class, direction}`` (automatic caps; the cap in force is in ``qosfs_limit_...``) and
+``qosfs_latency_control_decisions_total{action}`` (decrease, increase, release).
+
 Policy: ``qosfs_policy_generation``, ``qosfs_policy_changes_total{command, result}``
 (command: set, reload; result: applied, rejected), ``qosfs_policy_last_reload_success``.
 """
@@ -69,6 +77,7 @@ class SnapshotCollector:
     def collect(self) -> Iterator[Metric]:
         yield from self._traffic()
         yield from self._levels()
+        yield from self._latency()
         yield from self._policy()
 
     def _traffic(self) -> Iterator[Metric]:
@@ -128,6 +137,44 @@ class SnapshotCollector:
                 else:
                     iops.add_metric([*labels, kind], value)
         yield from (depth, throttled, bandwidth, iops)
+
+    def _latency(self) -> Iterator[Metric]:
+        lc = self.snap.latency
+        if not lc or not lc.get("protected"):
+            return
+        target = GaugeMetricFamily("qosfs_latency_target_seconds",
+                                   "Read latency target of a protected class.",
+                                   labels=["class"], unit="seconds")
+        observed = GaugeMetricFamily(
+            "qosfs_latency_observed_seconds",
+            "Estimated read latency percentile of a protected class over the last window.",
+            labels=["class"], unit="seconds")
+        met = GaugeMetricFamily("qosfs_latency_target_met",
+                                "1 if the last window met the target (or had no reads).",
+                                labels=["class"])
+        for p in lc["protected"]:
+            target.add_metric([p["class"]], p["target_seconds"])
+            if p["latency_seconds"] is not None:
+                observed.add_metric([p["class"]], p["latency_seconds"])
+            met.add_metric([p["class"]], 0.0 if p["verdict"] == "missed" else 1.0)
+        state = GaugeMetricFamily("qosfs_latency_control_state",
+                                  "1 for the latency controller's current state.",
+                                  labels=["state"])
+        for name in ("idle", "watching", "throttling", "unreachable"):
+            state.add_metric([name], 1.0 if lc["state"] == name else 0.0)
+        auto = GaugeMetricFamily("qosfs_latency_auto_limit_bytes_per_second",
+                                 "Bandwidth cap set by the latency controller.",
+                                 labels=["class", "direction"])
+        for t in lc["throttled"]:
+            for direction in ("read", "write"):
+                if t[f"{direction}_bandwidth"] is not None:
+                    auto.add_metric([t["class"], direction], t[f"{direction}_bandwidth"])
+        decisions = CounterMetricFamily("qosfs_latency_control_decisions",
+                                        "Cap changes made by the latency controller.",
+                                        labels=["action"])
+        for action, n in lc["decisions"].items():
+            decisions.add_metric([action], n)
+        yield from (target, observed, met, state, auto, decisions)
 
     def _policy(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("qosfs_policy_generation",

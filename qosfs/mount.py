@@ -45,6 +45,8 @@ from qosfs.controller import Controller
 from qosfs.errors import EXIT_FUSE, EXIT_MOUNTPOINT, EXIT_SOURCE, QosfsError
 from qosfs.exporter import MetricsServer
 from qosfs.fs import FsOptions, PassthroughOperations
+from qosfs.latency_control import LatencyControl
+from qosfs.latency_probe import LatencyProbe
 from qosfs.notify import notify, reloading
 from qosfs.policy import default_policy, load_policy
 from qosfs.protocol import default_socket_path
@@ -190,15 +192,17 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
     engine: QosEngine = PolicyQos(policy) if cfg.qos else PassThroughQos()
     ops = PassthroughOperations(root_fd, BackingIO(mode), engine, cfg.fs_options)
     mountpoint = os.path.realpath(cfg.mountpoint)  # resolved before we serve it
+    latency = (LatencyControl(engine, LatencyProbe(mountpoint, ops.probe_tids))
+               if isinstance(engine, PolicyQos) else None)
     with ExitStack() as stack:
-        services = _open_services(cfg, mountpoint, engine, stack)
+        services = _open_services(cfg, mountpoint, engine, stack, latency)
         try:
             pyfuse3.init(ops, mountpoint, _fuse_options(cfg, backing_options))
         except RuntimeError as exc:
             raise QosfsError(f"mounting {mountpoint} failed: {exc}", EXIT_FUSE) from None
         unmounted_by_us = False
         try:
-            trio.run(_serve, cfg, mountpoint, engine, on_ready, services)
+            trio.run(_serve, cfg, mountpoint, engine, on_ready, services, latency)
             unmounted_by_us = True
         finally:
             still_mounted = mount_type(mountpoint) == "fuse.qosfs"
@@ -212,8 +216,8 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
 Service = Callable[..., Awaitable[Any]]
 
 
-def _open_services(cfg: MountConfig, mountpoint: str, engine: Any,
-                   stack: ExitStack) -> list[Service]:
+def _open_services(cfg: MountConfig, mountpoint: str, engine: Any, stack: ExitStack,
+                   latency: LatencyControl | None = None) -> list[Service]:
     """Bind the control socket (and metrics port) now; closed when ``stack`` unwinds."""
     source = os.path.abspath(cfg.source)
     path = os.path.abspath(cfg.socket_path or default_socket_path(mountpoint))
@@ -221,11 +225,14 @@ def _open_services(cfg: MountConfig, mountpoint: str, engine: Any,
     control = ControlSocket(path, policy.control.admin_gid if policy is not None else None)
     stack.callback(control.close)
     controller = Controller(engine, cfg.policy_path,
-                            {"source": source, "mountpoint": mountpoint, "socket": path})
+                            {"source": source, "mountpoint": mountpoint, "socket": path},
+                            latency=latency)
     controller.on_swap.append(lambda p: control.set_admin_group(p.control.admin_gid))
     controller.reloading = _notify_reloading
     services: list[Service] = [controller.run, functools.partial(control.serve,
                                                                  controller.handle)]
+    if latency is not None:
+        services.append(latency.run)
     log.info("control socket %s", path)
     if cfg.metrics is not None:
         metrics = MetricsServer(cfg.metrics, controller.snapshot)
@@ -236,9 +243,10 @@ def _open_services(cfg: MountConfig, mountpoint: str, engine: Any,
 
 
 async def _serve(cfg: MountConfig, mountpoint: str, engine: QosEngine,
-                 on_ready: Callable[[], None] | None, services: Sequence[Service] = ()) -> None:
+                 on_ready: Callable[[], None] | None, services: Sequence[Service] = (),
+                 latency: LatencyControl | None = None) -> None:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_watch_signals, engine)
+        nursery.start_soon(_watch_signals, engine, latency)
         for service in services:  # already bound: "started" means "answering"
             await nursery.start(service)
         nursery.start_soon(_become_ready, cfg, mountpoint, on_ready)
@@ -278,11 +286,13 @@ def _notify_reloading() -> Iterator[None]:
         notify("READY=1")
 
 
-async def _watch_signals(engine: QosEngine) -> None:
+async def _watch_signals(engine: QosEngine, latency: LatencyControl | None = None) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             log.info("received %s: finishing in-flight requests, then unmounting",
                      signal.Signals(signum).name)
+            if latency is not None:  # its canary must not be left waiting on the mount
+                await latency.stop_probe()
             # No new request is read after terminate(); those already read, including
             # the ones parked for tokens, are served -- at once, since limits are lifted.
             _notify_stopping()

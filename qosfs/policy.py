@@ -32,8 +32,11 @@ Schema (every key optional)::
     per_user = "none"             # "fair": active uids share the class's limits equally
     cache = "auto"                # "auto": classes with a read cap bypass the page cache;
                                   # "keep"; "direct"
-    target_read_latency = "5ms"   # reserved: parsed, not yet enforced
-    latency_percentile = 99       # reserved, 0 < p < 100
+    target_read_latency = "5ms"   # protect this class's reads: lower-priority classes are
+    latency_percentile = 99       # capped automatically while the percentile (0 < p < 100)
+    latency_measure = "request"   # of its read latency over a window misses the target;
+                                  # "request": as a caller waits for it (queue + backend),
+                                  # "backend": the backing syscall only (qosfs.latency_control)
     [classes.default]             # always exists and always last; limits only, no criteria
 
 Limit keys (backend, tenants, classes): ``read_bandwidth``, ``write_bandwidth`` (like
@@ -74,15 +77,17 @@ CAP_KEYS = ("read_bandwidth", "write_bandwidth", "read_iops", "write_iops", "met
 LIMIT_KEYS = (*CAP_KEYS, "burst", "burst_iops")
 MATCH_KEYS = ("paths", "uids", "gids", "tenants", "ops", "job_env", "jobs", "cgroups")
 CLASS_SETTINGS = ("priority", "min_read_bandwidth", "min_write_bandwidth", "per_user", "cache",
-                  "target_read_latency", "latency_percentile")
+                  "target_read_latency", "latency_percentile", "latency_measure")
 CLASS_KEYS = (*MATCH_KEYS, *CLASS_SETTINGS, *LIMIT_KEYS)
 TENANT_KEYS = ("uids", "gids", "paths", *LIMIT_KEYS)
 SETTABLE = {"backend": LIMIT_KEYS, "tenant": LIMIT_KEYS,
             "class": (*LIMIT_KEYS, "min_read_bandwidth", "min_write_bandwidth", "priority",
-                      "per_user", "cache")}
+                      "per_user", "cache", "target_read_latency", "latency_percentile",
+                      "latency_measure")}
 PRIORITY_WEIGHTS = {"low": 1, "normal": 10, "high": 100}
 OPS = ("read", "write", "meta")
 CACHE_MODES = ("auto", "keep", "direct")
+LATENCY_MEASURES = ("request", "backend")
 BURST_SECONDS = 0.1
 MIN_BURST_BYTES = 2**20
 MIN_BURST_OPS = 8.0
@@ -192,6 +197,7 @@ class ClassRule:
     cache: str = "auto"
     target_read_latency: float | None = None
     latency_percentile: float = 99.0
+    latency_measure: str = "request"
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,8 +288,8 @@ def with_changes(policy: Policy, target_kind: str, name: str | None,
     """A new validated policy with settings of one class/tenant/backend changed (``ctl set``).
 
     Values are spelled as in the file (``"800MiB/s"``, ``"2k"``, ``"high"``); ``"unlimited"``
-    removes the key (no cap, or back to the default). Unknown targets or keys, bad values and
-    broken constraints raise :class:`PolicyError` with source ``"ctl"``.
+    removes the key (no cap, or back to the default), and so does ``target_read_latency=none``.
+    Unknown targets or keys, bad values and broken constraints raise :class:`PolicyError` with source ``"ctl"``.
     """
     raw = _to_raw(policy)
     if target_kind == "backend":
@@ -302,8 +308,13 @@ def with_changes(policy: Policy, target_kind: str, name: str | None,
         if key not in SETTABLE[target_kind]:
             raise PolicyError(_unknown(key, SETTABLE[target_kind]), source="ctl",
                               key=f"{path}.{_quote_key(key)}")
-        if value == "unlimited":
+        if value == "unlimited" or (value == "none" and key == "target_read_latency"):
             table.pop(key, None)
+        elif key == "latency_percentile" and isinstance(value, str):
+            try:
+                table[key] = float(value)
+            except ValueError:
+                table[key] = value  # rejected with the file's message by _build
         else:
             numeric = key == "priority" and isinstance(value, str) and value.isdecimal()
             table[key] = int(value) if numeric else value
@@ -489,7 +500,8 @@ def _build_class(name: str, table: dict[str, Any], path: str,
         per_user=_choice(table, "per_user", path, ("none", "fair"), "none") == "fair",
         cache=_choice(table, "cache", path, CACHE_MODES, "auto"),
         target_read_latency=_unit(table, "target_read_latency", path, parse_duration, False),
-        latency_percentile=float(percentile))
+        latency_percentile=float(percentile),
+        latency_measure=_choice(table, "latency_measure", path, LATENCY_MEASURES, "request"))
 
 
 def _admin_gid(table: dict[str, Any]) -> int | None:
@@ -581,7 +593,8 @@ def _class_raw(c: ClassRule) -> dict[str, Any]:
     for key in ("min_read_bandwidth", "min_write_bandwidth"):
         out[key] = None if getattr(c, key) is None else format_bandwidth(getattr(c, key))
     out.update(per_user="fair" if c.per_user else "none", cache=c.cache,
-               latency_percentile=c.latency_percentile, **_limits_raw(c.limits))
+               latency_percentile=c.latency_percentile, latency_measure=c.latency_measure,
+               **_limits_raw(c.limits))
     if c.target_read_latency is not None:
         out["target_read_latency"] = format_duration(c.target_read_latency)
     return {k: v for k, v in out.items() if v not in (None, [])}

@@ -10,6 +10,12 @@ survive by name keep their bucket state and get the new limits through ``set_lim
 which wakes every request parked there so it re-checks at once. Open files of a class
 that disappeared are re-bound to ``default``.
 
+Automatic caps (:mod:`qosfs.latency_control`) are kept apart from the policy: the engine
+holds them per class name (:meth:`PolicyQos.set_auto_caps`) and a class level enforces the
+lower of its configured cap and its automatic one, so a swap or ``ctl set`` re-applies the
+automatic cap at once, bounded by the new configured cap, and the policy stays what the
+administrator wrote.
+
 The token-bucket state lives in :mod:`qosfs.limiter` behind ``RateLevel``; a shared
 (cluster-wide) backend would replace how a level's buckets are charged, not this module
 or ``fs.py``.
@@ -58,6 +64,46 @@ def level_limits(limits: Limits) -> LevelLimits:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class AutoCaps:
+    """Bandwidth caps set by the latency controller (bytes/s; None: not capped by it)."""
+
+    read_bandwidth: float | None = None
+    write_bandwidth: float | None = None
+
+
+NO_AUTO_CAPS = AutoCaps()
+AUTO_BURST_SECONDS = 0.1  # an automatic cap's bucket holds 100 ms of it (at least 1 MiB)
+AUTO_MIN_BURST = float(1 << 20)
+
+
+def class_limits(limits: Limits, auto: AutoCaps = NO_AUTO_CAPS) -> LevelLimits:
+    """The bucket limits of a class: its configured caps, lowered by automatic ones.
+
+    Where the automatic cap is the lower one, its bucket holds 100 ms of it (at least
+    1 MiB), or the configured ``burst`` if that is smaller: a configured burst sized for
+    the static cap (say 128 MiB) would let a storm through a cap meant to protect latency.
+    """
+    base = level_limits(limits)
+    if auto == NO_AUTO_CAPS:
+        return base
+    out = {}
+    for key, attr in (("read_bandwidth", "read_bytes"), ("write_bandwidth", "write_bytes")):
+        cap: float | None = getattr(auto, key)
+        configured: float | None = getattr(limits, key)
+        if cap is not None and (configured is None or cap < configured):
+            burst = max(cap * AUTO_BURST_SECONDS, AUTO_MIN_BURST)
+            if limits.burst is not None:
+                burst = min(burst, float(limits.burst))
+            out[attr] = Limit(cap, burst)
+    if not out:
+        return base
+    return LevelLimits(read_bytes=out.get("read_bytes", base.read_bytes),
+                       write_bytes=out.get("write_bytes", base.write_bytes),
+                       read_ops=base.read_ops, write_ops=base.write_ops,
+                       meta_ops=base.meta_ops)
+
+
 def backend_share(rule: ClassRule) -> Share:
     """How a class competes for the declared backend capacity."""
     return Share(weight=float(rule.priority_weight),
@@ -68,9 +114,10 @@ def backend_share(rule: ClassRule) -> Share:
 class ClassState:
     """The live state of one class: its level (or per-user group) and its thread pool."""
 
-    def __init__(self, rule: ClassRule) -> None:
+    def __init__(self, rule: ClassRule, auto: AutoCaps = NO_AUTO_CAPS) -> None:
         self.rule = rule
-        limits = level_limits(rule.limits)
+        self.auto = auto
+        limits = class_limits(rule.limits, auto)
         self.group: FairShareGroup | None = None
         if rule.per_user:
             self.group = FairShareGroup(rule.name, limits)
@@ -81,9 +128,10 @@ class ClassState:
         # cannot take the threads another class needs.
         self.limiter = trio.CapacityLimiter(THREADS_PER_FLOW)
 
-    def update(self, rule: ClassRule) -> None:
+    def update(self, rule: ClassRule, auto: AutoCaps = NO_AUTO_CAPS) -> None:
         self.rule = rule
-        limits = level_limits(rule.limits)
+        self.auto = auto
+        limits = class_limits(rule.limits, auto)
         if self.group is not None:
             self.group.set_limits(limits)
         else:
@@ -180,6 +228,8 @@ class PolicyQos:
         self._all_flows: weakref.WeakSet[PolicyFlow] = weakref.WeakSet()
         self._jobs = JobCache()
         self.accounts = Accounts()  # traffic counters per (class, tenant, uid), for metrics
+        self.auto_caps: dict[str, AutoCaps] = {}  # by class name; see set_auto_caps()
+        self.draining = False
         self.generation = 0
         self.swap(policy)
 
@@ -191,11 +241,12 @@ class PolicyQos:
         classes: dict[str, ClassState] = {}
         for rule in policy.classes:
             old = self.classes.get(rule.name)
+            auto = self.auto_caps.get(rule.name, NO_AUTO_CAPS)
             if old is not None and old.rule.per_user == rule.per_user:
-                old.update(rule)
+                old.update(rule, auto)
                 classes[rule.name] = old
             else:
-                classes[rule.name] = ClassState(rule)
+                classes[rule.name] = ClassState(rule, auto)
         tenants: dict[str, RateLevel] = {}
         for tenant in policy.tenants:
             level = self.tenants.get(tenant.name)
@@ -226,6 +277,7 @@ class PolicyQos:
             backend is not None and policy.backend is not None
             and policy.backend.limits.meta_iops is not None)
         self._rebind(old_classes, old_tenants)
+        self.auto_caps = {k: v for k, v in self.auto_caps.items() if k in classes}
         self.generation += 1
         log.info("policy generation %d in force (%d classes, %d tenants, from %s)",
                  self.generation, len(classes), len(tenants), policy.source)
@@ -264,6 +316,7 @@ class PolicyQos:
         arrives is still served, and it is served now rather than at the cap's pace, so a
         deep queue of checkpoint writes does not hold the unmount for minutes.
         """
+        self.draining = True  # no automatic cap may come back (qosfs.latency_control)
         for state in self.classes.values():
             if state.group is not None:
                 state.group.set_limits(LevelLimits())
@@ -273,6 +326,20 @@ class PolicyQos:
             level.set_limits(LevelLimits())
         if self.backend is not None:
             self.backend.set_limits(LevelLimits())
+
+    def set_auto_caps(self, name: str, caps: AutoCaps) -> bool:
+        """Put the latency controller's caps for class *name* in force (parked requests
+        re-check at once); the configured caps still bound them. Returns whether anything
+        changed (unknown class, same caps, or shutting down: nothing)."""
+        state = self.classes.get(name)
+        if state is None or self.draining or state.auto == caps:
+            return False
+        if caps == NO_AUTO_CAPS:
+            self.auto_caps.pop(name, None)
+        else:
+            self.auto_caps[name] = caps
+        state.update(state.rule, caps)
+        return True
 
     # ------------------------------------------------------------------ QosEngine
 

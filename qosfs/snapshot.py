@@ -74,6 +74,7 @@ class Snapshot:
     changes: dict[tuple[str, str], int] = field(default_factory=dict)  # (cmd, result) -> n
     last_reload_ok: bool = True
     info: dict[str, Any] = field(default_factory=dict)  # source, mountpoint, uptime...
+    latency: dict[str, Any] | None = None  # LatencyControl.status(); None: no controller
 
 
 def limits_in_force(limits: LevelLimits) -> dict[str, float]:
@@ -94,7 +95,8 @@ def _row(level: str, name: str, uid: int | None, st: LevelStatistics,
 
 
 def take_snapshot(engine: Any, now: float, *, changes: dict[tuple[str, str], int] | None = None,
-                  last_reload_ok: bool = True, info: dict[str, Any] | None = None) -> Snapshot:
+                  last_reload_ok: bool = True, info: dict[str, Any] | None = None,
+                  latency: dict[str, Any] | None = None) -> Snapshot:
     """Copy the counters of ``engine`` (a PolicyQos, or anything with ``accounts`` only).
 
     Must run on the event loop's thread: it iterates the engine's live dicts.
@@ -110,8 +112,13 @@ def take_snapshot(engine: Any, now: float, *, changes: dict[tuple[str, str], int
         st = stats.classes.get(rule.name)
         if st is None:
             continue
-        settings = {"priority": rule.priority_name, "per_user": rule.per_user,
-                    "cache": rule.cache}
+        settings: dict[str, Any] = {"priority": rule.priority_name,
+                                    "per_user": rule.per_user, "cache": rule.cache}
+        auto = getattr(engine, "auto_caps", {}).get(rule.name)
+        if auto is not None:  # the latency controller's caps (limits shows what is in force)
+            settings["auto_limits"] = {k: v for k, v in (
+                ("read_bandwidth", auto.read_bandwidth),
+                ("write_bandwidth", auto.write_bandwidth)) if v is not None}
         rows.append(_row("class", rule.name, None, st, settings))
         for uid, ust in sorted(stats.users.get(rule.name, {}).items()):
             rows.append(_row("user", rule.name, uid, ust))
@@ -120,7 +127,7 @@ def take_snapshot(engine: Any, now: float, *, changes: dict[tuple[str, str], int
     if stats.backend is not None:
         rows.append(_row("backend", "backend", None, stats.backend))
     return Snapshot(now, True, stats.generation, policy.source, tuple(rows), accounts,
-                    dict(changes or {}), last_reload_ok, dict(info or {}))
+                    dict(changes or {}), last_reload_ok, dict(info or {}), latency)
 
 
 def _account_order(item: tuple[AccountKey, FlowSnapshot]) -> tuple[str, str, int]:
@@ -191,6 +198,8 @@ def to_json(snap: Snapshot, sampler: RateSampler | None, *, accounts: bool) -> d
         "window_seconds": sampler.window if sampler is not None else 0.0,
         "levels": levels,
     }
+    if snap.latency is not None:
+        body["latency_control"] = snap.latency
     if not snap.qos:
         body["message"] = "no policy: mounted with --no-qos (traffic is counted only)"
     account_rates = sampler.accounts if sampler is not None else {}

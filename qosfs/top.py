@@ -14,7 +14,14 @@ import sys
 import time
 from typing import Any
 
-from qosfs.ctl import Client, checked, format_header, format_levels, resolve_socket
+from qosfs.ctl import (
+    Client,
+    checked,
+    format_header,
+    format_latency,
+    format_levels,
+    resolve_socket,
+)
 from qosfs.errors import QosfsError
 
 _CLEAR = "\x1b[H\x1b[2J"
@@ -28,6 +35,9 @@ def render_frame(reply: dict[str, Any], width: int | None = None) -> str:
     lines = [*format_header(reply),
              f"{time.strftime('%H:%M:%S')}  rates over {reply.get('window_seconds', 0):.1f}s",
              "", *format_levels({**reply, "levels": levels})]
+    latency = format_latency(reply)
+    if latency:
+        lines += ["", *latency]
     if width:
         lines = [line[:width] for line in lines]
     return "\n".join(lines) + "\n"
