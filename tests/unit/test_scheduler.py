@@ -124,8 +124,10 @@ async def test_priority_decides_who_gets_a_contended_backend() -> None:
     high = rates["high0"] + rates["high1"]
     low = rates["low0"] + rates["low1"]
     assert high + low == pytest.approx(100, rel=0.05)
-    assert high > 50 * low  # weights 100 : 1, and the low class still moves
-    assert low > 0
+    # Weights 100 : 1 -- but the backend's first 10 MiB burst goes first come, first served
+    # (nothing is parked yet), which gives the low class up to 5 MiB more in 10 s.
+    assert high > 30 * low
+    assert low > 0  # slowed, never starved
 
 
 @mock_clock

@@ -1,0 +1,176 @@
+"""The policy model: frozen dataclasses, the key vocabulary, and :class:`PolicyError`.
+
+Everything the scheduler and the classifier read of a policy is defined here; parsing and
+validation live in :mod:`qosfs.policy_build`, TOML text in :mod:`qosfs.policy_text`, and
+:mod:`qosfs.policy` is the public face (import from there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from qosfs.errors import EXIT_POLICY, QosfsError
+
+CAP_KEYS = ("read_bandwidth", "write_bandwidth", "read_iops", "write_iops", "meta_iops")
+LIMIT_KEYS = (*CAP_KEYS, "burst", "burst_iops")
+MATCH_KEYS = ("paths", "uids", "gids", "tenants", "ops", "job_env", "jobs", "cgroups")
+CLASS_SETTINGS = ("priority", "min_read_bandwidth", "min_write_bandwidth", "per_user", "cache",
+                  "target_read_latency", "latency_percentile", "latency_measure")
+CLASS_KEYS = (*MATCH_KEYS, *CLASS_SETTINGS, *LIMIT_KEYS)
+TENANT_KEYS = ("uids", "gids", "paths", *LIMIT_KEYS)
+SETTABLE = {"backend": LIMIT_KEYS, "tenant": LIMIT_KEYS,
+            "class": (*LIMIT_KEYS, "min_read_bandwidth", "min_write_bandwidth", "priority",
+                      "per_user", "cache", "target_read_latency", "latency_percentile",
+                      "latency_measure")}
+PRIORITY_WEIGHTS = {"low": 1, "normal": 10, "high": 100}
+OPS = ("read", "write", "meta")
+CACHE_MODES = ("auto", "keep", "direct")
+LATENCY_MEASURES = ("request", "backend")
+BURST_SECONDS = 0.1
+MIN_BURST_BYTES = 2**20
+MIN_BURST_OPS = 8.0
+MAX_ID = 2**32 - 1
+
+
+
+class PolicyError(QosfsError):
+    """An invalid policy; ``str()`` is one line: ``source:line: key: reason``."""
+
+    exit_code = EXIT_POLICY
+
+    def __init__(self, reason: str, *, source: str = "<string>", line: int | None = None,
+                 key: str | None = None) -> None:
+        self.reason, self.source, self.line, self.key = reason, source, line, key
+        where = source if line is None else f"{source}:{line}"
+        super().__init__(f"{where}: {reason}" if key is None else f"{where}: {key}: {reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Caps in bytes/s and ops/s (``None``: no cap) and bucket depths (``None``: default)."""
+
+    read_bandwidth: float | None = None
+    write_bandwidth: float | None = None
+    read_iops: float | None = None
+    write_iops: float | None = None
+    meta_iops: float | None = None
+    burst: int | None = None
+    burst_iops: float | None = None
+
+    @property
+    def is_unlimited(self) -> bool:
+        """True when no cap is set (bursts alone limit nothing)."""
+        return all(getattr(self, key) is None for key in CAP_KEYS)
+
+    def bandwidth_burst(self, cap: float) -> float:
+        """Bucket depth in bytes for a bandwidth cap: ``burst``, else 100 ms of it, >= 1 MiB.
+
+        Kept derived rather than stored so a live change of the cap moves the default too.
+        """
+        return float(self.burst) if self.burst is not None else max(cap * BURST_SECONDS,
+                                                                     MIN_BURST_BYTES)
+
+    def iops_burst(self, cap: float) -> float:
+        """Bucket depth in ops for an IOPS cap: ``burst_iops``, else 100 ms of it, >= 8."""
+        return self.burst_iops if self.burst_iops is not None else max(cap * BURST_SECONDS,
+                                                                        MIN_BURST_OPS)
+
+
+@dataclass(frozen=True, slots=True)
+class IdRange:
+    """An inclusive range of uids or gids."""
+
+    lo: int
+    hi: int
+
+    def __contains__(self, value: object) -> bool:
+        return isinstance(value, int) and self.lo <= value <= self.hi
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """What the storage delivers in total; the denominators of guarantees and priorities."""
+
+    limits: Limits
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """Who: a group of users (and optionally paths) with caps over all of its traffic."""
+
+    name: str
+    uids: tuple[IdRange, ...] = ()
+    gids: tuple[IdRange, ...] = ()
+    paths: tuple[str, ...] = ()
+    limits: Limits = Limits()
+
+
+@dataclass(frozen=True, slots=True)
+class ClassRule:
+    """What: match criteria (empty: not a criterion) and the treatment of matching traffic."""
+
+    name: str
+    paths: tuple[str, ...] = ()
+    uids: tuple[IdRange, ...] = ()
+    gids: tuple[IdRange, ...] = ()
+    tenants: tuple[str, ...] = ()
+    ops: frozenset[str] = frozenset()  # empty: every op
+    job_env: str | None = None
+    jobs: tuple[str, ...] = ()
+    cgroups: tuple[str, ...] = ()
+    priority_weight: int = PRIORITY_WEIGHTS["normal"]
+    priority_name: str = "normal"
+    min_read_bandwidth: float | None = None
+    min_write_bandwidth: float | None = None
+    limits: Limits = Limits()
+    per_user: bool = False
+    cache: str = "auto"
+    target_read_latency: float | None = None
+    latency_percentile: float = 99.0
+    latency_measure: str = "request"
+
+
+@dataclass(frozen=True, slots=True)
+class Control:
+    """Who may change the running policy through the control socket besides root."""
+
+    admin_gid: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """A whole validated policy; ``classes[-1]`` is always ``default``."""
+
+    source: str = field(compare=False)
+    classes: tuple[ClassRule, ...]
+    tenants: tuple[Tenant, ...] = ()
+    backend: Backend | None = None
+    control: Control = Control()
+
+    def class_by_name(self, name: str) -> ClassRule | None:
+        """The class called ``name``, or None."""
+        return next((c for c in self.classes if c.name == name), None)
+
+    def tenant_by_name(self, name: str) -> Tenant | None:
+        """The tenant called ``name``, or None."""
+        return next((t for t in self.tenants if t.name == name), None)
+
+    @property
+    def needs_job_lookup(self) -> bool:
+        """Whether classification needs :func:`qosfs.classify.read_job_info` at open."""
+        return any(c.job_env is not None or c.cgroups for c in self.classes)
+
+    @property
+    def job_env(self) -> str | None:
+        """The one environment variable classes match jobs on (the policy allows one)."""
+        return next((c.job_env for c in self.classes if c.job_env is not None), None)
+
+    def render(self) -> str:
+        """The resolved policy as TOML that parses back to an equal :class:`Policy`."""
+        # Imported here: rendering needs the model, the model needs nothing else.
+        from qosfs.policy_build import policy_to_raw
+        from qosfs.policy_text import dump_toml
+
+        return dump_toml(policy_to_raw(self), self.source)
+
+
