@@ -101,7 +101,7 @@ class PassthroughOperations(pyfuse3.Operations):
         self._as_root = os.geteuid() == 0
         self._root_prefix = os.readlink(f"/proc/self/fd/{root_fd}").rstrip("/") + "/"
         self._meta_limiter = qos.meta_limiter
-        # Thread ids of the daemon's latency canary (qosfs.latency_probe), filled by it.
+        # Pids of the latency canary process (qosfs.latency_probe), filled by it.
         self.probe_tids: set[int] = set()
 
     # ----------------------------------------------------------------- helpers
