@@ -344,7 +344,8 @@ class PassthroughOperations(pyfuse3.Operations):
         except OSError as exc:
             if exc.errno != errno.EINVAL or not flags & os.O_DIRECT:
                 raise
-        return opener(flags & ~os.O_DIRECT), False
+        # A create's first attempt made the file before O_DIRECT was refused: reopen it.
+        return opener(flags & ~(os.O_DIRECT | os.O_EXCL)), False
 
     def _file_info(self, fd: int, direct: bool, flow: Any, writing: bool,
                    node: Inode, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
@@ -377,11 +378,23 @@ class PassthroughOperations(pyfuse3.Operations):
         parent = self.inodes.get(parent_inode)
         await self._admit_meta(parent, ctx)
         pfd = parent.fd
-        fd, direct = await self._meta(
-            self._open_backing,
-            lambda f: os.open(name, f, stat.S_IMODE(mode), dir_fd=pfd),
-            (flags & ~(os.O_NOCTTY | os.O_NOFOLLOW)) | os.O_CREAT,
-        )
+        # The kernel sends CREATE when it believes the name does not exist (a negative
+        # entry, cached for entry_timeout). If something appeared underneath since (another
+        # node, another path), a plain O_CREAT would open it as root -- another user's file,
+        # or the target of a symlink outside the tree -- and hand it to the caller. O_EXCL
+        # creates only what is new and never follows a symlink.
+        try:
+            fd, direct = await self._meta(
+                self._open_backing,
+                lambda f: os.open(name, f, stat.S_IMODE(mode), dir_fd=pfd),
+                (flags & ~(os.O_NOCTTY | os.O_NOFOLLOW)) | os.O_CREAT | os.O_EXCL,
+            )
+        except FileExistsError:
+            if flags & os.O_EXCL:
+                raise
+            # ESTALE makes the VFS redo the open with a fresh lookup: the kernel then
+            # opens the existing object itself, checking permissions as the caller.
+            raise FUSEError(errno.ESTALE) from None
         try:
             await self._meta(self._give_to_caller, parent, name, ctx, mode)
             opath = os.open(f"/proc/self/fd/{fd}", os.O_PATH | os.O_CLOEXEC)
