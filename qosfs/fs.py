@@ -314,7 +314,7 @@ class PassthroughOperations(pyfuse3.Operations):
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         parent = self.inodes.get(parent_inode)
         await self._admit_meta(parent, ctx)
-        st = await self._meta(_unlink, parent.fd, name)
+        st = await self._meta(self._unlink, parent.fd, name)
         inode = self.inodes.find(st)
         if inode is not None and st.st_nlink <= 1:
             # The last name is gone: let go of the blocks now, as a native unlink does.
@@ -324,7 +324,36 @@ class PassthroughOperations(pyfuse3.Operations):
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         parent = self.inodes.get(parent_inode)
         await self._admit_meta(parent, ctx)
-        await self._meta(functools.partial(os.rmdir, name, dir_fd=parent.fd))
+        await self._meta(self._rmdir, parent.fd, name)
+
+    def _looked_up(self, parent_fd: int, name: bytes) -> os.stat_result:
+        """The object under *name*, which must be one the kernel looked up (ESTALE if not).
+
+        The kernel checked permissions (a sticky directory, say) on the object it looked
+        up under this name. If the name holds something else now (changed underneath),
+        acting on it as root would skip that check; ESTALE makes the VFS look the name up
+        again and check what is really there.
+        """
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+        if self.inodes.find(st) is None:
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+        return st
+
+    def _unlink(self, parent_fd: int, name: bytes) -> os.stat_result:
+        st = self._looked_up(parent_fd, name)
+        os.unlink(name, dir_fd=parent_fd)
+        return st
+
+    def _rmdir(self, parent_fd: int, name: bytes) -> None:
+        self._looked_up(parent_fd, name)
+        os.rmdir(name, dir_fd=parent_fd)
+
+    def _rename(self, old_fd: int, name_old: bytes, new_fd: int, name_new: bytes,
+                flags: int) -> None:
+        self._looked_up(old_fd, name_old)
+        if flags & syscalls.RENAME_EXCHANGE:
+            self._looked_up(new_fd, name_new)
+        syscalls.renameat2(old_fd, name_old, new_fd, name_new, flags)
 
     @fuse_handler
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
@@ -332,7 +361,7 @@ class PassthroughOperations(pyfuse3.Operations):
         old = self.inodes.get(parent_inode_old)
         new = self.inodes.get(parent_inode_new)
         await self._admit_meta(old, ctx)
-        await self._meta(syscalls.renameat2, old.fd, name_old, new.fd, name_new, flags)
+        await self._meta(self._rename, old.fd, name_old, new.fd, name_new, flags)
 
     # ----------------------------------------------------------------- files
 
@@ -592,12 +621,6 @@ class PassthroughOperations(pyfuse3.Operations):
         self.files.clear()
         self.dirs.clear()
         self.inodes.close_all()
-
-
-def _unlink(parent_fd: int, name: bytes) -> os.stat_result:
-    st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
-    os.unlink(name, dir_fd=parent_fd)
-    return st
 
 
 def _close_dup(fd: int) -> None:

@@ -138,3 +138,48 @@ def test_create_never_follows_a_symlink_out_of_the_tree(shared, tmp_tree: Path) 
     assert got == ["error", "EACCES"]
     assert target.read_bytes() == b"root's data" and target.stat().st_uid == 0
     assert sorted(os.listdir(outside)) == ["precious"]
+
+
+def test_unlink_in_a_sticky_directory_checks_what_is_there_now(shared) -> None:
+    src, mnt = shared
+    _file(src / "x", USER)
+
+    def replace() -> None:
+        os.unlink(src / "x")
+        _file(src / "x", OTHER, b"other's")
+
+    assert race("unlink", mnt / "x", replace) == ["error", "EPERM"]  # sticky: not USER's
+    assert (src / "x").read_bytes() == b"other's"
+
+
+def test_rmdir_in_a_sticky_directory_checks_what_is_there_now(shared) -> None:
+    src, mnt = shared
+    (src / "d").mkdir()
+    os.chown(src / "d", USER, USER)
+
+    def replace() -> None:
+        os.rmdir(src / "d")
+        (src / "d").mkdir()
+        os.chown(src / "d", OTHER, OTHER)
+
+    assert race("rmdir", mnt / "d", replace) == ["error", "EPERM"]
+    assert (src / "d").is_dir()
+
+
+def test_rename_in_a_sticky_directory_checks_what_is_there_now(shared) -> None:
+    src, mnt = shared
+    _file(src / "mine", USER, b"mine")
+    # Onto a name that was free when the kernel looked, and is another user's file now.
+    got = race("rename-onto", mnt / "victim", lambda: _file(src / "victim", OTHER, b"other's"),
+               other=mnt / "mine")
+    assert got == ["error", "EPERM"]
+    assert (src / "victim").read_bytes() == b"other's" and (src / "mine").exists()
+    # From a name that was USER's when the kernel looked, and is another user's file now.
+
+    def replace() -> None:
+        os.unlink(src / "mine")
+        _file(src / "mine", OTHER, b"other's too")
+
+    got = race("rename-from", mnt / "mine", replace, other=mnt / "moved")
+    assert got == ["error", "EPERM"]
+    assert (src / "mine").read_bytes() == b"other's too" and not (src / "moved").exists()
