@@ -211,6 +211,41 @@ def s_special(root: str) -> Obs:
     return log
 
 
+def s_names(root: str) -> Obs:
+    """Names with odd bytes: not UTF-8, control characters, the 255-byte limit."""
+    log: Obs = []
+    base = os.fsencode(root)
+    names = [b"\xff\xfe-not-utf8", b"new\nline", b"tab\there", b"-dash", b" lead space",
+             b"back\\slash", b"caf\xc3\xa9", b"\x01ctl", b"n" * 255, b"\xff" * 255,
+             b"\xe2\x80\xae-rtl.pt"]
+    for name in names:
+        path = os.path.join(base, name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o640)
+        os.write(fd, name)
+        os.close(fd)
+        log.append(["create", name.hex(), os.stat(path).st_size, _read(path) == name])
+    log.append(["listdir", sorted(n.hex() for n in os.listdir(base))])
+    attempt(log, "256-bytes", lambda: os.open(os.path.join(base, b"n" * 256), os.O_CREAT, 0o600))
+    attempt(log, "256-mkdir", lambda: os.mkdir(os.path.join(base, b"\xff" * 256)))
+    odd = os.path.join(base, names[0])
+    os.rename(odd, os.path.join(base, names[1] + b".moved"))
+    os.link(os.path.join(base, names[2]), os.path.join(base, b"\xfe-hard"))
+    os.symlink(names[1] + b".moved", os.path.join(base, b"\xfd-sym"))
+    log.append(["symlink", os.readlink(os.path.join(base, b"\xfd-sym")).hex(),
+                _read(os.path.join(base, b"\xfd-sym")) == names[0]])
+    os.setxattr(os.path.join(base, names[8]), b"user.\xff\n", b"v")
+    log.append(["xattr", [n.encode("utf-8", "surrogateescape").hex()
+                          for n in os.listxattr(os.path.join(base, names[8]))]])
+    d = os.path.join(base, b"dir\n\xff")
+    os.mkdir(d)
+    os.rename(os.path.join(base, names[9]), os.path.join(d, names[9]))
+    log.append(["in-dir", [n.hex() for n in os.listdir(d)]])
+    for name in names[2:8]:
+        os.unlink(os.path.join(base, name))
+    log.append(["final", sorted(n.hex() for n in os.listdir(base))])
+    return log
+
+
 def s_user(root: str) -> Obs:
     """Run as an unprivileged user inside a world-writable sticky directory."""
     log: Obs = []
@@ -253,6 +288,23 @@ def s_user(root: str) -> Obs:
             lambda: os.write(os.open(os.path.join(shared, "roots-suid"), os.O_WRONLY), b"x"))
     log.append(["others-suid-after", oct(stat.S_IMODE(os.stat(os.path.join(shared,
                                                                          "roots-suid")).st_mode))])
+    secret = os.path.join(root, "secret")
+    attempt(log, "truncate-others", lambda: os.truncate(secret, 0))
+    attempt(log, "trunc-open-others", lambda: os.open(secret, os.O_WRONLY | os.O_TRUNC))
+    attempt(log, "xattr-others", lambda: os.setxattr(os.path.join(shared, "roots"), "user.x",
+                                                     b"1"))
+    attempt(log, "chgrp-not-member", lambda: os.chown(f, -1, 0))
+    # setgid on an own file whose group the caller is not in: dropped, no error
+    attempt(log, "chmod-setgid-own", lambda: os.chmod(sg, 0o2755))
+    log.append(["setgid-non-member", oct(stat.S_IMODE(os.stat(sg).st_mode))])
+    attempt(log, "rmdir-sticky-others", lambda: os.rmdir(os.path.join(shared, "roots-dir")))
+    attempt(log, "follow-others-link-sticky",
+            lambda: _read(os.path.join(shared, "others-link")).decode())
+    attempt(log, "mknod-device", lambda: os.mknod(os.path.join(shared, f"null-{me}"),
+                                                  0o666 | stat.S_IFCHR, os.makedev(1, 3)))
+    attempt(log, "chmod-others-dir", lambda: os.chmod(os.path.join(shared, "roots-dir"), 0o777))
+    attempt(log, "unlink-in-readonly", lambda: os.unlink(os.path.join(root, "ro", "kept")))
+    log.append(["listing", sorted(os.listdir(shared))])
     return log
 
 
@@ -270,7 +322,12 @@ def prepare_user_tree(root: str, gid: int) -> None:
         f.write("s")
     os.chmod(secret, 0o600)
     os.mkdir(os.path.join(root, "ro"), 0o555)
+    open(os.path.join(root, "ro", "kept"), "w").close()
     os.chmod(os.path.join(root, "ro"), 0o555)
+    os.mkdir(os.path.join(shared, "roots-dir"))
+    link = os.path.join(shared, "others-link")  # not followed if fs.protected_symlinks
+    os.symlink("roots-rw", link)
+    os.lchown(link, gid + 1, gid + 1)
     os.mkdir(os.path.join(root, "noexec"))
     os.chmod(os.path.join(root, "noexec"), 0o600)
     sg = os.path.join(root, "setgid")
@@ -281,7 +338,7 @@ def prepare_user_tree(root: str, gid: int) -> None:
 
 SCENARIOS: dict[str, Callable[[str], Obs]] = {
     "files": s_files, "rename": s_rename, "links": s_links, "xattr": s_xattr,
-    "special": s_special, "user": s_user,
+    "special": s_special, "names": s_names, "user": s_user,
 }
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from tests.mount import posix_scenarios
 
 pytestmark = pytest.mark.mount
 
-SCENARIOS = ["files", "rename", "links", "xattr", "special"]
+SCENARIOS = ["files", "rename", "links", "xattr", "special", "names"]
 TEST_UID = 4242
 TEST_GID = 4242
 
