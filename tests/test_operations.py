@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 from pathlib import Path
 
 import pyfuse3
@@ -79,5 +80,33 @@ def test_hard_links_share_one_inode_and_forget_releases_it(tmp_path: Path) -> No
         assert len(ops.inodes) == 2  # root + one shared inode
         await ops.forget([(a.st_ino, 2)])
         assert len(ops.inodes) == 1
+
+    trio.run(main)
+
+
+def test_names_never_lead_the_daemon_out_of_the_tree(tmp_path: Path) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    os.symlink(outside, root / "out")
+    ops = _ops(root)
+
+    async def main() -> None:
+        up = await ops.lookup(pyfuse3.ROOT_INODE, b"..", _Ctx())
+        assert up.st_ino == pyfuse3.ROOT_INODE  # '..' of the root is the root
+        link = await ops.lookup(pyfuse3.ROOT_INODE, b"out", _Ctx())
+        assert stat.S_ISLNK(link.st_mode)  # the link itself: the kernel follows it, not us
+        for attempt in (
+            ops.lookup(link.st_ino, b"x", _Ctx()),
+            ops.mkdir(link.st_ino, b"x", 0o755, _Ctx()),
+            ops.mknod(link.st_ino, b"x", stat.S_IFIFO | 0o644, 0, _Ctx()),
+            ops.symlink(link.st_ino, b"x", b"y", _Ctx()),
+            ops.create(link.st_ino, b"x", 0o644, os.O_WRONLY, _Ctx()),
+            ops.rename(pyfuse3.ROOT_INODE, b"out", link.st_ino, b"x", 0, _Ctx()),
+        ):
+            with pytest.raises(pyfuse3.FUSEError) as info:
+                await attempt
+            assert info.value.errno in (errno.ENOTDIR, errno.ENOENT), attempt
+        assert os.listdir(outside) == []
 
     trio.run(main)

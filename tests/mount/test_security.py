@@ -183,3 +183,27 @@ def test_rename_in_a_sticky_directory_checks_what_is_there_now(shared) -> None:
     got = race("rename-from", mnt / "mine", replace, other=mnt / "moved")
     assert got == ["error", "EPERM"]
     assert (src / "mine").read_bytes() == b"other's too" and not (src / "moved").exists()
+
+
+def test_an_open_directory_whose_name_becomes_a_symlink_keeps_its_operations_inside(
+        qmount, tmp_tree: Path) -> None:
+    outside = tmp_tree / "outside"
+    outside.mkdir()
+    src = qmount.source
+    (src / "d").mkdir()
+    dfd = os.open(qmount.mountpoint / "d", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.rename(src / "d", src / "d.old")
+        os.symlink(outside, src / "d")  # the daemon acts on its descriptor, not the name
+        os.close(os.open("new", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=dfd))
+        os.mkdir("sub", dir_fd=dfd)
+        os.symlink("new", "sl", dir_fd=dfd)
+        os.mkfifo("fifo", dir_fd=dfd)
+        os.rename("new", "new2", src_dir_fd=dfd, dst_dir_fd=dfd)
+        os.link("new2", "hard", src_dir_fd=dfd, dst_dir_fd=dfd)
+        os.unlink("hard", dir_fd=dfd)
+        assert sorted(os.listdir(dfd)) == ["fifo", "new2", "sl", "sub"]
+    finally:
+        os.close(dfd)
+    assert os.listdir(outside) == []
+    assert sorted(os.listdir(src / "d.old")) == ["fifo", "new2", "sl", "sub"]
