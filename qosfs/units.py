@@ -125,7 +125,7 @@ def _split(value: Any, expected: str, units: dict[str, Decimal], per_second: boo
 def _check(x: float, kind: str, expected: str, value: Any, lo: tuple[float, str],
            hi: tuple[float, str]) -> float:
     """Range-check ``x``; ``lo``/``hi`` are (bound, how the message spells it)."""
-    if math.isnan(x):
+    if isinstance(x, float) and math.isnan(x):  # an int (a size) may be too big for float()
         raise _fail(expected, value)
     if x <= 0:
         raise UnitError(f"expected {kind} above zero, got {show_value(value)}")

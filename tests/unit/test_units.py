@@ -205,3 +205,34 @@ def test_parsers_raise_only_unit_error(value: object) -> None:
     for parse in (parse_bandwidth, parse_size, parse_iops, parse_duration):
         with contextlib.suppress(UnitError):
             parse(value)
+
+
+# Quantities as a hostile or careless policy writes them: hundreds of digits, signs,
+# zeros, fractions far below a unit, NaN/inf spellings, any unit or none.
+_HOSTILE_QUANTITY = st.builds(
+    lambda sign, whole, frac, space, unit, per: f"{sign}{whole}{frac}{space}{unit}{per}",
+    st.sampled_from(["", "+", "-"]),
+    st.one_of(st.integers(0, 10**400).map(str), st.from_regex(r"0[0-9]{0,30}", fullmatch=True),
+              st.sampled_from(["nan", "inf", "1e400", ""])),
+    st.one_of(st.just(""), st.from_regex(r"\.[0-9]{0,400}", fullmatch=True)),
+    st.sampled_from(["", " "]),
+    st.sampled_from(["", "B", "KiB", "MiB", "GiB", "TiB", "KB", "MB", "GB", "TB", "k", "M",
+                     "ns", "us", "ms", "s", "m", "h", "d", "b", "mib", "\u00b5s"]),
+    st.sampled_from(["", "/s"]))
+
+
+@settings(derandomize=True, max_examples=400, deadline=None)
+@given(_HOSTILE_QUANTITY)
+def test_hostile_quantities_are_values_or_unit_errors(value: str) -> None:
+    for parse in (parse_bandwidth, parse_size, parse_iops, parse_duration, parse_interval):
+        try:
+            x = parse(value)
+        except UnitError as exc:
+            assert "\n" not in str(exc) and str(exc).startswith("expected ")
+        else:
+            assert 0 < x < float("inf")
+
+
+def test_a_size_with_hundreds_of_digits_is_out_of_range_not_a_crash() -> None:
+    with pytest.raises(UnitError, match="^expected a size of at most 1024TiB, got "):
+        parse_size("9" * 400 + "KiB")
