@@ -13,7 +13,10 @@ from hypothesis import strategies as st
 
 from qosfs.errors import EXIT_POLICY, QosfsError
 from qosfs.policy import (
+    CLASS_KEYS,
     DEFAULT_POLICY_TEXT,
+    LIMIT_KEYS,
+    TENANT_KEYS,
     Backend,
     ClassRule,
     Control,
@@ -434,3 +437,137 @@ def test_fuzz_only_policy_errors(text: str) -> None:
         assert err.line is None or err.line >= 1
     else:
         assert parse_policy(p.render()) == p
+
+
+# ------------------------------------------------------------ hostile policies
+#
+# Whole policies built from the schema's own vocabulary plus everything a careless or
+# hostile writer adds: unknown tables and keys, bad names, duplicate tables and keys,
+# quantities with hundreds of digits, negative, zero, NaN and infinite numbers, overlapping
+# id ranges, invalid globs. Every one must give a valid policy or one PolicyError line
+# that names the file, the line and (unless the TOML itself is broken) the key.
+
+_GOOD_TABLES = ["backend", "control", "tenants.t", "tenants.u", "classes.a", "classes.b",
+                "classes.default"]
+_BAD_TABLES = ['tenants."a b"', 'classes."x.y"', "clases.z", "classes", "backend.x"]
+_UNKNOWN_KEYS = ["colour", "write_bandwith", '"quoted key"', "a.b"]
+_GOOD_VALUES = {  # per key: mostly valid spellings, so that deep checks are reached
+    "bandwidth": ['"400MiB/s"', '"1GiB/s"', '"unlimited"', '"2MiB/s"', '"1.5GiB/s"'],
+    "iops": ['2000', '"2k"', '"unlimited"', '0.5', '"1M"'],
+    "burst": ['"128MiB"', '4096', '"1GiB"'],
+    "burst_iops": ['64', '"1k"'],
+    "paths": ['["data/**"]', '["**/*.pt", "ckpt/**"]', '["a/*/b?.[ch]"]'],
+    "uids": ['["1000-1999"]', '[42, "1500-2500"]', '["0-4294967295"]'],
+    "gids": ['[100]', '["10-20", "15-30"]'],
+    "tenants": ['["t"]', '["t", "u"]'],
+    "ops": ['["read"]', '["write", "meta"]'],
+    "job_env": ['"SLURM_JOB_ID"'],
+    "jobs": ['["1234", "55*"]'],
+    "cgroups": ['["/slurm/uid_*/job_*/**"]'],
+    "priority": ['"high"', '"low"', '7', '10000'],
+    "min_read_bandwidth": ['"1MiB/s"', '"100MiB/s"'],
+    "min_write_bandwidth": ['"1MiB/s"', '"3GiB/s"'],
+    "per_user": ['"fair"', '"none"'],
+    "cache": ['"auto"', '"keep"', '"direct"'],
+    "target_read_latency": ['"5ms"', '"250us"'],
+    "latency_percentile": ['99.9', '50'],
+    "admin_group": ['0', '"0"', '"root"'],
+}
+_HOSTILE_VALUES = st.one_of(
+    st.sampled_from(['"-4MiB/s"', '"0B/s"', '"NaN"', '"400MB"', "nan", "inf", "-inf", "-0.0",
+                     "0", "-1", "true", '""', '"' + "9" * 400 + 'KiB"', "9" * 30, "1e400",
+                     "{}", '{ write_iops = -1 }', '"5-1"', '["[a"]', '["/abs"]',
+                     '["a/../b"]', '[""]', '["0-4294967296"]', '[-1]', "[]", '["rd"]',
+                     '"urgent"', '"A-B"', '[true]', '[[1]]', '"no-such-group-qosfs"']),
+    st.integers().map(str), st.floats().map(lambda f: _toml(f)))
+
+
+def _keys_of(table: str) -> tuple[str, ...]:
+    if table.startswith("classes."):
+        return CLASS_KEYS
+    if table.startswith("tenants."):
+        return TENANT_KEYS
+    return ("admin_group",) if table == "control" else LIMIT_KEYS
+
+
+def _good_value(key: str) -> list[str]:
+    if key in _GOOD_VALUES:
+        return _GOOD_VALUES[key]
+    return _GOOD_VALUES["bandwidth" if key.endswith("bandwidth") else "iops"]
+
+
+@st.composite
+def hostile_policy(draw: st.DrawFn) -> str:
+    tables = draw(st.lists(st.sampled_from(_GOOD_TABLES), unique=True, max_size=5))
+    if draw(st.integers(0, 5)) == 0:
+        tables.insert(draw(st.integers(0, len(tables))), draw(st.sampled_from(_BAD_TABLES)))
+    if tables and draw(st.integers(0, 15)) == 0:
+        tables.append(tables[0])  # a class (or any table) declared twice
+    lines: list[str] = []
+    for table in tables:
+        lines.append(f"[{table}]")
+        keys = draw(st.lists(st.sampled_from(_keys_of(table)), unique=True, max_size=4))
+        if draw(st.integers(0, 7)) == 0:
+            keys.append(draw(st.sampled_from(_UNKNOWN_KEYS)))
+        if keys and draw(st.integers(0, 15)) == 0:
+            keys.append(keys[0])  # a key given twice
+        for key in keys:
+            hostile = draw(st.integers(0, 3)) == 0
+            value = draw(_HOSTILE_VALUES if hostile else st.sampled_from(_good_value(key)))
+            lines.append(f"{key} = {value}")
+    return "\n".join(lines) + "\n"
+
+
+def _key_parts(key: str) -> list[str]:
+    return [part.strip('"') for part in re.findall(r'"[^"]*"|[^.]+', key)]
+
+
+@settings(derandomize=True, max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(hostile_policy())
+def test_hostile_policies_are_valid_or_one_error_naming_file_line_and_key(text: str) -> None:
+    try:
+        p = parse_policy(text, "fuzz.toml")
+    except PolicyError as err:
+        message = str(err)
+        assert "\n" not in message and err.source == "fuzz.toml"
+        assert err.line is not None and 1 <= err.line <= text.count("\n") + 1, message
+        if err.key is None:
+            assert message.startswith(f"fuzz.toml:{err.line}: invalid TOML: "), message
+        else:
+            assert message.startswith(f"fuzz.toml:{err.line}: {err.key}: "), message
+            # The line named holds the key, or the header of the table it is in.
+            line = text.split("\n")[err.line - 1]
+            assert any(part in line for part in _key_parts(err.key)), (message, line)
+    else:
+        assert parse_policy(p.render()) == p
+
+
+_SET_KEYS = ["read_bandwidth", "write_bandwidth", "write_iops", "meta_iops", "burst",
+             "burst_iops", "priority", "per_user", "cache", "min_read_bandwidth",
+             "min_write_bandwidth", "paths", "colour"]
+_SET_VALUES = st.one_of(
+    st.sampled_from(["400MiB/s", "2k", "unlimited", "high", "low", "7", "0", "10001", "fair",
+                     "none", "keep", "direct", "-1", "nan", "inf", "", "5GiB/s", "1B/s",
+                     "9" * 400 + "MiB/s", "9" * 400 + "KiB", "1e400"]),
+    st.integers().map(str))
+
+
+@settings(derandomize=True, max_examples=300, deadline=None)
+@given(st.sampled_from(["class", "tenant", "backend", "zone"]),
+       st.sampled_from(["datasets", "checkpoints", "slurm", "default", "team-a", "ops", "nope",
+                        None]),
+       st.dictionaries(st.sampled_from(_SET_KEYS), _SET_VALUES, min_size=1, max_size=3))
+def test_live_changes_are_valid_or_one_error_and_never_touch_the_running_policy(
+        kind: str, name: str | None, changes: dict[str, str]) -> None:
+    running = parse_policy(FULL, "mlfs.toml")
+    rendered = running.render()
+    try:
+        changed = with_changes(running, kind, name, changes)
+    except PolicyError as err:
+        assert "\n" not in str(err) and str(err).startswith("ctl: ")
+        assert err.key is None or str(err).startswith(f"ctl: {err.key}: ")
+    else:
+        assert parse_policy(changed.render()) == changed
+        assert changed.source == running.source
+    assert running.render() == rendered and running == parse_policy(FULL)
