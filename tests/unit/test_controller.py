@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import trio
 import trio.testing
 
 from qosfs.controller import Controller
 from qosfs.policy import Policy, parse_policy
-from qosfs.protocol import Peer, ReloadRequest, SetRequest, SimpleRequest
+from qosfs.protocol import Peer, ReloadRequest, SetRequest, SimpleRequest, encode
 from qosfs.qos import PassThroughQos
 from qosfs.scheduler import PolicyFlow, PolicyQos
+from tests.unit.test_policy import hostile_policy
 
 MiB = 1 << 20
 ROOT = Peer(pid=1, uid=0, gid=0)
@@ -149,3 +153,37 @@ async def test_a_raised_cap_releases_a_parked_writer_at_once() -> None:
         await ctl.handle(set_req("ckpt", write_bandwidth="1GiB/s", burst="64MiB"), ROOT)
         changed_at = trio.current_time()
     assert done and done[0] - changed_at < 0.01
+
+
+_SET_VALUES = st.one_of(st.sampled_from(["1MiB/s", "unlimited", "high", "fair", "keep", "-1",
+                                         "nan", "", "9" * 400 + "KiB", "1e400"]),
+                        st.integers(), st.floats(allow_nan=False, allow_infinity=False))
+_SETS = st.builds(
+    lambda target, name, changes: SetRequest(target, name, tuple(changes.items())),
+    st.sampled_from(["class", "tenant", "backend"]), st.sampled_from(["ckpt", "default", "x",
+                                                                       None]),
+    st.dictionaries(st.sampled_from(["write_bandwidth", "read_iops", "burst", "priority",
+                                     "per_user", "cache", "min_read_bandwidth", "paths"]),
+                    _SET_VALUES, min_size=1, max_size=3))
+_RELOADS = st.builds(ReloadRequest, hostile_policy(), st.just("/tmp/new.toml"))
+
+
+@settings(derandomize=True, max_examples=200, deadline=None)
+@given(st.one_of(_SETS, _RELOADS), st.sampled_from([ROOT, USER, ADMIN]))
+def test_any_change_is_applied_whole_or_leaves_everything_as_it_was(request_: Any,
+                                                                    peer: Peer) -> None:
+    async def main() -> None:
+        ctl, engine = make()
+        before, before_limits, rendered = engine.policy, limits(engine), engine.policy.render()
+        reply = await ctl.handle(request_, peer)
+        assert json.loads(encode(reply)) == reply
+        if reply["ok"]:
+            assert peer is not USER and engine.generation == 2
+            assert parse_policy(engine.policy.render()) == engine.policy
+        else:
+            assert reply["code"] == ("denied" if peer is USER else "policy"), reply
+            assert "\n" not in reply["error"]
+            assert engine.policy is before and engine.generation == 1
+            assert limits(engine) == before_limits and before.render() == rendered
+
+    trio.run(main)

@@ -6,6 +6,8 @@ import json
 import os
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qosfs.protocol import (
     MAX_REQUEST_BYTES,
@@ -156,3 +158,39 @@ def test_default_socket_path_is_readable_unambiguous_and_short(tmp_path) -> None
     if os.geteuid() == 0:
         assert pa.startswith("/run/qosfs/")
     assert os.path.basename(default_socket_path("/")).startswith("root-")
+
+
+# ------------------------------------------------------------------ hostile lines
+
+_VALID_LINES = [
+    b'{"cmd": "status"}', b'{"cmd": "stats"}', b'{"cmd": "reload"}',
+    b'{"cmd": "reload", "text": "[classes.default]\\n", "source": "/p"}',
+    b'{"cmd": "set", "target": "class", "name": "ckpt", "changes": {"write_bandwidth": "1MiB/s"}}',
+    b'{"cmd": "set", "target": "backend", "changes": {"read_iops": 2000}}',
+]
+_INSERTS = [b"{", b"}", b'"', b"\\", b"\\u0000", b"\\ud800", b"\xff", b"\x00", b"[", b"]",
+            b",", b":", b"null", b"true", b"1e999", b"-0", b"NaN", b"Infinity", b" " * 5,
+            b'"cmd"', b'"set"', b'"changes"', b'{"a": 1}', b"\r", b"9" * 5000]
+
+
+@st.composite
+def hostile_line(draw: st.DrawFn) -> bytes:
+    line = draw(st.sampled_from(_VALID_LINES))
+    for _ in range(draw(st.integers(0, 4))):
+        at = draw(st.integers(0, len(line)))
+        end = min(len(line), at + draw(st.integers(0, 8)))
+        line = line[:at] + draw(st.one_of(st.sampled_from(_INSERTS), st.binary(max_size=6))) \
+            + line[end:]
+    return line
+
+
+@settings(derandomize=True, max_examples=500, deadline=None)
+@given(st.one_of(hostile_line(), st.binary(max_size=200)))
+def test_hostile_lines_are_requests_or_one_protocol_error(line: bytes) -> None:
+    try:
+        request = parse_request(line)
+    except ProtocolError as exc:
+        assert str(exc) and "\n" not in str(exc) and len(str(exc)) < 200
+        assert json.loads(encode(error_reply(str(exc), exc.code)))["ok"] is False
+    else:
+        assert request.cmd in ("status", "stats", "set", "reload")
