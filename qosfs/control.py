@@ -60,6 +60,7 @@ REQUESTS_PER_SECOND = 50.0  # non-root, per uid
 REQUEST_BURST = 50.0
 _RECV = 65536
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13; not in Python's list
+_PEERGROUPS_BYTES = 1024
 _UNIX_PATH_MAX = 107
 
 Handler = Callable[[Request, Peer], Awaitable[dict[str, Any]]]
@@ -221,9 +222,11 @@ def peer_credentials(sock: Any) -> Peer:
                                                         struct.calcsize("3i")))
     groups: tuple[int, ...] = ()
     try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 4 * 1024)
+        # 1024 bytes (256 groups) is the most Python's getsockopt() accepts; a larger
+        # buflen raised OSError every time, so supplementary groups never counted.
+        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, _PEERGROUPS_BYTES)
         groups = tuple(array.array("I", raw[:len(raw) - len(raw) % 4]))
-    except OSError:  # old kernel, or more than 1024 groups: the primary gid still counts
+    except OSError:  # old kernel, or more than 256 groups: the primary gid still counts
         pass
     return Peer(pid, uid, gid, groups)
 

@@ -394,3 +394,54 @@ def test_a_socket_in_use_is_refused_before_mounting(ctl_mount: Mounted,
                           "qosfs daemon; pass another --socket\n")
     assert not is_mounted(mnt)
     assert ctl_mount.request({"cmd": "status"})["ok"] is True
+
+
+ADMIN_CLIENT = r"""
+import json, socket, sys
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(sys.argv[1])
+except OSError as exc:
+    print(json.dumps({"connect": exc.errno}))
+    raise SystemExit
+f = s.makefile("rwb")
+f.write(sys.argv[2].encode() + b"\n")
+f.flush()
+print(f.readline().decode())
+"""
+
+
+@pytest.mark.root
+def test_socket_admits_root_and_the_admin_group_only(tmp_tree: Path) -> None:
+    src, mnt = tmp_tree / "src", tmp_tree / "mnt"
+    src.mkdir()
+    mnt.mkdir()
+    policy = tmp_tree / "policy.toml"
+    policy.write_text("[control]\nadmin_group = 4300\n[classes.default]\n")
+    sock = tmp_tree / "ctl.sock"
+    change = json.dumps({"cmd": "set", "target": "class", "name": "default",
+                         "changes": {"write_bandwidth": "1GiB/s"}})
+
+    def client(uid: int, groups: list[int]) -> dict[str, Any]:
+        def drop() -> None:
+            os.setgroups(groups)
+            os.setgid(uid)
+            os.setuid(uid)
+
+        out = subprocess.run(["/usr/bin/python3", "-c", ADMIN_CLIENT, str(sock), change],
+                             capture_output=True, text=True, preexec_fn=drop, cwd="/",
+                             timeout=30, check=True)
+        return json.loads(out.stdout)
+
+    with QosfsMount(src, mnt, "--policy", str(policy), "--socket", str(sock)):
+        st = os.stat(sock)
+        assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o660, 4300)
+        assert client(4244, []) == {"connect": 13}  # EACCES: not in the group
+        member = client(4242, [4300])
+        assert member["ok"] is True, member  # a member may change limits
+        with Client(str(sock)) as root:
+            reply = root.request({"cmd": "reload", "text": "[classes.default]\n"})
+            assert reply["ok"] is True
+            assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600  # group removed: root only
+            assert client(4242, [4300]) == {"connect": 13}
+            assert root.request({"cmd": "status"})["generation"] == 3
