@@ -396,6 +396,79 @@ def test_a_socket_in_use_is_refused_before_mounting(ctl_mount: Mounted,
     assert ctl_mount.request({"cmd": "status"})["ok"] is True
 
 
+def test_many_clients_and_chunked_garbage_leave_the_daemon_serving_and_the_policy_as_it_was(
+        ctl_mount: Mounted) -> None:
+    import random
+
+    from tests.unit.test_protocol import _INSERTS, _VALID_LINES
+
+    before = policy_view(ctl_mount.request({"cmd": "status"}))
+    rnd = random.Random(7)
+    # More simultaneous connections than the daemon admits: the rest are told "busy".
+    crowd: list[socket.socket] = []
+    try:
+        while len(crowd) < 300:
+            crowd.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            crowd[-1].connect(str(ctl_mount.sock))  # blocking: the listen backlog is 64
+            crowd[-1].settimeout(10)
+        for s in crowd:
+            s.sendall(b'{"cmd":"status"}\n')
+        codes = []
+        for s in crowd:
+            reply = _line(s)
+            codes.append("ok" if reply["ok"] else reply["code"])
+    finally:
+        for s in crowd:
+            s.close()
+    assert codes.count("ok") >= 200 and set(codes) <= {"ok", "busy"}, set(codes)
+    # Hostile lines, a few rejected changes among them, split at random points.
+    sent = 0
+    for _ in range(20):
+        s = _connect(ctl_mount.sock)
+        lines = []
+        for _ in range(10):
+            line = bytearray(rnd.choice(_VALID_LINES))
+            for _ in range(rnd.randrange(0, 4)):
+                at = rnd.randrange(len(line) + 1)
+                line[at:at + rnd.randrange(8)] = rnd.choice([*_INSERTS, rnd.randbytes(5)])
+            line = line.replace(b"\n", b" ").replace(b'"reload"', b'"status"')
+            if b'"set"' in line:  # a change that can only be refused
+                line = line.replace(b'"1MiB/s"', b'"-1MiB/s"').replace(b"2000", b"-2")
+            lines.append(bytes(line) + b"\n")
+        data = b"".join(lines)
+        while data:
+            cut = rnd.randrange(1, 64)
+            s.sendall(data[:cut])
+            data = data[cut:]
+        expected = sum(1 for x in lines if x.strip().rstrip(b"\r").strip())
+        buf = b""
+        while buf.count(b"\n") < expected:
+            chunk = s.recv(65536)
+            assert chunk, "connection closed"
+            buf += chunk
+        replies = [json.loads(x) for x in buf.splitlines()]
+        for reply in replies:
+            assert reply["ok"] or reply["code"] in ("protocol", "policy"), reply
+        sent += len(replies)
+        s.close()
+    assert sent >= 190
+    assert policy_view(ctl_mount.request({"cmd": "status"})) == before
+    (ctl_mount.mnt / "after").write_bytes(b"a" * MiB)
+    assert (ctl_mount.mnt / "after").read_bytes() == b"a" * MiB
+    assert ctl_mount.mount.proc is not None and ctl_mount.mount.proc.poll() is None
+    assert not re.search(r" (ERROR|WARNING) ", ctl_mount.mount.log()), ctl_mount.mount.log()
+
+
+def test_metrics_listen_on_loopback_only_by_default(ctl_mount: Mounted) -> None:
+    url = ctl_mount.metrics_url()  # the fixture passes --metrics 0: no host given
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    assert url.startswith("http://127.0.0.1:")
+    with open("/proc/net/tcp") as f:
+        listening = [line.split()[1] for line in f.readlines()[1:]
+                     if line.split()[3] == "0A" and int(line.split()[1].split(":")[1], 16) == port]
+    assert listening == [f"0100007F:{port:04X}"]
+
+
 ADMIN_CLIENT = r"""
 import json, socket, sys
 s = socket.socket(socket.AF_UNIX)
