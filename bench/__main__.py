@@ -5,6 +5,7 @@ Suites:
   overhead   pass-through cost: each workload on native tmpfs and through qosfs (no policy)
   live-change  how fast a raised cap (ctl set / reload) reaches a writer already waiting
   latency-target  a reader's latency target held against an uncapped checkpoint storm
+  soak       mixed readers, writers, metadata and ctl changes for N minutes, then checks
 
 More suites (cap accuracy, isolation) plug in as further subcommands.
 """
@@ -59,10 +60,19 @@ def main(argv: list[str] | None = None) -> int:
     lt.add_argument("--quick", action="store_true", help="shorter phases (about 40 s)")
     lt.add_argument("--out", type=Path, default=latency_target.default_out(),
                     help="directory for latency-target.md and .json (default: bench/results)")
+    sk = sub.add_parser("soak", help="mixed traffic and live changes for N minutes, checked")
+    sk.add_argument("--minutes", type=float, default=3.0)
+    sk.add_argument("--out", type=Path, help="directory for soak.md and soak.json "
+                    "(default: bench/results)")
     args = parser.parse_args(argv)
     if args.suite == "latency-target":
         signal.signal(signal.SIGTERM, _terminate)
         return latency_target.run(args.out, quick=args.quick)
+    if args.suite == "soak":
+        from bench import soak
+
+        signal.signal(signal.SIGTERM, _terminate)
+        return soak.run(args.out or soak.default_out(), args.minutes)
     if args.suite == "demo":
         from bench import demo
 
