@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from qosfs.ctl import Client
+from qosfs.protocol import default_socket_path
 from tests.mounting import QosfsMount, is_mounted
 
 pytestmark = pytest.mark.mount
@@ -157,3 +160,65 @@ def test_sigterm_serves_parked_requests_at_once_and_loses_nothing(tmp_tree: Path
         acknowledged = max((b for _, b in marks if b >= 0), default=0)
         # Every write the writer was told succeeded is in the backing file.
         assert (src / "ckpt" / f"w{i}").stat().st_size >= acknowledged, (i, marks)
+
+
+# Reads 256 KiB blocks of a file whose block i is filled with byte i % 251, checking each,
+# until an error; prints {"good": blocks read right, "bad": blocks read wrong, "errno"}.
+CHECKING_READER = r"""
+import json, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+good = bad = 0
+code = None
+try:
+    i = 0
+    while True:
+        block = os.pread(fd, 256 * 1024, (i % 64) * 256 * 1024)
+        if block == bytes([(i % 64) % 251]) * (256 * 1024):
+            good += 1
+        else:
+            bad += 1
+        i += 1
+except OSError as exc:
+    code = exc.errno
+print(json.dumps({"good": good, "bad": bad, "errno": code}))
+"""
+
+
+def test_sigterm_drains_parked_reads_and_writes_alike(tmp_tree: Path) -> None:
+    src, mnt = _dirs(tmp_tree, "ckpt", "data")
+    block = 256 * 1024
+    (src / "data" / "set").write_bytes(b"".join(bytes([i % 251]) * block for i in range(64)))
+    policy = tmp_tree / "policy.toml"
+    policy.write_text('[classes.ckpt]\npaths = ["ckpt/**"]\nwrite_bandwidth = "2MiB/s"\n'
+                      'burst = "1MiB"\n[classes.data]\npaths = ["data/**"]\n'
+                      'read_bandwidth = "2MiB/s"\nburst = "1MiB"\n')
+    m = QosfsMount(src, mnt, "--policy", str(policy)).start()
+    try:
+        start = time.time() + 0.2
+        writers = [_start_writer(mnt / "ckpt" / f"w{i}", 30.0, start) for i in range(4)]
+        readers = [subprocess.Popen([sys.executable, "-c", CHECKING_READER,
+                                     str(mnt / "data" / "set")], stdout=subprocess.PIPE,
+                                    text=True) for _ in range(4)]
+        time.sleep(1.5)  # both classes far over their caps: reads and writes parked
+        with Client(default_socket_path(str(mnt))) as client:
+            levels = client.request({"cmd": "status"})["levels"]
+        parked = {lv["name"]: lv["queue_depth"] for lv in levels if lv["level"] == "class"}
+        assert parked["ckpt"] >= 1 and parked["data"] >= 1, parked
+        assert m.proc is not None
+        t = time.monotonic()
+        m.proc.send_signal(signal.SIGTERM)
+        assert m.proc.wait(20) == 0
+        drained = time.monotonic() - t
+        write_marks = [_marks(w) for w in writers]
+        reads = [json.loads(r.communicate(timeout=60)[0]) for r in readers]
+    finally:
+        m.stop()
+    assert drained < 2.0, drained
+    assert "Traceback" not in m.log()
+    for i, marks in enumerate(write_marks):
+        acknowledged = max((b for _, b in marks if b >= 0), default=0)
+        data = (src / "ckpt" / f"w{i}").read_bytes()
+        assert len(data) >= acknowledged and data[:acknowledged] == b"w" * acknowledged
+    for result in reads:  # every read answered before the unmount was right
+        assert result["bad"] == 0 and result["good"] >= 1, result
+        assert result["errno"] in (errno.ENOTCONN, errno.ECONNABORTED, errno.ENODEV), result
