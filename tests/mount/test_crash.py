@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from tests.mount.test_lifecycle import _unmount
 from tests.mounting import ROOT, QosfsMount, is_mounted
 
 pytestmark = [pytest.mark.mount, pytest.mark.root]
@@ -79,15 +80,6 @@ def _recover(src: Path, mnt: Path) -> None:
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stderr == ""
-
-
-def _unmount(mnt: Path) -> None:
-    subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True)
-    deadline = time.monotonic() + 10
-    while is_mounted(mnt) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if is_mounted(mnt):
-        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
 
 
 @pytest.mark.parametrize("traffic", ["checkpoint-write", "dataset-read"])
