@@ -7,6 +7,7 @@ import logging
 import os
 import stat
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyfuse3
 import pytest
@@ -88,6 +89,7 @@ def test_names_never_lead_the_daemon_out_of_the_tree(tmp_path: Path) -> None:
     root, outside = tmp_path / "root", tmp_path / "outside"
     root.mkdir()
     outside.mkdir()
+    os.chmod(outside, 0o755)
     os.symlink(outside, root / "out")
     ops = _ops(root)
 
@@ -107,7 +109,24 @@ def test_names_never_lead_the_daemon_out_of_the_tree(tmp_path: Path) -> None:
             with pytest.raises(pyfuse3.FUSEError) as info:
                 await attempt
             assert info.value.errno in (errno.ENOTDIR, errno.ENOENT), attempt
-        assert os.listdir(outside) == []
+        # Changes to the link itself (fchmodat2 AT_SYMLINK_NOFOLLOW, lsetxattr, lchown)
+        # reach the link, never its target outside.
+        attr = pyfuse3.EntryAttributes()
+        attr.st_mode, attr.st_uid, attr.st_size = 0o777, 4242, 0
+        fields = SimpleNamespace(update_size=False, update_mode=True, update_uid=False,
+                                 update_gid=False, update_atime=False, update_mtime=False)
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            await ops.setattr(link.st_ino, attr, fields, None, _Ctx())
+        assert info.value.errno == errno.EOPNOTSUPP
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            await ops.setxattr(link.st_ino, b"user.x", b"1", _Ctx())
+        assert info.value.errno == errno.EPERM
+        if os.geteuid() == 0:
+            fields.update_mode, fields.update_uid = False, True
+            await ops.setattr(link.st_ino, attr, fields, None, _Ctx())
+            assert os.lstat(root / "out").st_uid == 4242 and outside.stat().st_uid == 0
+        assert os.listdir(outside) == [] and stat.S_IMODE(outside.stat().st_mode) == 0o755
+        assert os.listxattr(outside) == []
 
     trio.run(main)
 
