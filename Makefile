@@ -1,13 +1,15 @@
 # qosfs: everything a fresh machine needs is installed by these targets.
 #   make demo   install, mount a demo tree with the default policy, run a short workload
 #   make test   install, run the test suite (what .ci/run runs)
+#   make bench  install, run every benchmark suite, write bench/results/REPORT.md (~25 min;
+#               make bench-quick: ~5 min, noisier)
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 SYSTEM_PACKAGES := fuse3 libfuse3-dev pkg-config fio
 
-.PHONY: deps system-deps venv demo test bench bench-quick check clean
+.PHONY: deps system-deps venv demo test bench-deps bench bench-quick check clean
 
 deps: system-deps venv
 
@@ -32,10 +34,14 @@ demo: deps
 test: deps
 	$(PY) -m pytest -q
 
-bench: deps
+# matplotlib draws the report's plots; if it cannot be installed the report says so.
+bench-deps: deps
+	@$(PY) -m pip install -q -e '.[bench]' || echo "matplotlib not installed: REPORT.md will have no plots"
+
+bench: bench-deps
 	$(PY) -m bench all
 
-bench-quick: deps
+bench-quick: bench-deps
 	$(PY) -m bench all --quick
 
 clean:

@@ -9,9 +9,10 @@ kind of mount:
 
 * ``--no-qos``: the storm runs free;
 * the bench policy with the checkpoints class capped at each level of :data:`SWEEP`. The
-  headline level is :data:`HEADLINE_CAP`: on this 2-CPU machine the daemon is one Python
-  thread, and every MiB/s a checkpoint is allowed costs that thread time the reader
-  needs, so the cap has to leave it room; the sweep shows the trade-off around it.
+  headline level is :data:`HEADLINE_CAP`: the daemon is one Python thread, and every
+  MiB/s a checkpoint is allowed costs that thread time the reader needs, so on this
+  2-CPU machine the cap has to fit in what the reader leaves; the sweep shows the
+  trade-off around it, and ``write_cost`` what a MiB costs the daemon.
 
 Then a time series through periodic checkpoint bursts (mixed.fio): both classes' rates
 from the daemon's counters every 0.5 s, with the same classes uncapped and capped.
@@ -28,12 +29,15 @@ from typing import Any
 from bench.context import Mounted, Run
 from bench.fio import JOBS_DIR, FioError, FioMetrics, parse_fio_json, run_job
 from bench.sampler import StatusSampler, windows
-from bench.system import drop_caches, wait_quiet
+from bench.system import CpuWatch, drop_caches, wait_quiet
 from qosfs.ctl import call
 
 MiB = 1 << 20
-SWEEP = ("50MiB/s", "100MiB/s", "200MiB/s")
-HEADLINE_CAP = "100MiB/s"
+SWEEP = ("25MiB/s", "50MiB/s", "100MiB/s", "200MiB/s")
+# The storm alone costs the daemon ~2 ms of CPU per MiB admitted under a cap (the
+# write_cost figures), so 50 MiB/s is ~10% of a core: what the solo reader, which keeps
+# the daemon ~65% busy, leaves free. Higher levels are in the sweep.
+HEADLINE_CAP = "50MiB/s"
 READER_JOBS = "2"  # several readers, but no more than this machine's CPUs
 STORM_JOBS = "4"
 POLICY = """
@@ -97,23 +101,45 @@ class Isolation:
 
     def solo(self, m: Mounted, label: str) -> None:
         self._prepare()
+        cpu = CpuWatch(m.mount)
         reader, _, _ = run_job(self.run.fio, JOBS_DIR / "dataset.fio", str(m.path),
                                self.reader_env, cwd=str(self.run.work))
         assert reader is not None
-        self._keep(label, reader, None)
+        self._keep(label, reader, None, cpu.figures())
 
     def storm(self, m: Mounted, label: str) -> None:
         self._prepare()
+        cpu = CpuWatch(m.mount)
         reader, storm = with_storm(self.run.fio, str(m.path), str(m.path), self.reader_env,
                                    self.storm_env, cwd=str(self.run.work))
-        self._keep(label, reader, storm)
+        self._keep(label, reader, storm, cpu.figures())
 
-    def _keep(self, label: str, reader: FioMetrics, storm: FioMetrics | None) -> None:
-        rec = {"reader": reader.to_dict(), "storm": storm.to_dict() if storm else None}
+    def _keep(self, label: str, reader: FioMetrics, storm: FioMetrics | None,
+              cpu: dict[str, float | None]) -> None:
+        rec = {"reader": reader.to_dict(), "storm": storm.to_dict() if storm else None,
+               **cpu}
         self.runs.setdefault(label, []).append(rec)
-        self.run.log(f"  {label:16s} reader {reader.bw_bytes / MiB:6.0f} MiB/s  "
+        self.run.log(f"  {label:18s} reader {reader.bw_bytes / MiB:6.0f} MiB/s  "
                      f"p99 {reader.clat_p99_us / 1e3:6.2f} ms"
-                     + (f"  storm {storm.bw_bytes / MiB:5.0f} MiB/s" if storm else ""))
+                     + (f"  storm {storm.bw_bytes / MiB:5.0f} MiB/s" if storm else "")
+                     + f"  daemon {cpu['daemon_cpu_pct'] or 0:.0f}% CPU, machine "
+                       f"{cpu['machine_busy_pct']:.0f}% busy")
+
+    def write_cost(self, m: Mounted, cap: str | None) -> dict[str, Any]:
+        """The storm alone, its class capped at *cap* (None: far above demand): daemon CPU
+        milliseconds per MiB written. A parked write's cost shows here."""
+        call(m.socket, {"cmd": "set", "target": "class", "name": "checkpoints",
+                        "changes": {"write_bandwidth": cap or "64GiB/s"}})
+        self._prepare()
+        cpu = CpuWatch(m.mount)
+        storm, _, _ = run_job(self.run.fio, JOBS_DIR / "checkpoint-storm.fio", str(m.path),
+                              {**self.storm_env, "RUNTIME": self.reader_env["RUNTIME"]},
+                              cwd=str(self.run.work))
+        assert storm is not None
+        fig = cpu.figures()
+        seconds = (fig["daemon_cpu_pct"] or 0.0) / 100 * fig["wall_s"]
+        return {"cap": cap, "storm_bw": storm.bw_bytes, **fig,
+                "daemon_ms_per_mib": 1e3 * seconds / (storm.io_bytes / MiB)}
 
 
 def burst_series(run: Run, src: Path, cap: str | None) -> dict[str, Any]:
@@ -169,8 +195,10 @@ def run(run: Run) -> dict[str, Any]:
                 call(m.socket, {"cmd": "set", "target": "class", "name": "checkpoints",
                                 "changes": {"write_bandwidth": cap}})
                 iso.storm(m, f"storm cap {cap}")
+        cost = [iso.write_cost(m, cap) for cap in (None, HEADLINE_CAP)]
     bursts = [burst_series(run, src, cap) for cap in (None, HEADLINE_CAP)]
     return {"runs": iso.runs, "sweep": list(SWEEP), "headline_cap": HEADLINE_CAP,
+            "write_cost": cost,
             "reader_env": iso.reader_env, "storm_env": iso.storm_env,
             "policy": policy(HEADLINE_CAP).strip(), "bursts": bursts,
             "summary": summarize(iso.runs)}
@@ -193,5 +221,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
             value, base = med(label, "reader", key), med(solo, "reader", key)
             row[key] = value
             row[f"{key}_ratio"] = value / base if value is not None and base else None
+        for key in ("daemon_cpu_pct", "machine_busy_pct"):
+            vals = [r[key] for r in runs[label] if r.get(key) is not None]
+            row[key] = statistics.median(vals) if vals else None
         out.append(row)
     return out

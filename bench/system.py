@@ -222,6 +222,24 @@ class CpuMeter:
         return 100.0 * (dt - (idle - self._start[1])) / dt if dt > 0 else 0.0
 
 
+class CpuWatch:
+    """Over an interval: the qosfs daemon's CPU share (100% = one core; None if unknown)
+    and the whole machine's busy share."""
+
+    def __init__(self, mount: QosfsMount | None) -> None:
+        self.mount = mount
+        self.meter = CpuMeter()
+        self.t0 = time.monotonic()
+        self.cpu0 = mount.cpu_seconds() if mount else None
+
+    def figures(self) -> dict[str, Any]:
+        wall = time.monotonic() - self.t0
+        cpu1 = self.mount.cpu_seconds() if self.mount else None
+        daemon = None if cpu1 is None or self.cpu0 is None else 100 * (cpu1 - self.cpu0) / wall
+        return {"wall_s": wall, "daemon_cpu_pct": daemon,
+                "machine_busy_pct": self.meter.busy_pct()}
+
+
 def busy_pct_now(interval: float = 0.25) -> float:
     meter = CpuMeter()
     time.sleep(interval)
