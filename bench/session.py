@@ -144,6 +144,9 @@ def execute(names: list[str], opts: Options, stem: str,
             run = Run(fio=fio, quick=opts.quick, tmpfs=tmp, disk=disk, reps=opts.reps,
                       quiet_wait=opts.quiet_wait, qosfs_args=opts.qosfs_args, log=log)
             for name in names:
+                # stays so if Ctrl-C or SIGTERM stops the suite
+                doc["suites"][name] = {"result": None, "error": "interrupted",
+                                       "elapsed_s": 0.0}
                 doc["suites"][name] = _one(run, name, skip.get(name))
         for name in extra_names:
             assert extra is not None
