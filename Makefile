@@ -1,8 +1,8 @@
 # qosfs: everything a fresh machine needs is installed by these targets.
 #   make demo   install, mount a demo tree with the default policy, run a short workload
 #   make test   install, run the test suite (what .ci/run runs)
-#   make bench  install, run every benchmark suite, write bench/results/REPORT.md (~25 min;
-#               make bench-quick: ~5 min, noisier)
+#   make bench  install, run every benchmark suite, write bench/results/REPORT.md (~20 min;
+#               make bench-quick: ~8 min, noisier)
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv

@@ -35,8 +35,8 @@ def _terminate(signum: int, frame: object) -> None:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
-                   help="short runs, one repetition: `all` takes about 5 minutes instead of "
-                        "about 25 (figures are noisier; the report says which mode)")
+                   help="short runs, one repetition: `all` takes about 8 minutes instead of "
+                        "about 20 (figures are noisier; the report says which mode)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results",
                    help="directory for the report, figures and plots (default: bench/results)")
     p.add_argument("--tmpfs-size", default="6g", help="scratch tmpfs size (default 6g)")
