@@ -36,12 +36,12 @@ def fixture() -> dict[str, Any]:
         "key": "write_bandwidth", "label": "1 MiB writes", "demand": 400 * MiB, "levels": [
             {"level": "50MiB/s", "cap": 50 * MiB, "has_demand": True, "fio_rate": 51 * MiB,
              "windows": 11, "span_s": 11.0, "long_window_s": 10.0, "achieved": 50 * MiB,
-             "worst_1s_pct": -3.0, "worst_long_pct": 0.4, "short_windows": 0,
-             "min_waiting": 3.0, "per_second": [50 * MiB] * 11},
+             "worst_1s_pct": -3.0, "worst_long_pct": 0.4, "idle_windows": 0,
+             "per_second": [50 * MiB] * 11},
             {"level": "800MiB/s", "cap": 800 * MiB, "has_demand": False,
              "fio_rate": 390 * MiB, "windows": 11, "span_s": 11.0, "long_window_s": 10.0,
              "achieved": 390 * MiB, "worst_1s_pct": -52.0, "worst_long_pct": -51.0,
-             "short_windows": 11, "min_waiting": 0.0, "per_second": [390 * MiB] * 11}]}]}
+             "idle_windows": 11, "per_second": [390 * MiB] * 11}]}]}
     reader = {"bw_bytes": 500 * MiB, "clat_p99_us": 900.0}
 
     def iso(scenario: str, tp: float, p99: float) -> dict[str, Any]:
@@ -137,6 +137,8 @@ def test_sections_plots_and_extra_reports() -> None:
     assert "![overhead ratios](report-overhead.png)" in text
     assert "no demand: uncapped rate < 1.1× cap" in text
     assert "| 100MiB/s | 100 MiB/s | 20% | 2.00 ms |" in text  # a throttled MiB's cost
+    assert "| create | 100.0k ops/s | 5,000 ops/s | 4,900 ops/s | 1,000 ops/s | 0.05× | 0.98× " \
+        "| 0.20× |" in text
     assert "| no cap (classes only) | 500 MiB/s | 200 MiB/s | 40% |" in text
     assert "Missed targets: " in text
     # another suite's report of the same run is included, its headings demoted

@@ -14,7 +14,7 @@ from bench.sampler import Sample, Window
 
 def test_cap_analysis_reports_signed_worst_errors() -> None:
     rates = [0, 150, 100, 95, 100, 100, 15]  # idle, burst, steady..., the job's end
-    waited = [0, 1, 2, 1, 3, 3, 0]
+    waited = [0, 1, 2, 0, 3, 3, 0]  # seconds waited per second, summed over requests
     ws = [Window(float(i), i + 1.0, r, w) for i, (r, w) in
           enumerate(zip(rates, waited, strict=True))]
     r = analyse(ws, 100.0, 10.0)
@@ -22,7 +22,8 @@ def test_cap_analysis_reports_signed_worst_errors() -> None:
     assert r["worst_1s_pct"] == -5.0
     assert r["worst_long_pct"] == pytest.approx(-1.25)
     assert r["achieved"] == pytest.approx(98.75)
-    assert r["short_windows"] == 0
+    assert r["idle_windows"] == 1  # one steady window in which nothing waited
+    assert r["waiting"] == [2, 0, 3, 3]
     assert analyse([], 100.0, 10.0) == {"windows": 0}
 
 
