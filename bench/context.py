@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -95,7 +94,3 @@ class Run:
             mnt.rmdir()
         except OSError:
             pass
-
-
-def elapsed(t0: float) -> float:
-    return round(time.monotonic() - t0, 1)

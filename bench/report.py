@@ -27,100 +27,123 @@ from bench.sections import (
     verdict,
 )
 
-
-def _result(doc: Doc, suite: str) -> dict[str, Any] | None:
-    entry = doc.get("suites", {}).get(suite)
-    return entry.get("result") if entry else None
+Rows = list[list[str]]
 
 
-def headline(doc: Doc) -> list[list[str]]:
+def _head_overhead(ov: dict[str, Any]) -> Rows:
+    rows = [[f"pass-through cost, {s['label']}: no-qos / native",
+             ratio(s["ratio_to_native"].get("no-qos")), "—", ""]
+            for s in ov["summary"] if s["key"] in ("dataset", "disk-dataset", "checkpoint")]
+    mach = [s["machinery"] for s in ov["summary"] if s["machinery"] is not None]
+    if mach:
+        worst = min(mach)
+        rows.append(["QoS machinery: policy (caps far above demand) / no-qos, worst workload",
+                     ratio(worst), f"≥ {MACHINERY_MIN}",
+                     verdict(worst >= MACHINERY_MIN,
+                             f"by {100 * (MACHINERY_MIN - worst):.1f} points")])
+    return rows
+
+
+def _head_caps(caps: dict[str, Any]) -> Rows:
+    levels = [lv for w in caps["workloads"] for lv in w["levels"]
+              if lv.get("windows") and lv["has_demand"]]
+    if not levels:
+        return []
+    long = max((lv["worst_long_pct"] for lv in levels), key=abs)
+    one = max((lv["worst_1s_pct"] for lv in levels), key=abs)
+    span = min(lv["long_window_s"] for lv in levels)
+    return [[f"cap accuracy, worst {span:.0f} s window ({len(levels)} caps)", pct(long),
+             f"±{CAP_LONG_PCT:.0f}% over 10 s", verdict(abs(long) <= CAP_LONG_PCT)],
+            ["cap accuracy, worst 1 s window", pct(one), f"±{CAP_1S_PCT:.0f}%",
+             verdict(abs(one) <= CAP_1S_PCT)]]
+
+
+def _head_isolation(iso: dict[str, Any]) -> Rows:
+    rows: Rows = []
+    head = next((r for r in iso["summary"]
+                 if r["scenario"] == f"storm cap {iso['headline_cap']}"), None)
+    free = next((r for r in iso["summary"] if r["scenario"] == "storm no-qos"), None)
+    if head and head["bw_bytes_ratio"] is not None:
+        tp, p99 = head["bw_bytes_ratio"], head["clat_p99_us_ratio"]
+        rows.append([f"isolation, checkpoints capped at {iso['headline_cap']}: reader "
+                     "throughput vs solo", pct(100 * tp, False), f"≥ {100 * ISO_THROUGHPUT:.0f}%",
+                     verdict(tp >= ISO_THROUGHPUT,
+                             f"by {100 * (ISO_THROUGHPUT - tp):.0f} points")])
+        rows.append(["isolation, same: reader p99 vs solo", ratio(p99), f"≤ {ISO_P99}×",
+                     verdict(p99 is not None and p99 <= ISO_P99)])
+    if free and free["bw_bytes_ratio"] is not None:
+        rows.append(["isolation without QoS (--no-qos): reader throughput, p99",
+                     f"{100 * free['bw_bytes_ratio']:.0f}%, "
+                     f"{ratio(free['clat_p99_us_ratio'])}", "(contrast)", ""])
+    return rows
+
+
+def _head_live(live: dict[str, Any]) -> Rows:
+    rows: Rows = []
+    s = live["summary"].get("set")
+    if s:
+        rows.append(["live change: parked write released after `set`, worst",
+                     f"{s['max_delay_ms']:.1f} ms", f"< {LIVE_MS:.0f} ms",
+                     verdict(s["max_delay_ms"] < LIVE_MS)])
+    settles = [c["settle_ms"] for c in live["step"]["changes"]]
+    worst = None if None in settles else max(settles)
+    rows.append(["live change: new rate holds (±10% over 0.5 s) after `set`, worst",
+                 "never" if worst is None else f"{worst:.0f} ms", f"< {LIVE_MS:.0f} ms",
+                 verdict(worst is not None and worst < LIVE_MS)])
+    return rows
+
+
+def _head_fair(fair: dict[str, Any]) -> Rows:
+    errs = [p["worst_pct"] for p in fair["phases"] if p["worst_pct"] is not None]
+    if not errs:
+        return []
+    w = max(errs, key=abs)
+    return [["fair share, 3 uids: worst per-user error vs equal split", pct(w),
+             f"±{SHARE_PCT:.0f}%", verdict(abs(w) <= SHARE_PCT)]]
+
+
+def _head_meta(meta: dict[str, Any]) -> Rows:
+    nat = {s["key"]: s["ratio_to_native"].get("no-qos") for s in meta["summary"]}
+    rows = [["metadata, no-qos / native (create, stat, open, unlink)",
+             ", ".join(ratio(nat.get(k)) for k in ("create", "stat", "open", "unlink")),
+             "—", ""]]
+    mach = [s["machinery"] for s in meta["summary"] if s["machinery"] is not None]
+    if mach:
+        worst = min(mach)
+        rows.append(["QoS machinery on metadata (policy counts each request against "
+                     "meta_iops) / no-qos, worst operation", ratio(worst),
+                     f"≥ {MACHINERY_MIN}", verdict(worst >= MACHINERY_MIN)])
+    return rows
+
+
+def _head_prio(prio: dict[str, Any]) -> Rows:
+    errs = [c["error_backend_pct"] for sc in prio["scenarios"] for c in sc["classes"]
+            if c["error_backend_pct"] is not None]
+    if not errs:
+        return []
+    w = max(errs, key=abs)
+    return [[f"priorities/minimums, backend {prio['backend']}: worst error vs expected "
+             "share, in % of the backend", pct(w), f"±{SHARE_PCT:.0f}%",
+             verdict(abs(w) <= SHARE_PCT)]]
+
+
+HEADLINES = {"overhead": _head_overhead, "caps": _head_caps, "isolation": _head_isolation,
+             "live-change": _head_live, "fairshare": _head_fair, "metadata": _head_meta,
+             "priorities": _head_prio}
+# a result this code cannot read (another version's REPORT.json) spoils only its rows
+_UNREADABLE = (KeyError, TypeError, ValueError, IndexError)
+
+
+def headline(doc: Doc) -> Rows:
     """Rows (what, figure, target, result) of the headline table, for the suites run."""
-    rows: list[list[str]] = []
-    ov = _result(doc, "overhead")
-    if ov:
-        for s in ov["summary"]:
-            if s["key"] in ("dataset", "disk-dataset", "checkpoint"):
-                rows.append([f"pass-through cost, {s['label']}: no-qos / native",
-                             ratio(s["ratio_to_native"].get("no-qos")), "—", ""])
-        mach = [s["machinery"] for s in ov["summary"] if s["machinery"] is not None]
-        if mach:
-            worst = min(mach)
-            rows.append(["QoS machinery: policy (caps far above demand) / no-qos, worst "
-                         "workload", ratio(worst), f"≥ {MACHINERY_MIN}",
-                         verdict(worst >= MACHINERY_MIN, f"by {100 * (MACHINERY_MIN - worst):.1f} "
-                                 "points")])
-    caps = _result(doc, "caps")
-    if caps:
-        levels = [lv for w in caps["workloads"] for lv in w["levels"]
-                  if lv.get("windows") and lv["has_demand"]]
-        if levels:
-            long = max((lv["worst_long_pct"] for lv in levels), key=abs)
-            one = max((lv["worst_1s_pct"] for lv in levels), key=abs)
-            span = min(lv["long_window_s"] for lv in levels)
-            rows.append([f"cap accuracy, worst {span:.0f} s window ({len(levels)} caps)",
-                         pct(long), f"±{CAP_LONG_PCT:.0f}% over 10 s",
-                         verdict(abs(long) <= CAP_LONG_PCT)])
-            rows.append(["cap accuracy, worst 1 s window", pct(one), f"±{CAP_1S_PCT:.0f}%",
-                         verdict(abs(one) <= CAP_1S_PCT)])
-    iso = _result(doc, "isolation")
-    if iso:
-        head = next((r for r in iso["summary"]
-                     if r["scenario"] == f"storm cap {iso['headline_cap']}"), None)
-        free = next((r for r in iso["summary"] if r["scenario"] == "storm no-qos"), None)
-        if head and head["bw_bytes_ratio"] is not None:
-            tp, p99 = head["bw_bytes_ratio"], head["clat_p99_us_ratio"]
-            rows.append([f"isolation, checkpoints capped at {iso['headline_cap']}: reader "
-                         "throughput vs solo", pct(100 * tp, False),
-                         f"≥ {100 * ISO_THROUGHPUT:.0f}%",
-                         verdict(tp >= ISO_THROUGHPUT, f"by {100 * (ISO_THROUGHPUT - tp):.0f} "
-                                 "points")])
-            rows.append(["isolation, same: reader p99 vs solo", ratio(p99),
-                         f"≤ {ISO_P99}×", verdict(p99 is not None and p99 <= ISO_P99)])
-        if free and free["bw_bytes_ratio"] is not None:
-            rows.append(["isolation without QoS (--no-qos): reader throughput, p99",
-                         f"{100 * free['bw_bytes_ratio']:.0f}%, "
-                         f"{ratio(free['clat_p99_us_ratio'])}", "(contrast)", ""])
-    live = _result(doc, "live-change")
-    if live:
-        s = live["summary"].get("set")
-        if s:
-            rows.append(["live change: parked write released after `set`, worst",
-                         f"{s['max_delay_ms']:.1f} ms", f"< {LIVE_MS:.0f} ms",
-                         verdict(s["max_delay_ms"] < LIVE_MS)])
-        settles = [c["settle_ms"] for c in live["step"]["changes"]]
-        worst_settle = None if None in settles else max(settles)
-        rows.append(["live change: new rate holds (±10% over 0.5 s) after `set`, worst",
-                     "never" if worst_settle is None else f"{worst_settle:.0f} ms",
-                     f"< {LIVE_MS:.0f} ms",
-                     verdict(worst_settle is not None and worst_settle < LIVE_MS)])
-    fair = _result(doc, "fairshare")
-    if fair:
-        errs = [p["worst_pct"] for p in fair["phases"] if p["worst_pct"] is not None]
-        if errs:
-            w = max(errs, key=abs)
-            rows.append(["fair share, 3 uids: worst per-user error vs equal split",
-                         pct(w), f"±{SHARE_PCT:.0f}%", verdict(abs(w) <= SHARE_PCT)])
-    meta = _result(doc, "metadata")
-    if meta:
-        nat = {s["key"]: s["ratio_to_native"].get("no-qos") for s in meta["summary"]}
-        rows.append(["metadata, no-qos / native (create, stat, open, unlink)",
-                     ", ".join(ratio(nat.get(k)) for k in ("create", "stat", "open",
-                                                             "unlink")), "—", ""])
-        mach = [s["machinery"] for s in meta["summary"] if s["machinery"] is not None]
-        if mach:
-            worst = min(mach)
-            rows.append(["QoS machinery on metadata (policy counts each request against "
-                         "meta_iops) / no-qos, worst operation", ratio(worst),
-                         f"≥ {MACHINERY_MIN}", verdict(worst >= MACHINERY_MIN)])
-    prio = _result(doc, "priorities")
-    if prio:
-        errs = [c["error_backend_pct"] for sc in prio["scenarios"] for c in sc["classes"]
-                if c["error_backend_pct"] is not None]
-        if errs:
-            w = max(errs, key=abs)
-            rows.append([f"priorities/minimums, backend {prio['backend']}: worst error vs "
-                         "expected share, in % of the backend", pct(w),
-                         f"±{SHARE_PCT:.0f}%", verdict(abs(w) <= SHARE_PCT)])
+    rows: Rows = []
+    for name, entry in doc.get("suites", {}).items():
+        if name in HEADLINES and entry.get("result") is not None:
+            try:
+                rows += HEADLINES[name](entry["result"])
+            except _UNREADABLE as exc:
+                rows.append([f"{name}: figures unreadable ({type(exc).__name__}: {exc})",
+                             "—", "—", ""])
     return rows
 
 
@@ -163,7 +186,11 @@ def render(doc: Doc) -> str:
         if entry.get("error"):
             lines += [f"## {name}", "", f"**Failed:** {entry['error']}"]
         elif name in SECTIONS and entry.get("result") is not None:
-            lines += SECTIONS[name](doc, entry["result"])
+            try:
+                lines += SECTIONS[name](doc, entry["result"])
+            except _UNREADABLE as exc:
+                lines += [f"## {name}", "", f"**Figures unreadable:** {type(exc).__name__}: "
+                          f"{exc} (written by another version of bench/?)"]
             lines.append(f"_{name}: {entry['elapsed_s']:.0f} s._")
     for extra in doc.get("extra_reports", []):
         # another suite's report, included as written, its headings one level down

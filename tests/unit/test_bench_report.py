@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench.report import headline, render
+from bench.session import write
 
 MiB = float(1 << 20)
 
@@ -157,3 +162,22 @@ def test_failed_suite_missing_plots_and_interruption_are_said() -> None:
     assert "INCOMPLETE" in text
     assert "Plots: not drawn (matplotlib is not installed)." in text
     assert "![" not in text
+
+
+def test_a_result_this_version_cannot_read_spoils_only_its_own_rows() -> None:
+    doc = copy.deepcopy(fixture())
+    del doc["suites"]["caps"]["result"]["workloads"][0]["levels"][0]["worst_1s_pct"]
+    text = render(doc)
+    assert "caps: figures unreadable (KeyError: 'worst_1s_pct')" in text
+    assert "**Figures unreadable:** KeyError: 'worst_1s_pct'" in text
+    assert "## 3. Isolation" in text  # the others are all there
+
+
+def test_without_matplotlib_the_report_is_written_and_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    md = write(fixture(), tmp_path, "REPORT")
+    text = md.read_text()
+    assert "Plots: not drawn (matplotlib is not installed" in text
+    assert "![" not in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["REPORT.json", "REPORT.md"]
