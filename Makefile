@@ -1,6 +1,8 @@
 # qosfs: everything a fresh machine needs is installed by these targets.
 #   make demo   install, mount a demo tree with the default policy, run a short workload
 #   make test   install, run the test suite (what .ci/run runs)
+#   make bench  install, run every benchmark suite, write bench/results/REPORT.md (~20 min;
+#               make bench-quick: ~8 min, noisier)
 #   make install          qosfs in its own virtualenv, /usr/local/bin/qosfs, the systemd
 #                         unit and the samples (PREFIX, DESTDIR respected)
 
@@ -20,7 +22,7 @@ UNITDIR := $(PREFIX)/lib/systemd/system
 DOCDIR  := $(PREFIX)/share/doc/qosfs
 CONFDIR := /etc/qosfs
 
-.PHONY: deps system-deps venv demo test bench bench-quick check clean \
+.PHONY: deps system-deps venv demo test bench-deps bench bench-quick clean \
 	install install-python install-files uninstall
 
 deps: system-deps venv
@@ -46,10 +48,14 @@ demo: deps
 test: deps
 	$(PY) -m pytest -q
 
-bench: deps
+# matplotlib draws the report's plots; if it cannot be installed the report says so.
+bench-deps: deps
+	@$(PY) -m pip install -q -e '.[bench]' || echo "matplotlib not installed: REPORT.md will have no plots"
+
+bench: bench-deps
 	$(PY) -m bench all
 
-bench-quick: deps
+bench-quick: bench-deps
 	$(PY) -m bench all --quick
 
 # qosfs and its dependencies in a virtualenv of their own (pyfuse3 is built against

@@ -1,13 +1,18 @@
 """``python -m bench SUITE [options]`` — run from the repository root, as root.
 
-Suites:
-  demo       a one-minute look at what QoS does for a dataset reader
-  overhead   pass-through cost: each workload on native tmpfs and through qosfs (no policy)
-  live-change  how fast a raised cap (ctl set / reload) reaches a writer already waiting
+  all          every suite below, then bench/results/REPORT.md, REPORT.json and the plots
+  overhead     native vs qosfs --no-qos vs qosfs with a policy far above demand
+  caps         bandwidth and IOPS caps: achieved vs configured, per 10 s and per 1 s
+  isolation    a dataset reader alone / next to a checkpoint storm, without and with QoS
+  live-change  how fast a `qosfs ctl set` (or reload) is in force
+  fairshare    three uids sharing a per_user = "fair" class
+  metadata     create/stat/open/unlink rates, and under a meta_iops cap
+  priorities   a declared backend shared by priority and min_write_bandwidth
+  demo         a one-minute look at what QoS does for a dataset reader
   latency-target  a reader's latency target held against an uncapped checkpoint storm
-  soak       mixed readers, writers, metadata and ctl changes for N minutes, then checks
+  soak         mixed readers, writers, metadata and ctl changes for N minutes, then checks
 
-More suites (cap accuracy, isolation) plug in as further subcommands.
+A single suite writes bench/results/SUITE.md and SUITE.json (and SUITE-*.png).
 """
 
 from __future__ import annotations
@@ -18,83 +23,111 @@ import signal
 import sys
 from pathlib import Path
 
+from bench.system import REPO
+
+# Suites other branches add (each registers its own subcommand here and writes
+# <out>/<name>.md): `all` runs those this tree has, after its own, and REPORT.md includes
+# every <name>.md they wrote during the run.
+EXTRA_SUITES = ("latency-target",)
+
 
 def _terminate(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # run the finally blocks: unmount, write partial results
 
 
-def main(argv: list[str] | None = None) -> int:
-    from bench import overhead
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true",
+                   help="short runs, one repetition: `all` takes about 8 minutes instead of "
+                        "about 20 (figures are noisier; the report says which mode)")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results",
+                   help="directory for the report, figures and plots (default: bench/results)")
+    p.add_argument("--tmpfs-size", default="6g", help="scratch tmpfs size (default 6g)")
+    p.add_argument("--disk-dir", default="/var/tmp", metavar="DIR",
+                   help="a directory on a disk-backed filesystem for the disk workloads "
+                        "(default /var/tmp; '' to skip them)")
+    p.add_argument("--reps", type=int, help="repetitions per measurement (default: each "
+                   "suite's own, 1 with --quick)")
+    p.add_argument("--quiet-wait", type=float, default=2.0, metavar="SECONDS",
+                   help="before each fio run, wait up to this long for the machine to be idle "
+                        "(other tenants); 0 disables (default 2)")
+    p.add_argument("--qosfs-args", default="", metavar="ARGS",
+                   help="extra `qosfs mount` arguments for every mount, e.g. "
+                        "'--io-mode threads'")
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    from bench.session import SUITES
 
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="suite", required=True, metavar="SUITE")
-    o = sub.add_parser("overhead", help="qosfs pass-through vs native tmpfs")
-    o.add_argument("--quick", action="store_true",
-                   help="256 MiB files, 3 s jobs, 1 repetition (about a minute)")
-    o.add_argument("--out", type=Path, default=overhead.default_out(),
-                   help="directory for overhead.md and overhead.json (default: bench/results)")
-    o.add_argument("--reps", type=int, help="repetitions per side (default 3, quick 1)")
-    o.add_argument("--size", help="file size for data workloads (default 1g, quick 256m)")
-    o.add_argument("--runtime", type=int, help="seconds per timed job (default 10, quick 3)")
-    o.add_argument("--nrfiles", type=int, default=10000, help="files for metadata workloads")
-    o.add_argument("--tmpfs-size", default="6g", help="scratch tmpfs size (default 6g)")
-    o.add_argument("--qosfs-args", default="", metavar="ARGS",
-                   help="extra `qosfs mount` arguments, e.g. '--io-mode threads'")
-    o.add_argument("--only", default="", metavar="NAMES",
-                   help="comma-separated groups: seqread, seqwrite, randread, meta (a row "
-                        "name such as seqread-direct selects its group)")
-    o.add_argument("--quiet-wait", type=float, default=2.0, metavar="SECONDS",
-                   help="before each run, wait up to this long for the machine to be idle "
-                        "(other tenants); 0 disables (default 2)")
+    a = sub.add_parser("all", help="every suite, then REPORT.md")
+    _common(a)
+    a.add_argument("--only", default="", metavar="SUITES",
+                   help=f"comma-separated subset of: {', '.join(SUITES)}")
+    for name in SUITES:
+        _common(sub.add_parser(name, help=f"the {name} suite alone"))
     sub.add_parser("demo", help="a one-minute demo: a reader alone, under a storm, with QoS")
-    from bench import live_change
-
-    lc = sub.add_parser("live-change", help="delay until a raised cap reaches a parked writer")
-    lc.add_argument("--out", type=Path, default=live_change.default_out(),
-                    help="directory for live-change.md and .json (default: bench/results)")
-    from bench import latency_target
-
     lt = sub.add_parser("latency-target",
                         help="a reader's latency target against an uncapped checkpoint storm")
     lt.add_argument("--quick", action="store_true", help="shorter phases (about 40 s)")
-    lt.add_argument("--out", type=Path, default=latency_target.default_out(),
+    lt.add_argument("--out", type=Path, default=REPO / "bench" / "results",
                     help="directory for latency-target.md and .json (default: bench/results)")
     sk = sub.add_parser("soak", help="mixed traffic and live changes for N minutes, checked")
     sk.add_argument("--minutes", type=float, default=3.0)
     sk.add_argument("--out", type=Path, help="directory for soak.md and soak.json "
                     "(default: bench/results)")
-    args = parser.parse_args(argv)
-    if args.suite == "latency-target":
-        signal.signal(signal.SIGTERM, _terminate)
-        return latency_target.run(args.out, quick=args.quick)
-    if args.suite == "soak":
-        from bench import soak
+    return parser, dict(sub.choices)
 
-        signal.signal(signal.SIGTERM, _terminate)
-        return soak.run(args.out or soak.default_out(), args.minutes)
+
+def _accepts(p: argparse.ArgumentParser, option: str) -> bool:
+    return any(option in action.option_strings for action in p._actions)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.session import SUITES, Options, execute
+
+    parser, subparsers = build_parser()
+    args = parser.parse_args(argv)
     if args.suite == "demo":
         from bench import demo
 
         return demo.run()
-    if args.suite == "live-change":
-        signal.signal(signal.SIGTERM, _terminate)
-        return live_change.run(args.out)
-
     signal.signal(signal.SIGTERM, _terminate)
-    cfg = overhead.Config(
-        quick=args.quick,
-        out=args.out,
-        reps=args.reps or (1 if args.quick else 3),
-        size=args.size or ("256m" if args.quick else "1g"),
-        runtime=args.runtime or (3 if args.quick else 10),
-        nrfiles=args.nrfiles,
-        tmpfs_size=args.tmpfs_size,
-        qosfs_args=tuple(shlex.split(args.qosfs_args)),
-        only=tuple(x for x in args.only.split(",") if x),
-        quiet_wait=args.quiet_wait,
-    )
-    return overhead.run(cfg)
+    if args.suite == "latency-target":
+        from bench import latency_target
+
+        return latency_target.run(args.out, quick=args.quick)
+    if args.suite == "soak":
+        from bench import soak
+
+        return soak.run(args.out or soak.default_out(), args.minutes)
+    if args.suite == "all":
+        names = [n for n in args.only.split(",") if n] or list(SUITES)
+        unknown = [n for n in names if n not in SUITES]
+        if unknown:
+            parser.error(f"--only: unknown suite(s) {', '.join(unknown)}")
+    else:
+        names = [args.suite]
+    opts = Options(quick=args.quick, out=args.out, tmpfs_size=args.tmpfs_size,
+                   disk_dir=args.disk_dir or None, reps=args.reps, quiet_wait=args.quiet_wait,
+                   qosfs_args=tuple(shlex.split(args.qosfs_args)),
+                   command="python -m bench " + shlex.join(argv if argv is not None
+                                                           else sys.argv[1:]))
+    extras = tuple(n for n in EXTRA_SUITES if n in subparsers and n not in SUITES) \
+        if args.suite == "all" and not args.only else ()
+
+    def run_extra(name: str) -> int:
+        p = subparsers[name]
+        extra_argv = [name]
+        if args.quick and _accepts(p, "--quick"):
+            extra_argv.append("--quick")
+        if _accepts(p, "--out"):
+            extra_argv += ["--out", str(args.out)]
+        return main(extra_argv)
+
+    return execute(names, opts, "REPORT" if args.suite == "all" else args.suite,
+                   run_extra, extras)
 
 
 if __name__ == "__main__":

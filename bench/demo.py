@@ -8,45 +8,34 @@ checkpoint writes. The table shows what the reader keeps in each case.
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 
 from bench.fio import FioMetrics, find_fio, run_job
+from bench.isolation import with_storm
 from bench.system import QosfsMount, require_root, tmpfs_area
 
 JOBS = Path(__file__).resolve().parent / "jobs"
 RUNTIME = "8"
+READER = {"RUNTIME": RUNTIME, "SIZE": "256m", "NUMJOBS": "2"}
 
 
 def _reader(fio: str, mnt: Path) -> FioMetrics:
-    metrics, _, _ = run_job(fio, JOBS / "dataset.fio", str(mnt / "data"),
-                            {"RUNTIME": RUNTIME, "SIZE": "256m"})
+    metrics, _, _ = run_job(fio, JOBS / "dataset.fio", str(mnt / "data"), READER)
     assert metrics is not None
     return metrics
 
 
 def _with_storm(fio: str, mnt: Path) -> tuple[FioMetrics, FioMetrics]:
-    storm: dict[str, FioMetrics] = {}
-
-    def run_storm() -> None:
-        m, _, _ = run_job(fio, JOBS / "checkpoint-storm.fio", str(mnt / "checkpoints"),
-                          {"RUNTIME": str(int(RUNTIME) + 1), "SIZE": "128m", "NUMJOBS": "4"})
-        assert m is not None
-        storm["m"] = m
-
-    writer = threading.Thread(target=run_storm)
-    writer.start()
-    time.sleep(0.5)  # the storm is under way when the reader starts
-    reader = _reader(fio, mnt)
-    writer.join()
-    return reader, storm["m"]
+    return with_storm(fio, str(mnt / "data"), str(mnt / "checkpoints"),
+                      READER,
+                      {"RUNTIME": str(int(RUNTIME) + 1), "SIZE": "128m", "NUMJOBS": "4"},
+                      lead=0.5)
 
 
 def run(quick: bool = True) -> int:
     require_root("the demo mounts a scratch tmpfs and qosfs")
     fio = find_fio()
-    rows = []
+    rows: list[tuple[str, FioMetrics, FioMetrics | None]] = []
     with tmpfs_area("2g", ["src", "mnt"]) as top:
         src, mnt = top / "src", top / "mnt"
         (src / "data").mkdir()

@@ -81,14 +81,18 @@ class FioMetrics:
         return asdict(self)
 
 
-def parse_fio_json(doc: dict[str, Any]) -> FioMetrics:
+def parse_fio_json(doc: dict[str, Any], groupid: int | None = None) -> FioMetrics:
     """Sum bandwidth and IOPS over jobs and directions; latency from the busiest direction.
+
+    *groupid* keeps only the jobs of one reporting group (a job file whose sections start
+    a ``new_group``, like mixed.fio's readers and writers).
 
     Works for every engine used here: the data engines report in ``read``/``write``, and
     filecreate/filestat/filedelete report each file operation as one I/O in the direction
     of ``rw`` (read by default), with its latency as ``clat``.
     """
-    jobs = doc.get("jobs") or []
+    jobs = [j for j in doc.get("jobs") or []
+            if groupid is None or j.get("groupid", 0) == groupid]
     if not jobs:
         raise FioError("fio JSON output has no jobs")
     m = FioMetrics(jobs=len(jobs))
@@ -140,17 +144,21 @@ def run_job(
     timeout: float = 600.0,
     parse: bool = True,
     cwd: str | None = None,
+    prefix: tuple[str, ...] = (),
 ) -> tuple[FioMetrics | None, dict[str, Any] | None, list[str]]:
     """Run *job_file* in *directory*; return (metrics, raw JSON, command line).
 
-    Variables not in *env* take the job file's documented defaults. Raises FioError with
-    fio's own error line when it exits non-zero or its output cannot be parsed.
+    Variables not in *env* take the job file's documented defaults. *prefix* goes before
+    fio on the command line, e.g. ``setpriv --reuid=N ...`` to run it as another user (fio's
+    own ``uid=`` option lays files out before switching, so their opens would be root's).
+    Raises FioError with fio's own error line when it exits non-zero or its output cannot
+    be parsed.
     """
     full_env = dict(os.environ)
     full_env.update(job_defaults(job_file))
     full_env.update(env)
     with tempfile.NamedTemporaryFile("r", prefix="fio-", suffix=".json") as out:
-        cmd = [fio, str(job_file), f"--directory={directory}", *extra_args]
+        cmd = [*prefix, fio, str(job_file), f"--directory={directory}", *extra_args]
         if parse:
             cmd += ["--output-format=json", f"--output={out.name}"]
         try:

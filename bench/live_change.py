@@ -1,38 +1,46 @@
-"""``python -m bench live-change``: how fast a raised cap reaches a writer already waiting.
+"""Live change: how fast a ``ctl set`` or ``reload`` is in force (DESIGN §4.4: < 100 ms,
+including for requests already parked).
 
-DESIGN §4.4: a ``ctl set`` or ``reload`` is in force within 100 ms, including for requests
-already parked. Setup: a qosfs mount of a scratch tmpfs whose class ``capped`` allows
-1 MiB/s (burst 1 MiB); one writer process loops 1 MiB ``pwrite`` calls into it and
-stamps the completion of each with ``CLOCK_MONOTONIC`` (shared by every process). Each
-repetition lowers the cap to 1 MiB/s, waits until the writer is parked (queue depth >= 1;
-each 1 MiB write then waits ~1 s), then raises the cap to 4 GiB/s and notes the instant
-the request left for the socket.
+One writer process loops ``pwrite`` calls into a capped class of a qosfs mount and stamps
+the completion of each with ``CLOCK_MONOTONIC`` (shared by every process, so the suite's
+own instants line up with the writer's). Two measurements:
 
-Figures, per repetition:
+**Parked writer** (1 MiB writes). Each repetition lowers the cap to 1 MiB/s (burst 1 MiB),
+waits until the writer is parked (queue depth >= 1; each write then waits ~1 s), raises
+the cap to 4 GiB/s and notes the instant the request left for the socket:
 
 * ``delay``: from sending the change until the parked write completes -- the change's
   processing, the wake-up of the parked request, its backing write and the FUSE reply;
 * ``ctl round trip``: from sending until the daemon's reply is back;
-* ``rate after``: the writer's rate over the 16 writes following the release, against the
-  1 MiB/s before: the rate follows, not just one request.
+* ``rate after``: the writer's rate over the 16 writes following the release.
 
 Methods: ``set`` through the socket (the client in-process), ``reload`` of a whole policy
 text, and ``qosfs ctl set`` as a subprocess (its delay includes starting Python, which is
 not the daemon's doing, and is reported separately).
+
+**Step** (256 KiB writes, burst 1 MiB). The cap steps 40 -> 120 -> 40 MiB/s by ``set`` at
+known instants; the writer's rate in 100 ms bins shows the step, and ``settle`` is the
+time from sending a change until the rate over the next 0.5 s is within 10% of the new
+cap, the start of the new rate holding.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.system import REPO, BenchError, QosfsMount, machine_info, require_root, tmpfs_area
+from bench.context import Run
+from bench.system import REPO, BenchError
 from qosfs.ctl import Client, checked
+from qosfs.units import parse_bandwidth
 
 MiB = 1 << 20
 LOW, HIGH = "1MiB/s", "4GiB/s"
@@ -44,26 +52,33 @@ burst = "{burst}"
 """
 WRITER = r"""
 import os, sys, time, json
-path, stop = sys.argv[1], sys.argv[2]
+path, stop, block = sys.argv[1], sys.argv[2], int(sys.argv[3])
 fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-block = b"w" * (1 << 20)
+buf = b"w" * block
 done = []
 i = 0
 while not os.path.exists(stop):
-    os.pwrite(fd, block, (i % 32) << 20)
+    os.pwrite(fd, buf, (i % 32) * block)
     done.append(time.monotonic())
     i += 1
 os.close(fd)
 print(json.dumps(done))
 """
-METHODS = (("set", 5), ("reload", 3), ("cli-set", 2))
 PARKED_PHASE = 3.5  # seconds under the low cap before raising it
+STEP_CAPS = ("40MiB/s", "120MiB/s", "40MiB/s")  # a busy 2-CPU machine still exceeds 120
+STEP_BLOCK = 256 << 10
+STEP_BIN = 0.1
+SETTLE_WINDOW, SETTLE_TOLERANCE = 0.5, 0.10
 
 
-def _set(sock: str, cap: str, burst: str) -> dict[str, Any]:
+def _request(sock: str, body: dict[str, Any]) -> None:
     with Client(sock) as client:
-        return checked(client.request({"cmd": "set", "target": "class", "name": "capped",
-                                       "changes": {"write_bandwidth": cap, "burst": burst}}))
+        checked(client.request(body))
+
+
+def _set_body(cap: str, burst: str) -> dict[str, Any]:
+    return {"cmd": "set", "target": "class", "name": "capped",
+            "changes": {"write_bandwidth": cap, "burst": burst}}
 
 
 def _parked(sock: str, timeout: float = 5.0) -> bool:
@@ -86,20 +101,19 @@ def _raise(method: str, sock: str, policy: Path) -> tuple[float, float]:
         sent = time.monotonic()
         subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
         return sent, time.monotonic()
+    if method == "set":
+        body = _set_body(HIGH, "64MiB")
+    else:
+        body = {"cmd": "reload", "text": POLICY.format(cap=HIGH, burst="64MiB"),
+                "source": str(policy)}
     with Client(sock) as client:
-        if method == "set":
-            body = {"cmd": "set", "target": "class", "name": "capped",
-                    "changes": {"write_bandwidth": HIGH, "burst": "64MiB"}}
-        else:
-            body = {"cmd": "reload", "text": POLICY.format(cap=HIGH, burst="64MiB"),
-                    "source": str(policy)}
         sent = time.monotonic()
         checked(client.request(body))
         return sent, time.monotonic()
 
 
-def _analyse(done: list[float], lowered: float, sent: float,
-             replied: float) -> dict[str, float]:
+def analyse_parked(done: list[float], lowered: float, sent: float,
+                   replied: float) -> dict[str, float]:
     after = [t for t in done if t > sent]
     if len(after) < 17:
         raise BenchError("the writer did not keep writing after the change")
@@ -112,81 +126,117 @@ def _analyse(done: list[float], lowered: float, sent: float,
             "rate_after_mib_s": rate, "rate_before_mib_s": rate_before}
 
 
-def run(out: Path) -> int:
+def binned_rates(done: list[float], block: int, t0: float, t1: float,
+                 width: float) -> list[tuple[float, float]]:
+    """The writer's rate (bytes/s) in bins of *width* s from *t0* to *t1*, as (bin start
+    relative to *t0*, rate)."""
+    n = int((t1 - t0) / width)
+    counts = [0] * n
+    for t in done:
+        i = int((t - t0) / width)
+        if 0 <= i < n and t >= t0:
+            counts[i] += 1
+    return [(round(i * width, 3), c * block / width) for i, c in enumerate(counts)]
+
+
+def settle_delay(done: list[float], block: int, sent: float, until: float, cap: float,
+                 window: float = SETTLE_WINDOW, tolerance: float = SETTLE_TOLERANCE
+                 ) -> float | None:
+    """Seconds from *sent* until the first completion after which the next *window* s
+    move ``cap * window`` bytes within *tolerance*; None if that never happens before
+    *until* (the next change)."""
+    after = sorted(t for t in done if sent < t <= until)
+    for i, start in enumerate(after):
+        end = start + window
+        if end > until:
+            break
+        count = bisect.bisect_right(after, end) - (i + 1)
+        if abs(count * block / window - cap) <= tolerance * cap:
+            return start - sent
+    return None
+
+
+@contextmanager
+def _writer(path: Path, stop: Path, block: int) -> Iterator[list[float]]:
+    """The writer process while in the block; the list fills with its completion
+    instants once it has stopped."""
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(stop), str(block)],
+                            stdout=subprocess.PIPE, text=True)
+    done: list[float] = []
     try:
-        require_root("bench live-change")
-    except BenchError as exc:
-        print(f"bench: {exc}", file=sys.stderr)
-        return 2
-    info = machine_info("n/a")
-    reps: list[dict[str, Any]] = []
-    with tmpfs_area("256m", ["src", "mnt", "work"]) as top:
-        src, mnt, work = top / "src", top / "mnt", top / "work"
-        (src / "capped").mkdir()
-        policy, sock, stop = work / "policy.toml", str(work / "ctl.sock"), work / "stop"
-        policy.write_text(POLICY.format(cap=LOW, burst="1MiB"))
-        args = ["--policy", str(policy), "--socket", sock]
-        with QosfsMount(str(src), str(mnt), args, str(work / "qosfs.log")):
-            writer = subprocess.Popen([sys.executable, "-c", WRITER, str(mnt / "capped" / "f"),
-                                       str(stop)], stdout=subprocess.PIPE, text=True)
-            marks: list[tuple[str, float, float, float, bool]] = []
-            try:
-                for method, count in METHODS:
-                    for _ in range(count):
-                        _set(sock, LOW, "1MiB")
-                        lowered = time.monotonic()
-                        time.sleep(PARKED_PHASE)  # a few writes at 1 MiB/s, then one parks
-                        parked = _parked(sock)
-                        sent, replied = _raise(method, sock, policy)
-                        marks.append((method, lowered, sent, replied, parked))
-                        time.sleep(0.5)  # the writer runs free for a while
-            finally:
-                stop.touch()
-                output, _ = writer.communicate(timeout=60)
-            done = json.loads(output)
-            for method, lowered, sent, replied, parked in marks:
-                reps.append({"method": method, "parked_before": parked,
-                             **_analyse(done, lowered, sent, replied)})
-    return _report(out, info, reps)
+        yield done
+    finally:
+        stop.touch()
+        output, _ = proc.communicate(timeout=60)
+        stop.unlink()
+    done.extend(json.loads(output))
 
 
-def _report(out: Path, info: dict[str, Any], reps: list[dict[str, Any]]) -> int:
-    out.mkdir(parents=True, exist_ok=True)
+def measure_parked(run: Run, counts: dict[str, int]) -> list[dict[str, Any]]:
+    src = run.scratch("live-change")
+    (src / "capped").mkdir()
+    stop = run.work / "live-change.stop"
+    reps = []
+    with run.mount(src, POLICY.format(cap=LOW, burst="1MiB")) as m:
+        assert m.policy_file is not None
+        marks: list[tuple[str, float, float, float, bool]] = []
+        with _writer(m.path / "capped" / "f", stop, MiB) as done:
+            for method, count in counts.items():
+                for _ in range(count):
+                    _request(m.socket, _set_body(LOW, "1MiB"))
+                    lowered = time.monotonic()
+                    time.sleep(PARKED_PHASE)  # a few writes at 1 MiB/s, then one parks
+                    parked = _parked(m.socket)
+                    sent, replied = _raise(method, m.socket, m.policy_file)
+                    marks.append((method, lowered, sent, replied, parked))
+                    time.sleep(0.5)  # the writer runs free for a while
+        for method, lowered, sent, replied, parked in marks:
+            reps.append({"method": method, "parked_before": parked,
+                         **analyse_parked(done, lowered, sent, replied)})
+            run.log(f"  parked {method:8s} delay {reps[-1]['delay_ms']:.1f} ms")
+    return reps
+
+
+def measure_step(run: Run) -> dict[str, Any]:
+    src = run.scratch("live-step")
+    (src / "capped").mkdir()
+    phase = run.pick(3.0, 2.0)
+    stop = run.work / "live-step.stop"
+    sends: list[float] = []
+    with run.mount(src, POLICY.format(cap=STEP_CAPS[0], burst="1MiB")) as m:
+        with _writer(m.path / "capped" / "f", stop, STEP_BLOCK) as done:
+            start = time.monotonic()
+            for cap in STEP_CAPS[1:]:
+                time.sleep(max(0.0, start + phase * (len(sends) + 1) - time.monotonic()))
+                body = _set_body(cap, "1MiB")
+                with Client(m.socket) as client:
+                    sends.append(time.monotonic())
+                    checked(client.request(body))
+            time.sleep(phase)
+            end = time.monotonic()
+    origin = sends[0]
+    changes = []
+    for i, (sent, cap) in enumerate(zip(sends, STEP_CAPS[1:])):
+        until = sends[i + 1] if i + 1 < len(sends) else end
+        delay = settle_delay(done, STEP_BLOCK, sent, until, parse_bandwidth(cap))
+        changes.append({"at_s": round(sent - origin, 3), "from": STEP_CAPS[i], "to": cap,
+                        "settle_ms": None if delay is None else delay * 1e3})
+        run.log(f"  step {STEP_CAPS[i]} -> {cap}: settle "
+                f"{'never' if delay is None else f'{delay * 1e3:.0f} ms'}")
+    return {"caps": list(STEP_CAPS), "block": STEP_BLOCK, "bin_s": STEP_BIN,
+            "changes": changes,
+            "series": [(round(t + start - origin, 3), r) for t, r in
+                       binned_rates(done, STEP_BLOCK, start, end, STEP_BIN)]}
+
+
+def run(run: Run) -> dict[str, Any]:
+    counts = ({"set": 2, "reload": 1, "cli-set": 1} if run.quick
+              else {"set": 5, "reload": 3, "cli-set": 2})
+    reps = measure_parked(run, counts)
     summary = {}
-    for method, _ in METHODS:
+    for method in counts:
         delays = [r["delay_ms"] for r in reps if r["method"] == method]
         summary[method] = {"median_delay_ms": statistics.median(delays),
                            "max_delay_ms": max(delays), "n": len(delays)}
-    doc = {"benchmark": "live-change", "machine": info, "low": LOW, "high": HIGH,
-           "summary": summary, "repetitions": reps}
-    (out / "live-change.json").write_text(json.dumps(doc, indent=2) + "\n")
-    lines = [
-        "# Live change: a raised cap reaching a parked writer",
-        "",
-        f"{info['date']}, {info['hostname']}, {info['nproc']} CPU, kernel {info['kernel']}, "
-        f"commit {info['git_commit']}. Cap {LOW} (burst 1 MiB) raised to {HIGH} while a "
-        "1 MiB write is parked; see bench/live_change.py for the method.",
-        "",
-        "| method | parked | delay (ms) | ctl round trip (ms) | rate before (MiB/s) "
-        "| rate after (MiB/s) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in reps:
-        lines.append(f"| {r['method']} | {'yes' if r['parked_before'] else 'NO'} "
-                     f"| {r['delay_ms']:.1f} | {r['round_trip_ms']:.1f} "
-                     f"| {r['rate_before_mib_s']:.2f} | {r['rate_after_mib_s']:.0f} |")
-    lines += ["", "| method | median delay (ms) | max delay (ms) |", "|---|---|---|"]
-    for method, s in summary.items():
-        lines.append(f"| {method} | {s['median_delay_ms']:.1f} | {s['max_delay_ms']:.1f} |")
-    lines += ["", "`cli-set` includes starting a Python interpreter for `qosfs ctl`; "
-              "`set` and `reload` time the daemon alone (request sent -> parked write "
-              "completed)."]
-    (out / "live-change.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {out / 'live-change.md'} and {out / 'live-change.json'}")
-    ok = all(r["parked_before"] for r in reps) and summary["set"]["max_delay_ms"] < 100
-    return 0 if ok else 1
-
-
-def default_out() -> Path:
-    return REPO / "bench" / "results"
+    return {"low": LOW, "high": HIGH, "repetitions": reps, "summary": summary,
+            "all_parked": all(r["parked_before"] for r in reps), "step": measure_step(run)}

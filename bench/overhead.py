@@ -1,275 +1,299 @@
-"""Overhead of the qosfs pass-through (no policy) against the native directory beneath it.
+"""Overhead: the same fio workload on the native directory and through qosfs, side by side.
 
-One scratch tmpfs holds two sibling directories: ``native/`` is benchmarked directly,
-``backing/`` through a qosfs mount. Every workload runs on both sides in the same run, in
-alternating order (native first on one repetition, qosfs first on the next), and the
-figure reported is the median over repetitions. Before every measured run the page cache,
-dentries and inodes are dropped: tmpfs keeps its data (its pages are the files), the FUSE
-mount loses its cached pages and dentries, so the qosfs side starts cold and the native
-side is the memory-speed baseline.
+Sides: ``native`` (the scratch directory itself), ``no-qos`` (qosfs ``--no-qos``: the
+pass-through that only counts) and ``policy`` (a policy whose caps are far above any
+demand: every request runs the whole token-bucket path and never waits). ``no-qos`` /
+``native`` is the cost of the FUSE pass-through; ``policy`` / ``no-qos`` is the cost of the
+QoS machinery (the figure held to 5%). Other suites add sides (:mod:`bench.metadata` adds a
+``meta_iops`` cap).
 
-Workloads come in groups that share a mount and a laid-out file; each group gets a fresh
-qosfs daemon, so one group's failure (or daemon crash) does not spoil the next.
+Each side has its own copy of the files (``native/``, ``backing-<side>/``), each qosfs side
+a fresh daemon per group of workloads, so one group's failure does not spoil the next.
+Every workload runs on every side in the same run, the order rotating from one repetition
+to the next, and the figure reported is the median over repetitions. Before every run the
+page cache, dentries and inodes are dropped: tmpfs keeps its data (its pages are the
+files), a FUSE mount loses its cached pages, so qosfs sides start cold.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import shlex
 import shutil
 import statistics
-import sys
-import tempfile
 import time
-from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from bench import fio as fiolib
-from bench.fio import JOBS_DIR, FioError, FioMetrics
-from bench.system import (
-    REPO,
-    BenchError,
-    CpuMeter,
-    QosfsMount,
-    drop_caches,
-    machine_info,
-    require_root,
-    tmpfs_area,
-    wait_quiet,
-)
+from bench.context import Mounted, Run
+from bench.fio import JOBS_DIR, FioError
+from bench.system import BenchError, CpuWatch, drop_caches, wait_quiet
 
 GB = 1e9
-META_ENGINES = ("filecreate", "filestat", "filedelete")
+
+# Caps far above what this machine (or any single mount) can move: the limiter charges
+# every request at every level and never parks one. cache = "keep" in every class: a
+# read cap would otherwise make the class bypass the page cache (cache = "auto"), a
+# different I/O path than the no-qos side (buffered reads ran 2.5x faster that way),
+# and this figure is about the machinery, not that choice.
+GENEROUS_POLICY = """
+[classes.checkpoints]
+paths = ["**/*.distcp", "**/checkpoints/**"]
+write_bandwidth = "64GiB/s"
+write_iops = "10M"
+cache = "keep"
+
+[classes.datasets]
+paths = ["**/*.tfrecord", "data/**"]
+priority = "high"
+read_bandwidth = "64GiB/s"
+read_iops = "10M"
+meta_iops = "10M"
+cache = "keep"
+
+[classes.default]
+read_bandwidth = "64GiB/s"
+write_bandwidth = "64GiB/s"
+read_iops = "10M"
+write_iops = "10M"
+meta_iops = "10M"
+cache = "keep"
+"""
+
+
+@dataclass(frozen=True)
+class Side:
+    """Where a workload runs: the native directory, or a qosfs mount of its own copy."""
+
+    name: str
+    policy: str | None = None  # TOML text; None with no_qos=False is the default policy
+    no_qos: bool = False
+
+    @property
+    def is_native(self) -> bool:
+        return self.name == "native"
+
+
+NATIVE = Side("native")
+NO_QOS = Side("no-qos", no_qos=True)
+POLICY = Side("policy", GENEROUS_POLICY)
 
 
 @dataclass(frozen=True)
 class Row:
-    """One line of the report: a figure, its unit and the target for the qosfs side."""
+    """One line of the report: a figure, its unit and the target for the no-qos side."""
 
     key: str
     label: str
     metric: str  # "bw" (bytes/s) or "iops" (ops/s)
     target: float | None = None
 
-    def value(self, m: FioMetrics) -> float:
-        return m.bw_bytes if self.metric == "bw" else m.iops
-
-    def fmt(self, v: float | None) -> str:
-        if v is None:
-            return "—"
-        if self.metric == "bw":
-            return f"{v / GB:.2f} GB/s"
-        return f"{v / 1e3:.1f}k ops/s" if v >= 1e3 else f"{v:.0f} ops/s"
+    def value(self, m: dict[str, Any]) -> float:
+        return float(m["bw_bytes"] if self.metric == "bw" else m["iops"])
 
 
 @dataclass
 class Group:
-    """Workloads that share a qosfs mount (its extra arguments) and set-up files."""
+    """Workloads that share mounts and laid-out files; ``kind`` names the method that
+    runs them (``Runner._kind_<kind>``)."""
 
     name: str
+    kind: str
     rows: list[Row]
-    mount_args: tuple[str, ...] = ()
-    note: str = ""
-    # filled by the runner: row key -> side -> list of per-repetition records
+    area: str = "tmpfs"  # or "disk"
+    sides: tuple[Side, ...] = (NATIVE, NO_QOS, POLICY)
+    env: dict[str, str] = field(default_factory=dict)
+    reps: int = 3  # repetitions in a full run (quick: 1)
+    # filled by the runner: row key -> side -> per-repetition records
     runs: dict[str, dict[str, list[dict[str, Any]]]] = field(default_factory=dict)
     error: str | None = None
     elapsed: float = 0.0
 
 
-@dataclass
-class Config:
-    quick: bool
-    out: Path
-    reps: int
-    size: str
-    runtime: int
-    nrfiles: int
-    tmpfs_size: str
-    qosfs_args: tuple[str, ...]
-    only: tuple[str, ...]
-    quiet_wait: float = 2.0
-
-
-def build_groups() -> list[Group]:
-    return [
-        Group("seqread", [
+def data_groups(run: Run) -> list[Group]:
+    """The overhead suite: ML shapes on tmpfs (the pass-through's own cost) and on disk."""
+    size = "256m" if run.quick else "1g"
+    runtime = str(int(run.pick(5, 3)))
+    base = {"SIZE": size, "RUNTIME": runtime}
+    groups = [
+        Group("seqread", "seqread", [
             Row("seqread-buffered", "1 MiB seq read, buffered (cold)", "bw", 1.5 * GB),
             Row("seqread-direct", "1 MiB seq read, direct=1", "bw", 3.0 * GB),
-        ]),
-        Group("seqwrite", [Row("seqwrite", "1 MiB seq write + end_fsync", "bw")]),
-        Group("randread", [
-            Row("randread-1", "4 KiB rand read, direct=1, numjobs=1", "iops", 25e3),
-            Row("randread-4", "4 KiB rand read, direct=1, numjobs=4", "iops", 25e3),
-        ]),
-        Group("meta", [
-            Row("create", "create 10k files (cold)", "iops", 4e3),
-            Row("stat", "stat 10k files (cold)", "iops", 20e3),
-            Row("unlink", "unlink 10k files (cold)", "iops"),
-        ], note="each timed operation is cold: meta.fio sleeps SETTLE s after fio's set-up "
-                "(which stats every file) so the kernel's 1 s entry/attr cache has expired "
-                "and every stat is a FUSE LOOKUP, every create a negative LOOKUP + CREATE"),
+        ], env=base),
+        Group("checkpoint", "checkpoint",
+              [Row("checkpoint", "checkpoint dump: 1 MiB seq write + fsync, 1 writer", "bw")],
+              env={"SIZE": size, "NUMJOBS": "1"}),
+        Group("randread", "randread",
+              [Row("randread-1", "4 KiB rand read, direct=1, QD1", "iops", 25e3)],
+              env={**base, "NUMJOBS": "1", "DIRECT": "1"}),
+        Group("dataset", "dataset",
+              [Row("dataset", "dataset: rand read 4K-1M, 4 jobs, direct=1", "bw")],
+              env={**base, "SIZE": "512m" if not run.quick else "256m", "NUMJOBS": "4"}),
     ]
+    if run.disk is not None:
+        groups += [
+            Group("disk-checkpoint", "checkpoint",
+                  [Row("disk-checkpoint", "disk: checkpoint dump, 1 writer + fsync", "bw")],
+                  area="disk", env={"SIZE": "256m" if run.quick else "512m", "NUMJOBS": "1"}),
+            Group("disk-dataset", "dataset",
+                  [Row("disk-dataset", "disk: dataset rand read 4K-1M, 4 jobs", "bw")],
+                  area="disk", env={**base, "SIZE": "256m", "NUMJOBS": "4"}),
+        ]
+    return groups
 
 
 class Runner:
-    def __init__(self, cfg: Config, fio: str) -> None:
-        self.cfg = cfg
-        self.fio = fio
-        self.flip = False  # alternates which side runs first
-        self.log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.turn = 0  # rotates which side goes first
         self.caches_dropped = True
-        self.cwd: str | None = None  # fio's working directory (exec_prerun writes there)
-        self.backing = ""  # the directory the current qosfs mount serves
-        self.native_top = ""
+        self.backing: dict[str, str] = {}  # qosfs side -> the directory its mount serves
+        self.mounts: dict[str, Mounted] = {}
 
     # --------------------------------------------------------------- measuring
 
-    def _measure(self, job: str, directory: str, env: dict[str, str],
-                 mount: QosfsMount | None, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    def measure(self, job: str, directory: str, env: dict[str, str],
+                mounted: Mounted | None, extra: tuple[str, ...] = ()) -> dict[str, Any]:
         """Drop caches, run one fio job, return its figures plus CPU accounting."""
         self.caches_dropped &= drop_caches()
-        waited, busy_before = wait_quiet(self.cfg.quiet_wait)
-        cpu0 = mount.cpu_seconds() if mount else None
-        io0 = mount.io_bytes() if mount else None
+        waited, busy_before = wait_quiet(self.run.quiet_wait)
         kids0 = _child_cpu()
-        meter = CpuMeter()
-        t0 = time.monotonic()
-        metrics, doc, cmd = fiolib.run_job(self.fio, JOBS_DIR / job, directory, env, extra,
-                                           cwd=self.cwd)
-        wall = time.monotonic() - t0
-        busy = meter.busy_pct()
+        watch = CpuWatch(mounted.mount if mounted else None)
+        metrics, doc, cmd = fiolib.run_job(self.run.fio, JOBS_DIR / job, directory, env, extra,
+                                           cwd=str(self.run.work))
+        cpu = watch.figures()
+        wall, busy = cpu["wall_s"], cpu["machine_busy_pct"]
         assert metrics is not None and doc is not None
         rec: dict[str, Any] = metrics.to_dict()
-        rec["command"] = shlex.join(cmd)
-        rec["wall_s"] = round(wall, 3)
-        ncpu = len(os.sched_getaffinity(0))
-        rec["machine_busy_pct"] = round(busy, 1)
-        rec["busy_before_pct"] = round(busy_before, 1)
-        rec["quiet_wait_s"] = round(waited, 2)
+        rec.update(command=shlex.join(cmd), wall_s=round(wall, 3),
+                   machine_busy_pct=round(busy, 1), busy_before_pct=round(busy_before, 1),
+                   quiet_wait_s=round(waited, 2))
         fio_cpu = _child_cpu() - kids0  # fio and its job processes, set-up included
-        daemon_cpu = None
-        if mount is not None and cpu0 is not None:
-            cpu1 = mount.cpu_seconds()
-            if cpu1 is not None:
-                daemon_cpu = cpu1 - cpu0
-                rec["daemon_cpu_pct"] = round(100 * daemon_cpu / wall, 1)
-            io1 = mount.io_bytes()
-            if io0 is not None and io1 is not None:
-                rec["daemon_rchar"] = io1[0] - io0[0]
-                rec["daemon_wchar"] = io1[1] - io0[1]
+        daemon_cpu = 0.0
+        if cpu["daemon_cpu_pct"] is not None:
+            rec["daemon_cpu_pct"] = round(cpu["daemon_cpu_pct"], 1)
+            daemon_cpu = cpu["daemon_cpu_pct"] / 100 * wall
         # CPU the machine spent on anything but fio and our daemon (other tenants, kernel
         # threads, this runner), in percent of one CPU: a noisy neighbour shows up here.
-        other = busy / 100 * ncpu * wall - fio_cpu - (daemon_cpu or 0.0)
+        other = busy / 100 * len(os.sched_getaffinity(0)) * wall - fio_cpu - daemon_cpu
         rec["other_cpu_pct"] = round(max(0.0, 100 * other / wall), 1)
-        rec["fio_disk_util"] = doc.get("disk_util", [])
         return rec
 
-    def _sides(self, native: str, mnt: str) -> list[tuple[str, str]]:
-        order = [("native", native), ("qosfs", mnt)]
-        if self.flip:
-            order.reverse()
-        self.flip = not self.flip
-        return order
+    def sides(self, group: Group, dirs: dict[str, str]) -> list[tuple[Side, str]]:
+        order = [(s, dirs[s.name]) for s in group.sides]
+        k = self.turn % len(order)
+        self.turn += 1
+        return order[k:] + order[:k]
+
+    def record(self, group: Group, row: Row, side: Side, rec: dict[str, Any]) -> None:
+        group.runs.setdefault(row.key, {}).setdefault(side.name, []).append(rec)
+        value = row.value(rec)
+        shown = f"{value / GB:.2f} GB/s" if row.metric == "bw" else f"{value:.0f} ops/s"
+        self.run.log(f"  {row.key:18s} {side.name:8s} {shown}  p99 {rec['clat_p99_us']:.0f} us"
+                     + (f"  daemon {rec['daemon_cpu_pct']:.0f}% CPU"
+                        if "daemon_cpu_pct" in rec else "")
+                     + (f"  other load {rec['other_cpu_pct']:.0f}%"
+                        if rec["other_cpu_pct"] >= 20 else ""))
 
     # --------------------------------------------------------------- groups
 
-    def run_group(self, group: Group, area: Path, mnt_dir: Path, log_file: str) -> None:
-        native = str(area / "native")
-        backing = str(area / "backing")
-        self.native_top = native
-        mnt = str(mnt_dir)
-        args = (*group.mount_args, *self.cfg.qosfs_args)
-        with QosfsMount(backing, mnt, args, log_file) as mount:
-            try:
-                self.backing = backing
-                getattr(self, f"_group_{group.name.replace('-', '_')}")(group, native, mnt,
-                                                                       mount)
-            finally:
-                for d in (native, mnt):  # leave both sides empty for the next group
-                    for entry in os.scandir(d):
-                        if entry.is_dir(follow_symlinks=False):
-                            shutil.rmtree(entry.path, ignore_errors=True)
-                        else:
-                            try:
-                                os.unlink(entry.path)
-                            except OSError:
-                                pass
+    def run_group(self, group: Group) -> None:
+        top = self.run.scratch(group.name, group.area)
+        dirs: dict[str, str] = {}
+        mounts: dict[str, Mounted] = {}
+        try:
+            with ExitStack() as stack:
+                for side in group.sides:
+                    sub = top / ("native" if side.is_native else f"backing-{side.name}")
+                    sub.mkdir()
+                    dirs[side.name] = str(sub)
+                    if not side.is_native:
+                        m = stack.enter_context(self.run.mount(
+                            sub, side.policy, no_qos=side.no_qos))
+                        mounts[side.name] = m
+                        dirs[side.name] = str(m.path)
+                self.backing = {s.name: str(top / f"backing-{s.name}")
+                                for s in group.sides if not s.is_native}
+                self.mounts = mounts
+                getattr(self, f"_kind_{group.kind}")(group, dirs)
+        finally:
+            shutil.rmtree(top, ignore_errors=True)
 
-    def _record(self, group: Group, row: Row, side: str, rec: dict[str, Any]) -> None:
-        group.runs.setdefault(row.key, {}).setdefault(side, []).append(rec)
-        self.log(f"  {row.key:18s} {side:6s} {row.fmt(row.value(_metrics(rec)))}"
-                 f"  p99 {rec['clat_p99_us']:.0f} us"
-                 + (f"  daemon {rec['daemon_cpu_pct']:.0f}% CPU" if "daemon_cpu_pct" in rec
-                    else "")
-                 + (f"  other load {rec['other_cpu_pct']:.0f}%"
-                    if rec["other_cpu_pct"] >= 20 else ""))
+    def _run_rows(self, group: Group, job: str, dirs: dict[str, str],
+                  variants: list[tuple[Row, dict[str, str]]]) -> None:
+        # One discarded run per side first (time-based jobs for 1 s): a side's first run
+        # pays for what the others find ready -- on ext4 the first dump into a fresh
+        # directory ran at half speed (246 vs 448-489 MiB/s), and a new daemon has cold
+        # Python paths and an empty inode table -- whichever side draws it.
+        for side, d in self.sides(group, dirs):
+            self.measure(job, d, {**variants[0][1], "RUNTIME": "1"}, self.mounts.get(side.name))
+        for row, env in variants:
+            for _ in range(self.run.repetitions(group.reps)):
+                for side, d in self.sides(group, dirs):
+                    rec = self.measure(job, d, env, self.mounts.get(side.name))
+                    self.record(group, row, side, rec)
 
-    def _layout(self, job: str, env: dict[str, str], native: str,
-                extra: tuple[str, ...] = ()) -> None:
-        """Lay out a job's files (untimed) on the native side and copy them to the backing
-        directory: writing them through qosfs would only make the set-up slower."""
-        fiolib.run_job(self.fio, JOBS_DIR / job, native, env, ("--create_only=1", *extra),
-                       parse=False, cwd=self.cwd)
-        rel = os.path.relpath(native, self.native_top)
-        dst_dir = os.path.normpath(os.path.join(self.backing, rel))
-        for entry in os.scandir(native):
-            if entry.is_file(follow_symlinks=False):
-                shutil.copyfile(entry.path, os.path.join(dst_dir, entry.name))
+    def layout(self, job: str, env: dict[str, str], native: str, rel: str = "",
+               extra: tuple[str, ...] = ()) -> None:
+        """Lay out a job's files (untimed) in the native directory *native*/*rel* and copy
+        them to every qosfs side's backing directory: writing them through qosfs would only
+        make the set-up slower."""
+        src = os.path.join(native, rel)
+        fiolib.run_job(self.run.fio, JOBS_DIR / job, src, env, ("--create_only=1", *extra),
+                       parse=False, cwd=str(self.run.work))
+        for backing in self.backing.values():
+            dst = os.path.join(backing, rel)
+            for entry in os.scandir(src):
+                if entry.is_file(follow_symlinks=False):
+                    shutil.copyfile(entry.path, os.path.join(dst, entry.name))
 
-    def _group_seqread(self, group: Group, native: str, mnt: str, mount: QosfsMount) -> None:
-        base = {"SIZE": self.cfg.size, "RUNTIME": str(self.cfg.runtime)}
-        self._layout("seqread.fio", {**base, "DIRECT": "0"}, native)
-        for row, direct in zip(group.rows, ("0", "1")):
-            for _ in range(self.cfg.reps):
-                for side, d in self._sides(native, mnt):
-                    rec = self._measure("seqread.fio", d, {**base, "DIRECT": direct},
-                                        mount if side == "qosfs" else None)
-                    self._record(group, row, side, rec)
+    def _kind_seqread(self, group: Group, dirs: dict[str, str]) -> None:
+        self.layout("seqread.fio", {**group.env, "DIRECT": "0"}, dirs["native"])
+        self._run_rows(group, "seqread.fio", dirs, [
+            (row, {**group.env, "DIRECT": direct}) for row, direct in zip(group.rows, "01")])
 
-    def _group_seqwrite(self, group: Group, native: str, mnt: str, mount: QosfsMount) -> None:
-        env = {"SIZE": self.cfg.size, "NUMJOBS": "1"}
-        for _ in range(self.cfg.reps):
-            for side, d in self._sides(native, mnt):
-                rec = self._measure("seqwrite.fio", d, env, mount if side == "qosfs" else None)
-                self._record(group, group.rows[0], side, rec)
+    def _kind_checkpoint(self, group: Group, dirs: dict[str, str]) -> None:
+        self._run_rows(group, "checkpoint.fio", dirs, [(group.rows[0], group.env)])
 
-    def _group_randread(self, group: Group, native: str, mnt: str, mount: QosfsMount) -> None:
-        base = {"SIZE": self.cfg.size, "RUNTIME": str(self.cfg.runtime), "DIRECT": "1"}
-        self._layout("randread.fio", {**base, "NUMJOBS": "1"}, native)
-        for row, jobs in zip(group.rows, ("1", "4")):
-            for _ in range(self.cfg.reps):
-                for side, d in self._sides(native, mnt):
-                    rec = self._measure("randread.fio", d, {**base, "NUMJOBS": jobs},
-                                        mount if side == "qosfs" else None)
-                    self._record(group, row, side, rec)
+    def _kind_randread(self, group: Group, dirs: dict[str, str]) -> None:
+        self.layout("randread.fio", group.env, dirs["native"])
+        self._run_rows(group, "randread.fio", dirs, [(group.rows[0], group.env)])
 
-    def _group_meta(self, group: Group, native: str, mnt: str, mount: QosfsMount) -> None:
-        env = {"NRFILES": str(self.cfg.nrfiles)}
-        create, stat, unlink = group.rows
-        for rep in range(self.cfg.reps):
-            sub = f"meta-{rep}"
-            for d in (native, mnt):
-                os.mkdir(os.path.join(d, sub))
-            sides = self._sides(native, mnt)
-            for side, top in sides:
-                self._record(group, create, side, self._measure(
-                    "meta.fio", os.path.join(top, sub), env,
-                    mount if side == "qosfs" else None, ("--section=create",)))
-            # filestat and filedelete need files of `filesize`: lay them out (untimed) on
-            # the native side and copy them to the backing directory, replacing the empty
-            # ones filecreate made (the mount forgets the old ones when caches drop).
-            self._layout("meta.fio", env, os.path.join(native, sub), ("--section=stat",))
-            for row, section in ((stat, "stat"), (unlink, "delete")):
-                for side, top in sides:
-                    self._record(group, row, side, self._measure(
-                        "meta.fio", os.path.join(top, sub), env,
-                        mount if side == "qosfs" else None, (f"--section={section}",)))
-            for d in (native, mnt):
-                shutil.rmtree(os.path.join(d, sub), ignore_errors=True)
+    def _kind_dataset(self, group: Group, dirs: dict[str, str]) -> None:
+        self.layout("dataset.fio", group.env, dirs["native"])
+        self._run_rows(group, "dataset.fio", dirs, [(group.rows[0], group.env)])
+
+
+def run_groups(run: Run, groups: list[Group], runner_cls: type[Runner] = Runner
+               ) -> dict[str, Any]:
+    """Run *groups* (each failure recorded in its group); return their summary and runs."""
+    runner = runner_cls(run)
+    for g in groups:
+        run.log(f"{g.name} ({g.area}):")
+        t0 = time.monotonic()
+        try:
+            runner.run_group(g)
+        except (FioError, BenchError, OSError) as exc:
+            g.error = str(exc).splitlines()[0][:300]
+            run.log(f"  {g.name} failed: {g.error}")
+        g.elapsed = time.monotonic() - t0
+    return {
+        "summary": summarize(groups),
+        "caches_dropped": runner.caches_dropped,
+        "groups": [{"name": g.name, "area": g.area, "sides": [s.name for s in g.sides],
+                    "env": g.env, "error": g.error,
+                    "elapsed_s": round(g.elapsed, 1), "runs": g.runs} for g in groups],
+    }
+
+
+def run(run: Run) -> dict[str, Any]:
+    """The overhead suite (see the module docstring)."""
+    result = run_groups(run, data_groups(run))
+    result["policy"] = GENEROUS_POLICY.strip()
+    return result
 
 
 def _child_cpu() -> float:
@@ -278,216 +302,39 @@ def _child_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def _metrics(rec: dict[str, Any]) -> FioMetrics:
-    keys = FioMetrics.__dataclass_fields__
-    return FioMetrics(**{k: v for k, v in rec.items() if k in keys})
-
-
-def _median(row: Row, recs: list[dict[str, Any]]) -> float | None:
-    vals = [row.value(_metrics(r)) for r in recs]
-    return statistics.median(vals) if vals else None
-
-
-def summarize(groups: list[Group]) -> list[dict[str, Any]]:
-    out = []
-    for g in groups:
-        for row in g.rows:
-            runs = g.runs.get(row.key, {})
-            nat = _median(row, runs.get("native", []))
-            q = _median(row, runs.get("qosfs", []))
-            ratio = q / nat if q is not None and nat else None
-            if row.target is None or q is None:
-                verdict = "—" if q is not None else "error"
-            else:
-                verdict = "pass" if q >= row.target else "MISS"
-            qruns = runs.get("qosfs", [])
-            out.append({
-                "key": row.key, "label": row.label, "group": g.name, "metric": row.metric,
-                "native": nat, "qosfs": q, "ratio": ratio, "target": row.target,
-                "verdict": verdict, "error": g.error if q is None else None,
-                "reps": len(qruns),
-                "native_p99_us": _median_of(runs.get("native", []), "clat_p99_us"),
-                "qosfs_p50_us": _median_of(qruns, "clat_p50_us"),
-                "qosfs_p99_us": _median_of(qruns, "clat_p99_us"),
-                "qosfs_daemon_cpu_pct": _median_of(qruns, "daemon_cpu_pct"),
-                "max_other_cpu_pct": max((r["other_cpu_pct"] for side in runs.values()
-                                          for r in side), default=None),
-                "display": (row.fmt(nat), row.fmt(q),
-                            row.fmt(row.target) if row.target else "—"),
-            })
-    return out
-
-
 def _median_of(recs: list[dict[str, Any]], key: str) -> float | None:
     vals = [r[key] for r in recs if r.get(key) is not None]
     return statistics.median(vals) if vals else None
 
 
-def write_report(cfg: Config, info: dict[str, Any], groups: list[Group],
-                 complete: bool, elapsed: float) -> tuple[Path, Path]:
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    summary = summarize(groups)
-    doc = {
-        "benchmark": "overhead",
-        "complete": complete,
-        "elapsed_s": round(elapsed, 1),
-        "machine": info,
-        "config": {"quick": cfg.quick, "reps": cfg.reps, "size": cfg.size,
-                   "runtime_s": cfg.runtime, "nrfiles": cfg.nrfiles,
-                   "tmpfs_size": cfg.tmpfs_size, "qosfs_args": list(cfg.qosfs_args)},
-        "summary": [{k: v for k, v in s.items() if k != "display"} for s in summary],
-        "groups": [{"name": g.name, "mount_args": list(g.mount_args), "note": g.note,
-                    "error": g.error, "elapsed_s": round(g.elapsed, 1), "runs": g.runs}
-                   for g in groups],
-    }
-    jpath = cfg.out / "overhead.json"
-    jpath.write_text(json.dumps(doc, indent=2) + "\n")
-
-    def us(v: float | None) -> str:
-        return "—" if v is None else (f"{v / 1e3:.1f} ms" if v >= 1e4 else f"{v:.0f} µs")
-
-    lines = [
-        "# qosfs overhead: pass-through (no policy) vs native tmpfs",
-        "",
-        f"{info['date']} · kernel {info['kernel']} · {info['cpu_model']} · "
-        f"{info['nproc']} CPUs · {info['fio_version']} · qosfs {info['qosfs']} "
-        f"(commit {info['git_commit'] or 'n/a'}) · pyfuse3 {info['pyfuse3']}",
-        "",
-        f"Mode: {'quick' if cfg.quick else 'full'} — file size {cfg.size}, {cfg.runtime} s "
-        f"per timed job, {cfg.nrfiles} files, median of {cfg.reps} repetition(s), sides "
-        f"alternated; qosfs args: {' '.join(cfg.qosfs_args) or '(defaults)'}; "
-        f"{'complete' if complete else '**INCOMPLETE (interrupted)**'}, {elapsed:.0f} s.",
-        "",
-        "| workload | native | qosfs | ratio | target (qosfs) | result |",
-        "|---|---:|---:|---:|---:|---|",
-    ]
-    for s in summary:
-        nat, q, tgt = s["display"]
-        ratio = "—" if s["ratio"] is None else f"{s['ratio']:.2f}"
-        verdict = s["verdict"] if not s["error"] else f"error: {s['error']}"
-        lines.append(f"| {s['label']} | {nat} | {q} | {ratio} | {tgt} | {verdict} |")
-    lines += [
-        "",
-        "Latency and CPU (medians; qosfs side unless said):",
-        "",
-        "| workload | native p99 | qosfs p50 | qosfs p99 | daemon CPU | max other load |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for s in summary:
-        cpu = s["qosfs_daemon_cpu_pct"]
-        other = s["max_other_cpu_pct"]
-        lines.append(f"| {s['label']} | {us(s['native_p99_us'])} | {us(s['qosfs_p50_us'])} | "
-                     f"{us(s['qosfs_p99_us'])} | {'—' if cpu is None else f'{cpu:.0f}%'} | "
-                     f"{'—' if other is None else f'{other:.0f}%'} |")
-    cold = [r["daemon_rchar"] / r["io_bytes"] for g in groups
-            for r in g.runs.get("seqread-buffered", {}).get("qosfs", [])
-            if r.get("daemon_rchar") and r.get("io_bytes")]
-    cold_note = (f" Checked: the daemon read {statistics.median(cold):.2f}× the bytes fio "
-                 "read (its /proc/PID/io rchar), so no pass was served from cache."
-                 if cold else "")
-    busy = [r["other_cpu_pct"] for g in groups for side in g.runs.values()
-            for recs in side.values() for r in recs]
-    noisy = sum(1 for b in busy if b >= 20)
-    lines += [
-        "",
-        "Notes:",
-        "",
-        "- Units: GB/s = 10^9 bytes/s (fio's bw_bytes); ops/s = fio's iops. ratio = "
-        "qosfs / native. Targets apply to the qosfs side.",
-        "- Both sides live on one tmpfs, so the native side is a memory-speed baseline and "
-        "qosfs figures are the pass-through's own cost (FUSE round trips, copies, Python).",
-        "- **Buffered** means cold, through the page cache: caches are dropped before every "
-        "run, and each pass reopens the file (fio invalidate=1; qosfs revalidates per open), "
-        "so on qosfs every byte goes readahead → FUSE READ → daemon → tmpfs. tmpfs data "
-        "cannot be dropped (its pages are the files): a native buffered read is a memory "
-        "copy." + cold_note,
-        "- **direct=1**: O_DIRECT on both sides; on qosfs each read is one FUSE request "
-        "answered by the daemon (no page cache).",
-        f"- Metadata: fio filecreate/filestat/filedelete, {cfg.nrfiles} files, one job; "
-        "caches dropped before each section. " + " ".join(f"`{g.name}`: {g.note}."
-                                                          for g in groups if g.note),
-        "- Queue-depth-1 figures (rand read numjobs=1, metadata) are round-trip latencies: "
-        "caller → kernel → daemon → kernel → caller, two wake-ups each. On a VM an idle "
-        "vCPU halts and waking it costs tens of µs (here: cpuidle "
-        f"{info.get('cpuidle_driver') or '?'}, guest_halt_poll_ns="
-        f"{info.get('guest_halt_poll_ns') or '?'}), so these figures are better on a busy "
-        "machine than on an idle one; the runner waits for an idle machine (--quiet-wait) "
-        "to keep runs comparable.",
-        "- daemon CPU = the qosfs process's CPU time / wall time (100% = one core). "
-        "other load = machine CPU not used by fio or the daemon, in % of one core (other "
-        f"tenants, kernel threads); {noisy} of {len(busy)} runs saw ≥ 20% "
-        "(figures from those runs are less trustworthy on this 2-CPU machine).",
-        "- Raw per-run figures, fio command lines and machine details: overhead.json.",
-    ]
-    mpath = cfg.out / "overhead.md"
-    mpath.write_text("\n".join(lines) + "\n")
-    return mpath, jpath
-
-
-def run(cfg: Config) -> int:
-    try:
-        fio = fiolib.find_fio()
-        require_root("bench overhead")
-    except (FioError, BenchError) as exc:
-        print(f"bench: {exc}", file=sys.stderr)
-        return 2
-    info = machine_info(fiolib.fio_version(fio))
-    groups = [g for g in build_groups()
-              if not cfg.only or g.name in cfg.only or any(r.key in cfg.only for r in g.rows)]
-    if not groups:
-        print(f"bench: --only {','.join(cfg.only)} matches no workload", file=sys.stderr)
-        return 2
-    missing = fiolib.missing_engines(fio, META_ENGINES)
-    if missing:
-        for g in groups:
-            if g.name.startswith("meta"):
-                g.error = f"fio lacks the {', '.join(missing)} engine(s)"
-    runner = Runner(cfg, fio)
-    t0 = time.monotonic()
-    complete = False
-    work = Path(tempfile.mkdtemp(prefix="qosfs-bench-work-"))
-    log_file = str(work / "qosfs.log")
-    mnt_dir = work / "mnt"
-    mnt_dir.mkdir()
-    runner.cwd = str(work)
-    try:
-        with tmpfs_area(cfg.tmpfs_size, ("native", "backing")) as area:
-            runner.log(f"bench: tmpfs {area} ({cfg.tmpfs_size}), qosfs on {mnt_dir}")
-            for g in groups:
-                if g.error:
-                    runner.log(f"{g.name}: skipped: {g.error}")
-                    continue
-                runner.log(f"{g.name}:")
-                tg = time.monotonic()
-                try:
-                    runner.run_group(g, area, mnt_dir, log_file)
-                except (FioError, BenchError, OSError) as exc:
-                    g.error = str(exc).splitlines()[0][:300]
-                    runner.log(f"  {g.name} failed: {g.error}")
-                    _log_tail(log_file, runner.log)
-                g.elapsed = time.monotonic() - tg
-                runner.log(f"  ({g.elapsed:.0f} s)")
-        complete = True
-    except KeyboardInterrupt:
-        runner.log("bench: interrupted; writing what was measured")
-    finally:
-        info["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
-        info["caches_dropped"] = runner.caches_dropped
-        mpath, jpath = write_report(cfg, info, groups, complete, time.monotonic() - t0)
-        shutil.rmtree(work, ignore_errors=True)
-    print(mpath.read_text())
-    print(f"wrote {mpath} and {jpath}")
-    return 0 if complete and not any(g.error for g in groups) else 1
-
-
-def _log_tail(log_file: str, log: Callable[[str], None]) -> None:
-    try:
-        tail = Path(log_file).read_text().splitlines()[-5:]
-    except OSError:
-        return
-    for line in tail:
-        log(f"    qosfs.log: {line}")
-
-
-def default_out() -> Path:
-    return REPO / "bench" / "results"
+def summarize(groups: list[Group]) -> list[dict[str, Any]]:
+    """Per row and side: medians of the figure, p50/p99/p99.9 and daemon CPU; ratios of
+    every side to native, and of ``policy`` to ``no-qos``."""
+    out = []
+    for g in groups:
+        for row in g.rows:
+            runs = g.runs.get(row.key, {})
+            sides: dict[str, dict[str, Any]] = {}
+            for side in g.sides:
+                recs = runs.get(side.name, [])
+                vals = [row.value(r) for r in recs]
+                sides[side.name] = {
+                    "value": statistics.median(vals) if vals else None,
+                    "reps": len(vals),
+                    **{k: _median_of(recs, k) for k in (
+                        "clat_p50_us", "clat_p99_us", "clat_p999_us", "daemon_cpu_pct")},
+                }
+            nat = sides.get("native", {}).get("value")
+            ratios = {name: s["value"] / nat for name, s in sides.items()
+                      if name != "native" and s["value"] is not None and nat}
+            noq, pol = sides.get("no-qos", {}).get("value"), sides.get("policy", {}).get("value")
+            out.append({
+                "key": row.key, "label": row.label, "group": g.name, "area": g.area,
+                "metric": row.metric, "target": row.target, "sides": sides,
+                "ratio_to_native": ratios,
+                "machinery": pol / noq if pol is not None and noq else None,
+                "error": g.error,
+                "max_other_cpu_pct": max((r["other_cpu_pct"] for side in runs.values()
+                                          for r in side), default=None),
+            })
+    return out

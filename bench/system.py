@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import qosfs
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -73,6 +75,33 @@ def tmpfs_area(size: str, subdirs: Sequence[str]) -> Iterator[Path]:
             pass
 
 
+@contextmanager
+def disk_area(parent: str, subdirs: Sequence[str]) -> Iterator[Path]:
+    """A fresh directory under *parent* (a disk-backed filesystem) with *subdirs*; removed
+    with everything in it afterwards."""
+    top = Path(tempfile.mkdtemp(prefix="qosfs-bench-disk-", dir=parent))
+    try:
+        for sub in subdirs:
+            (top / sub).mkdir()
+        yield top
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the filesystem holding *path* (the longest mount prefix in
+    /proc/mounts), for the report: "ext4", "tmpfs", ..."""
+    best, fstype = "", "unknown"
+    real = os.path.realpath(path)
+    with open("/proc/mounts") as f:
+        for line in f:
+            fields = line.split()
+            mnt = fields[1].replace("\\040", " ")
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+                best, fstype = mnt, fields[2]
+    return fstype
+
+
 def _pids_serving(mountpoint: str) -> list[int]:
     """Our daemon for *mountpoint*: a process whose argv is ``... qosfs mount SRC MNT ...``."""
     pids = []
@@ -103,8 +132,11 @@ class QosfsMount:
         self.pid: int | None = None
 
     def __enter__(self) -> QosfsMount:
+        # cwd and PYTHONPATH both name this tree, so the daemon runs this tree's qosfs even
+        # when the interpreter's environment has another checkout installed (editable).
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
         proc = subprocess.run(self.cmd, capture_output=True, text=True, cwd=str(REPO),
-                              timeout=60)
+                              timeout=60, env=env)
         if proc.returncode != 0 or not os.path.ismount(self.mountpoint):
             line = (proc.stderr or proc.stdout).strip().splitlines()
             self.__exit__(None, None, None)  # in case it half-mounted
@@ -190,6 +222,24 @@ class CpuMeter:
         return 100.0 * (dt - (idle - self._start[1])) / dt if dt > 0 else 0.0
 
 
+class CpuWatch:
+    """Over an interval: the qosfs daemon's CPU share (100% = one core; None if unknown)
+    and the whole machine's busy share."""
+
+    def __init__(self, mount: QosfsMount | None) -> None:
+        self.mount = mount
+        self.meter = CpuMeter()
+        self.t0 = time.monotonic()
+        self.cpu0 = mount.cpu_seconds() if mount else None
+
+    def figures(self) -> dict[str, Any]:
+        wall = time.monotonic() - self.t0
+        cpu1 = self.mount.cpu_seconds() if self.mount else None
+        daemon = None if cpu1 is None or self.cpu0 is None else 100 * (cpu1 - self.cpu0) / wall
+        return {"wall_s": wall, "daemon_cpu_pct": daemon,
+                "machine_busy_pct": self.meter.busy_pct()}
+
+
 def busy_pct_now(interval: float = 0.25) -> float:
     meter = CpuMeter()
     time.sleep(interval)
@@ -250,6 +300,7 @@ def machine_info(fio_version: str) -> dict[str, Any]:
         "pyfuse3": _version_of("pyfuse3"),
         "trio": _version_of("trio"),
         "qosfs": _version_of("qosfs"),
+        "qosfs_path": str(Path(qosfs.__file__).resolve().parent),
         "loadavg_start": Path("/proc/loadavg").read_text().split()[:3],
         # idle states decide how fast a sleeping daemon or fio wakes up (see the report)
         "cpuidle_driver": _read("/sys/devices/system/cpu/cpuidle/current_driver"),

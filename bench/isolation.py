@@ -1,0 +1,233 @@
+"""Isolation: does a dataset reader keep its throughput and tail latency while four ranks
+dump a checkpoint next to it? (DESIGN §4.3: >= 90% of its solo throughput, p99 <= 1.2x.)
+
+The reader is dataset.fio (random 4 KiB-1 MiB reads, O_DIRECT, queue depth 1 per job);
+the storm is checkpoint-storm.fio (4 writers, 1 MiB sequential, fsync at the end), started
+a second before the reader and ending after it, so the reader sees the storm throughout
+and never the storm's bucket burst. Scenarios, each against the solo reader on the same
+kind of mount:
+
+* ``--no-qos``: the storm runs free;
+* the bench policy with the checkpoints class capped at each level of :data:`SWEEP`. The
+  headline level is :data:`HEADLINE_CAP`: the daemon is one Python thread, and every
+  MiB/s a checkpoint is allowed costs that thread time the reader needs, so on this
+  2-CPU machine the cap has to fit in what the reader leaves; the sweep shows the
+  trade-off around it, and ``write_cost`` what a MiB costs the daemon.
+
+Then a time series through periodic checkpoint bursts (mixed.fio): both classes' rates
+from the daemon's counters every 0.5 s, with the same classes uncapped and capped.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.context import Mounted, Run
+from bench.fio import JOBS_DIR, FioError, FioMetrics, parse_fio_json, run_job
+from bench.sampler import StatusSampler, windows
+from bench.system import CpuWatch, drop_caches, wait_quiet
+from qosfs.ctl import call
+
+MiB = 1 << 20
+SWEEP = ("25MiB/s", "50MiB/s", "100MiB/s", "200MiB/s")
+# The storm alone costs the daemon ~2 ms of CPU per MiB admitted under a cap (the
+# write_cost figures), so 50 MiB/s is ~10% of a core: what the solo reader, which keeps
+# the daemon ~65% busy, leaves free. Higher levels are in the sweep.
+HEADLINE_CAP = "50MiB/s"
+READER_JOBS = "2"  # several readers, but no more than this machine's CPUs
+STORM_JOBS = "4"
+POLICY = """
+[classes.checkpoints]
+paths = ["**/*.distcp"]
+{cap}
+
+[classes.datasets]
+paths = ["**/*.tfrecord"]
+priority = "high"
+
+[classes.default]
+"""
+
+
+def policy(cap: str | None) -> str:
+    return POLICY.format(cap=f'write_bandwidth = "{cap}"' if cap else "")
+
+
+def with_storm(fio: str, reader_dir: str, storm_dir: str, reader_env: dict[str, str],
+               storm_env: dict[str, str], lead: float = 1.0, cwd: str | None = None
+               ) -> tuple[FioMetrics, FioMetrics]:
+    """Run the checkpoint storm in the background and the dataset reader once it has been
+    under way for *lead* s; return (reader, storm). The storm's RUNTIME should outlast
+    the reader's by more than *lead*."""
+    storm: dict[str, Any] = {}
+
+    def run_storm() -> None:
+        try:
+            storm["m"], _, _ = run_job(fio, JOBS_DIR / "checkpoint-storm.fio", storm_dir,
+                                       storm_env, cwd=cwd)
+        except FioError as exc:
+            storm["error"] = exc
+
+    writer = threading.Thread(target=run_storm, name="checkpoint-storm")
+    writer.start()
+    try:
+        time.sleep(lead)
+        reader, _, _ = run_job(fio, JOBS_DIR / "dataset.fio", reader_dir, reader_env, cwd=cwd)
+    finally:
+        writer.join()
+    if "error" in storm:
+        raise storm["error"]
+    assert reader is not None
+    return reader, storm["m"]
+
+
+class Isolation:
+    def __init__(self, run: Run, src: Path) -> None:
+        self.run = run
+        self.src = src
+        runtime = int(run.pick(10, 4))
+        self.reader_env = {"SIZE": "512m" if not run.quick else "256m", "NRFILES": "64",
+                           "NUMJOBS": READER_JOBS, "RUNTIME": str(runtime)}
+        self.storm_env = {"SIZE": "256m", "NUMJOBS": STORM_JOBS, "RUNTIME": str(runtime + 2)}
+        self.runs: dict[str, list[dict[str, Any]]] = {}
+
+    def _prepare(self) -> None:
+        drop_caches()
+        wait_quiet(self.run.quiet_wait)
+
+    def solo(self, m: Mounted, label: str) -> None:
+        self._prepare()
+        cpu = CpuWatch(m.mount)
+        reader, _, _ = run_job(self.run.fio, JOBS_DIR / "dataset.fio", str(m.path),
+                               self.reader_env, cwd=str(self.run.work))
+        assert reader is not None
+        self._keep(label, reader, None, cpu.figures())
+
+    def storm(self, m: Mounted, label: str) -> None:
+        self._prepare()
+        cpu = CpuWatch(m.mount)
+        reader, storm = with_storm(self.run.fio, str(m.path), str(m.path), self.reader_env,
+                                   self.storm_env, cwd=str(self.run.work))
+        self._keep(label, reader, storm, cpu.figures())
+
+    def _keep(self, label: str, reader: FioMetrics, storm: FioMetrics | None,
+              cpu: dict[str, float | None]) -> None:
+        rec = {"reader": reader.to_dict(), "storm": storm.to_dict() if storm else None,
+               **cpu}
+        self.runs.setdefault(label, []).append(rec)
+        self.run.log(f"  {label:18s} reader {reader.bw_bytes / MiB:6.0f} MiB/s  "
+                     f"p99 {reader.clat_p99_us / 1e3:6.2f} ms"
+                     + (f"  storm {storm.bw_bytes / MiB:5.0f} MiB/s" if storm else "")
+                     + f"  daemon {cpu['daemon_cpu_pct'] or 0:.0f}% CPU, machine "
+                       f"{cpu['machine_busy_pct']:.0f}% busy")
+
+    def write_cost(self, m: Mounted, cap: str | None) -> dict[str, Any]:
+        """The storm alone, its class capped at *cap* (None: far above demand): daemon CPU
+        milliseconds per MiB written. A parked write's cost shows here."""
+        call(m.socket, {"cmd": "set", "target": "class", "name": "checkpoints",
+                        "changes": {"write_bandwidth": cap or "64GiB/s"}})
+        self._prepare()
+        cpu = CpuWatch(m.mount)
+        storm, _, _ = run_job(self.run.fio, JOBS_DIR / "checkpoint-storm.fio", str(m.path),
+                              {**self.storm_env, "RUNTIME": self.reader_env["RUNTIME"]},
+                              cwd=str(self.run.work))
+        assert storm is not None
+        fig = cpu.figures()
+        seconds = (fig["daemon_cpu_pct"] or 0.0) / 100 * fig["wall_s"]
+        return {"cap": cap, "storm_bw": storm.bw_bytes, **fig,
+                "daemon_ms_per_mib": 1e3 * seconds / (storm.io_bytes / MiB)}
+
+
+def burst_series(run: Run, src: Path, cap: str | None) -> dict[str, Any]:
+    """mixed.fio through a mount whose checkpoints class is capped at *cap* (or not):
+    readers all along, periodic checkpoint bursts; rates of both classes every 0.5 s."""
+    env = {"RUNTIME": str(int(run.pick(20, 12))), "NUMJOBS": READER_JOBS,
+           "SIZE": "512m" if not run.quick else "256m",
+           "CKPT_MB": str(int(run.pick(128, 64))), "CKPT_INTERVAL": "5s", "CKPT_DELAY": "3s"}
+    with run.mount(src, policy(cap)) as m:
+        drop_caches()
+        with StatusSampler(m.socket, 0.5) as sampler:
+            t0 = time.monotonic()
+            _, doc, _ = run_job(run.fio, JOBS_DIR / "mixed.fio", str(m.path), env,
+                                cwd=str(run.work))
+    assert doc is not None
+    runtime = float(env["RUNTIME"])
+    series = {}
+    for name, counter in (("datasets", "read_bytes"), ("checkpoints", "write_bytes")):
+        # the readers' span only: the checkpoint job's runtime starts after its delay
+        series[name] = [(round(w.mid - t0, 3), w.rate)
+                        for w in windows(sampler.samples, ("class", name, None), counter)
+                        if 0.0 < w.mid - t0 < runtime]
+    return {"cap": cap, "env": env, "series": series, **burst_figures(series),
+            "reader": parse_fio_json(doc, 0).to_dict(),
+            "checkpoint": parse_fio_json(doc, 1).to_dict()}
+
+
+def burst_figures(series: dict[str, list[tuple[float, float]]]) -> dict[str, float | None]:
+    """The readers' mean rate in the windows where checkpoints moved data and in those
+    where they did not (the first and last windows left out: fio starting and ending)."""
+    pairs = list(zip(series["datasets"], series["checkpoints"], strict=True))[1:-1]
+    during = [d for (_, d), (_, c) in pairs if c > 0]
+    between = [d for (_, d), (_, c) in pairs if c == 0]
+    return {"reader_during": sum(during) / len(during) if during else None,
+            "reader_between": sum(between) / len(between) if between else None}
+
+
+def run(run: Run) -> dict[str, Any]:
+    src = run.scratch("isolation")
+    iso = Isolation(run, src)
+    # lay the dataset out once, on the backing directory (through qosfs is only slower)
+    run_job(run.fio, JOBS_DIR / "dataset.fio", str(src), iso.reader_env,
+            ("--create_only=1",), parse=False, cwd=str(run.work))
+    reps = run.repetitions(2)
+    with run.mount(src, no_qos=True) as m:
+        # discarded: the first writes after the set-up run slow for a few seconds (see
+        # bench.caps), which would soften the storm of the first scenario
+        run_job(run.fio, JOBS_DIR / "checkpoint-storm.fio", str(m.path),
+                {**iso.storm_env, "RUNTIME": str(int(run.pick(5, 3)))}, parse=False,
+                cwd=str(run.work))
+        for _ in range(reps):
+            iso.solo(m, "solo no-qos")
+            iso.storm(m, "storm no-qos")
+    with run.mount(src, policy(SWEEP[0])) as m:
+        for _ in range(reps):
+            iso.solo(m, "solo policy")
+            for cap in SWEEP:
+                call(m.socket, {"cmd": "set", "target": "class", "name": "checkpoints",
+                                "changes": {"write_bandwidth": cap}})
+                iso.storm(m, f"storm cap {cap}")
+        cost = [iso.write_cost(m, cap) for cap in (None, HEADLINE_CAP)]
+    bursts = [burst_series(run, src, cap) for cap in (None, HEADLINE_CAP)]
+    return {"runs": iso.runs, "sweep": list(SWEEP), "headline_cap": HEADLINE_CAP,
+            "write_cost": cost,
+            "reader_env": iso.reader_env, "storm_env": iso.storm_env,
+            "policy": policy(HEADLINE_CAP).strip(), "bursts": bursts,
+            "summary": summarize(iso.runs)}
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per scenario: the reader's median throughput and latency percentiles, as a share of
+    (ratio to) the solo reader on the same kind of mount, and the storm's throughput."""
+    def med(label: str, who: str, key: str) -> float | None:
+        vals = [r[who][key] for r in runs.get(label, []) if r.get(who)]
+        return statistics.median(vals) if vals else None
+
+    out = []
+    for label in runs:
+        kind = "no-qos" if label.endswith("no-qos") else "policy"
+        solo = f"solo {kind}"
+        row: dict[str, Any] = {"scenario": label, "baseline": solo, "reps": len(runs[label]),
+                               "storm_bw": med(label, "storm", "bw_bytes")}
+        for key in ("bw_bytes", "clat_p50_us", "clat_p99_us", "clat_p999_us"):
+            value, base = med(label, "reader", key), med(solo, "reader", key)
+            row[key] = value
+            row[f"{key}_ratio"] = value / base if value is not None and base else None
+        for key in ("daemon_cpu_pct", "machine_busy_pct"):
+            vals = [r[key] for r in runs[label] if r.get(key) is not None]
+            row[key] = statistics.median(vals) if vals else None
+        out.append(row)
+    return out

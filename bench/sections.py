@@ -1,0 +1,322 @@
+"""The sections of REPORT.md, one per suite, and the formatting they share: pure
+functions from a suite's figures to markdown lines (:mod:`bench.report` assembles them).
+
+Each section is the suite's table, its plot, how it was measured and the policy it ran
+with, so a reader can check a figure without opening the code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+MiB = float(1 << 20)
+Doc = dict[str, Any]
+
+# DESIGN §4 targets
+MACHINERY_MIN = 0.95  # policy / no-qos throughput: the QoS machinery costs <= 5%
+CAP_LONG_PCT, CAP_1S_PCT = 2.0, 10.0
+ISO_THROUGHPUT, ISO_P99 = 0.90, 1.20
+LIVE_MS = 100.0
+SHARE_PCT = 10.0  # fair share and priorities: the 1 s cap tolerance, applied to shares
+
+
+def mib(v: float | None) -> str:
+    return "—" if v is None else f"{v / MiB:,.0f} MiB/s" if v >= 100 * MiB else \
+        f"{v / MiB:.1f} MiB/s"
+
+
+def ops(v: float | None) -> str:
+    return "—" if v is None else f"{v / 1e3:.1f}k ops/s" if v >= 1e4 else f"{v:,.0f} ops/s"
+
+
+def us(v: float | None) -> str:
+    return "—" if v is None else f"{v / 1e3:.2f} ms" if v >= 1e3 else f"{v:.0f} µs"
+
+
+def ratio(v: float | None, digits: int = 2) -> str:
+    return "—" if v is None else f"{v:.{digits}f}×"
+
+
+def pct(v: float | None, signed: bool = True) -> str:
+    return "—" if v is None else f"{v:+.1f}%" if signed else f"{v:.0f}%"
+
+
+def verdict(ok: bool | None, miss: str = "") -> str:
+    if ok is None:
+        return "—"
+    return "pass" if ok else f"**MISS**{' ' + miss if miss else ''}"
+
+
+def _value(metric: str, v: float | None) -> str:
+    return mib(v) if metric == "bw" else ops(v)
+
+
+def table(header: list[str], rows: list[list[str]], align: str = "") -> list[str]:
+    """A markdown table; *align* is the separator row (default: first column left, the
+    rest right)."""
+    spec = align or "|".join(["---"] + ["---:"] * (len(header) - 1))
+    return ["| " + " | ".join(header) + " |", f"|{spec}|",
+            *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _plot(doc: Doc, name: str, alt: str) -> list[str]:
+    plots = doc.get("plots") or {}
+    return [f"![{alt}]({plots[name]})", ""] if name in plots else []
+
+
+def _policy_block(text: str) -> list[str]:
+    return ["<details><summary>policy</summary>", "", "```toml", text, "```", "",
+            "</details>", ""]
+
+
+def section_overhead(doc: Doc, r: dict[str, Any]) -> list[str]:
+    rows = []
+    for s in r["summary"]:
+        sd, rt = s["sides"], s["ratio_to_native"]
+        if s["error"]:
+            rows.append([s["label"], f"error: {s['error']}", *[""] * 8])
+            continue
+        rows.append([
+            s["label"], *(_value(s["metric"], sd.get(k, {}).get("value"))
+                          for k in ("native", "no-qos", "policy")),
+            ratio(rt.get("no-qos")), ratio(rt.get("policy")), ratio(s["machinery"]),
+            " / ".join(us(sd.get(k, {}).get("clat_p99_us")) for k in ("native", "no-qos",
+                                                                     "policy")),
+            " / ".join(pct(sd.get(k, {}).get("daemon_cpu_pct"), False)
+                       for k in ("no-qos", "policy"))])
+    reps = max((s["sides"].get("native", {}).get("reps", 0) for s in r["summary"]), default=0)
+    return [
+        "## 1. Overhead: native vs qosfs `--no-qos` vs qosfs with a policy", "",
+        *_plot(doc, "overhead", "overhead ratios"),
+        *table(["workload", "native", "no-qos", "policy", "no-qos / native",
+                 "policy / native", "policy / no-qos", "p99 native / no-qos / policy",
+                 "daemon CPU no-qos / policy"], rows),
+        "",
+        f"Median of {reps} repetition(s) per side after one discarded warm-up run per side, "
+        "sides in rotating order, caches dropped before every run. `native` is the scratch "
+        "directory itself (tmpfs: a memory-speed baseline, so the ratios are the "
+        "pass-through's whole cost; disk: what a real device leaves of it). "
+        "`policy / no-qos` is the cost of the QoS machinery: every class capped far above "
+        "demand, so each request is charged at every level and none waits (target ≥ "
+        f"{MACHINERY_MIN}). Daemon CPU: its CPU time / wall time (100% = one core). "
+        "MiB/s = 2^20 bytes/s.", "",
+        *_policy_block(r["policy"]),
+    ]
+
+
+def section_caps(doc: Doc, r: dict[str, Any]) -> list[str]:
+    rows = []
+    for w in r["workloads"]:
+        show = mib if w["key"].endswith("bandwidth") else ops
+        for lv in w["levels"]:
+            if not lv.get("windows"):
+                rows.append([f"`{w['key']}`", w["label"], lv["level"], show(w["demand"]),
+                             "no steady windows", "", "", "", "", "—"])
+                continue
+            ok = abs(lv["worst_long_pct"]) <= CAP_LONG_PCT and \
+                abs(lv["worst_1s_pct"]) <= CAP_1S_PCT
+            rows.append([f"`{w['key']}`", w["label"], lv["level"], show(w["demand"]),
+                         show(lv["achieved"]),
+                         f"{pct(lv['worst_long_pct'])} ({lv['long_window_s']:.0f} s)",
+                         pct(lv["worst_1s_pct"]),
+                         f"{lv['windows']} ({lv['idle_windows']})",
+                         show(lv["fio_rate"]),
+                         verdict(ok) if lv["has_demand"] else "no demand: uncapped rate "
+                         "< 1.1× cap"])
+    return [
+        "## 2. Cap accuracy: achieved vs configured", "",
+        *_plot(doc, "caps", "per-second rate / cap"),
+        *table(["limit", "workload", "cap", "uncapped demand", "achieved (steady)",
+                 "worst long window", "worst 1 s", "1 s windows (none waited)",
+                 "fio average", "result"], rows),
+        "",
+        f"Each workload runs first uncapped (its demand, this run's baseline) then at each "
+        f"cap, set live with `qosfs ctl set`, {r['runtime_s']} s per run. Achieved = the "
+        "class's admitted bytes or ops from the daemon's counters, polled every second; the "
+        "first window of each run is **discarded** (it holds the bucket's burst, 100 ms of "
+        "the cap by default) and so is the last (the job ends inside it). Long window = "
+        "every run of consecutive windows lasting 10 s (shorter in quick mode, as shown); "
+        f"targets ±{CAP_LONG_PCT:.0f}% over 10 s, ±{CAP_1S_PCT:.0f}% per 1 s. \"None "
+        "waited\": windows in which no request waited for tokens, so the class had no "
+        "excess demand there (its clients left gaps: a busy machine); they are counted in "
+        "the worst figures all the same. fio average: the client's view over the whole "
+        "run, burst included.", "",
+        *_policy_block(r["policy"]),
+    ]
+
+
+def section_isolation(doc: Doc, r: dict[str, Any]) -> list[str]:
+    rows = []
+    for s in r["summary"]:
+        capped = s["scenario"].startswith("storm cap")
+        ok = None
+        if capped and s["bw_bytes_ratio"] is not None and s["clat_p99_us_ratio"] is not None:
+            ok = s["bw_bytes_ratio"] >= ISO_THROUGHPUT and s["clat_p99_us_ratio"] <= ISO_P99
+        rows.append([s["scenario"] + (" **(headline)**" if s["scenario"] ==
+                                      f"storm cap {r['headline_cap']}" else ""),
+                     mib(s["bw_bytes"]), pct(None if s["bw_bytes_ratio"] is None
+                                             else 100 * s["bw_bytes_ratio"], False),
+                     us(s["clat_p50_us"]), us(s["clat_p99_us"]), ratio(s["clat_p99_us_ratio"]),
+                     us(s["clat_p999_us"]), mib(s["storm_bw"]),
+                     pct(s.get("daemon_cpu_pct"), False), pct(s.get("machine_busy_pct"), False),
+                     verdict(ok) if capped else "baseline" if s["scenario"].startswith("solo")
+                     else "contrast"])
+    cost = [[c["cap"] or "none (64GiB/s)", mib(c["storm_bw"]),
+             pct(c["daemon_cpu_pct"], False), f"{c['daemon_ms_per_mib']:.2f} ms"]
+            for c in r.get("write_cost", [])]
+    out = [
+        "## 3. Isolation: a dataset reader next to a checkpoint storm", "",
+        *_plot(doc, "isolation", "reader throughput and p99 vs solo"),
+        *table(["scenario", "reader", "of solo", "p50", "p99", "p99 / solo", "p99.9",
+                "checkpoint writers", "daemon CPU", "machine busy", "result"], rows),
+        "",
+        f"Reader: dataset.fio, {r['reader_env']['NUMJOBS']} jobs at queue depth 1, random "
+        f"4 KiB–1 MiB O_DIRECT reads over {r['reader_env']['NRFILES']} files, "
+        f"{r['reader_env']['RUNTIME']} s. Storm: checkpoint-storm.fio, "
+        f"{r['storm_env']['NUMJOBS']} writers, 1 MiB sequential, fsync at the end, started "
+        "1 s before the reader and ending after it. Each scenario is compared with the solo "
+        "reader on the same kind of mount (`solo no-qos` or `solo policy`); medians over "
+        "repetitions. Targets (DESIGN §4.3): ≥ "
+        f"{100 * ISO_THROUGHPUT:.0f}% of solo throughput, p99 ≤ {ISO_P99}× solo. Headline "
+        f"cap {r['headline_cap']}, chosen for this 2-CPU machine before the run: the daemon "
+        "is one Python thread that both classes share, so the checkpoints may only have "
+        "what the solo reader leaves of it" + _budget(r) + "; the sweep "
+        f"({', '.join(r['sweep'])}) shows the trade-off. Daemon CPU: 100% = one core; "
+        "machine busy: both CPUs, 100% = all.", "",
+    ]
+    if cost:
+        out += ["What a checkpoint MiB costs the daemon (the storm alone, same mount):", "",
+                *table(["checkpoints cap", "written", "daemon CPU", "daemon CPU per MiB"],
+                       cost), ""]
+    out += ["### Through periodic checkpoint bursts (mixed.fio)", "",
+            *_plot(doc, "isolation-burst", "class rates through checkpoint bursts")]
+    brow = []
+    for b in r["bursts"]:
+        d, q = b["reader_during"], b["reader_between"]
+        brow.append([b["cap"] or "no cap (classes only)", mib(q), mib(d),
+                     pct(None if d is None or not q else 100 * d / q, False),
+                     us(b["reader"]["clat_p99_us"]), mib(b["checkpoint"]["bw_bytes"])])
+    out += [*table(["checkpoints cap", "reader between bursts", "reader during bursts",
+                     "during / between", "reader p99 (whole run)",
+                     "checkpoint average"], brow), "",
+            "Rates of both classes from the daemon's counters every 0.5 s; \"during\" = "
+            "windows in which checkpoints moved data.", "", *_policy_block(r["policy"])]
+    return out
+
+
+def _budget(r: dict[str, Any]) -> str:
+    """This run's figures behind the headline cap, as a clause."""
+    solo = next((s for s in r["summary"] if s["scenario"] == "solo policy"), None)
+    cost = next((c for c in r.get("write_cost", []) if c["cap"] == r["headline_cap"]), None)
+    if not solo or not cost or solo.get("daemon_cpu_pct") is None:
+        return ""
+    return (f" (in this run the solo reader kept the daemon {solo['daemon_cpu_pct']:.0f}% "
+            f"busy, and a MiB admitted at {r['headline_cap']} cost it "
+            f"{cost['daemon_ms_per_mib']:.1f} ms of CPU)")
+
+
+def section_live(doc: Doc, r: dict[str, Any]) -> list[str]:
+    rows = [[m, str(s["n"]), f"{s['median_delay_ms']:.1f} ms", f"{s['max_delay_ms']:.1f} ms"]
+            for m, s in r["summary"].items()]
+    step = r["step"]
+    srows = [[f"{c['at_s']:.1f} s", f"{c['from']} → {c['to']}",
+              "never" if c["settle_ms"] is None else f"{c['settle_ms']:.0f} ms",
+              verdict(c["settle_ms"] is not None and c["settle_ms"] < LIVE_MS)]
+             for c in step["changes"]]
+    return [
+        "## 4. Live change: `qosfs ctl set` in force", "",
+        *_plot(doc, "live-change", "writer rate around ctl set"),
+        *table(["method", "n", "median delay", "max delay"], rows), "",
+        f"Parked writer: cap {r['low']} (a 1 MiB write waits ~1 s), raised to {r['high']}; "
+        "delay = from sending the request until the parked write completes. `cli-set` "
+        "includes starting Python for `qosfs ctl` (not the daemon's doing)."
+        + ("" if r["all_parked"] else " **Some repetitions found no parked write.**"), "",
+        *table(["at", "change", "new rate holds after", f"< {LIVE_MS:.0f} ms"], srows), "",
+        f"Step: one writer, {step['block'] >> 10} KiB writes, cap stepped by `set` (burst "
+        "1 MiB); \"holds\" = from sending the change until the first write after which the "
+        "next 0.5 s moves the new cap within ±10%. Rates in the plot: "
+        f"{1000 * step['bin_s']:.0f} ms bins of the writer's own completions.", "",
+    ]
+
+
+def section_fair(doc: Doc, r: dict[str, Any]) -> list[str]:
+    rows = []
+    for p in r["phases"]:
+        rows.append([str(p["phase"]), ", ".join(str(u) for u in p["active"]), mib(p["share"]),
+                     ", ".join(mib(v) for v in p["achieved"].values()), pct(p["worst_pct"]),
+                     mib(p["total"])])
+    return [
+        "## 5. Fair share: three users in a `per_user = \"fair\"` class", "",
+        *_plot(doc, "fairshare", "per-user rates"),
+        *table(["phase", "active uids", "equal share", "achieved per uid", "worst error",
+                 "class total"], rows), "",
+        f"Class capped at {r['cap']}; each uid runs one 1 MiB sequential writer as itself "
+        f"(setpriv), phases of {r['phase_s']} s. Per-uid rates from the daemon's per-user "
+        "levels every 0.5 s; the first second of each phase is discarded (a newcomer's fio "
+        "start-up), and after a departure the first "
+        f"{r['idle_after_s'] + 1:.0f} s: a user who stops keeps its share until idle for "
+        f"`idle_after` = {r['idle_after_s']:.0f} s, by design.", "",
+        *_policy_block(r["policy"]),
+    ]
+
+
+def section_meta(doc: Doc, r: dict[str, Any]) -> list[str]:
+    rows = []
+    for s in r["summary"]:
+        sd, rt = s["sides"], s["ratio_to_native"]
+        rows.append([s["label"], *(ops(sd.get(k, {}).get("value"))
+                                   for k in ("native", "no-qos", "policy", "meta-cap")),
+                     ratio(rt.get("no-qos")), ratio(s["machinery"]),
+                     ratio(_over(sd, "meta-cap", "no-qos"))])
+    return [
+        "## 6. Metadata: create / stat / open / unlink", "",
+        *_plot(doc, "metadata", "metadata ops/s"),
+        *table(["operation", "native", "no-qos", "policy", f"meta_iops={r['meta_cap']}",
+                 "no-qos / native", "policy / no-qos", "capped / no-qos"], rows), "",
+        f"meta.fio, {r['nrfiles']} files of 4 KiB, one job, each operation cold (fio sleeps "
+        "1.5 s after its set-up so the kernel's 1 s attribute cache has expired). fio counts "
+        "files per second; one file operation is one to three FUSE metadata requests "
+        "(lookup, create, open, unlink...), each of which costs a `meta_iops` token, so "
+        "the capped column shows what a cap means per operation (short runs: the bucket's "
+        "burst, 100 ms of the cap, adds to it). Whether the cap holds is in §2 "
+        "(`meta_iops` rows).", "",
+        *_policy_block(r["policy"]),
+    ]
+
+
+def _over(sides: dict[str, Any], a: str, b: str) -> float | None:
+    va, vb = sides.get(a, {}).get("value"), sides.get(b, {}).get("value")
+    return va / vb if va is not None and vb else None
+
+
+def section_prio(doc: Doc, r: dict[str, Any]) -> list[str]:
+    rows = []
+    for sc in r["scenarios"]:
+        for c in sc["classes"]:
+            ok = None if c["error_backend_pct"] is None else \
+                abs(c["error_backend_pct"]) <= SHARE_PCT
+            rows.append([sc["name"], f"{c['class']} (weight {r['weights'][c['class']]})",
+                         mib(c["expected"]), mib(c["achieved"]), pct(c["error_pct"]),
+                         pct(c["error_backend_pct"]), verdict(ok)])
+    return [
+        "## 7. Priorities and minimums on a declared backend", "",
+        *_plot(doc, "priorities", "achieved vs expected shares"),
+        *table(["scenario", "class", "expected", "achieved", "error", "error, % of backend",
+                 "result"], rows), "",
+        f"`[backend] write_bandwidth = \"{r['backend']}\"`; each class runs {r['writers']} 1 MiB "
+        f"sequential writers for {r['runtime_s']} s (each class alone could exceed the "
+        "backend). Expected = max(minimum, weighted share), shared again among the others "
+        "when a minimum binds. Achieved: the classes' admitted bytes over the steady windows "
+        "of the backend level (first and last second discarded).", "",
+        *_policy_block(r["policy"]),
+    ]
+
+
+SECTIONS: dict[str, Callable[[Doc, dict[str, Any]], list[str]]] = {
+    "overhead": section_overhead, "caps": section_caps, "isolation": section_isolation,
+    "live-change": section_live, "fairshare": section_fair, "metadata": section_meta,
+    "priorities": section_prio,
+}
+
+
