@@ -463,7 +463,8 @@ class PassthroughOperations(pyfuse3.Operations):
                 handle.kill_priv = False
                 self._kill_priv(handle.fd)
             start = _now_ns()
-            n = await self.io.write(handle.fd, off, buf, handle.direct, flow.limiter)
+            n = await self.io.write(handle.fd, off, buf, handle.direct, flow.limiter,
+                                    flow.throttled_writes)
             took = _now_ns() - start
         except OSError as exc:
             raise FUSEError(exc.errno or errno.EIO) from None

@@ -33,6 +33,7 @@ class Flow(Protocol):
     limited: bool  # False: admit_* would never wait, so the hot path skips the call
     direct_io: bool  # the kernel must bypass the page cache for this file
     limiter: trio.CapacityLimiter  # worker threads this flow may use
+    throttled_writes: bool  # a cap bounds its writes now (their large ones use a thread)
     stats: FlowStats  # traffic counters and latency histograms (qosfs.accounting)
 
     async def admit_read(self, nbytes: int) -> float: ...  # returns seconds waited
@@ -64,6 +65,8 @@ class CountingFlow:
     """A flow that never waits and only counts (the traffic of a mount without policy)."""
 
     __slots__ = ("name", "limited", "direct_io", "limiter", "stats", "open_files")
+
+    throttled_writes = False  # nothing is ever capped without a policy
 
     def __init__(self, name: str, stats: FlowStats | None = None) -> None:
         self.name = name

@@ -198,6 +198,17 @@ class PolicyFlow:
         """Give back what a short read (EOF) was charged but did not transfer."""
         refund_bytes(self._levels(), Kind.READ, nbytes)
 
+    @property
+    def throttled_writes(self) -> bool:
+        """Whether a cap (configured or automatic) bounds this flow's writes right now.
+
+        Read per write (two attribute lookups): caps change live, by ``ctl set`` and by
+        the latency controller.
+        """
+        tenant = self.tenant
+        return self.cls.level._limited[Kind.WRITE] or (
+            tenant is not None and tenant._limited[Kind.WRITE])
+
     def release(self) -> None:
         self.open_files -= 1
 
