@@ -131,7 +131,11 @@ class ClassState:
     def update(self, rule: ClassRule, auto: AutoCaps = NO_AUTO_CAPS) -> None:
         self.rule = rule
         self.auto = auto
-        limits = class_limits(rule.limits, auto)
+        self.set_limits(class_limits(rule.limits, auto))
+
+    def set_limits(self, limits: LevelLimits) -> None:
+        """Limits in force now, through the per-user group when there is one (it re-splits
+        them among the active users); wakes every request parked at the class."""
         if self.group is not None:
             self.group.set_limits(limits)
         else:
@@ -306,7 +310,7 @@ class PolicyQos:
         # Anything still parked at a level that left the policy must not wait for ever.
         for name, state in old_classes.items():
             if self.classes.get(name) is not state:
-                (state.group.set_limits if state.group else state.level.set_limits)(LevelLimits())
+                state.set_limits(LevelLimits())
         for name, level in old_tenants.items():
             if self.tenants.get(name) is not level:
                 level.set_limits(LevelLimits())
@@ -329,10 +333,7 @@ class PolicyQos:
         """
         self.draining = True  # no automatic cap may come back (qosfs.latency_control)
         for state in self.classes.values():
-            if state.group is not None:
-                state.group.set_limits(LevelLimits())
-            else:
-                state.level.set_limits(LevelLimits())
+            state.set_limits(LevelLimits())
         for level in self.tenants.values():
             level.set_limits(LevelLimits())
         if self.backend is not None:
