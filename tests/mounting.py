@@ -7,9 +7,22 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def as_user(uid: int, gid: int | None = None,
+            groups: Sequence[int] = ()) -> Callable[[], None]:
+    """A ``preexec_fn`` that runs the child as *uid*, group *gid* (default: *uid*) and
+    only the supplementary *groups*, as an unprivileged user of the mount would."""
+    def drop() -> None:
+        os.setgroups(list(groups))
+        os.setgid(uid if gid is None else gid)
+        os.setuid(uid)
+
+    return drop
 
 
 def is_mounted(path: str | os.PathLike[str]) -> bool:

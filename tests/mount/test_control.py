@@ -22,7 +22,7 @@ import pytest
 from qosfs import cli
 from qosfs.ctl import Client
 from qosfs.protocol import MAX_REQUEST_BYTES, default_socket_path
-from tests.mounting import ROOT, QosfsMount, is_mounted
+from tests.mounting import ROOT, QosfsMount, as_user, is_mounted
 
 pytestmark = pytest.mark.mount
 
@@ -207,18 +207,14 @@ print(json.dumps(out))
 def test_unprivileged_peer_reads_status_but_may_not_change(ctl_mount: Mounted) -> None:
     os.chmod(ctl_mount.sock, 0o666)  # let everyone connect; changes are checked per request
 
-    def drop() -> None:
-        os.setgroups([])
-        os.setgid(4242)
-        os.setuid(4242)
-
     requests = [{"cmd": "status"},
                 {"cmd": "set", "target": "class", "name": "capped",
                  "changes": {"write_bandwidth": "1GiB/s"}},
                 {"cmd": "reload"}]
     out = subprocess.run(["/usr/bin/python3", "-c", UNPRIVILEGED_CLIENT, str(ctl_mount.sock),
                           *(json.dumps(r) for r in requests)],
-                         capture_output=True, text=True, preexec_fn=drop, cwd="/", timeout=30)
+                         capture_output=True, text=True, preexec_fn=as_user(4242), cwd="/",
+                         timeout=30)
     assert out.returncode == 0, out.stderr
     status, set_reply, reload_reply = json.loads(out.stdout)
     assert status["ok"] is True and status["generation"] == 1
@@ -496,13 +492,9 @@ def test_socket_admits_root_and_the_admin_group_only(tmp_tree: Path) -> None:
                          "changes": {"write_bandwidth": "1GiB/s"}})
 
     def client(uid: int, groups: list[int]) -> dict[str, Any]:
-        def drop() -> None:
-            os.setgroups(groups)
-            os.setgid(uid)
-            os.setuid(uid)
-
         out = subprocess.run(["/usr/bin/python3", "-c", ADMIN_CLIENT, str(sock), change],
-                             capture_output=True, text=True, preexec_fn=drop, cwd="/",
+                             capture_output=True, text=True,
+                             preexec_fn=as_user(uid, groups=groups), cwd="/",
                              timeout=30, check=True)
         return json.loads(out.stdout)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.mount import posix_scenarios
+from tests.mounting import as_user
 
 pytestmark = pytest.mark.mount
 
@@ -52,14 +53,9 @@ def _run_as_user(root: str, scenario: str, scratch: Path) -> list:
     os.chmod(script, 0o644)
     python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
 
-    def drop() -> None:
-        os.setgroups([])
-        os.setgid(TEST_GID)
-        os.setuid(TEST_UID)
-
     out = subprocess.run(
         [python, str(script), root, scenario],
-        cwd="/", capture_output=True, text=True, preexec_fn=drop, check=False,
+        cwd="/", capture_output=True, text=True, preexec_fn=as_user(TEST_UID, TEST_GID), check=False,
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mounting import QosfsMount
+from tests.mounting import QosfsMount, as_user
 
 pytestmark = pytest.mark.mount
 
@@ -66,16 +66,11 @@ def policy_mount(tmp_tree: Path):
 
 def _timed_write(path: Path, total: int, env: dict[str, str] | None = None,
                  user: int | None = None) -> float:
-    def drop() -> None:
-        if user is not None:
-            os.setgroups([])
-            os.setgid(user)
-            os.setuid(user)
-
     python = "/usr/bin/python3" if user is not None else sys.executable
     out = subprocess.run([python, "-c", WRITE, str(path), str(total)], capture_output=True,
                          text=True, env={**os.environ, **(env or {})},
-                         preexec_fn=drop, check=True)
+                         preexec_fn=as_user(user) if user is not None else None,
+                         check=True)
     return float(out.stdout)
 
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.mounting import as_user
+
 pytestmark = [pytest.mark.mount, pytest.mark.root]
 
 USER, OTHER = 4242, 4243
@@ -65,21 +67,12 @@ print(json.dumps(result))
 """
 
 
-def _as(uid: int) -> Callable[[], None]:
-    def drop() -> None:
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-
-    return drop
-
-
 def race(op: str, path: Path, change_underneath: Callable[[], None],
          other: Path | None = None) -> list[str]:
     """USER primes the cache of *path*, the tree changes underneath, USER does *op*."""
     proc = subprocess.Popen(["/usr/bin/python3", "-c", RACER, op, str(path), str(other or "")],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            preexec_fn=_as(USER), cwd="/")
+                            preexec_fn=as_user(USER), cwd="/")
     try:
         assert proc.stdout is not None and proc.stdin is not None
         assert proc.stdout.readline() == "ready\n"

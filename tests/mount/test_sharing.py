@@ -15,7 +15,7 @@ import pytest
 
 from qosfs.ctl import Client
 from qosfs.protocol import default_socket_path
-from tests.mounting import QosfsMount, is_mounted
+from tests.mounting import QosfsMount, as_user, is_mounted
 
 pytestmark = pytest.mark.mount
 
@@ -55,16 +55,10 @@ def _dirs(tmp_tree: Path, *subdirs: str) -> tuple[Path, Path]:
 
 def _start_writer(path: Path, seconds: float, start_at: float,
                   user: int | None = None) -> subprocess.Popen[str]:
-    def drop() -> None:
-        if user is not None:
-            os.setgroups([])
-            os.setgid(user)
-            os.setuid(user)
-
     python = "/usr/bin/python3" if user is not None else sys.executable
     return subprocess.Popen([python, "-c", TIMED_WRITER, str(path), str(seconds),
                              str(start_at)], stdout=subprocess.PIPE, text=True,
-                            preexec_fn=drop)
+                            preexec_fn=as_user(user) if user is not None else None)
 
 
 def _marks(proc: subprocess.Popen[str]) -> list[tuple[float, int]]:

@@ -33,7 +33,7 @@ from qosfs.mount import mount_type
 from qosfs.protocol import default_socket_path
 from tests.mount import posix_scenarios
 from tests.mount.test_fidelity import SCENARIOS, TEST_GID, TEST_UID, _run_as_user
-from tests.mounting import ROOT, is_mounted
+from tests.mounting import ROOT, as_user, is_mounted
 from tests.systemd_units import (
     UNIT,
     command,
@@ -307,7 +307,7 @@ def test_the_units_capabilities_suffice_for_a_faithful_pass_through(
     os.chmod(jobs, 0o777)
     subprocess.run(["/bin/sh", "-c", 'head -c 65536 /dev/zero > "$1"', "sh", str(jobs / "x")],
                    env={"QOSFS_TEST_JOB": "42", "PATH": "/usr/bin:/bin"}, cwd="/", check=True,
-                   preexec_fn=_become_test_user)
+                   preexec_fn=as_user(TEST_UID, TEST_GID))
     assert (jobs / "x").stat().st_uid == TEST_UID
     with Client(default_socket_path(str(instance.mnt))) as client:
         levels = client.request({"cmd": "status"})["levels"]
@@ -320,12 +320,6 @@ def _fresh(path: Path) -> str:
     path.mkdir(mode=0o755)
     os.chmod(path, 0o755)
     return str(path)
-
-
-def _become_test_user() -> None:
-    os.setgroups([])
-    os.setgid(TEST_GID)
-    os.setuid(TEST_UID)
 
 
 # linux/capability.h numbers of the capabilities a unit may name.
