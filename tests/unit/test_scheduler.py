@@ -63,6 +63,13 @@ async def write_for(flow: PolicyFlow, seconds: float, size: int = MiB) -> float:
     return moved / MiB / (trio.current_time() - start)
 
 
+async def write_then_note(flow: PolicyFlow, done: list[float], writes: int = 1) -> None:
+    """Admit *writes* 1 MiB writes through *flow*, then note the time in *done*."""
+    for _ in range(writes):
+        await flow.admit_write(MiB)
+    done.append(trio.current_time())
+
+
 def test_files_of_one_class_tenant_and_user_share_one_flow() -> None:
     qos = PolicyQos(parse_policy(POLICY))
     a, b = open_flow(qos, "ckpt/a"), open_flow(qos, "ckpt/b")
@@ -137,12 +144,8 @@ async def test_swap_raising_a_cap_releases_a_parked_write_at_once() -> None:
     await flow.admit_write(10 * MiB)  # ~0.9 s of debt at 10 MiB/s
     done: list[float] = []
 
-    async def writer() -> None:
-        await flow.admit_write(MiB)
-        done.append(trio.current_time())
-
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(writer)
+        nursery.start_soon(write_then_note, flow, done)
         await trio.sleep(0.1)
         assert not done
         qos.swap(parse_policy(POLICY.replace('"10MiB/s"', '"10GiB/s"')))
@@ -156,12 +159,8 @@ async def test_swap_removing_a_class_moves_its_files_to_default_and_frees_waiter
     await flow.admit_write(30 * MiB)  # ~3 s of debt
     done: list[float] = []
 
-    async def writer() -> None:
-        await flow.admit_write(MiB)
-        done.append(trio.current_time())
-
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(writer)
+        nursery.start_soon(write_then_note, flow, done)
         await trio.sleep(0.1)
         without_ckpt = POLICY.split("[classes.ckpt]")[0] + "[classes.data]" + \
             POLICY.split("[classes.data]")[1]
@@ -179,13 +178,8 @@ async def test_drain_lifts_every_limit_for_shutdown() -> None:
     await flow.admit_write(50 * MiB)
     done: list[float] = []
 
-    async def writer() -> None:
-        for _ in range(20):
-            await flow.admit_write(MiB)
-        done.append(trio.current_time())
-
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(writer)
+        nursery.start_soon(write_then_note, flow, done, 20)
         await trio.sleep(0.2)
         qos.drain()
     assert done and done[0] < 0.21
