@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +17,7 @@ from qosfs.policy import Policy, parse_policy
 from qosfs.protocol import Peer, ReloadRequest, SetRequest, SimpleRequest, encode
 from qosfs.qos import PassThroughQos
 from qosfs.scheduler import PolicyFlow, PolicyQos
+from tests.unit.test_limiter import mock_clock
 from tests.unit.test_policy import hostile_policy
 
 MiB = 1 << 20
@@ -33,14 +32,6 @@ paths = ["ckpt/**"]
 write_bandwidth = "1MiB/s"
 burst = "1MiB"
 """
-
-
-def mock_clock(fn: Callable[[], Awaitable[None]]) -> Callable[[], None]:
-    @functools.wraps(fn)
-    def wrapper() -> None:
-        trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
-
-    return wrapper
 
 
 def make(policy_path: str | None = None) -> tuple[Controller, PolicyQos]:

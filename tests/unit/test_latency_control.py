@@ -3,10 +3,8 @@ against a synthetic backend whose read latency rises with the write load it is g
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import deque
-from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +22,7 @@ from qosfs.latency_control import (
 )
 from qosfs.policy import parse_policy, with_changes
 from qosfs.scheduler import AutoCaps, PolicyQos
+from tests.unit.test_limiter import mock_clock
 
 MiB = float(1 << 20)
 GiB = 1024 * MiB
@@ -43,14 +42,6 @@ priority = "low"
 
 def policy(ckpt: str = "") -> object:
     return parse_policy(POLICY.format(ckpt=ckpt), "test.toml")
-
-
-def mock_clock(fn: Callable[[], Awaitable[None]]) -> Callable[[], None]:
-    @functools.wraps(fn)
-    def wrapper() -> None:
-        trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
-
-    return wrapper
 
 
 def ds(latency: float | None, reads: int = 100) -> list[ProtectedSample]:
