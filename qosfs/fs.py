@@ -103,6 +103,8 @@ class PassthroughOperations(pyfuse3.Operations):
         self._meta_limiter = qos.meta_limiter
         # Pids of the latency canary process (qosfs.latency_probe), filled by it.
         self.probe_tids: set[int] = set()
+        # Bumped by every rename through the mount (see rename() and PolicyQos._memo_flow).
+        self.path_epoch = 0
 
     # ----------------------------------------------------------------- helpers
 
@@ -361,7 +363,13 @@ class PassthroughOperations(pyfuse3.Operations):
         old = self.inodes.get(parent_inode_old)
         new = self.inodes.get(parent_inode_new)
         await self._admit_meta(old, ctx)
-        await self._meta(self._rename, old.fd, name_old, new.fd, name_new, flags)
+        try:
+            await self._meta(self._rename, old.fd, name_old, new.fd, name_new, flags)
+        finally:
+            # Paths below the renamed name changed: classifications memoized by the QoS
+            # engine before now are stale. Bumped after the call, so one made while the
+            # rename ran is dropped too.
+            self.path_epoch += 1
 
     # ----------------------------------------------------------------- files
 

@@ -42,6 +42,9 @@ class Inode:
     key: tuple[int, int]  # (st_dev, st_ino) of the backing object
     lookups: int
     opens: int = 0  # open file handles on it (an unlinked file must stay reachable)
+    # The QoS engine's memo of how requests on this object were last classified
+    # (qosfs.scheduler.PolicyQos); opaque here, dropped with the inode.
+    qos_memo: object = None
 
     @property
     def proc_path(self) -> str:

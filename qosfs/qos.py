@@ -46,7 +46,12 @@ class Flow(Protocol):
 
 
 class QosEngine(Protocol):
-    """What the filesystem asks of the QoS machinery."""
+    """What the filesystem asks of the QoS machinery.
+
+    ``fs`` is the filesystem asking: an engine that classifies by path calls
+    ``fs.relpath(inode)`` and may memoize the answer per inode while ``fs.path_epoch``
+    (bumped by every rename through the mount) stays the same.
+    """
 
     meta_limited: bool
     meta_limiter: trio.CapacityLimiter

@@ -24,6 +24,7 @@ or ``fs.py``.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -75,6 +76,10 @@ class AutoCaps:
 NO_AUTO_CAPS = AutoCaps()
 AUTO_BURST_SECONDS = 0.1  # an automatic cap's bucket holds 100 ms of it (at least 1 MiB)
 AUTO_MIN_BURST = float(1 << 20)
+# How long an inode's memoized classification is trusted (see PolicyQos._memo_flow): the
+# kernel's entry_timeout, the staleness it already accepts for names changed underneath.
+FLOW_MEMO_SECONDS = 1.0
+_monotonic = time.monotonic
 
 
 def class_limits(limits: Limits, auto: AutoCaps = NO_AUTO_CAPS) -> LevelLimits:
@@ -375,14 +380,39 @@ class PolicyQos:
             self._all_flows.add(flow)
         return flow
 
+    def _memo_flow(self, fs: Any, inode: Inode, ctx: pyfuse3.RequestContext,
+                   op: str) -> PolicyFlow:
+        """The flow for *op* on *inode* by this caller, from the inode's memo when valid.
+
+        Classifying means reading the object's path from /proc (~4 us) and matching it
+        (~1 us): more than the rest of a metadata request's QoS cost together, paid on
+        every lookup/getattr/create under a ``meta_iops`` cap and at every open. Requests
+        come in runs on the same object (every lookup in a directory is charged at that
+        directory), so one memo per inode, of its last classification, answers most of
+        them (bench metadata: policy / no-qos). It is valid for the same op, uid, gid (and
+        pid when the policy reads job ids), under the same policy generation and the same
+        ``fs.path_epoch`` (bumped by every rename through the mount, which may move whole
+        subtrees), and for at most :data:`FLOW_MEMO_SECONDS`: a rename made directly on
+        the backing store is seen within that long, as the kernel's own entry cache is.
+        """
+        pid = ctx.pid if self.policy.needs_job_lookup else 0
+        key = (op, ctx.uid, ctx.gid, pid, self.generation, fs.path_epoch)
+        memo = inode.qos_memo
+        now = _monotonic()
+        if memo is not None and memo[0] == key and now < memo[1]:
+            return memo[2]
+        flow = self._flow_for(fs.relpath(inode), ctx, op)
+        inode.qos_memo = (key, now + FLOW_MEMO_SECONDS, flow)
+        return flow
+
     def open_flow(self, fs: Any, inode: Inode, ctx: pyfuse3.RequestContext,
                   writing: bool) -> PolicyFlow:
-        flow = self._flow_for(fs.relpath(inode), ctx, "write" if writing else "read")
+        flow = self._memo_flow(fs, inode, ctx, "write" if writing else "read")
         flow.open_files += 1
         return flow
 
     async def admit_meta(self, fs: Any, inode: Inode, ctx: pyfuse3.RequestContext) -> None:
-        await self._flow_for(fs.relpath(inode), ctx, "meta").admit_meta()
+        await self._memo_flow(fs, inode, ctx, "meta").admit_meta()
 
     # ------------------------------------------------------------------ observation
 

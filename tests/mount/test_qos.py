@@ -90,6 +90,32 @@ def test_write_cap_holds_and_uncapped_class_is_not_slowed(policy_mount) -> None:
     assert (policy_mount.source / "capped" / "ckpt").stat().st_size == 100 * MiB
 
 
+def _write_here(path: Path, total: int) -> float:
+    """Seconds this process takes to write *total* bytes to *path* (same pid every time,
+    so the daemon's per-inode classification memo is what decides)."""
+    block = b"m" * MiB
+    t = time.monotonic()
+    with open(path, "wb") as f:
+        for _ in range(total // MiB):
+            f.write(block)
+            f.flush()
+        os.fsync(f.fileno())
+    return time.monotonic() - t
+
+
+def test_a_renamed_file_is_classified_by_its_new_path_at_its_next_open(policy_mount) -> None:
+    mnt, src = policy_mount.mountpoint, policy_mount.source
+    capped_time = (20 - 4) / 40  # 20 MiB at 40 MiB/s after the 4 MiB burst
+    assert _write_here(mnt / "free" / "f", 20 * MiB) < capped_time / 2
+    # renamed through the mount: the next open is capped at once
+    os.rename(mnt / "free" / "f", mnt / "capped" / "f")
+    assert _write_here(mnt / "capped" / "f", 20 * MiB) >= capped_time * 0.85
+    # renamed underneath, behind the daemon's back: seen within the kernel's entry timeout
+    os.rename(src / "capped" / "f", src / "free" / "f")
+    time.sleep(1.2)
+    assert _write_here(mnt / "free" / "f", 20 * MiB) < capped_time / 2
+
+
 def test_read_cap_is_not_escaped_through_the_page_cache(policy_mount) -> None:
     path = policy_mount.source / "capped" / "dataset"
     path.write_bytes(os.urandom(40 * MiB))

@@ -9,6 +9,7 @@ import pytest
 import trio
 
 from qosfs.policy import parse_policy
+from qosfs import scheduler
 from qosfs.scheduler import PolicyFlow, PolicyQos
 from tests.unit.test_limiter import mock_clock
 
@@ -42,15 +43,24 @@ priority = "high"
 
 
 class FakeFs:
-    """What PolicyQos asks of the filesystem: the path of an inode."""
+    """What PolicyQos asks of the filesystem: the path of an inode, the rename epoch."""
+
+    def __init__(self) -> None:
+        self.path_epoch = 0
+        self.lookups = 0  # relpath() calls: each one is a classification
 
     def relpath(self, inode: Any) -> str:
+        self.lookups += 1
         return str(inode.path)
+
+
+def fake_inode(path: str) -> Any:
+    return SimpleNamespace(path=path, qos_memo=None)
 
 
 def open_flow(qos: PolicyQos, path: str, uid: int = 0, writing: bool = True) -> PolicyFlow:
     ctx = SimpleNamespace(uid=uid, gid=uid, pid=1)
-    return qos.open_flow(FakeFs(), SimpleNamespace(path=path), ctx, writing)  # type: ignore[arg-type]
+    return qos.open_flow(FakeFs(), fake_inode(path), ctx, writing)  # type: ignore[arg-type]
 
 
 async def write_for(flow: PolicyFlow, seconds: float, size: int = MiB) -> float:
@@ -76,6 +86,36 @@ def test_files_of_one_class_tenant_and_user_share_one_flow() -> None:
     assert a is b and a.open_files == 2 and a.cls.rule.name == "ckpt"
     assert open_flow(qos, "ckpt/a", uid=42) is not a  # another user
     assert open_flow(qos, "elsewhere").cls.rule.name == "default"
+
+
+async def _swap(qos: PolicyQos, text: str) -> None:
+    qos.swap(parse_policy(text))  # from a trio run, as the daemon does
+
+
+def test_an_inodes_classification_is_memoized_until_a_rename_swap_or_a_second(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(scheduler, "_monotonic", lambda: clock[0])
+    qos, fs, node = PolicyQos(parse_policy(POLICY)), FakeFs(), fake_inode("ckpt/x")
+    root, other = SimpleNamespace(uid=0, gid=0, pid=1), SimpleNamespace(uid=42, gid=42, pid=2)
+
+    def cls(ctx: Any = root, writing: bool = True) -> str:
+        return qos.open_flow(fs, node, ctx, writing).cls.rule.name
+
+    assert cls() == "ckpt" and fs.lookups == 1
+    assert cls() == "ckpt" and fs.lookups == 1  # memo
+    node.path = "data/x"  # renamed underneath: trusted for up to a second ...
+    assert cls() == "ckpt"
+    clock[0] += scheduler.FLOW_MEMO_SECONDS
+    assert cls() == "data" and fs.lookups == 2  # ... then seen
+    node.path = "ckpt/x"
+    fs.path_epoch += 1  # renamed through the mount: seen at once
+    assert cls() == "ckpt" and fs.lookups == 3
+    trio.run(_swap, qos, POLICY.replace('paths = ["ckpt/**"]', 'paths = ["none/**"]'))
+    assert cls() == "default" and fs.lookups == 4  # a new policy classifies afresh
+    assert cls(writing=False) == "default" and fs.lookups == 5  # another op
+    assert qos.open_flow(fs, node, other, False).uid == 42 and fs.lookups == 6  # caller
+    assert cls(other, writing=False) == "default" and fs.lookups == 6
 
 
 @mock_clock
