@@ -291,6 +291,7 @@ class PolicyQos:
             backend.retire_ports({rule.name for rule in policy.classes})
         old_classes, old_tenants = self.classes, self.tenants
         self.policy, self.classifier = policy, classifier
+        self._needs_job = policy.needs_job_lookup  # read per request: computed once here
         self.classes, self.tenants, self.backend = classes, tenants, backend
         self.meta_limited = any(c.limits.meta_iops is not None for c in policy.classes) or any(
             t.limits.meta_iops is not None for t in policy.tenants) or (
@@ -361,7 +362,7 @@ class PolicyQos:
     # ------------------------------------------------------------------ QosEngine
 
     def _job(self, pid: int) -> JobInfo | None:
-        if not self.policy.needs_job_lookup:
+        if not self._needs_job:
             return None
         return self._jobs.get(pid, self.policy.job_env)
 
@@ -395,7 +396,7 @@ class PolicyQos:
         subtrees), and for at most :data:`FLOW_MEMO_SECONDS`: a rename made directly on
         the backing store is seen within that long, as the kernel's own entry cache is.
         """
-        pid = ctx.pid if self.policy.needs_job_lookup else 0
+        pid = ctx.pid if self._needs_job else 0
         key = (op, ctx.uid, ctx.gid, pid, self.generation, fs.path_epoch)
         memo = inode.qos_memo
         now = _monotonic()
