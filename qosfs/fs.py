@@ -41,6 +41,7 @@ from qosfs.backing_io import BackingIO
 from qosfs.handles import DirHandle, FileHandle
 from qosfs.inodes import Inode, InodeTable
 from qosfs.latency_probe import PROBE_XATTR
+from qosfs.paths import PathBook
 from qosfs.qos import QosEngine
 
 log = logging.getLogger(__name__)
@@ -99,12 +100,12 @@ class PassthroughOperations(pyfuse3.Operations):
         self.files: dict[int, FileHandle] = {}
         self.dirs: dict[int, DirHandle] = {}
         self._as_root = os.geteuid() == 0
-        self._root_prefix = os.readlink(f"/proc/self/fd/{root_fd}").rstrip("/") + "/"
+        # Paths for the QoS engine's classification (it asks paths.relpath(inode)).
+        self.paths = PathBook(root_fd, self.inodes.root)
+        self._learn_paths = qos.needs_paths
         self._meta_limiter = qos.meta_limiter
         # Pids of the latency canary process (qosfs.latency_probe), filled by it.
         self.probe_tids: set[int] = set()
-        # Bumped by every rename through the mount (see rename() and PolicyQos._memo_flow).
-        self.path_epoch = 0
 
     # ----------------------------------------------------------------- helpers
 
@@ -127,22 +128,6 @@ class PassthroughOperations(pyfuse3.Operations):
         e.st_ctime_ns = st.st_ctime_ns
         return e
 
-    def relpath(self, inode: Inode) -> str:
-        """The object's current path relative to the mount root ("" for the root).
-
-        Read from the descriptor's /proc link, so renames made underneath are seen; used at
-        open and by metadata classification only, never per read/write.
-        """
-        if inode is self.inodes.root:
-            return ""
-        try:
-            path = os.readlink(inode.proc_path)
-        except OSError:
-            return ""
-        if path.endswith(" (deleted)"):
-            path = path[: -len(" (deleted)")]
-        return path[len(self._root_prefix):] if path.startswith(self._root_prefix) else ""
-
     async def _meta(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await self.io.meta(self._meta_limiter, fn, *args)
 
@@ -150,10 +135,17 @@ class PassthroughOperations(pyfuse3.Operations):
         if self.qos.meta_limited:
             await self.qos.admit_meta(self, inode, ctx)
 
+    def _adopt(self, parent: Inode, name: bytes, fd: int, st: os.stat_result) -> Inode:
+        """The inode for *parent*'s entry *name* (opened as *fd*), its path noted for the
+        QoS engine so that the open which usually follows need not read it from /proc."""
+        inode = self.inodes.adopt(fd, st)
+        if self._learn_paths:
+            self.paths.note_child(parent, name, inode)
+        return inode
+
     async def _adopt_new(self, parent: Inode, name: bytes) -> pyfuse3.EntryAttributes:
         fd, st = await self._meta(self.inodes.resolve, parent.fd, name)
-        inode = self.inodes.adopt(fd, st)
-        return self._entry(inode, st)
+        return self._entry(self._adopt(parent, name, fd, st), st)
 
     def _give_to_caller(self, parent: Inode, name: bytes, ctx: pyfuse3.RequestContext,
                         mode: int) -> None:
@@ -191,7 +183,7 @@ class PassthroughOperations(pyfuse3.Operations):
             e.st_ino = 0
             e.entry_timeout = self.options.entry_timeout
             return e
-        return self._entry(self.inodes.adopt(fd, st), st)
+        return self._entry(self._adopt(parent, name, fd, st), st)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for nodeid, count in inode_list:
@@ -366,10 +358,10 @@ class PassthroughOperations(pyfuse3.Operations):
         try:
             await self._meta(self._rename, old.fd, name_old, new.fd, name_new, flags)
         finally:
-            # Paths below the renamed name changed: classifications memoized by the QoS
-            # engine before now are stale. Bumped after the call, so one made while the
-            # rename ran is dropped too.
-            self.path_epoch += 1
+            # Paths below the renamed name changed: every memoized path (and the engine's
+            # classifications from them) is stale. After the call, so that one read while
+            # the rename ran is dropped too.
+            self.paths.renamed()
 
     # ----------------------------------------------------------------- files
 
@@ -439,7 +431,7 @@ class PassthroughOperations(pyfuse3.Operations):
         except BaseException:
             os.close(fd)
             raise
-        node = self.inodes.adopt(opath, st)
+        node = self._adopt(parent, name, opath, st)
         flow = self.qos.open_flow(self, node, ctx, True)
         return self._file_info(fd, direct, flow, True, node, ctx), self._entry(node, st)
 

@@ -24,6 +24,7 @@ import errno
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import pyfuse3
 
@@ -42,9 +43,10 @@ class Inode:
     key: tuple[int, int]  # (st_dev, st_ino) of the backing object
     lookups: int
     opens: int = 0  # open file handles on it (an unlinked file must stay reachable)
-    # The QoS engine's memo of how requests on this object were last classified
-    # (qosfs.scheduler.PolicyQos); opaque here, dropped with the inode.
-    qos_memo: object = None
+    # Memos for classification, dropped with the inode: its path (qosfs.paths) and how
+    # the QoS engine last classified a request on it (qosfs.scheduler.PolicyQos).
+    path_memo: tuple[int, float, str] | None = None
+    qos_memo: Any = None
 
     @property
     def proc_path(self) -> str:

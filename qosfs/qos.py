@@ -48,10 +48,12 @@ class Flow(Protocol):
 class QosEngine(Protocol):
     """What the filesystem asks of the QoS machinery.
 
-    ``fs`` is the filesystem asking: an engine that classifies by path calls
-    ``fs.relpath(inode)`` and may memoize the answer per inode while ``fs.path_epoch``
-    (bumped by every rename through the mount) stays the same.
+    ``fs`` is the filesystem asking: an engine that classifies by path reads it from
+    ``fs.paths`` (a :class:`qosfs.paths.PathBook`), which the filesystem keeps informed
+    of names it sees (lookup, create) only when ``needs_paths`` is set.
     """
+
+    needs_paths: bool
 
     meta_limited: bool
     meta_limiter: trio.CapacityLimiter
@@ -101,6 +103,7 @@ class PassThroughQos:
     """The engine without a policy: one counting flow, no waiting anywhere."""
 
     meta_limited = False
+    needs_paths = False  # nothing is classified
 
     def __init__(self) -> None:
         self.accounts = Accounts()

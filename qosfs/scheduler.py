@@ -36,6 +36,7 @@ from qosfs.backend_share import BackendLevel, ClassPort, Share
 from qosfs.bucket import UNLIMITED, LevelLimits, Limit
 from qosfs.classify import Classifier, JobCache, JobInfo
 from qosfs.limiter import FairShareGroup, Kind, LevelStatistics, RateLevel, admit, refund_bytes
+from qosfs.paths import PATH_MEMO_SECONDS
 from qosfs.policy import ClassRule, Limits, Policy
 from qosfs.qos import THREADS_PER_FLOW
 
@@ -76,9 +77,9 @@ class AutoCaps:
 NO_AUTO_CAPS = AutoCaps()
 AUTO_BURST_SECONDS = 0.1  # an automatic cap's bucket holds 100 ms of it (at least 1 MiB)
 AUTO_MIN_BURST = float(1 << 20)
-# How long an inode's memoized classification is trusted (see PolicyQos._memo_flow): the
-# kernel's entry_timeout, the staleness it already accepts for names changed underneath.
-FLOW_MEMO_SECONDS = 1.0
+# How long an inode's memoized classification is trusted (see PolicyQos._memo_flow): as
+# long as the path it was made from (qosfs.paths).
+FLOW_MEMO_SECONDS = PATH_MEMO_SECONDS
 _monotonic = time.monotonic
 
 
@@ -239,6 +240,8 @@ class EngineStatistics:
 class PolicyQos:
     """The QoS engine for a policy (implements :class:`qosfs.qos.QosEngine`)."""
 
+    needs_paths = True  # classes and tenants match path globs
+
     def __init__(self, policy: Policy) -> None:
         self.meta_limiter = trio.CapacityLimiter(THREADS_PER_FLOW)
         self.classes: dict[str, ClassState] = {}
@@ -385,24 +388,22 @@ class PolicyQos:
                    op: str) -> PolicyFlow:
         """The flow for *op* on *inode* by this caller, from the inode's memo when valid.
 
-        Classifying means reading the object's path from /proc (~4 us) and matching it
-        (~1 us): more than the rest of a metadata request's QoS cost together, paid on
-        every lookup/getattr/create under a ``meta_iops`` cap and at every open. Requests
-        come in runs on the same object (every lookup in a directory is charged at that
-        directory), so one memo per inode, of its last classification, answers most of
-        them (bench metadata: policy / no-qos). It is valid for the same op, uid, gid (and
-        pid when the policy reads job ids), under the same policy generation and the same
-        ``fs.path_epoch`` (bumped by every rename through the mount, which may move whole
-        subtrees), and for at most :data:`FLOW_MEMO_SECONDS`: a rename made directly on
-        the backing store is seen within that long, as the kernel's own entry cache is.
+        Classifying (the path, then the rules) is paid on every lookup/getattr/create
+        under a ``meta_iops`` cap and at every open. Requests come in runs on the same
+        object (every lookup in a directory is charged at that directory), so one memo per
+        inode, of its last classification, answers most of them. It is valid for the same
+        op, uid, gid (and pid when the policy reads job ids), under the same policy
+        generation and path epoch (see :mod:`qosfs.paths`), and for at most
+        :data:`FLOW_MEMO_SECONDS`, the time a memoized path is trusted.
         """
         pid = ctx.pid if self._needs_job else 0
-        key = (op, ctx.uid, ctx.gid, pid, self.generation, fs.path_epoch)
+        paths = fs.paths
+        key = (op, ctx.uid, ctx.gid, pid, self.generation, paths.epoch)
         memo = inode.qos_memo
         now = _monotonic()
         if memo is not None and memo[0] == key and now < memo[1]:
             return memo[2]
-        flow = self._flow_for(fs.relpath(inode), ctx, op)
+        flow = self._flow_for(paths.relpath(inode), ctx, op)
         inode.qos_memo = (key, now + FLOW_MEMO_SECONDS, flow)
         return flow
 

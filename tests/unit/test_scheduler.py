@@ -43,10 +43,11 @@ priority = "high"
 
 
 class FakeFs:
-    """What PolicyQos asks of the filesystem: the path of an inode, the rename epoch."""
+    """What PolicyQos asks of the filesystem: its PathBook (path of an inode, rename epoch)."""
 
     def __init__(self) -> None:
-        self.path_epoch = 0
+        self.paths = self
+        self.epoch = 0
         self.lookups = 0  # relpath() calls: each one is a classification
 
     def relpath(self, inode: Any) -> str:
@@ -109,7 +110,7 @@ def test_an_inodes_classification_is_memoized_until_a_rename_swap_or_a_second(
     clock[0] += scheduler.FLOW_MEMO_SECONDS
     assert cls() == "data" and fs.lookups == 2  # ... then seen
     node.path = "ckpt/x"
-    fs.path_epoch += 1  # renamed through the mount: seen at once
+    fs.epoch += 1  # renamed through the mount: seen at once
     assert cls() == "ckpt" and fs.lookups == 3
     trio.run(_swap, qos, POLICY.replace('paths = ["ckpt/**"]', 'paths = ["none/**"]'))
     assert cls() == "default" and fs.lookups == 4  # a new policy classifies afresh
