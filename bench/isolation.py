@@ -40,9 +40,13 @@ SWEEP = ("25MiB/s", "50MiB/s", "100MiB/s", "200MiB/s")
 HEADLINE_CAP = "50MiB/s"
 READER_JOBS = "2"  # several readers, but no more than this machine's CPUs
 STORM_JOBS = "4"
+# cache = "direct-writes": fio opens its files read-write, so `auto` (which bypasses the
+# page cache only for write-only opens, what checkpoint writers such as torch.save do)
+# would leave the storm's pages in the cache; this is the setting for such writers.
 POLICY = """
 [classes.checkpoints]
 paths = ["**/*.distcp"]
+cache = "direct-writes"
 {cap}
 
 [classes.datasets]

@@ -376,18 +376,20 @@ class PassthroughOperations(pyfuse3.Operations):
         # A create's first attempt made the file before O_DIRECT was refused: reopen it.
         return opener(flags & ~(os.O_DIRECT | os.O_EXCL)), False
 
-    def _file_info(self, fd: int, direct: bool, flow: Any, writing: bool,
+    def _file_info(self, fd: int, direct: bool, flow: Any, flags: int,
                    node: Inode, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        accmode = flags & _ACCMODE
         kill_priv = False
-        if writing and ctx.uid != 0:
+        if accmode != os.O_RDONLY and ctx.uid != 0:
             kill_priv = bool(os.fstat(node.fd).st_mode & _SUID_SGID)
         node.opens += 1
         self.files[fd] = FileHandle(fd, direct, flow, node, kill_priv)
         cache = self.options.cache
+        bypass = flow.direct_io_for(accmode)  # per class and access mode (PolicyFlow)
         return pyfuse3.FileInfo(
             fh=fd,
-            direct_io=flow.direct_io or cache == "never",
-            keep_cache=cache == "always" and not flow.direct_io,
+            direct_io=bypass or cache == "never",
+            keep_cache=cache == "always" and not bypass,
         )
 
     @fuse_handler
@@ -399,7 +401,7 @@ class PassthroughOperations(pyfuse3.Operations):
         fd, direct = await self._meta(
             self._open_backing, lambda f: os.open(path, f), flags & ~_OPEN_DROP
         )
-        return self._file_info(fd, direct, flow, writing, node, ctx)
+        return self._file_info(fd, direct, flow, flags, node, ctx)
 
     @fuse_handler
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
@@ -433,7 +435,7 @@ class PassthroughOperations(pyfuse3.Operations):
             raise
         node = self._adopt(parent, name, opath, st)
         flow = self.qos.open_flow(self, node, ctx, True)
-        return self._file_info(fd, direct, flow, True, node, ctx), self._entry(node, st)
+        return self._file_info(fd, direct, flow, flags, node, ctx), self._entry(node, st)
 
     async def read(self, fh: int, off: int, size: int) -> Any:
         # Hot path: no decorator frame, no logging, everything resolved at open. The only

@@ -30,8 +30,10 @@ Schema (every key optional)::
     min_read_bandwidth = "1GiB/s"   # guaranteed share; needs [backend] read_bandwidth, the
     min_write_bandwidth = "..."     # sum over classes must fit in it, and so must any cap
     per_user = "none"             # "fair": active uids share the class's limits equally
-    cache = "auto"                # "auto": classes with a read cap bypass the page cache;
-                                  # "keep"; "direct"
+    cache = "auto"                # "auto": a read cap bypasses the page cache, throttled
+                                  # writes through write-only opens do too; "keep";
+                                  # "direct"; "direct-writes": every writable open (a
+                                  # shared mmap of a writable open then fails, ENODEV)
     target_read_latency = "5ms"   # protect this class's reads: lower-priority classes are
     latency_percentile = 99       # capped automatically while the percentile (0 < p < 100)
     latency_measure = "request"   # of its read latency over a window misses the target;

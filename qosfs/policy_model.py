@@ -24,7 +24,7 @@ SETTABLE = {"backend": LIMIT_KEYS, "tenant": LIMIT_KEYS,
                       "latency_measure")}
 PRIORITY_WEIGHTS = {"low": 1, "normal": 10, "high": 100}
 OPS = ("read", "write", "meta")
-CACHE_MODES = ("auto", "keep", "direct")
+CACHE_MODES = ("auto", "keep", "direct", "direct-writes")
 LATENCY_MEASURES = ("request", "backend")
 BURST_SECONDS = 0.1
 MIN_BURST_BYTES = 2**20

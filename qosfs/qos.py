@@ -31,10 +31,11 @@ class Flow(Protocol):
     """What an open file's traffic is charged to; chosen once at open."""
 
     limited: bool  # False: admit_* would never wait, so the hot path skips the call
-    direct_io: bool  # the kernel must bypass the page cache for this file
     limiter: trio.CapacityLimiter  # worker threads this flow may use
     throttled_writes: bool  # a cap bounds its writes now (their large ones use a thread)
     stats: FlowStats  # traffic counters and latency histograms (qosfs.accounting)
+
+    def direct_io_for(self, accmode: int) -> bool: ...  # bypass the page cache for an open
 
     async def admit_read(self, nbytes: int) -> float: ...  # returns seconds waited
 
@@ -71,20 +72,22 @@ class QosEngine(Protocol):
 class CountingFlow:
     """A flow that never waits and only counts (the traffic of a mount without policy)."""
 
-    __slots__ = ("name", "limited", "direct_io", "limiter", "stats", "open_files")
+    __slots__ = ("name", "limited", "limiter", "stats", "open_files")
 
     throttled_writes = False  # nothing is ever capped without a policy
 
     def __init__(self, name: str, stats: FlowStats | None = None) -> None:
         self.name = name
         self.limited = False
-        self.direct_io = False
         self.limiter = trio.CapacityLimiter(THREADS_PER_FLOW)
         self.stats = stats if stats is not None else FlowStats()
         self.open_files = 0
 
     def __repr__(self) -> str:
         return f"CountingFlow({self.name!r}, {self.stats!r}, open={self.open_files})"
+
+    def direct_io_for(self, accmode: int) -> bool:
+        return False
 
     async def admit_read(self, nbytes: int) -> float:
         return 0.0

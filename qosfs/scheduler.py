@@ -24,6 +24,7 @@ or ``fs.py``.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -218,6 +219,27 @@ class PolicyFlow:
         tenant = self.tenant
         return self.cls.level._limited[Kind.WRITE] or (
             tenant is not None and tenant._limited[Kind.WRITE])
+
+    def direct_io_for(self, accmode: int) -> bool:
+        """Whether a file of this flow opened now with *accmode* bypasses the page cache.
+
+        ``cache = "direct"``, or ``auto`` with a read cap: every open, so that a re-read
+        cannot escape the cap through cached pages. ``direct-writes``: every writable
+        open. ``auto`` with writes throttled now: write-only opens -- a checkpoint stream
+        never reads its pages back, and cached they evict what protected readers cached
+        and cost the writer a copy into fresh pages (bench isolation, checkpoints capped
+        at 50 MiB/s, 3 alternating runs: reader p99 1.65x -> 1.00x its solo figure,
+        throughput 81% -> 99%). Not read-write opens in ``auto``: the kernel refuses a
+        shared mapping of a direct_io file (ENODEV), and mmap needs a readable descriptor.
+        """
+        if self.direct_io:
+            return True
+        if accmode == os.O_RDONLY:
+            return False
+        cache = self.cls.rule.cache
+        if cache == "direct-writes":
+            return True
+        return cache == "auto" and accmode == os.O_WRONLY and self.throttled_writes
 
     def release(self) -> None:
         self.open_files -= 1

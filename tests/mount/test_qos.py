@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
 import os
 import subprocess
 import sys
@@ -22,6 +25,14 @@ paths = ["capped/**"]
 write_bandwidth = "40MiB/s"
 read_bandwidth = "40MiB/s"
 burst = "4MiB"
+
+[classes.writecap]
+paths = ["wcap/**"]
+write_bandwidth = "400MiB/s"
+
+[classes.rwdirect]
+paths = ["rwd/**"]
+cache = "direct-writes"
 
 [classes.jobcap]
 job_env = "SLURM_JOB_ID"
@@ -55,7 +66,7 @@ def policy_mount(tmp_tree: Path):
     for d in (src, mnt):
         d.mkdir()
         os.chmod(d, 0o777)
-    for sub in ("capped", "free"):
+    for sub in ("capped", "free", "wcap", "rwd"):
         (src / sub).mkdir()
         os.chmod(src / sub, 0o777)
     policy = tmp_tree / "policy.toml"
@@ -114,6 +125,68 @@ def test_a_renamed_file_is_classified_by_its_new_path_at_its_next_open(policy_mo
     os.rename(src / "capped" / "f", src / "free" / "f")
     time.sleep(1.2)
     assert _write_here(mnt / "free" / "f", 20 * MiB) < capped_time / 2
+
+
+def _resident_pages(mapping: mmap.mmap) -> int:
+    """How many pages of *mapping* are in the page cache (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = len(mapping)
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(v & 1 for v in vec)
+
+
+def _cached_after_writing(path: Path, size: int, mode: str = "wb") -> int:
+    """Pages of *path* in the mount's page cache after writing it whole through a
+    descriptor opened with *mode* ("wb": O_WRONLY, "r+b": O_RDWR), watched through a
+    private mapping made beforehand (never written to: its pages are the cache's)."""
+    with open(path, "rb") as r, mmap.mmap(r.fileno(), size, flags=mmap.MAP_PRIVATE,
+                                          prot=mmap.PROT_READ | mmap.PROT_WRITE) as view:
+        with open(path, mode, buffering=0) as w:
+            w.write(b"w" * size)
+        return _resident_pages(view)
+
+
+def test_write_only_files_of_a_write_capped_class_bypass_the_page_cache(
+        policy_mount) -> None:
+    mnt, src = policy_mount.mountpoint, policy_mount.source
+    size = 4 * MiB
+    for sub in ("wcap", "free"):
+        (src / sub / "f").write_bytes(bytes(size))
+    # a class with a write cap: the checkpoint stream leaves nothing in the cache ...
+    assert _cached_after_writing(mnt / "wcap" / "f", size) == 0
+    # ... an uncapped class keeps the pages it wrote, as the directory underneath would,
+    assert _cached_after_writing(mnt / "free" / "f", size) > 0
+    # ... and so does a read-write open of the capped class (it may be mapped shared)
+    assert _cached_after_writing(mnt / "wcap" / "f", size, "r+b") > 0
+    assert (src / "wcap" / "f").read_bytes() == b"w" * size
+
+
+def test_direct_writes_bypasses_the_page_cache_for_read_write_opens_too(
+        policy_mount) -> None:
+    mnt, src = policy_mount.mountpoint, policy_mount.source
+    (src / "rwd" / "f").write_bytes(bytes(MiB))
+    assert _cached_after_writing(mnt / "rwd" / "f", MiB, "r+b") == 0
+    assert (src / "rwd" / "f").read_bytes() == b"w" * MiB
+    with open(mnt / "rwd" / "f", "r+b") as f, pytest.raises(OSError) as err:
+        mmap.mmap(f.fileno(), MiB)  # the documented price: no shared writable mapping
+    assert err.value.errno == errno.ENODEV
+    with open(mnt / "rwd" / "f", "rb") as f, mmap.mmap(f.fileno(), MiB,
+                                                        prot=mmap.PROT_READ) as m:
+        assert m[:1] == b"w"  # read-only opens keep the cache and map as usual
+
+
+def test_a_read_write_file_of_a_write_capped_class_can_still_be_mapped_shared(
+        policy_mount) -> None:
+    path = policy_mount.mountpoint / "wcap" / "mapped"
+    path.write_bytes(bytes(MiB))
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), MiB) as m:
+        m[:5] = b"hello"
+        m.flush()
+    assert (policy_mount.source / "wcap" / "mapped").read_bytes()[:5] == b"hello"
 
 
 def test_read_cap_is_not_escaped_through_the_page_cache(policy_mount) -> None:

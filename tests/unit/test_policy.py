@@ -240,7 +240,7 @@ SEMANTIC_ERRORS = [
     ('[classes.x]\nper_user = "yes"\n',
      'mlfs.toml:2: classes.x.per_user: expected one of "none", "fair", got "yes"'),
     ('[classes.x]\ncache = "off"\n',
-     'mlfs.toml:2: classes.x.cache: expected one of "auto", "keep", "direct", got "off"'),
+     'mlfs.toml:2: classes.x.cache: expected one of "auto", "keep", "direct", "direct-writes", got "off"'),
     ('[classes.x]\njobs = ["1"]\n',
      ('mlfs.toml:2: classes.x.jobs: jobs needs job_env, the variable holding the job id (e.g. '
       '"SLURM_JOB_ID")')),

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import trio
 
-from qosfs.policy import parse_policy
 from qosfs import scheduler
+from qosfs.policy import parse_policy
 from qosfs.scheduler import PolicyFlow, PolicyQos
 from tests.unit.test_limiter import mock_clock
 
@@ -236,3 +237,20 @@ async def test_a_short_read_is_refunded() -> None:
         flow.refund_read(MiB - 4096)  # ...but the file held only 4 KiB
         await flow.admit_read(512 * 1024)  # so this one needs no wait
     assert flow.cls.level.bytes_read == 4096 + 512 * 1024
+
+
+@pytest.mark.parametrize(("cache", "write_cap", "expected"), [
+    # (O_RDONLY, O_WRONLY, O_RDWR)
+    ("auto", True, (False, True, False)),
+    ("auto", False, (False, False, False)),
+    ("keep", True, (False, False, False)),
+    ("direct-writes", False, (False, True, True)),
+    ("direct", False, (True, True, True)),
+])
+def test_which_opens_bypass_the_page_cache(cache: str, write_cap: bool,
+                                           expected: tuple[bool, bool, bool]) -> None:
+    cap = 'write_bandwidth = "10MiB/s"' if write_cap else ""
+    qos = PolicyQos(parse_policy(f'[classes.c]\npaths = ["c/**"]\ncache = "{cache}"\n{cap}\n'))
+    flow = open_flow(qos, "c/f")
+    assert tuple(flow.direct_io_for(m) for m in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR)) \
+        == expected
