@@ -69,7 +69,7 @@ def run(run: Run) -> dict[str, Any]:
         Row("stat", f"stat {nrfiles} files", "iops"),
         Row("open", f"open + read 4 KiB + close {nrfiles} files", "iops"),
         Row("unlink", f"unlink {nrfiles} files", "iops"),
-    ], sides=(NATIVE, NO_QOS, POLICY, capped), reps=2,
+    ], sides=(NATIVE, NO_QOS, POLICY, capped), reps=3,
         env={"NRFILES": str(nrfiles), "SETTLE": "1.5"})
     result = run_groups(run, [group], MetaRunner)
     result.update(nrfiles=nrfiles, meta_cap=META_CAP, policy=META_CAP_POLICY.strip())

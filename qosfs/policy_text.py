@@ -119,6 +119,8 @@ paths = [
 write_bandwidth = "400MiB/s"
 burst = "64MiB"          # bucket depth: a short dump this size goes through at full speed
 # per_user = "fair"      # give each writing uid an equal share of the 400MiB/s
+# cache = "auto"         # while capped, write-only opens (torch.save...) bypass the page
+                         # cache; "direct-writes" for writers that open read-write
 
 # Training data: never throttled here, and first in line when the backend is contended.
 [classes.datasets]
