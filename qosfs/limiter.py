@@ -65,7 +65,9 @@ __all__ = [  # the limit values are re-exported from qosfs.bucket for convenienc
     "RateLevel",
     "Stage",
     "admit",
+    "admit_rest",
     "refund_bytes",
+    "try_admit",
 ]
 
 # A head whose buckets are short by less than this much time is admitted (the shortfall is
@@ -335,16 +337,34 @@ async def admit(levels: Sequence[Stage], kind: Kind, nbytes: int) -> float:
         trio.Cancelled: if cancelled while waiting; every level already passed is
             refunded and the waiter leaves its queue, so nothing is lost or stuck.
     """
+    start = try_admit(levels, kind, nbytes)
+    return 0.0 if start < 0 else await _admit_slow(levels, start, kind, nbytes)
+
+
+def try_admit(levels: Sequence[Stage], kind: Kind, nbytes: int) -> int:
+    """The fast path of :func:`admit`, without a coroutine: charge the levels, in order,
+    that admit the request at once.
+
+    Returns -1 if every level did (the request may go), else the index of the first one
+    that did not: the levels before it are charged, and the caller must finish with
+    ``await admit_rest(levels, index, kind, nbytes)``. Hot paths call this first so that
+    a request that does not wait costs no coroutine (bench/machinery.py).
+    """
     now = -_INF
     for index, level in enumerate(levels):
         if level._limited[kind] or level._queues[kind]:
             if now == -_INF:
                 now = trio.current_time()
             if not level._try_pass(kind, nbytes, now):
-                return await _admit_slow(levels, index, kind, nbytes)
+                return index
         else:
             level._count(kind, nbytes, 1)
-    return 0.0
+    return -1
+
+
+async def admit_rest(levels: Sequence[Stage], start: int, kind: Kind, nbytes: int) -> float:
+    """Finish an admission :func:`try_admit` could not complete (see :func:`admit`)."""
+    return await _admit_slow(levels, start, kind, nbytes)
 
 
 async def _admit_slow(levels: Sequence[Stage], start: int, kind: Kind, nbytes: int) -> float:

@@ -19,6 +19,7 @@ staleness the kernel's own entry cache (entry_timeout 1 s) already has.
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 from qosfs.inodes import Inode
@@ -26,6 +27,7 @@ from qosfs.inodes import Inode
 # How long a path read from /proc is trusted: the kernel's default entry_timeout.
 PATH_MEMO_SECONDS = 1.0
 _DELETED = " (deleted)"
+_FS_ENCODING = sys.getfilesystemencoding()
 _monotonic = time.monotonic
 
 
@@ -61,18 +63,21 @@ class PathBook:
     def note_child(self, parent: Inode, name: bytes, child: Inode) -> None:
         """*child* is *parent*'s entry *name*: derive its path from the parent's.
 
-        Called at lookup and create, so that the open which usually follows does not read
-        /proc. The parent's path comes from its memo (read from /proc at most once per
-        directory per second).
+        Called at every lookup and create (when the engine classifies), so that the open
+        which usually follows does not read /proc; the parent's path is read from /proc
+        at most once per directory per second. Written for speed (bench/machinery.py:
+        what a policy adds to a lookup): no helper calls on the memo-hit path.
         """
-        base = self.relpath(parent)
         if parent is self.root:
-            deadline = _monotonic() + PATH_MEMO_SECONDS
+            base, deadline = "", _monotonic() + PATH_MEMO_SECONDS
         else:
             memo = parent.path_memo
-            assert memo is not None  # relpath() just set or confirmed it
-            deadline = memo[1]
-        leaf = os.fsdecode(name)
+            if memo is None or memo[0] != self.epoch or _monotonic() >= memo[1]:
+                self.relpath(parent)
+                memo = parent.path_memo
+                assert memo is not None  # relpath() just set it
+            base, deadline = memo[2], memo[1]
+        leaf = name.decode(_FS_ENCODING, "surrogateescape")  # os.fsdecode, inlined
         child.path_memo = (self.epoch, deadline, f"{base}/{leaf}" if base else leaf)
 
     def _read(self, inode: Inode) -> str:

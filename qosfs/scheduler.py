@@ -36,7 +36,15 @@ from qosfs.accounting import AccountKey, Accounts
 from qosfs.backend_share import BackendLevel, ClassPort, Share
 from qosfs.bucket import UNLIMITED, LevelLimits, Limit
 from qosfs.classify import Classifier, JobCache, JobInfo
-from qosfs.limiter import FairShareGroup, Kind, LevelStatistics, RateLevel, admit, refund_bytes
+from qosfs.limiter import (
+    FairShareGroup,
+    Kind,
+    LevelStatistics,
+    RateLevel,
+    admit_rest,
+    refund_bytes,
+    try_admit,
+)
 from qosfs.paths import PATH_MEMO_SECONDS
 from qosfs.policy import ClassRule, Limits, Policy
 from qosfs.qos import THREADS_PER_FLOW
@@ -81,6 +89,7 @@ AUTO_MIN_BURST = float(1 << 20)
 # How long an inode's memoized classification is trusted (see PolicyQos._memo_flow): as
 # long as the path it was made from (qosfs.paths).
 FLOW_MEMO_SECONDS = PATH_MEMO_SECONDS
+_READ, _WRITE, _META = Kind.READ, Kind.WRITE, Kind.META
 _monotonic = time.monotonic
 
 
@@ -194,15 +203,26 @@ class PolicyFlow:
             return self._chain
         return [group.level_for(self.uid), *self._chain]
 
+    # Each tries the coroutine-free fast path first (limiter.try_admit): most requests
+    # never wait, and an awaited admit() per request was a measurable part of what a
+    # policy adds to a lookup (bench/machinery.py).
+
     async def admit_read(self, nbytes: int) -> float:
         """Wait until every level admits the read; returns the seconds spent waiting."""
-        return await admit(self._levels(), Kind.READ, nbytes)
+        levels = self._levels()
+        start = try_admit(levels, _READ, nbytes)
+        return 0.0 if start < 0 else await admit_rest(levels, start, _READ, nbytes)
 
     async def admit_write(self, nbytes: int) -> float:
-        return await admit(self._levels(), Kind.WRITE, nbytes)
+        levels = self._levels()
+        start = try_admit(levels, _WRITE, nbytes)
+        return 0.0 if start < 0 else await admit_rest(levels, start, _WRITE, nbytes)
 
     async def admit_meta(self) -> None:
-        await admit(self._levels(), Kind.META, 0)
+        levels = self._levels()
+        start = try_admit(levels, _META, 0)
+        if start >= 0:
+            await admit_rest(levels, start, _META, 0)
         self.stats.meta_ops += 1
 
     def refund_read(self, nbytes: int) -> None:
