@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from bench.report import headline, render
+from bench.report import HEADLINES, headline, render
 from bench.session import write
 
 MiB = float(1 << 20)
@@ -85,9 +85,12 @@ def fixture() -> dict[str, Any]:
          "achieved": {"60001": 80 * MiB, "60002": 70 * MiB}, "worst_pct": 6.7,
          "total": 150 * MiB}]}
     meta = {"nrfiles": 5000, "meta_cap": 2000, "policy": "[z]", "summary": [
-        _row(k, k, "iops", {"native": 100e3, "no-qos": 5e3, "policy": 4.9e3,
-                            "meta-cap": 1.0e3})
-        for k in ("create", "stat", "open", "unlink")]}
+        _row(k, k, "iops", {"native": 100e3, "no-qos": 5e3, "no-qos-2": 5.1e3,
+                            "policy": 4.9e3, "meta-cap": 1.0e3})
+        for k in ("create", "stat", "open", "unlink")],
+        "in_process": {"files": 1000, "rounds": 7, "ops": {
+            k: {"no_qos_us": 20.0, "policy_us": 24.0, "added_us": 4.0}
+            for k in ("create", "stat", "open", "unlink")}}}
     prio = {"backend": "100MiB/s", "writers": 4, "runtime_s": 10, "policy": "[b]",
             "weights": {"high": 100, "low": 1}, "scenarios": [{"name": "weights only",
                                                                "low_min": None, "classes": [
@@ -132,6 +135,20 @@ def test_headline_shows_each_guarantee_against_its_target() -> None:
     assert rows["live change: parked write released after `set`, worst"][0] == "6.5 ms"
     assert rows["metadata, no-qos / native (create, stat, open, unlink)"][0] == \
         "0.05×, 0.05×, 0.05×, 0.05×"
+    assert rows["QoS machinery on metadata, mount rates: policy (every request charged to "
+                "meta_iops) / no-qos, worst operation (two identical no-qos mounts differ "
+                "by up to 2%)"] == ["0.98×", "≥ 0.95", "pass"]
+    assert rows["QoS machinery on metadata, in-process: 1 − added handler time × no-qos "
+                "rate, worst operation (create)"] == ["0.98×", "≥ 0.95", "pass"]
+
+
+@pytest.mark.parametrize(("twin", "expected"), [(4.4e3, "inconclusive"), (5.1e3, "**MISS**")])
+def test_a_metadata_miss_within_the_spread_of_two_identical_mounts_is_inconclusive(
+        twin: float, expected: str) -> None:
+    meta = {"summary": [_row("stat", "stat", "iops", {"native": 100e3, "no-qos": 5e3,
+                                                      "no-qos-2": twin, "policy": 4.5e3})]}
+    (*_, mounted), = [r for r in HEADLINES["metadata"](meta) if "mount rates" in r[0]]
+    assert mounted == expected
 
 
 def test_sections_plots_and_extra_reports() -> None:
@@ -142,8 +159,9 @@ def test_sections_plots_and_extra_reports() -> None:
     assert "![overhead ratios](report-overhead.png)" in text
     assert "no demand: uncapped rate < 1.1× cap" in text
     assert "| 100MiB/s | 100 MiB/s | 20% | 2.00 ms |" in text  # a throttled MiB's cost
-    assert "| create | 100.0k ops/s | 5,000 ops/s | 4,900 ops/s | 1,000 ops/s | 0.05× | 0.98× " \
-        "| 0.20× |" in text
+    assert "| create | 100.0k ops/s | 5,000 ops/s | 4,900 ops/s | 1,000 ops/s | 0.05× | 1.02× " \
+        "| 0.98× | 0.98× | 0.20× |" in text
+    assert "| create | 20.0 µs | 24.0 µs | +4.0 µs |" in text
     assert "| no cap (classes only) | 500 MiB/s | 200 MiB/s | 40% |" in text
     assert "Missed targets: " in text
     # another suite's report of the same run is included, its headings demoted
