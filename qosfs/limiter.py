@@ -338,7 +338,7 @@ async def admit(levels: Sequence[Stage], kind: Kind, nbytes: int) -> float:
             refunded and the waiter leaves its queue, so nothing is lost or stuck.
     """
     start = try_admit(levels, kind, nbytes)
-    return 0.0 if start < 0 else await _admit_slow(levels, start, kind, nbytes)
+    return 0.0 if start < 0 else await admit_rest(levels, start, kind, nbytes)
 
 
 def try_admit(levels: Sequence[Stage], kind: Kind, nbytes: int) -> int:
@@ -363,12 +363,8 @@ def try_admit(levels: Sequence[Stage], kind: Kind, nbytes: int) -> int:
 
 
 async def admit_rest(levels: Sequence[Stage], start: int, kind: Kind, nbytes: int) -> float:
-    """Finish an admission :func:`try_admit` could not complete (see :func:`admit`)."""
-    return await _admit_slow(levels, start, kind, nbytes)
-
-
-async def _admit_slow(levels: Sequence[Stage], start: int, kind: Kind, nbytes: int) -> float:
-    """Continue :func:`admit` from ``levels[start]``, which could not admit at once."""
+    """Finish an admission :func:`try_admit` could not complete: wait at ``levels[start]``,
+    which could not admit at once, then pass the rest (see :func:`admit`)."""
     passed = start  # levels[:passed] have charged this request
     waited = 0.0
     try:
