@@ -100,7 +100,7 @@ class PassthroughOperations(pyfuse3.Operations):
         self.files: dict[int, FileHandle] = {}
         self.dirs: dict[int, DirHandle] = {}
         self._as_root = os.geteuid() == 0
-        # Paths for the QoS engine's classification (it asks paths.relpath(inode)).
+        # Paths for the QoS engine's classification (it asks paths.relpath_until(inode)).
         self.paths = PathBook(root_fd, self.inodes.root)
         self._learn_paths = qos.needs_paths
         self._meta_limiter = qos.meta_limiter

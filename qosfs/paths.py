@@ -29,6 +29,7 @@ PATH_MEMO_SECONDS = 1.0
 _DELETED = " (deleted)"
 _FS_ENCODING = sys.getfilesystemencoding()
 _monotonic = time.monotonic
+_INF = float("inf")
 
 
 class PathBook:
@@ -50,33 +51,32 @@ class PathBook:
 
     def relpath(self, inode: Inode) -> str:
         """The object's current path relative to the mount root ("" for the root)."""
+        return self.relpath_until(inode)[0]
+
+    def relpath_until(self, inode: Inode) -> tuple[str, float]:
+        """The object's path and the ``time.monotonic()`` until which it is trusted (the
+        root's, for ever); what is derived from it (a child's path, the QoS engine's
+        classification) is trusted no longer."""
         if inode is self.root:
-            return ""
+            return "", _INF
         memo = inode.path_memo
         now = _monotonic()
         if memo is not None and memo[0] == self.epoch and now < memo[1]:
-            return memo[2]
-        path = self._read(inode)
-        inode.path_memo = (self.epoch, now + PATH_MEMO_SECONDS, path)
-        return path
+            return memo[2], memo[1]
+        path, deadline = self._read(inode), now + PATH_MEMO_SECONDS
+        inode.path_memo = (self.epoch, deadline, path)
+        return path, deadline
 
     def note_child(self, parent: Inode, name: bytes, child: Inode) -> None:
         """*child* is *parent*'s entry *name*: derive its path from the parent's.
 
         Called at every lookup and create (when the engine classifies), so that the open
         which usually follows does not read /proc; the parent's path is read from /proc
-        at most once per directory per second. Written for speed (bench/machinery.py:
-        what a policy adds to a lookup): no helper calls on the memo-hit path.
+        at most once per directory per second.
         """
+        base, deadline = self.relpath_until(parent)
         if parent is self.root:
-            base, deadline = "", _monotonic() + PATH_MEMO_SECONDS
-        else:
-            memo = parent.path_memo
-            if memo is None or memo[0] != self.epoch or _monotonic() >= memo[1]:
-                self.relpath(parent)
-                memo = parent.path_memo
-                assert memo is not None  # relpath() just set it
-            base, deadline = memo[2], memo[1]
+            deadline = _monotonic() + PATH_MEMO_SECONDS
         leaf = name.decode(_FS_ENCODING, "surrogateescape")  # os.fsdecode, inlined
         child.path_memo = (self.epoch, deadline, f"{base}/{leaf}" if base else leaf)
 

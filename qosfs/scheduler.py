@@ -45,7 +45,6 @@ from qosfs.limiter import (
     refund_bytes,
     try_admit,
 )
-from qosfs.paths import PATH_MEMO_SECONDS
 from qosfs.policy import ClassRule, Limits, Policy
 from qosfs.qos import THREADS_PER_FLOW
 
@@ -86,9 +85,6 @@ class AutoCaps:
 NO_AUTO_CAPS = AutoCaps()
 AUTO_BURST_SECONDS = 0.1  # an automatic cap's bucket holds 100 ms of it (at least 1 MiB)
 AUTO_MIN_BURST = float(1 << 20)
-# How long an inode's memoized classification is trusted (see PolicyQos._memo_flow): as
-# long as the path it was made from (qosfs.paths).
-FLOW_MEMO_SECONDS = PATH_MEMO_SECONDS
 _READ, _WRITE, _META = Kind.READ, Kind.WRITE, Kind.META
 _monotonic = time.monotonic
 
@@ -435,8 +431,8 @@ class PolicyQos:
         object (every lookup in a directory is charged at that directory), so one memo per
         inode, of its last classification, answers most of them. It is valid for the same
         op, uid, gid (and pid when the policy reads job ids), under the same policy
-        generation and path epoch (see :mod:`qosfs.paths`), and for at most
-        :data:`FLOW_MEMO_SECONDS`, the time a memoized path is trusted.
+        generation and path epoch (see :mod:`qosfs.paths`), and for as long as the path
+        it was made from is trusted.
         """
         pid = ctx.pid if self._needs_job else 0
         paths = fs.paths
@@ -445,8 +441,9 @@ class PolicyQos:
         now = _monotonic()
         if memo is not None and memo[0] == key and now < memo[1]:
             return memo[2]
-        flow = self._flow_for(paths.relpath(inode), ctx, op)
-        inode.qos_memo = (key, now + FLOW_MEMO_SECONDS, flow)
+        path, deadline = paths.relpath_until(inode)
+        flow = self._flow_for(path, ctx, op)
+        inode.qos_memo = (key, deadline, flow)
         return flow
 
     def open_flow(self, fs: Any, inode: Inode, ctx: pyfuse3.RequestContext,

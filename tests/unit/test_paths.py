@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,7 +36,7 @@ def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 def test_paths_are_read_from_proc_then_memoized(tree) -> None:
     top, book, clock = tree.top, tree.book, tree.clock
-    assert book.relpath(tree.root) == ""
+    assert book.relpath_until(tree.root) == ("", math.inf)  # the root never moves
     assert book.relpath(tree.f) == "a/b/f"
     os.rename(top / "a" / "b" / "f", top / "a" / "g")  # underneath, behind our back
     assert book.relpath(tree.f) == "a/b/f"  # trusted for a while ...

@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from qosfs import scheduler
+from qosfs.paths import PATH_MEMO_SECONDS
 from qosfs.policy import parse_policy
 from qosfs.scheduler import PolicyFlow, PolicyQos
 from tests.unit.test_limiter import mock_clock
@@ -49,11 +50,12 @@ class FakeFs:
     def __init__(self) -> None:
         self.paths = self
         self.epoch = 0
-        self.lookups = 0  # relpath() calls: each one is a classification
+        self.lookups = 0  # relpath_until() calls: each one is a classification
 
-    def relpath(self, inode: Any) -> str:
+    def relpath_until(self, inode: Any) -> tuple[str, float]:
+        """The path, trusted for PATH_MEMO_SECONDS from now (as a path read from /proc)."""
         self.lookups += 1
-        return str(inode.path)
+        return str(inode.path), scheduler._monotonic() + PATH_MEMO_SECONDS
 
 
 def fake_inode(path: str) -> Any:
@@ -108,7 +110,7 @@ def test_an_inodes_classification_is_memoized_until_a_rename_swap_or_a_second(
     assert cls() == "ckpt" and fs.lookups == 1  # memo
     node.path = "data/x"  # renamed underneath: trusted for up to a second ...
     assert cls() == "ckpt"
-    clock[0] += scheduler.FLOW_MEMO_SECONDS
+    clock[0] += PATH_MEMO_SECONDS
     assert cls() == "data" and fs.lookups == 2  # ... then seen
     node.path = "ckpt/x"
     fs.epoch += 1  # renamed through the mount: seen at once
