@@ -37,6 +37,8 @@ from typing import Any
 
 import trio
 
+from qosfs.fdcache import DeferredClose
+
 log = logging.getLogger(__name__)
 
 MAX_REQUEST = 1 << 20  # FUSE sends at most max_pages (256) * 4 KiB per read/write
@@ -164,6 +166,9 @@ class BackingIO:
         self._plain = _Pool(aligned=False)
         self._aligned = _Pool(aligned=True)
         self.thread_hops = 0  # how many syscalls went to a worker thread (diagnostics)
+        # Inode descriptors evicted while a metadata call runs in a thread are closed only
+        # once it returns (qosfs.fdcache); the filesystem shares its guard here.
+        self.fd_guard = DeferredClose()
 
     def __repr__(self) -> str:
         return f"BackingIO(mode={self.mode.value}, thread_hops={self.thread_hops})"
@@ -262,5 +267,10 @@ class BackingIO:
         """Run a metadata syscall: inline unless the backing store is remote."""
         if self.mode is IoMode.THREADS:
             self.thread_hops += 1
-            return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+            guard = self.fd_guard
+            epoch = guard.enter()
+            try:
+                return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+            finally:
+                guard.leave(epoch)
         return fn(*args)

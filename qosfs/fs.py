@@ -34,12 +34,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pyfuse3
+import trio
 from pyfuse3 import FUSEError
 
 from qosfs import syscalls
 from qosfs.backing_io import BackingIO
+from qosfs.fdcache import DeferredClose
 from qosfs.handles import DirHandle, FileHandle
-from qosfs.inodes import Inode, InodeTable
+from qosfs.inodes import Inode, InodeTable, default_fd_budget
 from qosfs.latency_probe import PROBE_XATTR
 from qosfs.paths import PathBook
 from qosfs.qos import QosEngine
@@ -54,6 +56,9 @@ _OPEN_DROP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_NOFOLLOW
 _ACCMODE = os.O_RDONLY | os.O_WRONLY | os.O_RDWR
 _SUID_SGID = stat.S_ISUID | stat.S_ISGID
 _CAPABILITY_XATTR = b"security.capability"
+_FD_SHORTAGE = (errno.EMFILE, errno.ENFILE)
+# readdir lets other requests run every this many entries (~0.3 ms of work), see readdir.
+_READDIR_YIELD_MASK = 15
 _now_ns = time.perf_counter_ns
 
 
@@ -82,6 +87,7 @@ class FsOptions:
     entry_timeout: float = 1.0
     attr_timeout: float = 1.0
     cache: str = "auto"  # "auto": page cache, revalidated per open; "always"; "never"
+    fd_budget: int = 0  # inode descriptors kept open (qosfs.inodes); 0: from RLIMIT_NOFILE
 
 
 class PassthroughOperations(pyfuse3.Operations):
@@ -93,7 +99,11 @@ class PassthroughOperations(pyfuse3.Operations):
 
     def __init__(self, root_fd: int, io: BackingIO, qos: QosEngine, options: FsOptions) -> None:
         super().__init__()
-        self.inodes = InodeTable(root_fd)
+        # Evicted inode descriptors are closed only once no worker thread can still be
+        # using them (network backing stores run metadata syscalls in threads).
+        guard = DeferredClose()
+        io.fd_guard = guard
+        self.inodes = InodeTable(root_fd, options.fd_budget or default_fd_budget(), guard)
         self.io = io
         self.qos = qos
         self.options = options
@@ -131,6 +141,22 @@ class PassthroughOperations(pyfuse3.Operations):
     async def _meta(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await self.io.meta(self._meta_limiter, fn, *args)
 
+    async def _meta_opening(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """:meth:`_meta` for a call that opens a descriptor; an :class:`Inode` among *args*
+        is passed as its descriptor, taken just before the call.
+
+        If the daemon is out of descriptors, cached inode descriptors are shed and the call
+        is tried once more (with descriptors taken afresh, since shedding may have closed
+        the first ones): a caller must never see EMFILE because of the daemon's own
+        bookkeeping.
+        """
+        try:
+            return await self.io.meta(self._meta_limiter, fn, *_fds(args))
+        except OSError as exc:
+            if exc.errno not in _FD_SHORTAGE or not self.inodes.relieve():
+                raise
+        return await self.io.meta(self._meta_limiter, fn, *_fds(args))
+
     async def _admit_meta(self, inode: Inode, ctx: pyfuse3.RequestContext) -> None:
         if self.qos.meta_limited:
             await self.qos.admit_meta(self, inode, ctx)
@@ -144,7 +170,7 @@ class PassthroughOperations(pyfuse3.Operations):
         return inode
 
     async def _adopt_new(self, parent: Inode, name: bytes) -> pyfuse3.EntryAttributes:
-        fd, st = await self._meta(self.inodes.resolve, parent.fd, name)
+        fd, st = await self._meta_opening(self.inodes.resolve, parent, name)
         return self._entry(self._adopt(parent, name, fd, st), st)
 
     def _give_to_caller(self, parent: Inode, name: bytes, ctx: pyfuse3.RequestContext,
@@ -176,7 +202,7 @@ class PassthroughOperations(pyfuse3.Operations):
             parent.lookups += 1
             return self._entry(parent, await self._meta(os.fstat, parent.fd))
         try:
-            fd, st = await self._meta(self.inodes.resolve, parent.fd, name)
+            fd, st = await self._meta_opening(self.inodes.resolve, parent, name)
         except FileNotFoundError:
             # A negative entry the kernel may cache for entry_timeout (st_ino 0).
             e = pyfuse3.EntryAttributes()
@@ -365,16 +391,18 @@ class PassthroughOperations(pyfuse3.Operations):
 
     # ----------------------------------------------------------------- files
 
-    def _open_backing(self, opener: Callable[[int], int], flags: int) -> tuple[int, bool]:
-        """Open with the caller's flags; fall back to buffered I/O if O_DIRECT is refused."""
+    @staticmethod
+    def _open_backing(flags: int, opener: Callable[..., int], *args: Any) -> tuple[int, bool]:
+        """``opener(*args, flags)`` with the caller's flags; fall back to buffered I/O if
+        O_DIRECT is refused."""
         flags |= os.O_CLOEXEC
         try:
-            return opener(flags), bool(flags & os.O_DIRECT)
+            return opener(*args, flags), bool(flags & os.O_DIRECT)
         except OSError as exc:
             if exc.errno != errno.EINVAL or not flags & os.O_DIRECT:
                 raise
         # A create's first attempt made the file before O_DIRECT was refused: reopen it.
-        return opener(flags & ~(os.O_DIRECT | os.O_EXCL)), False
+        return opener(*args, flags & ~(os.O_DIRECT | os.O_EXCL)), False
 
     def _file_info(self, fd: int, direct: bool, flow: Any, flags: int,
                    node: Inode, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
@@ -397,9 +425,8 @@ class PassthroughOperations(pyfuse3.Operations):
         node = self.inodes.get(inode)
         writing = (flags & _ACCMODE) != os.O_RDONLY
         flow = self.qos.open_flow(self, node, ctx, writing)
-        path = node.proc_path
-        fd, direct = await self._meta(
-            self._open_backing, lambda f: os.open(path, f), flags & ~_OPEN_DROP
+        fd, direct = await self._meta_opening(
+            self._open_backing, flags & ~_OPEN_DROP, _reopen, node
         )
         return self._file_info(fd, direct, flow, flags, node, ctx)
 
@@ -408,17 +435,16 @@ class PassthroughOperations(pyfuse3.Operations):
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         parent = self.inodes.get(parent_inode)
         await self._admit_meta(parent, ctx)
-        pfd = parent.fd
         # The kernel sends CREATE when it believes the name does not exist (a negative
         # entry, cached for entry_timeout). If something appeared underneath since (another
         # node, another path), a plain O_CREAT would open it as root -- another user's file,
         # or the target of a symlink outside the tree -- and hand it to the caller. O_EXCL
         # creates only what is new and never follows a symlink.
         try:
-            fd, direct = await self._meta(
+            fd, direct = await self._meta_opening(
                 self._open_backing,
-                lambda f: os.open(name, f, stat.S_IMODE(mode), dir_fd=pfd),
                 (flags & ~(os.O_NOCTTY | os.O_NOFOLLOW)) | os.O_CREAT | os.O_EXCL,
+                _create_in, parent, name, stat.S_IMODE(mode),
             )
         except FileExistsError:
             if flags & os.O_EXCL:
@@ -428,7 +454,8 @@ class PassthroughOperations(pyfuse3.Operations):
             raise FUSEError(errno.ESTALE) from None
         try:
             await self._meta(self._give_to_caller, parent, name, ctx, mode)
-            opath = os.open(f"/proc/self/fd/{fd}", os.O_PATH | os.O_CLOEXEC)
+            opath = await self._meta_opening(os.open, f"/proc/self/fd/{fd}",
+                                             os.O_PATH | os.O_CLOEXEC)
             st = os.fstat(opath)
         except BaseException:
             os.close(fd)
@@ -508,8 +535,8 @@ class PassthroughOperations(pyfuse3.Operations):
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         node = self.inodes.get(inode)
         await self._admit_meta(node, ctx)
-        fd = await self._meta(os.open, node.proc_path,
-                              os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = await self._meta_opening(_reopen, node,
+                                      os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.dirs[fd] = DirHandle(fd, node)
         return fd
 
@@ -530,9 +557,18 @@ class PassthroughOperations(pyfuse3.Operations):
                     break
                 continue
             try:
-                fd, st = await self._meta(resolve, handle.fd, name)
-            except OSError:
+                fd, st = await self._meta_opening(resolve, handle.fd, name)
+            except OSError as exc:
+                if exc.errno in _FD_SHORTAGE:
+                    raise  # not an entry that went away: the listing must not skip it
                 continue  # removed since the snapshot
+            # A batch may hold a thousand entries (the kernel's readdir buffer is up to
+            # max_pages): ~15 ms of work that would stall every other class's requests,
+            # so let them run every few entries, and trim the descriptor cache as we go.
+            # Both are safe: this loop holds no inode descriptor across entries.
+            if index & _READDIR_YIELD_MASK == 0:
+                await trio.lowlevel.checkpoint()
+            self.inodes.trim()
             inode = self.inodes.adopt(fd, st)
             if not pyfuse3.readdir_reply(token, name, self._entry(inode, st), index + 1):
                 self.inodes.forget(inode.nodeid, 1)  # not sent: the kernel holds no reference
@@ -624,6 +660,22 @@ class PassthroughOperations(pyfuse3.Operations):
         self.files.clear()
         self.dirs.clear()
         self.inodes.close_all()
+        self.io.fd_guard.close_all()
+
+
+def _fds(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """*args* with each :class:`Inode` replaced by its descriptor, taken now."""
+    return tuple(arg.fd if isinstance(arg, Inode) else arg for arg in args)
+
+
+def _reopen(fd: int, flags: int) -> int:
+    """Open the object behind an O_PATH descriptor for I/O (the /proc magic link does not
+    re-resolve a path)."""
+    return os.open(f"/proc/self/fd/{fd}", flags)
+
+
+def _create_in(dir_fd: int, name: bytes, mode: int, flags: int) -> int:
+    return os.open(name, flags, mode, dir_fd=dir_fd)
 
 
 def _close_dup(fd: int) -> None:

@@ -1,13 +1,21 @@
 """The inode table: which backing object each FUSE node id stands for.
 
-Every inode the kernel knows holds one ``O_PATH`` file descriptor on the backing object
-(as libfuse's passthrough_ll does). That makes every operation relative to a descriptor
-instead of a path, so
+Every operation is relative to a descriptor on the backing object instead of a path (as
+libfuse's passthrough_ll does), so
 
 * mounting in place over the source works (the paths are hidden by our own mount, the
-  descriptors are not),
-* renames underneath do not confuse us, and
-* a backing inode cannot be freed (and its number reused) while the kernel still knows it.
+  descriptors are not), and
+* renames underneath do not confuse us.
+
+But the kernel may remember millions of inodes (a ``find`` over an ImageNet-sized tree),
+and one descriptor each would exhaust the daemon's limit and answer EMFILE to every user.
+So an inode is named by its *file handle* (``name_to_handle_at``, what NFS servers hand
+out: it survives renames and carries the inode's generation, so a recycled inode number
+is never mistaken for the old object), and its ``O_PATH`` descriptor is only *cached*:
+at most ``fd_budget`` are open at once (:mod:`qosfs.fdcache`), and an evicted one is
+reopened with ``open_by_handle_at`` when next needed (~3 us). Where handles cannot be used
+(a filesystem that exports none, an object on a submount, no CAP_DAC_READ_SEARCH) the
+inode keeps its descriptor for as long as the kernel knows it, as before.
 
 Node ids are the backing ``st_ino`` for objects on the source's own device, so ``ls -i``
 shows the same numbers as the directory underneath and they stay stable for the life of
@@ -15,7 +23,7 @@ the mount. Objects on other devices (submounts inside the source) or whose numbe
 collide get a synthetic id from a high range.
 
 The table only holds inodes the kernel has looked up and not yet forgotten: memory is
-bounded by the kernel's inode cache, not by the size of the tree.
+bounded by the kernel's inode cache, not by the size of the tree (about 300 bytes each).
 """
 
 from __future__ import annotations
@@ -23,57 +31,134 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from dataclasses import dataclass
+import resource
 from typing import Any
 
 import pyfuse3
+
+from qosfs import syscalls
+from qosfs.fdcache import DeferredClose, FdCache
 
 log = logging.getLogger(__name__)
 
 _SYNTHETIC_BASE = 1 << 62  # above any real st_ino we expect; collisions are checked anyway
 _LOOKUP_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+_REOPEN_FLAGS = os.O_PATH | os.O_CLOEXEC  # a handle names the object itself: no following
+# Bounds of the automatic inode descriptor budget (default_fd_budget): beyond 64k cached
+# descriptors the hit rate no longer pays for the kernel memory each one pins.
+MIN_FD_BUDGET = 64
+MAX_FD_BUDGET = 65536
 
 
-@dataclass(slots=True, eq=False)
+def _stale() -> OSError:
+    return OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+
+
 class Inode:
-    """A backing object the kernel currently knows."""
+    """A backing object the kernel currently knows.
 
-    nodeid: int
-    fd: int  # O_PATH descriptor, owned by the table
-    key: tuple[int, int]  # (st_dev, st_ino) of the backing object
-    lookups: int
-    opens: int = 0  # open file handles on it (an unlinked file must stay reachable)
-    # Memos for classification, dropped with the inode: its path (qosfs.paths) and how
-    # the QoS engine last classified a request on it (qosfs.scheduler.PolicyQos).
-    path_memo: tuple[int, float, str] | None = None
-    qos_memo: Any = None
+    ``fd`` is an ``O_PATH`` descriptor on it, valid until the next request handler
+    yields (it may be evicted from the cache and reopened later): read it where it is
+    used, never keep it across an ``await`` that runs other requests.
+    """
+
+    __slots__ = ("nodeid", "key", "lookups", "opens", "handle", "cached_fd", "referenced",
+                 "slot", "stale", "path_memo", "qos_memo", "_table")
+
+    def __init__(self, table: InodeTable, nodeid: int, key: tuple[int, int], lookups: int,
+                 handle: bytes | None, fd: int) -> None:
+        self._table = table
+        self.nodeid = nodeid
+        self.key = key  # (st_dev, st_ino) of the backing object
+        self.lookups = lookups
+        self.opens = 0  # open file handles on it (an unlinked file must stay reachable)
+        # None: no handle, so cached_fd is held for the inode's whole life (never evicted).
+        self.handle = handle
+        self.cached_fd = fd
+        self.referenced = True  # CLOCK bit (qosfs.fdcache)
+        self.slot = -1  # ring slot in the fd cache, -1 if not there
+        self.stale = False  # let go of (unlinked, or gone): every use answers ESTALE
+        # Memos for classification, dropped with the inode: its path (qosfs.paths) and how
+        # the QoS engine last classified a request on it (qosfs.scheduler.PolicyQos).
+        self.path_memo: tuple[int, float, str] | None = None
+        self.qos_memo: Any = None
+
+    @property
+    def fd(self) -> int:
+        """An ``O_PATH`` descriptor on the object (see the class docstring for its life)."""
+        fd = self.cached_fd
+        if fd >= 0:
+            self.referenced = True
+            return fd
+        return self._table.reopen(self)
 
     @property
     def proc_path(self) -> str:
         """A path that reopens exactly this object (the /proc magic link does not re-resolve)."""
         return f"/proc/self/fd/{self.fd}"
 
+    def __repr__(self) -> str:
+        return (f"<Inode {self.nodeid} lookups={self.lookups} opens={self.opens} "
+                f"fd={self.cached_fd}{' stale' if self.stale else ''}>")
+
 
 class InodeTable:
-    """Maps node ids to backing objects and counts the kernel's references."""
+    """Maps node ids to backing objects and counts the kernel's references.
 
-    def __init__(self, root_fd: int) -> None:
+    Args:
+        root_fd: The backing root directory (held open for the life of the mount).
+        fd_budget: At most this many descriptors are held for inodes that have a handle.
+        deferred_close: Given when worker threads run syscalls on inode descriptors
+            (see :class:`qosfs.fdcache.DeferredClose`); evicted descriptors close through it.
+    """
+
+    def __init__(self, root_fd: int, fd_budget: int = 4096,
+                 deferred_close: DeferredClose | None = None) -> None:
         st = os.fstat(root_fd)
         self.root_dev = st.st_dev
-        self.root = Inode(pyfuse3.ROOT_INODE, root_fd, (st.st_dev, st.st_ino), 1)
+        # open_by_handle_at wants a real (not O_PATH) descriptor on the filesystem.
+        self._mount_fd = os.open(f"/proc/self/fd/{root_fd}",
+                                 os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.root = Inode(self, pyfuse3.ROOT_INODE, (st.st_dev, st.st_ino), 1, None, root_fd)
         self._by_id: dict[int, Inode] = {pyfuse3.ROOT_INODE: self.root}
         self._by_key: dict[tuple[int, int], Inode] = {self.root.key: self.root}
         self._next_synthetic = _SYNTHETIC_BASE
+        close = deferred_close.retire if deferred_close is not None else os.close
+        self._close = close
+        self.cache = FdCache(fd_budget, close)
+        self.pinned = 0  # descriptors held for inodes without a handle
+        self.reopens = 0  # descriptors reopened from a handle (cache misses)
+        self._root_mount_id, self.handles = _handles_usable(self._mount_fd)
+        if not self.handles:
+            log.warning("file handles unavailable on the source: one descriptor per inode "
+                        "the kernel knows (a large tree may exhaust the descriptor limit)")
 
     def __len__(self) -> int:
         return len(self._by_id)
 
+    @property
+    def fds_held(self) -> int:
+        """Descriptors held for inodes now (cached plus pinned, the root included)."""
+        return len(self.cache) + self.pinned + 2  # the root, and the mount descriptor
+
     def get(self, nodeid: int) -> Inode:
-        """The inode for a node id the kernel gave us; ESTALE if it was let go."""
+        """The inode for a node id the kernel gave us; ESTALE if it was let go.
+
+        Every request handler starts here, so this is where the descriptor cache is
+        trimmed (:meth:`trim`).
+        """
         inode = self._by_id[nodeid]
-        if inode.fd < 0:
-            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+        if inode.stale:
+            raise _stale()
+        if self.cache.over:
+            self.cache.trim()
         return inode
+
+    def trim(self) -> None:
+        """Evict cached descriptors down to the budget. Call only where a request starts,
+        before it has taken any inode descriptor (:meth:`get` does, for its caller)."""
+        if self.cache.over:
+            self.cache.trim()
 
     @staticmethod
     def resolve(parent_fd: int, name: bytes) -> tuple[int, os.stat_result]:
@@ -92,23 +177,77 @@ class InodeTable:
     def adopt(self, fd: int, st: os.stat_result) -> Inode:
         """Count one kernel reference to the object behind *fd*, taking ownership of *fd*.
 
-        If the object is already known (another name, a hard link), *fd* is closed and the
-        known inode is returned, so hard links share one node id.
+        If the object is already known (another name, a hard link), the known inode is
+        returned, so hard links share one node id; *fd* then refreshes its cached
+        descriptor or is closed.
         """
         key = (st.st_dev, st.st_ino)
         inode = self._by_key.get(key)
-        if inode is not None:
-            os.close(fd)
-            inode.lookups += 1
-            return inode
+        handle = None
+        if inode is not None and not inode.stale:
+            if inode.handle is None or inode.cached_fd >= 0:
+                os.close(fd)
+                inode.lookups += 1
+                return inode
+            handle = self._handle_of(fd, st)
+            if handle == inode.handle:
+                self.cache.put(inode, fd)  # it will be used next: keep this descriptor
+                inode.lookups += 1
+                return inode
+            # Same inode number, another generation: the known object is gone underneath
+            # and its number was reused. The old node id answers ESTALE from now on.
+            inode.stale = True
+        elif self.handles:
+            handle = self._handle_of(fd, st)
         nodeid = st.st_ino if st.st_dev == self.root_dev else 0
         if nodeid <= pyfuse3.ROOT_INODE or nodeid in self._by_id:
             nodeid = self._next_synthetic
             self._next_synthetic += 1
-        inode = Inode(nodeid, fd, key, 1)
+        inode = Inode(self, nodeid, key, 1, handle, -1)
         self._by_id[nodeid] = inode
         self._by_key[key] = inode
+        if handle is None:
+            inode.cached_fd = fd
+            self.pinned += 1
+        else:
+            self.cache.put(inode, fd)
         return inode
+
+    def _handle_of(self, fd: int, st: os.stat_result) -> bytes | None:
+        """The object's file handle, or None if it must keep its descriptor instead."""
+        if not self.handles or st.st_dev != self.root_dev:
+            return None  # a submount: its handles would need a descriptor on that mount
+        try:
+            handle, mount_id = syscalls.handle_of_fd(fd)
+        except OSError:
+            return None
+        return handle if mount_id == self._root_mount_id else None
+
+    def reopen(self, inode: Inode) -> int:
+        """Open an evicted inode's descriptor again from its handle (and cache it)."""
+        if inode.stale or inode.handle is None:
+            raise _stale()
+        try:
+            fd = syscalls.open_by_handle(self._mount_fd, inode.handle, _REOPEN_FLAGS)
+        except OSError as exc:
+            if exc.errno == errno.ESTALE:
+                inode.stale = True  # gone underneath
+            raise
+        self.reopens += 1
+        self.cache.put(inode, fd)
+        return fd
+
+    def relieve(self) -> bool:
+        """The daemon is short of descriptors: close half of the cached ones.
+
+        Returns whether any was closed (worth retrying the call that failed). Descriptors
+        the caller took from inodes before are invalid afterwards: take them again.
+        """
+        dropped = self.cache.shrink(len(self.cache) // 2)
+        if dropped:
+            log.warning("out of file descriptors: closed %d cached inode descriptors "
+                        "(%d left)", dropped, len(self.cache))
+        return dropped > 0
 
     def nodeid_of(self, st: os.stat_result) -> int:
         """The node id an object has or would get, without counting a reference."""
@@ -129,14 +268,26 @@ class InodeTable:
         The node id stays valid (the kernel may still forget it); any later use of it
         answers ESTALE.
         """
-        if inode is self.root or inode.opens or inode.fd < 0:
+        if inode is self.root or inode.opens or inode.stale:
             return
-        if os.fstat(inode.fd).st_nlink:
-            return
+        try:
+            if os.fstat(inode.fd).st_nlink:
+                return
+        except OSError as exc:
+            if exc.errno != errno.ESTALE:  # short of descriptors, say: try again later
+                return
         if self._by_key.get(inode.key) is inode:
             del self._by_key[inode.key]
-        os.close(inode.fd)
-        inode.fd = -1
+        inode.stale = True
+        self._let_go(inode)
+
+    def _let_go(self, inode: Inode) -> None:
+        if inode.slot >= 0:
+            self.cache.drop(inode)
+        elif inode.cached_fd >= 0:  # a pinned descriptor (no handle)
+            self._close(inode.cached_fd)
+            inode.cached_fd = -1
+            self.pinned -= 1
 
     def forget(self, nodeid: int, count: int) -> None:
         """Drop *count* kernel references; close the descriptor when none remain."""
@@ -150,13 +301,39 @@ class InodeTable:
         del self._by_id[nodeid]
         if self._by_key.get(inode.key) is inode:
             del self._by_key[inode.key]
-        if inode.fd >= 0:
-            os.close(inode.fd)
+        inode.stale = True
+        self._let_go(inode)
 
     def close_all(self) -> None:
         """Close every descriptor (after unmount, when the kernel will send no more forgets)."""
+        self.cache.close_all()
         for inode in self._by_id.values():
-            if inode is not self.root and inode.fd >= 0:
-                os.close(inode.fd)
+            if inode is not self.root and inode.cached_fd >= 0:
+                self._close(inode.cached_fd)
+                inode.cached_fd = -1
+        self.pinned = 0
+        if self._mount_fd >= 0:
+            os.close(self._mount_fd)
+            self._mount_fd = -1
         self._by_id = {pyfuse3.ROOT_INODE: self.root}
         self._by_key = {self.root.key: self.root}
+
+
+def default_fd_budget() -> int:
+    """How many inode descriptors to cache: a quarter of the descriptor limit, so that
+    open files, directory listings and sockets keep the other three quarters."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_FD_BUDGET
+    return max(MIN_FD_BUDGET, min(MAX_FD_BUDGET, soft // 4))
+
+
+def _handles_usable(mount_fd: int) -> tuple[int, bool]:
+    """The source's mount id, and whether its objects can be reopened from handles here."""
+    try:
+        handle, mount_id = syscalls.handle_of_fd(mount_fd)
+        os.close(syscalls.open_by_handle(mount_fd, handle, _REOPEN_FLAGS))
+    except OSError as exc:
+        log.info("file handles unusable on the source (%s)", exc.strerror)
+        return -1, False
+    return mount_id, True

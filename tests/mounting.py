@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -35,8 +36,9 @@ class QosfsMount:
     """A foreground qosfs daemon in a subprocess, so the test knows its PID."""
 
     def __init__(self, source: Path, mountpoint: Path, *args: str,
-                 log_path: Path | None = None) -> None:
+                 log_path: Path | None = None, nofile: int | None = None) -> None:
         self.source = source
+        self.nofile = nofile  # the daemon's RLIMIT_NOFILE (soft and hard), if set
         self.mountpoint = mountpoint
         self.args = args
         self.log_path = log_path or mountpoint.parent / f"qosfs-{mountpoint.name}.log"
@@ -48,7 +50,11 @@ class QosfsMount:
             cmd.append(str(self.mountpoint))
         cmd += list(self.args)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
+        limit = self.nofile
+        preexec = None if limit is None else (
+            lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)))
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     preexec_fn=preexec)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
