@@ -67,6 +67,8 @@ class Controller:
         # Entered around every reload, accepted or not (systemd: RELOADING=1 ... READY=1).
         self.reloading: Callable[[], AbstractContextManager[object]] = nullcontext
         self._started: float | None = None  # set when run() starts
+        # More live figures for status (the filesystem's descriptors, the parking lot).
+        self.info_sources: list[Callable[[], dict[str, Any]]] = []
 
     def __repr__(self) -> str:
         return (f"<Controller generation={getattr(self.engine, 'generation', 0)} "
@@ -84,6 +86,8 @@ class Controller:
         started = now if self._started is None else self._started
         info = {**self.info, "pid": os.getpid(), "version": __version__,
                 "uptime_seconds": now - started}
+        for source in self.info_sources:
+            info.update(source())
         return take_snapshot(self.engine, now, changes=dict(self.changes),
                              last_reload_ok=self.last_reload_ok, info=info,
                              latency=self.latency.status() if self.latency else None)

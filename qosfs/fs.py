@@ -37,7 +37,7 @@ import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
-from qosfs import syscalls
+from qosfs import interrupts, syscalls
 from qosfs.backing_io import BackingIO
 from qosfs.fdcache import DeferredClose
 from qosfs.handles import DirHandle, FileHandle
@@ -470,8 +470,9 @@ class PassthroughOperations(pyfuse3.Operations):
         # call bumping plain integers (see qosfs.accounting for what it costs).
         handle = self.files[fh]
         flow = handle.flow
-        waited = await flow.admit_read(size) if flow.limited else 0.0
         try:
+            # Admission may refuse (EAGAIN: too many parked) or give up (EINTR: killed).
+            waited = await flow.admit_read(size) if flow.limited else 0.0
             start = _now_ns()
             data = await self.io.read(handle.fd, off, size, handle.direct, flow.limiter)
             took = _now_ns() - start
@@ -486,8 +487,8 @@ class PassthroughOperations(pyfuse3.Operations):
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         handle = self.files[fh]
         flow = handle.flow
-        waited = await flow.admit_write(len(buf)) if flow.limited else 0.0
         try:
+            waited = await flow.admit_write(len(buf)) if flow.limited else 0.0
             if handle.kill_priv:
                 handle.kill_priv = False
                 self._kill_priv(handle.fd)
@@ -647,6 +648,23 @@ class PassthroughOperations(pyfuse3.Operations):
         node = self.inodes.get(inode)
         await self._admit_meta(node, ctx)
         await self._meta(os.removexattr, node.proc_path, name)
+
+    # ----------------------------------------------------------------- observation
+
+    def resources(self) -> dict[str, Any]:
+        """What the daemon holds now, for ``ctl status`` (descriptors, parked requests)."""
+        inodes = self.inodes
+        out: dict[str, Any] = {
+            "inodes": len(inodes), "inode_fds": inodes.fds_held,
+            "inode_fd_budget": inodes.cache.capacity, "inode_fd_reopens": inodes.reopens,
+            "file_handles": len(self.files), "dir_handles": len(self.dirs),
+            "killed_callers": interrupts.killed_callers,
+        }
+        parking = getattr(self.qos, "parking", None)
+        if parking is not None:
+            out.update(parked_requests=parking.requests, parked_bytes=parking.bytes,
+                       parking_refused=parking.refused)
+        return out
 
     # ----------------------------------------------------------------- shutdown
 

@@ -38,7 +38,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from qosfs import tuning
+from qosfs import interrupts, tuning
 from qosfs.backing_io import BackingIO, IoMode, backing_mount, choose_io_mode
 from qosfs.control import ControlSocket
 from qosfs.controller import Controller
@@ -57,9 +57,9 @@ log = logging.getLogger(__name__)
 
 # pyfuse3 gives every request its own task, up to max_tasks, and stops reading
 # /dev/fuse when they are all busy. A request parked by QoS holds a task, so the limit
-# must exceed everything the kernel can have outstanding at once (max_background plus
-# one synchronous request per calling thread); trio tasks are cheap, so be generous.
-MAX_TASKS = 1024
+# must exceed what may be parked at once (qosfs.parking bounds it at 3,072 in all) by a
+# reserve for requests that need no tokens; trio tasks are cheap, so be generous.
+MAX_TASKS = 4096
 MIN_TASKS = 4
 
 
@@ -190,12 +190,14 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
     # The kernel applied the caller's umask already; ours must not mask again.
     os.umask(0)
     engine: QosEngine = PolicyQos(policy) if cfg.qos else PassThroughQos()
+    if cfg.qos:  # parked requests of killed callers are answered at once
+        interrupts.install()
     ops = PassthroughOperations(root_fd, BackingIO(mode), engine, cfg.fs_options)
     mountpoint = os.path.realpath(cfg.mountpoint)  # resolved before we serve it
     latency = (LatencyControl(engine, LatencyProbe(mountpoint, ops.probe_tids))
                if isinstance(engine, PolicyQos) else None)
     with ExitStack() as stack:
-        services = _open_services(cfg, mountpoint, engine, stack, latency)
+        services = _open_services(cfg, mountpoint, engine, stack, latency, ops.resources)
         try:
             pyfuse3.init(ops, mountpoint, _fuse_options(cfg, backing_options))
         except RuntimeError as exc:
@@ -217,7 +219,8 @@ Service = Callable[..., Awaitable[Any]]
 
 
 def _open_services(cfg: MountConfig, mountpoint: str, engine: Any, stack: ExitStack,
-                   latency: LatencyControl | None = None) -> list[Service]:
+                   latency: LatencyControl | None = None,
+                   resources: Callable[[], dict[str, Any]] | None = None) -> list[Service]:
     """Bind the control socket (and metrics port) now; closed when ``stack`` unwinds."""
     source = os.path.abspath(cfg.source)
     path = os.path.abspath(cfg.socket_path or default_socket_path(mountpoint))
@@ -229,6 +232,8 @@ def _open_services(cfg: MountConfig, mountpoint: str, engine: Any, stack: ExitSt
                             latency=latency)
     controller.on_swap.append(lambda p: control.set_admin_group(p.control.admin_gid))
     controller.reloading = _notify_reloading
+    if resources is not None:
+        controller.info_sources.append(resources)
     services: list[Service] = [controller.run, functools.partial(control.serve,
                                                                  controller.handle)]
     if latency is not None:

@@ -23,6 +23,7 @@ or ``fs.py``.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -45,6 +46,8 @@ from qosfs.limiter import (
     refund_bytes,
     try_admit,
 )
+from qosfs.interrupts import Caller, cancelled_if_killed, current_caller
+from qosfs.parking import ParkingLot
 from qosfs.policy import ClassRule, Limits, Policy
 from qosfs.qos import THREADS_PER_FLOW
 
@@ -163,12 +166,14 @@ class PolicyFlow:
     """What one (class, tenant, uid) is charged to; shared by all its open files."""
 
     __slots__ = ("cls", "tenant", "backend", "uid", "limited", "direct_io", "limiter",
-                 "stats", "tenant_name", "open_files", "_accounts", "_chain", "__weakref__")
+                 "stats", "tenant_name", "open_files", "parking", "_accounts", "_chain",
+                 "__weakref__")
 
     def __init__(self, cls: ClassState, tenant: RateLevel | None, backend: BackendLevel | None,
                  uid: int, tenant_name: str | None = None,
-                 accounts: Accounts | None = None) -> None:
+                 accounts: Accounts | None = None, parking: ParkingLot | None = None) -> None:
         self.uid = uid
+        self.parking = parking if parking is not None else ParkingLot()
         self.limited = True  # admission also counts per level, so it is always called
         self.open_files = 0
         self.tenant = tenant
@@ -204,22 +209,51 @@ class PolicyFlow:
     # policy adds to a lookup (bench/machinery.py).
 
     async def admit_read(self, nbytes: int) -> float:
-        """Wait until every level admits the read; returns the seconds spent waiting."""
+        """Wait until every level admits the read; returns the seconds spent waiting.
+
+        Raises:
+            OSError: EAGAIN if it would have to wait and the parking lot is full
+                (:mod:`qosfs.parking`); EINTR if its caller was killed while it waited.
+        """
         levels = self._levels()
         start = try_admit(levels, _READ, nbytes)
-        return 0.0 if start < 0 else await admit_rest(levels, start, _READ, nbytes)
+        if start < 0:
+            return 0.0
+        return await self._park(levels, start, _READ, nbytes, current_caller(nbytes))
 
     async def admit_write(self, nbytes: int) -> float:
+        """As :meth:`admit_read`, for a write."""
         levels = self._levels()
         start = try_admit(levels, _WRITE, nbytes)
-        return 0.0 if start < 0 else await admit_rest(levels, start, _WRITE, nbytes)
+        if start < 0:
+            return 0.0
+        return await self._park(levels, start, _WRITE, nbytes, current_caller(nbytes))
 
     async def admit_meta(self) -> None:
         levels = self._levels()
         start = try_admit(levels, _META, 0)
         if start >= 0:
-            await admit_rest(levels, start, _META, 0)
+            await self._park(levels, start, _META, 0, None)
         self.stats.meta_ops += 1
+
+    async def _park(self, levels: list[RateLevel | ClassPort], start: int, kind: Kind,
+                    nbytes: int, caller: Caller | None) -> float:
+        """Wait at ``levels[start:]`` (try_admit charged the levels before), within the
+        parking lot's bounds and for as long as the caller lives."""
+        uid = self.uid if caller is None else caller.uid  # the writer, not the opener
+        cls = self.cls.rule.name
+        held = nbytes if kind is _WRITE else 0  # the data a parked write holds
+        lot = self.parking
+        if not lot.enter(uid, cls, held):
+            for level in levels[:start]:
+                level._refund(kind, nbytes, 1)
+            raise OSError(errno.EAGAIN, "too many requests waiting for tokens")
+        try:
+            with cancelled_if_killed(caller):
+                return await admit_rest(levels, start, kind, nbytes)
+            raise OSError(errno.EINTR, "caller killed while waiting for tokens")
+        finally:
+            lot.leave(uid, cls, held)
 
     def refund_read(self, nbytes: int) -> None:
         """Give back what a short read (EOF) was charged but did not transfer."""
@@ -292,6 +326,7 @@ class PolicyQos:
         self.auto_caps: dict[str, AutoCaps] = {}  # by class name; see set_auto_caps()
         self.draining = False
         self.generation = 0
+        self.parking = ParkingLot()  # bounds on requests waiting for tokens (qosfs.parking)
         self.swap(policy)
 
     # ------------------------------------------------------------------ policy swap
@@ -417,7 +452,7 @@ class PolicyQos:
         if flow is None:
             flow = PolicyFlow(self.classes[rule.name],
                               self.tenants.get(tname) if tname else None, self.backend, uid,
-                              tname, self.accounts)
+                              tname, self.accounts, self.parking)
             self._flows[key] = flow
             self._all_flows.add(flow)
         return flow
