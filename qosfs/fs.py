@@ -211,6 +211,14 @@ class PassthroughOperations(pyfuse3.Operations):
     def _apply_setattr(self, node: Inode, handle: FileHandle | None,
                        attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
                        caller_uid: int) -> None:
+        if not (fields.update_size or fields.update_mode or fields.update_uid
+                or fields.update_gid or fields.update_atime or fields.update_mtime):
+            # chown(-1, -1) (and lchown, fchown): the kernel sends a setattr with nothing
+            # to change, yet natively the call updates ctime. The same no-op chown on the
+            # backing object does exactly what it does there. (update_ctime alone comes
+            # only with the writeback cache, which is off.)
+            syscalls.chown_fd(node.fd, -1, -1)
+            return
         if fields.update_size:
             if handle is not None:
                 os.ftruncate(handle.fd, attr.st_size)

@@ -7,16 +7,17 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.mount import posix_scenarios
-from tests.mounting import as_user
+from tests.mounting import QosfsMount, as_user
 
 pytestmark = pytest.mark.mount
 
-SCENARIOS = ["files", "rename", "links", "xattr", "special", "names"]
+SCENARIOS = ["files", "rename", "links", "xattr", "special", "names", "ctime"]
 TEST_UID = 4242
 TEST_GID = 4242
 
@@ -81,3 +82,31 @@ def test_parent_of_mount_root_stays_inside(qmount) -> None:
     (qmount.source / "inside").write_text("x")
     assert sorted(os.listdir(qmount.mountpoint)) == ["inside"]
     assert os.stat(qmount.mountpoint / "..").st_ino == os.stat(qmount.mountpoint.parent).st_ino
+
+
+@pytest.fixture
+def on_tmpfs(tmp_tree: Path) -> Iterator[Path]:
+    """A fresh tmpfs under tmp_tree (the default temporary directory may be ext4)."""
+    fs = tmp_tree / "tmpfs"
+    fs.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755", "qosfs-test", str(fs)],
+                   check=True)
+    try:
+        yield fs
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], check=False)
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_mount_over_tmpfs_matches_native(scenario: str, on_tmpfs: Path) -> None:
+    src, mnt = Path(_fresh(on_tmpfs / "src")), on_tmpfs.parent / "mnt"
+    mnt.mkdir()
+    native = posix_scenarios.SCENARIOS[scenario](_fresh(on_tmpfs / "native"))
+    mount = QosfsMount(src, mnt, log_path=on_tmpfs.parent / "qosfs.log").start()
+    try:
+        through = posix_scenarios.SCENARIOS[scenario](_fresh(mnt / "case"))
+    finally:
+        code = mount.stop()
+    assert code == 0, mount.log()
+    assert through == native
