@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,3 +112,22 @@ def test_mount_over_tmpfs_matches_native(scenario: str, on_tmpfs: Path) -> None:
         code = mount.stop()
     assert code == 0, mount.log()
     assert through == native
+
+
+def test_o_tmpfile_is_refused_and_leaves_nothing_behind(qmount) -> None:
+    """Documented in the README: pyfuse3 and libfuse 3.14 have no tmpfile operation, so
+    the kernel answers EOPNOTSUPP (every time, not only the first); the directory
+    underneath would have accepted it, and fallbacks such as tempfile still work."""
+    native = os.open(qmount.source, os.O_TMPFILE | os.O_WRONLY, 0o600)
+    os.close(native)
+    for _ in range(2):  # the first asks the daemon, later ones the kernel answers alone
+        with pytest.raises(OSError) as refused:
+            os.open(qmount.mountpoint, os.O_TMPFILE | os.O_WRONLY, 0o600)
+        assert refused.value.errno == errno.EOPNOTSUPP
+    assert os.listdir(qmount.source) == []
+    with tempfile.TemporaryFile(dir=qmount.mountpoint) as f:
+        f.write(b"scratch")
+        f.seek(0)
+        assert f.read() == b"scratch"
+        assert os.listdir(qmount.source) == []  # named, then unlinked at once
+    assert os.listdir(qmount.source) == []
