@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -36,6 +37,8 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
+
+from qosfs.syscalls import setfsuid
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +159,16 @@ def _pwrite_full(fd: int, data: Any, off: int) -> int:
     return done
 
 
+def _pwrite_as(fsuid: int, fd: int, data: Any, off: int) -> int:
+    """_pwrite_full with this thread's fsuid set to *fsuid*, so that the filesystem
+    allocates for that user (root's reserved blocks: see :mod:`qosfs.privileges`)."""
+    setfsuid(fsuid)
+    try:
+        return _pwrite_full(fd, data, off)
+    finally:
+        setfsuid(0)
+
+
 class BackingIO:
     """Issues data-path syscalls according to the mount's :class:`IoMode`."""
 
@@ -224,13 +237,15 @@ class BackingIO:
 
     async def write(
         self, fd: int, off: int, data: bytes, direct: bool, limiter: trio.CapacityLimiter,
-        throttled: bool = False,
+        throttled: bool = False, fsuid: int = 0,
     ) -> int:
         """Write all of *data* at *off* (looping on short writes). Raises OSError.
 
         *throttled*: the writer's flow is capped; a large write then runs in a thread
-        (see ``OFFLOAD_WRITE``).
+        (see ``OFFLOAD_WRITE``). *fsuid*: if not 0, the uid to write as (the daemon's
+        own fsuid, 0, is restored after the syscall).
         """
+        pwrite: Callable[..., int] = functools.partial(_pwrite_as, fsuid) if fsuid else _pwrite_full
         if direct:
             pool = self._aligned
             size = len(data)
@@ -239,15 +254,15 @@ class BackingIO:
             view[:] = data
             try:
                 if self.mode is IoMode.INLINE:
-                    return _pwrite_full(fd, view, off)
+                    return pwrite(fd, view, off)
                 self.thread_hops += 1
-                return await trio.to_thread.run_sync(_pwrite_full, fd, view, off, limiter=limiter)
+                return await trio.to_thread.run_sync(pwrite, fd, view, off, limiter=limiter)
             finally:
                 pool.give(buf)
         if self.mode is IoMode.THREADS or (throttled and len(data) >= OFFLOAD_WRITE):
             self.thread_hops += 1
-            return await trio.to_thread.run_sync(_pwrite_full, fd, data, off, limiter=limiter)
-        return _pwrite_full(fd, data, off)
+            return await trio.to_thread.run_sync(pwrite, fd, data, off, limiter=limiter)
+        return pwrite(fd, data, off)
 
     async def blocking(
         self, limiter: trio.CapacityLimiter, fn: Callable[..., Any], *args: Any

@@ -91,8 +91,11 @@ class PassthroughOperations(pyfuse3.Operations):
     enable_writeback_cache = False  # see module docstring: acknowledged means written
     enable_acl = False
 
-    def __init__(self, root_fd: int, io: BackingIO, qos: QosEngine, options: FsOptions) -> None:
+    def __init__(self, root_fd: int, io: BackingIO, qos: QosEngine, options: FsOptions,
+                 write_as_caller: bool = False) -> None:
         super().__init__()
+        # Non-root openers' writes run with their fsuid (root's reserve: qosfs.privileges).
+        self._write_as_caller = write_as_caller
         self.inodes = InodeTable(root_fd)
         self.io = io
         self.qos = qos
@@ -391,7 +394,8 @@ class PassthroughOperations(pyfuse3.Operations):
         if accmode != os.O_RDONLY and ctx.uid != 0:
             kill_priv = bool(os.fstat(node.fd).st_mode & _SUID_SGID)
         node.opens += 1
-        self.files[fd] = FileHandle(fd, direct, flow, node, kill_priv)
+        fsuid = ctx.uid if self._write_as_caller else 0
+        self.files[fd] = FileHandle(fd, direct, flow, node, kill_priv, fsuid)
         cache = self.options.cache
         bypass = flow.direct_io_for(accmode)  # per class and access mode (PolicyFlow)
         return pyfuse3.FileInfo(
@@ -474,7 +478,7 @@ class PassthroughOperations(pyfuse3.Operations):
                 self._kill_priv(handle.fd)
             start = _now_ns()
             n = await self.io.write(handle.fd, off, buf, handle.direct, flow.limiter,
-                                    flow.throttled_writes)
+                                    flow.throttled_writes, handle.fsuid)
             took = _now_ns() - start
         except OSError as exc:
             raise FUSEError(exc.errno or errno.EIO) from None
