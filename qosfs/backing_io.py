@@ -38,6 +38,7 @@ from typing import Any
 import trio
 
 from qosfs.fdcache import DeferredClose
+from qosfs.syscalls import setfsuid
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,18 @@ def _pwrite_full(fd: int, data: Any, off: int) -> int:
     return done
 
 
+def _pwrite_as(fsuid: int, fd: int, data: Any, off: int) -> int:
+    """_pwrite_full with this thread's fsuid set to *fsuid* (0: as the daemon), so that
+    the filesystem allocates for that user (root's reserved blocks: qosfs.privileges)."""
+    if not fsuid:
+        return _pwrite_full(fd, data, off)
+    setfsuid(fsuid)
+    try:
+        return _pwrite_full(fd, data, off)
+    finally:
+        setfsuid(0)
+
+
 class BackingIO:
     """Issues data-path syscalls according to the mount's :class:`IoMode`."""
 
@@ -229,12 +242,13 @@ class BackingIO:
 
     async def write(
         self, fd: int, off: int, data: bytes, direct: bool, limiter: trio.CapacityLimiter,
-        throttled: bool = False,
+        throttled: bool = False, fsuid: int = 0,
     ) -> int:
         """Write all of *data* at *off* (looping on short writes). Raises OSError.
 
         *throttled*: the writer's flow is capped; a large write then runs in a thread
-        (see ``OFFLOAD_WRITE``).
+        (see ``OFFLOAD_WRITE``). *fsuid*: if not 0, the uid to write as (the daemon's
+        own fsuid, 0, is restored after the syscall).
         """
         if direct:
             pool = self._aligned
@@ -244,15 +258,17 @@ class BackingIO:
             view[:] = data
             try:
                 if self.mode is IoMode.INLINE:
-                    return _pwrite_full(fd, view, off)
+                    return _pwrite_as(fsuid, fd, view, off)
                 self.thread_hops += 1
-                return await trio.to_thread.run_sync(_pwrite_full, fd, view, off, limiter=limiter)
+                return await trio.to_thread.run_sync(_pwrite_as, fsuid, fd, view, off,
+                                                     limiter=limiter)
             finally:
                 pool.give(buf)
         if self.mode is IoMode.THREADS or (throttled and len(data) >= OFFLOAD_WRITE):
             self.thread_hops += 1
-            return await trio.to_thread.run_sync(_pwrite_full, fd, data, off, limiter=limiter)
-        return _pwrite_full(fd, data, off)
+            return await trio.to_thread.run_sync(_pwrite_as, fsuid, fd, data, off,
+                                                 limiter=limiter)
+        return _pwrite_as(fsuid, fd, data, off)
 
     async def blocking(
         self, limiter: trio.CapacityLimiter, fn: Callable[..., Any], *args: Any

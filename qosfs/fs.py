@@ -97,8 +97,11 @@ class PassthroughOperations(pyfuse3.Operations):
     enable_writeback_cache = False  # see module docstring: acknowledged means written
     enable_acl = False
 
-    def __init__(self, root_fd: int, io: BackingIO, qos: QosEngine, options: FsOptions) -> None:
+    def __init__(self, root_fd: int, io: BackingIO, qos: QosEngine, options: FsOptions,
+                 write_as_caller: bool = False) -> None:
         super().__init__()
+        # Non-root openers' writes run with their fsuid (root's reserve: qosfs.privileges).
+        self._write_as_caller = write_as_caller
         # Evicted inode descriptors are closed only once no worker thread can still be
         # using them (network backing stores run metadata syscalls in threads).
         guard = DeferredClose()
@@ -237,6 +240,14 @@ class PassthroughOperations(pyfuse3.Operations):
     def _apply_setattr(self, node: Inode, handle: FileHandle | None,
                        attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
                        caller_uid: int) -> None:
+        if not (fields.update_size or fields.update_mode or fields.update_uid
+                or fields.update_gid or fields.update_atime or fields.update_mtime):
+            # chown(-1, -1) (and lchown, fchown): the kernel sends a setattr with nothing
+            # to change, yet natively the call updates ctime. The same no-op chown on the
+            # backing object does exactly what it does there. (update_ctime alone comes
+            # only with the writeback cache, which is off.)
+            syscalls.chown_fd(node.fd, -1, -1)
+            return
         if fields.update_size:
             if handle is not None:
                 os.ftruncate(handle.fd, attr.st_size)
@@ -411,7 +422,8 @@ class PassthroughOperations(pyfuse3.Operations):
         if accmode != os.O_RDONLY and ctx.uid != 0:
             kill_priv = bool(os.fstat(node.fd).st_mode & _SUID_SGID)
         node.opens += 1
-        self.files[fd] = FileHandle(fd, direct, flow, node, kill_priv)
+        fsuid = ctx.uid if self._write_as_caller else 0
+        self.files[fd] = FileHandle(fd, direct, flow, node, kill_priv, fsuid)
         cache = self.options.cache
         bypass = flow.direct_io_for(accmode)  # per class and access mode (PolicyFlow)
         return pyfuse3.FileInfo(
@@ -494,7 +506,7 @@ class PassthroughOperations(pyfuse3.Operations):
                 self._kill_priv(handle.fd)
             start = _now_ns()
             n = await self.io.write(handle.fd, off, buf, handle.direct, flow.limiter,
-                                    flow.throttled_writes)
+                                    flow.throttled_writes, handle.fsuid)
             took = _now_ns() - start
         except OSError as exc:
             raise FUSEError(exc.errno or errno.EIO) from None

@@ -23,6 +23,7 @@ class FileHandle:
     flow: Any  # the QoS flow (class/tenant/user levels) chosen at open
     inode: Inode
     kill_priv: bool = False  # clear setuid/setgid on the first write (unprivileged writer)
+    fsuid: int = 0  # writes run with this fsuid when not 0 (see qosfs.privileges)
 
 
 @dataclass(slots=True, eq=False)

@@ -49,6 +49,7 @@ from qosfs.latency_control import LatencyControl
 from qosfs.latency_probe import LatencyProbe
 from qosfs.notify import notify, reloading
 from qosfs.policy import default_policy, load_policy
+from qosfs.privileges import shed_resource_privileges
 from qosfs.protocol import default_socket_path
 from qosfs.qos import PassThroughQos, QosEngine
 from qosfs.scheduler import PolicyQos
@@ -187,12 +188,16 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
     else:
         mode = IoMode(cfg.io_mode)
     _raise_fd_limit()
+    # Last thing that could want CAP_SYS_RESOURCE: from here on root's resource
+    # privileges (quota limits, ext4's reserve) are not lent to users' writes.
+    write_as_caller = os.geteuid() == 0 and shed_resource_privileges(root_fd)
     # The kernel applied the caller's umask already; ours must not mask again.
     os.umask(0)
     engine: QosEngine = PolicyQos(policy) if cfg.qos else PassThroughQos()
     if cfg.qos:  # parked requests of killed callers are answered at once
         interrupts.install()
-    ops = PassthroughOperations(root_fd, BackingIO(mode), engine, cfg.fs_options)
+    ops = PassthroughOperations(root_fd, BackingIO(mode), engine, cfg.fs_options,
+                                write_as_caller)
     mountpoint = os.path.realpath(cfg.mountpoint)  # resolved before we serve it
     latency = (LatencyControl(engine, LatencyProbe(mountpoint, ops.probe_tids))
                if isinstance(engine, PolicyQos) else None)

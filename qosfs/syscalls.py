@@ -1,7 +1,8 @@
 """The few Linux syscalls the ``os`` module does not expose, through ctypes.
 
-Only metadata operations use these (rename flags, timestamps with ``UTIME_OMIT``,
-ownership of symlinks by descriptor); none is on the read/write path.
+Metadata operations use these (rename flags, timestamps with ``UTIME_OMIT``, ownership
+of symlinks by descriptor); only :func:`setfsuid` is on the write path (see
+:mod:`qosfs.privileges`).
 """
 
 from __future__ import annotations
@@ -119,3 +120,15 @@ def open_by_handle(mount_fd: int, handle: bytes, flags: int) -> int:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
     return fd
+
+
+_libc.setfsuid.argtypes = [ctypes.c_uint]
+
+
+def setfsuid(uid: int) -> int:
+    """Set this thread's filesystem uid; returns the previous one.
+
+    The kernel reports no error: a refused change (no CAP_SETUID) just leaves it, so
+    callers that must know compare with a second call (an invalid uid only reports).
+    """
+    return int(_libc.setfsuid(uid & 0xFFFFFFFF))

@@ -36,16 +36,19 @@ class QosfsMount:
     """A foreground qosfs daemon in a subprocess, so the test knows its PID."""
 
     def __init__(self, source: Path, mountpoint: Path, *args: str,
-                 log_path: Path | None = None, nofile: int | None = None) -> None:
+                 log_path: Path | None = None, nofile: int | None = None,
+                 wrapper: Sequence[str] = ()) -> None:
         self.source = source
         self.nofile = nofile  # the daemon's RLIMIT_NOFILE (soft and hard), if set
+        self.wrapper = list(wrapper)  # runs the daemon, e.g. setpriv with a bounding set
         self.mountpoint = mountpoint
         self.args = args
         self.log_path = log_path or mountpoint.parent / f"qosfs-{mountpoint.name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 20.0) -> QosfsMount:
-        cmd = [sys.executable, "-m", "qosfs", "mount", "--foreground", str(self.source)]
+        cmd = [*self.wrapper, sys.executable, "-m", "qosfs", "mount", "--foreground",
+               str(self.source)]
         if self.mountpoint != self.source:
             cmd.append(str(self.mountpoint))
         cmd += list(self.args)

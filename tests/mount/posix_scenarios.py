@@ -264,6 +264,7 @@ def s_user(root: str) -> Obs:
     attempt(log, "write-secret", lambda: os.open(os.path.join(root, "secret"), os.O_WRONLY))
     attempt(log, "chmod-others", lambda: os.chmod(os.path.join(root, "secret"), 0o666))
     attempt(log, "chown-own", lambda: os.chown(f, 0, -1))
+    attempt(log, "chown-noop-others", lambda: os.chown(os.path.join(root, "secret"), -1, -1))
     attempt(log, "unlink-sticky-others", lambda: os.unlink(os.path.join(shared, "roots")))
     attempt(log, "rename-sticky-others",
             lambda: os.rename(os.path.join(shared, "roots"), os.path.join(shared, "moved")))
@@ -308,6 +309,46 @@ def s_user(root: str) -> Obs:
     return log
 
 
+def _after_ctime_of(path: str, scratch: str) -> int:
+    """Wait until the filesystem's clock has moved past *path*'s ctime (coarse clocks
+    tick every few ms): touch *scratch* until its ctime is later. Returns *path*'s ctime."""
+    before = os.stat(path, follow_symlinks=False).st_ctime_ns
+    while os.stat(scratch).st_ctime_ns <= before:
+        os.utime(scratch)
+    return before
+
+
+def s_ctime(root: str) -> Obs:
+    """chown/lchown/fchown to (-1, -1) change nothing but still update ctime (pjdfstest
+    chown/00.t); on a setuid file they also clear setuid."""
+    log: Obs = []
+    scratch = os.path.join(root, "scratch")
+    open(scratch, "w").close()
+    f, d, sym = (os.path.join(root, name) for name in ("f", "d", "sym"))
+    open(f, "w").close()
+    os.mkdir(d)
+    os.symlink("f", sym)
+
+    def changed(label: str, path: str, chown: Callable[[], None]) -> None:
+        before = _after_ctime_of(path, scratch)
+        attempt(log, label, chown)
+        log.append([label + "-ctime", os.stat(path, follow_symlinks=False).st_ctime_ns > before])
+
+    changed("chown-file", f, lambda: os.chown(f, -1, -1))
+    changed("chown-dir", d, lambda: os.chown(d, -1, -1))
+    changed("lchown-symlink", sym, lambda: os.lchown(sym, -1, -1))
+    fd = os.open(f, os.O_RDWR)
+    try:
+        changed("fchown", f, lambda: os.fchown(fd, -1, -1))
+    finally:
+        os.close(fd)
+    os.chmod(f, 0o6755)
+    changed("chown-setuid", f, lambda: os.chown(f, -1, -1))
+    log.append(["setuid-after", oct(stat.S_IMODE(os.stat(f).st_mode))])
+    changed("chown-same-owner", f, lambda: os.chown(f, os.getuid(), os.getgid()))
+    return log
+
+
 def prepare_user_tree(root: str, gid: int) -> None:
     """As root: the files s_user expects (owned by root, various modes)."""
     shared = os.path.join(root, "shared")
@@ -338,7 +379,7 @@ def prepare_user_tree(root: str, gid: int) -> None:
 
 SCENARIOS: dict[str, Callable[[str], Obs]] = {
     "files": s_files, "rename": s_rename, "links": s_links, "xattr": s_xattr,
-    "special": s_special, "names": s_names, "user": s_user,
+    "special": s_special, "names": s_names, "user": s_user, "ctime": s_ctime,
 }
 
 if __name__ == "__main__":

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.mount import posix_scenarios
-from tests.mounting import as_user
+from tests.mounting import QosfsMount, as_user
 
 pytestmark = pytest.mark.mount
 
-SCENARIOS = ["files", "rename", "links", "xattr", "special", "names"]
+SCENARIOS = ["files", "rename", "links", "xattr", "special", "names", "ctime"]
 TEST_UID = 4242
 TEST_GID = 4242
 
@@ -81,3 +84,50 @@ def test_parent_of_mount_root_stays_inside(qmount) -> None:
     (qmount.source / "inside").write_text("x")
     assert sorted(os.listdir(qmount.mountpoint)) == ["inside"]
     assert os.stat(qmount.mountpoint / "..").st_ino == os.stat(qmount.mountpoint.parent).st_ino
+
+
+@pytest.fixture
+def on_tmpfs(tmp_tree: Path) -> Iterator[Path]:
+    """A fresh tmpfs under tmp_tree (the default temporary directory may be ext4)."""
+    fs = tmp_tree / "tmpfs"
+    fs.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755", "qosfs-test", str(fs)],
+                   check=True)
+    try:
+        yield fs
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], check=False)
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_mount_over_tmpfs_matches_native(scenario: str, on_tmpfs: Path) -> None:
+    src, mnt = Path(_fresh(on_tmpfs / "src")), on_tmpfs.parent / "mnt"
+    mnt.mkdir()
+    native = posix_scenarios.SCENARIOS[scenario](_fresh(on_tmpfs / "native"))
+    mount = QosfsMount(src, mnt, log_path=on_tmpfs.parent / "qosfs.log").start()
+    try:
+        through = posix_scenarios.SCENARIOS[scenario](_fresh(mnt / "case"))
+    finally:
+        code = mount.stop()
+    assert code == 0, mount.log()
+    assert through == native
+
+
+def test_o_tmpfile_is_refused_and_leaves_nothing_behind(qmount) -> None:
+    """Documented in the README: pyfuse3 and libfuse 3.14 have no tmpfile operation, so
+    the kernel answers EOPNOTSUPP (every time, not only the first); the directory
+    underneath would have accepted it, and fallbacks such as tempfile still work."""
+    native = os.open(qmount.source, os.O_TMPFILE | os.O_WRONLY, 0o600)
+    os.close(native)
+    for _ in range(2):  # the first asks the daemon, later ones the kernel answers alone
+        with pytest.raises(OSError) as refused:
+            os.open(qmount.mountpoint, os.O_TMPFILE | os.O_WRONLY, 0o600)
+        assert refused.value.errno == errno.EOPNOTSUPP
+    assert os.listdir(qmount.source) == []
+    with tempfile.TemporaryFile(dir=qmount.mountpoint) as f:
+        f.write(b"scratch")
+        f.seek(0)
+        assert f.read() == b"scratch"
+        assert os.listdir(qmount.source) == []  # named, then unlinked at once
+    assert os.listdir(qmount.source) == []
