@@ -27,6 +27,7 @@ import errno
 import functools
 import logging
 import os
+import resource
 import stat
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,7 +41,7 @@ from pyfuse3 import FUSEError
 from qosfs import interrupts, syscalls
 from qosfs.backing_io import BackingIO
 from qosfs.fdcache import DeferredClose
-from qosfs.handles import DirHandle, FileHandle
+from qosfs.handles import DirHandle, FileHandle, OpenQuota
 from qosfs.inodes import Inode, InodeTable, default_fd_budget
 from qosfs.latency_probe import PROBE_XATTR
 from qosfs.paths import PathBook
@@ -106,7 +107,13 @@ class PassthroughOperations(pyfuse3.Operations):
         # using them (network backing stores run metadata syscalls in threads).
         guard = DeferredClose()
         io.fd_guard = guard
-        self.inodes = InodeTable(root_fd, options.fd_budget or default_fd_budget(), guard)
+        budget = options.fd_budget or default_fd_budget()
+        self.inodes = InodeTable(root_fd, budget, guard)
+        # Each uid may hold half of the descriptors the inode cache leaves (qosfs.handles).
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            soft = 1 << 20
+        self.open_quota = OpenQuota(max(64, (soft - budget) // 2))
         self.io = io
         self.qos = qos
         self.options = options
@@ -416,14 +423,14 @@ class PassthroughOperations(pyfuse3.Operations):
         return opener(*args, flags & ~(os.O_DIRECT | os.O_EXCL)), False
 
     def _file_info(self, fd: int, direct: bool, flow: Any, flags: int,
-                   node: Inode, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+                   node: Inode, ctx: pyfuse3.RequestContext, owner: int) -> pyfuse3.FileInfo:
         accmode = flags & _ACCMODE
         kill_priv = False
         if accmode != os.O_RDONLY and ctx.uid != 0:
             kill_priv = bool(os.fstat(node.fd).st_mode & _SUID_SGID)
         node.opens += 1
         fsuid = ctx.uid if self._write_as_caller else 0
-        self.files[fd] = FileHandle(fd, direct, flow, node, kill_priv, fsuid)
+        self.files[fd] = FileHandle(fd, direct, flow, node, kill_priv, fsuid, owner)
         cache = self.options.cache
         bypass = flow.direct_io_for(accmode)  # per class and access mode (PolicyFlow)
         return pyfuse3.FileInfo(
@@ -435,18 +442,33 @@ class PassthroughOperations(pyfuse3.Operations):
     @fuse_handler
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         node = self.inodes.get(inode)
+        owner = self.open_quota.claim(ctx.uid)
+        try:
+            fd, direct = await self._meta_opening(
+                self._open_backing, flags & ~_OPEN_DROP, _reopen, node
+            )
+        except BaseException:
+            self.open_quota.release(owner)
+            raise
         writing = (flags & _ACCMODE) != os.O_RDONLY
         flow = self.qos.open_flow(self, node, ctx, writing)
-        fd, direct = await self._meta_opening(
-            self._open_backing, flags & ~_OPEN_DROP, _reopen, node
-        )
-        return self._file_info(fd, direct, flow, flags, node, ctx)
+        return self._file_info(fd, direct, flow, flags, node, ctx, owner)
 
     @fuse_handler
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         parent = self.inodes.get(parent_inode)
         await self._admit_meta(parent, ctx)
+        owner = self.open_quota.claim(ctx.uid)
+        try:
+            return await self._create(parent, name, mode, flags, ctx, owner)
+        except BaseException:
+            self.open_quota.release(owner)
+            raise
+
+    async def _create(self, parent: Inode, name: bytes, mode: int, flags: int,
+                      ctx: pyfuse3.RequestContext,
+                      owner: int) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         # The kernel sends CREATE when it believes the name does not exist (a negative
         # entry, cached for entry_timeout). If something appeared underneath since (another
         # node, another path), a plain O_CREAT would open it as root -- another user's file,
@@ -474,7 +496,7 @@ class PassthroughOperations(pyfuse3.Operations):
             raise
         node = self._adopt(parent, name, opath, st)
         flow = self.qos.open_flow(self, node, ctx, True)
-        return self._file_info(fd, direct, flow, flags, node, ctx), self._entry(node, st)
+        return self._file_info(fd, direct, flow, flags, node, ctx, owner), self._entry(node, st)
 
     async def read(self, fh: int, off: int, size: int) -> Any:
         # Hot path: no decorator frame, no logging, everything resolved at open. The only
@@ -530,6 +552,7 @@ class PassthroughOperations(pyfuse3.Operations):
     @fuse_handler
     async def release(self, fh: int) -> None:
         handle = self.files.pop(fh)
+        self.open_quota.release(handle.owner)
         handle.flow.release()
         handle.inode.opens -= 1
         await self.io.blocking(handle.flow.limiter, os.close, handle.fd)
@@ -548,9 +571,14 @@ class PassthroughOperations(pyfuse3.Operations):
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         node = self.inodes.get(inode)
         await self._admit_meta(node, ctx)
-        fd = await self._meta_opening(_reopen, node,
-                                      os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        self.dirs[fd] = DirHandle(fd, node)
+        owner = self.open_quota.claim(ctx.uid)
+        try:
+            fd = await self._meta_opening(_reopen, node,
+                                          os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except BaseException:
+            self.open_quota.release(owner)
+            raise
+        self.dirs[fd] = DirHandle(fd, node, owner=owner)
         return fd
 
     @fuse_handler
@@ -602,6 +630,7 @@ class PassthroughOperations(pyfuse3.Operations):
     @fuse_handler
     async def releasedir(self, fh: int) -> None:
         handle = self.dirs.pop(fh)
+        self.open_quota.release(handle.owner)
         os.close(handle.fd)
 
     @fuse_handler
@@ -670,6 +699,8 @@ class PassthroughOperations(pyfuse3.Operations):
             "inodes": len(inodes), "inode_fds": inodes.fds_held,
             "inode_fd_budget": inodes.cache.capacity, "inode_fd_reopens": inodes.reopens,
             "file_handles": len(self.files), "dir_handles": len(self.dirs),
+            "open_per_uid_limit": self.open_quota.per_uid,
+            "open_refused": self.open_quota.refused,
             "killed_callers": interrupts.killed_callers,
         }
         parking = getattr(self.qos, "parking", None)

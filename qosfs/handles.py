@@ -8,6 +8,8 @@ the open was classified into.
 
 from __future__ import annotations
 
+import errno
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +26,7 @@ class FileHandle:
     inode: Inode
     kill_priv: bool = False  # clear setuid/setgid on the first write (unprivileged writer)
     fsuid: int = 0  # writes run with this fsuid when not 0 (see qosfs.privileges)
+    owner: int = -1  # the uid whose OpenQuota it counts against (-1: none)
 
 
 @dataclass(slots=True, eq=False)
@@ -34,3 +37,46 @@ class DirHandle:
     inode: Inode
     names: list[bytes] = field(default_factory=list)
     listed: bool = False
+    owner: int = -1  # the uid whose OpenQuota it counts against (-1: none)
+
+
+class OpenQuota:
+    """How many files and directories one uid may hold open through the daemon.
+
+    Every open through the mount holds one of the daemon's descriptors. Without a share
+    per user, one user holding many files open (a careless job, or a hostile one with a
+    high ``ulimit -n``) would exhaust the daemon's limit and every other user's opens and
+    lookups would fail. Past its share a uid gets ``ENFILE`` ("too many open files in
+    system": the shared table is full for it), as from a full system file table. Root is
+    not counted (it could raise the daemon's limit anyway).
+    """
+
+    __slots__ = ("_by_uid", "per_uid", "refused")
+
+    def __init__(self, per_uid: int) -> None:
+        self.per_uid = per_uid
+        self.refused = 0
+        self._by_uid: dict[int, int] = {}
+
+    def claim(self, uid: int) -> int:
+        """Count one open for *uid*; returns the owner to record in the handle."""
+        if uid == 0:
+            return -1
+        held = self._by_uid.get(uid, 0)
+        if held >= self.per_uid:
+            self.refused += 1
+            raise OSError(errno.ENFILE, os.strerror(errno.ENFILE))
+        self._by_uid[uid] = held + 1
+        return uid
+
+    def release(self, owner: int) -> None:
+        if owner < 0:
+            return
+        held = self._by_uid[owner] - 1
+        if held:
+            self._by_uid[owner] = held
+        else:
+            del self._by_uid[owner]
+
+    def held(self, uid: int) -> int:
+        return self._by_uid.get(uid, 0)

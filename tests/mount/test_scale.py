@@ -9,14 +9,18 @@ marked ``slow``; the small one runs in every suite.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import resource
+import shutil
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -216,3 +220,60 @@ def test_a_million_entries_walk_twice_at_any_fd_limit(tmp_tree: Path,
     figures = check_big_tree(tmp_tree, 1000, 999, limit)
     # The reader of another class keeps its latency while the walks run.
     assert figures["during_p99_ms"] < max(10 * figures["alone_p99_ms"], 20.0), figures
+
+
+HOLDER = r"""
+import os, sys
+fds, error = [], "none"
+for i in range(int(sys.argv[2])):
+    try:
+        fds.append(os.open(os.path.join(sys.argv[1], f"f{i % 50}"), os.O_RDONLY))
+    except OSError as exc:
+        error = os.strerror(exc.errno)
+        break
+print(len(fds), error, flush=True)
+sys.stdin.read()  # hold them until told to go
+"""
+
+
+def test_one_user_holding_files_open_cannot_exhaust_the_daemons_descriptors(
+        tmp_tree: Path) -> None:
+    src, mnt = tmp_tree / "src", tmp_tree / "mnt"
+    src.mkdir(mode=0o755)
+    mnt.mkdir()
+    (src / "pub").mkdir(mode=0o777)
+    os.chmod(src / "pub", 0o777)
+    for i in range(50):
+        (src / "pub" / f"f{i}").write_bytes(b"x")
+    python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+    with QosfsMount(src, mnt, nofile=1024) as m:
+        assert m.proc is not None
+        hog = subprocess.Popen([python, "-c", HOLDER, str(mnt / "pub"), "4000"], cwd="/",
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                               preexec_fn=_with_nofile(4242, 8192))
+        try:
+            assert hog.stdout is not None
+            held, error = hog.stdout.readline().split(maxsplit=1)
+            # Its share of what the descriptor cache leaves, then "system table full".
+            assert 300 < int(held) < 600 and error.strip() == os.strerror(errno.ENFILE)
+            # Everybody else still opens, creates, lists and reads.
+            other = subprocess.run(
+                [python, "-c", "import os,sys; d=sys.argv[1]; open(d+'/new','w').write('y');"
+                 "fds=[os.open(d+'/f%d' % i, os.O_RDONLY) for i in range(50)];"
+                 "print(len(os.listdir(d)), open(d+'/f1').read())", str(mnt / "pub")],
+                cwd="/", capture_output=True, text=True, preexec_fn=as_user(4243))
+            assert other.returncode == 0, other.stderr
+            assert other.stdout.split() == ["51", "x"]
+            assert open_fds(m.proc.pid) < 1024
+        finally:
+            hog.communicate("")
+
+
+def _with_nofile(uid: int, nofile: int) -> Any:
+    drop = as_user(uid)
+
+    def preexec() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+        drop()
+
+    return preexec
