@@ -62,8 +62,20 @@ class Inode:
     used, never keep it across an ``await`` that runs other requests.
     """
 
-    __slots__ = ("nodeid", "key", "lookups", "opens", "handle", "cached_fd", "referenced",
-                 "slot", "stale", "path_memo", "qos_memo", "_table")
+    __slots__ = (
+        "_table",
+        "cached_fd",
+        "handle",
+        "key",
+        "lookups",
+        "nodeid",
+        "opens",
+        "path_memo",
+        "qos_memo",
+        "referenced",
+        "slot",
+        "stale",
+    )
 
     def __init__(self, table: InodeTable, nodeid: int, key: tuple[int, int], lookups: int,
                  handle: bytes | None, fd: int) -> None:

@@ -70,8 +70,8 @@ def install() -> bool:
     global _installed, _libfuse, _on_interrupt_c
     if _installed:
         return True
-    if getattr(pyfuse3, "_Container", None) is None or \
-            pyfuse3._Container.__basicsize__ != _EXPECTED_BASICSIZE or \
+    container = getattr(pyfuse3, "_Container", None)
+    if container is None or container.__basicsize__ != _EXPECTED_BASICSIZE or \
             ctypes.sizeof(ctypes.c_void_p) != 8:
         log.warning("pyfuse3's internals are not the expected ones: parked requests of "
                     "killed callers will only be answered when their tokens come")
@@ -109,7 +109,7 @@ def _noting(original: Any) -> Any:
 class Caller:
     """The request being parked: its ``fuse_req_t`` and who sent it."""
 
-    __slots__ = ("req", "uid", "tid")
+    __slots__ = ("req", "tid", "uid")
 
     def __init__(self, req: int, uid: int, tid: int) -> None:
         self.req = req
@@ -181,9 +181,9 @@ def _being_killed(tid: int) -> bool:
     try:
         with open(f"/proc/{tid}/status", "rb") as f:
             for line in f:
-                if line.startswith((b"SigPnd:", b"ShdPnd:")):
-                    if int(line.split()[1], 16) & _SIGKILL_MASK:
-                        return True
+                if (line.startswith((b"SigPnd:", b"ShdPnd:"))
+                        and int(line.split()[1], 16) & _SIGKILL_MASK):
+                    return True
     except OSError:
         return True  # no such thread any more: nobody is waiting for the answer
     return False

@@ -37,6 +37,7 @@ from qosfs.accounting import AccountKey, Accounts
 from qosfs.backend_share import BackendLevel, ClassPort, Share
 from qosfs.bucket import UNLIMITED, LevelLimits, Limit
 from qosfs.classify import Classifier, JobCache, JobInfo
+from qosfs.interrupts import Caller, cancelled_if_killed, current_caller
 from qosfs.limiter import (
     FairShareGroup,
     Kind,
@@ -46,7 +47,6 @@ from qosfs.limiter import (
     refund_bytes,
     try_admit,
 )
-from qosfs.interrupts import Caller, cancelled_if_killed, current_caller
 from qosfs.parking import ParkingLot
 from qosfs.policy import ClassRule, Limits, Policy
 from qosfs.qos import THREADS_PER_FLOW
@@ -165,9 +165,22 @@ class ClassState:
 class PolicyFlow:
     """What one (class, tenant, uid) is charged to; shared by all its open files."""
 
-    __slots__ = ("cls", "tenant", "backend", "uid", "limited", "direct_io", "limiter",
-                 "stats", "tenant_name", "open_files", "parking", "_accounts", "_chain",
-                 "__weakref__")
+    __slots__ = (
+        "__weakref__",
+        "_accounts",
+        "_chain",
+        "backend",
+        "cls",
+        "direct_io",
+        "limited",
+        "limiter",
+        "open_files",
+        "parking",
+        "stats",
+        "tenant",
+        "tenant_name",
+        "uid",
+    )
 
     def __init__(self, cls: ClassState, tenant: RateLevel | None, backend: BackendLevel | None,
                  uid: int, tenant_name: str | None = None,
