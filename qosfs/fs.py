@@ -726,7 +726,7 @@ class PassthroughOperations(pyfuse3.Operations):
 
 def _fds(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """*args* with each :class:`Inode` replaced by its descriptor, taken now."""
-    return tuple(arg.fd if isinstance(arg, Inode) else arg for arg in args)
+    return tuple([arg.fd if arg.__class__ is Inode else arg for arg in args])
 
 
 def _reopen(fd: int, flags: int) -> int:

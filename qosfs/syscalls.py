@@ -93,20 +93,26 @@ _libc.name_to_handle_at.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_char
 _libc.open_by_handle_at.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
 
 
+# One buffer, reused: handles are taken on the event loop's thread only (a new inode per
+# lookup), and allocating the ctypes buffers per call cost a third of the call (2.6 us).
+_handle_buf = ctypes.create_string_buffer(_HANDLE_HEADER + MAX_HANDLE_SZ)
+_handle_bytes = ctypes.c_uint32.from_buffer(_handle_buf)
+_mount_id = ctypes.c_int()
+_mount_id_ref = ctypes.byref(_mount_id)
+
+
 def handle_of_fd(fd: int) -> tuple[bytes, int]:
     """The file handle of the object behind *fd* (O_PATH allowed) and its mount id.
 
     The handle is returned whole (header included), ready for :func:`open_by_handle`.
+    Not thread-safe (one shared buffer): call it from the event loop's thread.
     Raises OSError: EOPNOTSUPP where the filesystem cannot export handles.
     """
-    buf = ctypes.create_string_buffer(_HANDLE_HEADER + MAX_HANDLE_SZ)
-    ctypes.c_uint32.from_buffer(buf).value = MAX_HANDLE_SZ
-    mount_id = ctypes.c_int()
-    if _libc.name_to_handle_at(fd, b"", buf, ctypes.byref(mount_id), AT_EMPTY_PATH) != 0:
+    _handle_bytes.value = MAX_HANDLE_SZ
+    if _libc.name_to_handle_at(fd, b"", _handle_buf, _mount_id_ref, AT_EMPTY_PATH) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
-    size = ctypes.c_uint32.from_buffer(buf).value
-    return buf.raw[:_HANDLE_HEADER + size], mount_id.value
+    return ctypes.string_at(_handle_buf, _HANDLE_HEADER + _handle_bytes.value), _mount_id.value
 
 
 def open_by_handle(mount_fd: int, handle: bytes, flags: int) -> int:
