@@ -174,7 +174,7 @@ class PassthroughOperations(pyfuse3.Operations):
     def _adopt(self, parent: Inode, name: bytes, fd: int, st: os.stat_result) -> Inode:
         """The inode for *parent*'s entry *name* (opened as *fd*), its path noted for the
         QoS engine so that the open which usually follows need not read it from /proc."""
-        inode = self.inodes.adopt(fd, st)
+        inode = self.inodes.adopt(fd, st, (parent, name))
         if self._learn_paths:
             self.paths.note_child(parent, name, inode)
         return inode
@@ -401,6 +401,9 @@ class PassthroughOperations(pyfuse3.Operations):
         await self._admit_meta(old, ctx)
         try:
             await self._meta(self._rename, old.fd, name_old, new.fd, name_new, flags)
+            self.inodes.renamed(new, name_new)
+            if flags & syscalls.RENAME_EXCHANGE:
+                self.inodes.renamed(old, name_old)
         finally:
             # Paths below the renamed name changed: every memoized path (and the engine's
             # classifications from them) is stale. After the call, so that one read while
@@ -610,7 +613,7 @@ class PassthroughOperations(pyfuse3.Operations):
             if index & _READDIR_YIELD_MASK == 0:
                 await trio.lowlevel.checkpoint()
             self.inodes.trim()
-            inode = self.inodes.adopt(fd, st)
+            inode = self.inodes.adopt(fd, st, (handle.inode, name))
             if not pyfuse3.readdir_reply(token, name, self._entry(inode, st), index + 1):
                 self.inodes.forget(inode.nodeid, 1)  # not sent: the kernel holds no reference
                 break

@@ -14,8 +14,12 @@ out: it survives renames and carries the inode's generation, so a recycled inode
 is never mistaken for the old object), and its ``O_PATH`` descriptor is only *cached*:
 at most ``fd_budget`` are open at once (:mod:`qosfs.fdcache`), and an evicted one is
 reopened with ``open_by_handle_at`` when next needed (~3 us). Where handles cannot be used
-(a filesystem that exports none, an object on a submount, no CAP_DAC_READ_SEARCH) the
-inode keeps its descriptor for as long as the kernel knows it, as before.
+(a filesystem that exports none, such as ramfs; an object on a submount; no
+CAP_DAC_READ_SEARCH), an evicted inode is reopened by the name the kernel last looked it up
+as, relative to its parent's descriptor, and must still be the same (device, inode
+number); if the name now holds something else (renamed or replaced underneath), the node
+id answers ESTALE and the kernel looks the name up again, as an NFS client does. Only an
+inode known by no name (the root) keeps its descriptor for good.
 
 Node ids are the backing ``st_ino`` for objects on the source's own device, so ``ls -i``
 shows the same numbers as the directory underneath and they stay stable for the life of
@@ -65,6 +69,7 @@ class Inode:
     __slots__ = (
         "_table",
         "cached_fd",
+        "entry",
         "handle",
         "key",
         "lookups",
@@ -84,8 +89,9 @@ class Inode:
         self.key = key  # (st_dev, st_ino) of the backing object
         self.lookups = lookups
         self.opens = 0  # open file handles on it (an unlinked file must stay reachable)
-        # None: no handle, so cached_fd is held for the inode's whole life (never evicted).
-        self.handle = handle
+        self.handle = handle  # None: reopened by entry instead (or never evicted)
+        # Without a handle: (parent inode, name) it was last looked up as, to reopen it.
+        self.entry: tuple[Inode, bytes] | None = None
         self.cached_fd = fd
         self.referenced = True  # CLOCK bit (qosfs.fdcache)
         self.slot = -1  # ring slot in the fd cache, -1 if not there
@@ -186,19 +192,25 @@ class InodeTable:
             os.close(fd)
             raise
 
-    def adopt(self, fd: int, st: os.stat_result) -> Inode:
+    def adopt(self, fd: int, st: os.stat_result,
+              entry: tuple[Inode, bytes] | None = None) -> Inode:
         """Count one kernel reference to the object behind *fd*, taking ownership of *fd*.
 
         If the object is already known (another name, a hard link), the known inode is
         returned, so hard links share one node id; *fd* then refreshes its cached
-        descriptor or is closed.
+        descriptor or is closed. *entry* is the (parent, name) it was looked up as.
         """
         key = (st.st_dev, st.st_ino)
         inode = self._by_key.get(key)
         handle = None
         if inode is not None and not inode.stale:
-            if inode.handle is None or inode.cached_fd >= 0:
-                os.close(fd)
+            if inode.handle is None and entry is not None:
+                inode.entry = entry  # the name to reopen it by: the latest one
+            if inode.cached_fd >= 0 or inode.handle is None:
+                if inode.cached_fd >= 0:
+                    os.close(fd)
+                else:
+                    self.cache.put(inode, fd)
                 inode.lookups += 1
                 return inode
             handle = self._handle_of(fd, st)
@@ -218,10 +230,11 @@ class InodeTable:
         inode = Inode(self, nodeid, key, 1, handle, -1)
         self._by_id[nodeid] = inode
         self._by_key[key] = inode
-        if handle is None:
-            inode.cached_fd = fd
+        if handle is None and entry is None:
+            inode.cached_fd = fd  # no way to reopen it: held for as long as it is known
             self.pinned += 1
         else:
+            inode.entry = entry if handle is None else None
             self.cache.put(inode, fd)
         return inode
 
@@ -236,18 +249,51 @@ class InodeTable:
         return handle if mount_id == self._root_mount_id else None
 
     def reopen(self, inode: Inode) -> int:
-        """Open an evicted inode's descriptor again from its handle (and cache it)."""
-        if inode.stale or inode.handle is None:
+        """Open an evicted inode's descriptor again, from its handle or its name (and
+        cache it); ESTALE if the object is gone or its name holds another now."""
+        if inode.stale:
             raise _stale()
         try:
-            fd = syscalls.open_by_handle(self._mount_fd, inode.handle, _REOPEN_FLAGS)
+            if inode.handle is not None:
+                fd = syscalls.open_by_handle(self._mount_fd, inode.handle, _REOPEN_FLAGS)
+            elif inode.entry is not None:
+                fd = self._reopen_by_name(inode, *inode.entry)
+            else:
+                raise _stale()
         except OSError as exc:
-            if exc.errno == errno.ESTALE:
-                inode.stale = True  # gone underneath
+            if exc.errno in (errno.ESTALE, errno.ENOENT):
+                inode.stale = True  # gone underneath, or moved where we cannot know
+                raise _stale() from None
             raise
         self.reopens += 1
         self.cache.put(inode, fd)
         return fd
+
+    @staticmethod
+    def _reopen_by_name(inode: Inode, parent: Inode, name: bytes) -> int:
+        fd = os.open(name, _LOOKUP_FLAGS, dir_fd=parent.fd)
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        if (st.st_dev, st.st_ino) != inode.key:
+            os.close(fd)
+            raise _stale()
+        return fd
+
+    def renamed(self, parent: Inode, name: bytes) -> None:
+        """*parent*'s entry *name* was just renamed to, through the mount: an inode
+        reopened by name must use that name from now on."""
+        if self.handles and parent.key[0] == self.root_dev:
+            return  # by handle: names do not matter (submounts aside, rarely renamed)
+        try:
+            st = os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
+        except OSError:
+            return
+        inode = self._by_key.get((st.st_dev, st.st_ino))
+        if inode is not None and inode.handle is None and inode.entry is not None:
+            inode.entry = (parent, name)
 
     def relieve(self) -> bool:
         """The daemon is short of descriptors: close half of the cached ones.

@@ -121,3 +121,29 @@ def test_a_recycled_inode_number_is_a_new_object_and_the_old_node_id_is_stale(
     with pytest.raises(OSError) as info:
         table.get(old.nodeid)
     assert info.value.errno == errno.ESTALE
+
+
+def test_without_handles_an_evicted_inode_is_reopened_by_its_name(
+        table: InodeTable, tmp_path: Path) -> None:
+    table.handles = False  # as on ramfs, or without CAP_DAC_READ_SEARCH
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_bytes(b"one")
+    d = table.adopt(*table.resolve(table.root.fd, b"d"), (table.root, b"d"))
+    f = table.adopt(*table.resolve(d.fd, b"f"), (d, b"f"))
+    assert f.handle is None and table.pinned == 0  # evictable all the same
+    table.cache.shrink(0)
+    assert os.fstat(f.fd).st_size == 3 and table.reopens >= 2  # f, then d for its name
+    # Renamed through the mount: the table is told, and follows.
+    table.cache.shrink(0)
+    os.rename(tmp_path / "d" / "f", tmp_path / "d" / "g")
+    table.renamed(d, b"g")
+    assert os.fstat(f.fd).st_size == 3
+    # Replaced underneath: the name holds another object now, so the node id is stale.
+    table.cache.shrink(0)
+    (tmp_path / "d" / "new").write_bytes(b"other")
+    os.rename(tmp_path / "d" / "new", tmp_path / "d" / "g")
+    with pytest.raises(OSError) as info:
+        _ = f.fd
+    assert info.value.errno == errno.ESTALE
+    with pytest.raises(OSError):
+        table.get(f.nodeid)
