@@ -96,9 +96,10 @@ def flood(tmp_tree: Path, uids: list[int], threads_per_uid: int) -> dict[str, An
             stdout=subprocess.PIPE, preexec_fn=as_user(uid), cwd="/") for uid in uids]
         try:
             total = len(uids) * threads_per_uid
-            # Every writer has either parked or been answered (the burst lets one by).
+            # (Nearly) every writer has parked or been refused; the rest got through at
+            # the cap's pace (how many depends on how fast this machine takes the burst).
             wait_for(lambda: (s := status(sock))["parked_requests"] + s["parking_refused"]
-                     >= total - 2 * len(uids), 120, "every flooding write to park or fail")
+                     >= total * 9 // 10, 120, "the flooding writes to park or fail")
             st = status(sock)
             figures["parked"], figures["refused"] = st["parked_requests"], st["parking_refused"]
             figures["parked_mib"] = st["parked_bytes"] / (1 << 20)
