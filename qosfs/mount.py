@@ -63,6 +63,12 @@ log = logging.getLogger(__name__)
 MAX_TASKS = 4096
 MIN_TASKS = 4
 
+# SIGTERM: limits are lifted, parked requests are served (waiting at most DRAIN_DEADLINE,
+# well below the unit's TimeoutStopSec=60), then requests are served DRAIN_GRACE more so
+# that a write split in two requests, and the close after it, finish; then the mount goes.
+DRAIN_GRACE = 0.25
+DRAIN_DEADLINE = 10.0
+
 
 @dataclass(frozen=True, slots=True)
 class MountConfig:
@@ -303,12 +309,36 @@ async def _watch_signals(engine: QosEngine, latency: LatencyControl | None = Non
                      signal.Signals(signum).name)
             if latency is not None:  # its canary must not be left waiting on the mount
                 await latency.stop_probe()
-            # No new request is read after terminate(); those already read, including
-            # the ones parked for tokens, are served -- at once, since limits are lifted.
             _notify_stopping()
-            engine.drain()
+            emptied = await _drain(engine)
+            log.info("%s; unmounting", "parked requests served" if emptied else
+                     f"requests still parked after {DRAIN_DEADLINE:g} s")
+            # No new request is read after terminate(); those already read are served.
             pyfuse3.terminate()
             return
+
+
+async def _drain(engine: QosEngine) -> bool:
+    """Lift every limit, wait until nothing is parked (at most DRAIN_DEADLINE), then serve
+    DRAIN_GRACE more; True if the lot emptied in time.
+
+    Parked requests then finish at once, and so does what directly follows them: an
+    unaligned 1 MiB O_DIRECT write reaches us as two requests, the second sent only once
+    the first is answered, and its caller's close() comes next; unmounting in between
+    left callers with a short write and ENOTCONN. New requests during the grace are
+    served too; those that arrive after it find the mount gone.
+    """
+    engine.drain()
+    parking = getattr(engine, "parking", None)
+    deadline = trio.current_time() + DRAIN_DEADLINE
+    emptied = True
+    while parking is not None and parking.requests:
+        if trio.current_time() >= deadline:
+            emptied = False
+            break
+        await trio.sleep(0.01)
+    await trio.sleep(DRAIN_GRACE)
+    return emptied
 
 
 def daemonize_and_mount(cfg: MountConfig) -> int:

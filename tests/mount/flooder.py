@@ -24,15 +24,16 @@ def main() -> None:
 
     def write(i: int) -> None:
         fd = os.open(os.path.join(directory, f"f{i:05d}"), os.O_WRONLY | os.O_CREAT, 0o644)
+        barrier.wait()
         try:
-            barrier.wait()
-            try:
-                n = os.write(fd, data)
-                outcome = "ok" if n == size else f"short:{n}"
-            except OSError as exc:
-                outcome = os.strerror(exc.errno or 0)
-        finally:
+            n = os.write(fd, data)
+            outcome = "ok" if n == size else f"short:{n}"
+        except OSError as exc:
+            outcome = os.strerror(exc.errno or 0)
+        try:
             os.close(fd)
+        except OSError as exc:
+            outcome += f", close: {os.strerror(exc.errno or 0)}"
         with lock:
             results[outcome] += 1
 

@@ -184,3 +184,36 @@ def test_parking_bounds_are_reported_in_status(tmp_tree: Path) -> None:
         st = status(sock)
     assert json.loads(json.dumps(st))["parked_requests"] == 0
     assert st["inode_fds"] <= st["inode_fd_budget"] + 2
+
+
+def test_sigterm_completes_every_parked_write_whole(tmp_tree: Path) -> None:
+    """SIGTERM with writers parked: every write() returns its full length, and the files
+    underneath hold all of it -- including the tail request that an unaligned 1 MiB
+    O_DIRECT write sends only once its first part is answered."""
+    src, mnt, sock = tmp_tree / "src", tmp_tree / "mnt", tmp_tree / "ctl.sock"
+    src.mkdir(mode=0o755)
+    mnt.mkdir()
+    (src / "slow").mkdir()
+    os.chown(src / "slow", 5001, 5001)
+    policy = tmp_tree / "policy.toml"
+    policy.write_text(POLICY)
+    writers = 24
+    python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+    m = QosfsMount(src, mnt, "--policy", str(policy), "--socket", str(sock)).start()
+    try:
+        flooder = subprocess.Popen(
+            [python, "-c", FLOODER.read_text(), str(mnt / "slow"), str(writers),
+             str(1 << 20)], stdout=subprocess.PIPE, text=True, cwd="/",
+            preexec_fn=as_user(5001))
+        wait_for(lambda: status(sock)["parked_requests"] >= writers - 2, 30,
+                 "the writers to park")
+        assert m.proc is not None
+        m.proc.send_signal(signal.SIGTERM)
+        assert m.proc.wait(30) == 0
+        out, _ = flooder.communicate(timeout=30)
+    finally:
+        m.stop()
+    assert json.loads(out) == {"ok": writers}, out
+    sizes = sorted(p.stat().st_size for p in (src / "slow").iterdir())
+    assert sizes == [1 << 20] * writers, sizes
+    assert "Traceback" not in m.log()
