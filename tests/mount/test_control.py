@@ -277,6 +277,11 @@ def test_misbehaving_clients_block_neither_others_nor_the_filesystem(
         s.close()
 
 
+def _queue_depth(m: Mounted, name: str) -> int:
+    levels = m.request({"cmd": "status"})["levels"]
+    return int(next(lv for lv in levels if lv["name"] == name)["queue_depth"])
+
+
 def test_raised_cap_takes_effect_for_a_parked_writer(ctl_mount: Mounted) -> None:
     done: list[float] = []
 
@@ -288,15 +293,23 @@ def test_raised_cap_takes_effect_for_a_parked_writer(ctl_mount: Mounted) -> None
 
     thread = threading.Thread(target=writer)
     thread.start()
-    time.sleep(1.0)
-    assert not done
-    parked = ctl_mount.request({"cmd": "status"})
-    assert next(lv for lv in parked["levels"] if lv["name"] == "capped")["queue_depth"] >= 1
-    reply = ctl_mount.request({"cmd": "set", "target": "class", "name": "capped",
-                               "changes": {"write_bandwidth": "1GiB/s"}})
-    changed = time.monotonic()
-    assert reply["ok"] is True
-    thread.join(30)
+    try:
+        # Wait for the state the test needs (a write parked at the cap), not for a time.
+        deadline = time.monotonic() + 10
+        while _queue_depth(ctl_mount, "capped") < 1:
+            assert time.monotonic() < deadline, "the writer never parked"
+            time.sleep(0.01)
+        assert not done
+        reply = ctl_mount.request({"cmd": "set", "target": "class", "name": "capped",
+                                   "changes": {"write_bandwidth": "1GiB/s"}})
+        changed = time.monotonic()
+        assert reply["ok"] is True
+        thread.join(30)
+    finally:
+        # Whatever failed, never leave the fixture a mount kept busy at 2 MiB/s.
+        ctl_mount.request({"cmd": "set", "target": "class", "name": "capped",
+                           "changes": {"write_bandwidth": "1GiB/s"}})
+        thread.join(30)
     assert done and done[0] - changed < 1.0, done[0] - changed
     assert (ctl_mount.src / "capped" / "big").stat().st_size == 16 * MiB
 

@@ -138,7 +138,15 @@ def test_sigterm_serves_parked_requests_at_once_and_loses_nothing(tmp_tree: Path
     try:
         start = time.time() + 0.2
         writers = [_start_writer(mnt / "ckpt" / f"w{i}", 30.0, start) for i in range(8)]
-        time.sleep(1.5)  # 8 writers at 2 MiB/s in total: most writes are parked
+        # 8 writers at 2 MiB/s in total: wait until most of them are parked.
+        deadline = time.monotonic() + 15
+        while True:
+            with Client(default_socket_path(str(mnt))) as client:
+                levels = client.request({"cmd": "status"})["levels"]
+            if next(lv for lv in levels if lv["name"] == "ckpt")["queue_depth"] >= 4:
+                break
+            assert time.monotonic() < deadline, levels
+            time.sleep(0.02)
         assert m.proc is not None
         t = time.monotonic()
         m.proc.send_signal(signal.SIGTERM)
@@ -193,11 +201,16 @@ def test_sigterm_drains_parked_reads_and_writes_alike(tmp_tree: Path) -> None:
         readers = [subprocess.Popen([sys.executable, "-c", CHECKING_READER,
                                      str(mnt / "data" / "set")], stdout=subprocess.PIPE,
                                     text=True) for _ in range(4)]
-        time.sleep(1.5)  # both classes far over their caps: reads and writes parked
-        with Client(default_socket_path(str(mnt))) as client:
-            levels = client.request({"cmd": "status"})["levels"]
-        parked = {lv["name"]: lv["queue_depth"] for lv in levels if lv["level"] == "class"}
-        assert parked["ckpt"] >= 1 and parked["data"] >= 1, parked
+        # Both classes far over their caps: wait until reads and writes are parked.
+        deadline = time.monotonic() + 15
+        while True:
+            with Client(default_socket_path(str(mnt))) as client:
+                levels = client.request({"cmd": "status"})["levels"]
+            parked = {lv["name"]: lv["queue_depth"] for lv in levels if lv["level"] == "class"}
+            if parked["ckpt"] >= 1 and parked["data"] >= 1:
+                break
+            assert time.monotonic() < deadline, parked
+            time.sleep(0.02)
         assert m.proc is not None
         t = time.monotonic()
         m.proc.send_signal(signal.SIGTERM)
