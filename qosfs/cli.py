@@ -157,9 +157,12 @@ def _cmd_mount(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from qosfs.policy import load_policy
+    from qosfs.policy import load_policy, policy_notes
 
-    sys.stdout.write(load_policy(args.file).render())
+    policy = load_policy(args.file)
+    sys.stdout.write(policy.render())
+    for note in policy_notes(policy):  # TOML comments: the output stays a valid policy
+        sys.stdout.write(f"# note: {note}\n")
     return 0
 
 
@@ -222,5 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a bug: say so in one line unless asked for the traceback
         if args.debug:
             raise
-        print(f"qosfs: internal error: {exc} (run with --debug for details)", file=sys.stderr)
+        # str() of some exceptions is empty (MemoryError): name the type then.
+        detail = str(exc) or type(exc).__name__
+        print(f"qosfs: internal error: {detail} (run with --debug for details)",
+              file=sys.stderr)
         return EXIT_DAEMON

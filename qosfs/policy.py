@@ -50,7 +50,9 @@ by default 100 ms of the cap but at least 8 ops (see :meth:`Limits.bandwidth_bur
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 import tomllib
 from os import PathLike
 
@@ -83,7 +85,7 @@ __all__ = [
     "CACHE_MODES", "CAP_KEYS", "CLASS_KEYS", "CLASS_SETTINGS", "DEFAULT_POLICY_TEXT",
     "LATENCY_MEASURES", "LIMIT_KEYS", "MATCH_KEYS", "OPS", "PRIORITY_WEIGHTS", "SETTABLE",
     "TENANT_KEYS", "Backend", "ClassRule", "Control", "IdRange", "Limits", "Policy",
-    "PolicyError", "Tenant", "default_policy", "load_policy", "parse_policy",
+    "PolicyError", "Tenant", "default_policy", "load_policy", "parse_policy", "policy_notes",
     "read_policy_text", "with_changes",
 ]
 
@@ -110,18 +112,79 @@ def load_policy(path: str | PathLike[str]) -> Policy:
 
 def read_policy_text(path: str | PathLike[str]) -> str:
     """The text of a policy file (``qosfs ctl reload FILE`` reads it as the caller and
-    sends it, so the daemon never opens files on a client's behalf)."""
+    sends it, so the daemon never opens files on a client's behalf).
+
+    Only a regular file of at most :data:`MAX_POLICY_BYTES` is read: a symlink to
+    ``/dev/zero`` read until memory ran out, and a FIFO blocked ``check`` (and the daemon's
+    SIGHUP reload) for ever. ``O_NONBLOCK`` keeps the open itself from waiting on a FIFO.
+    """
     name = str(path)
     try:
-        with open(path, "rb") as stream:
-            data = stream.read()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise PolicyError(f"cannot read policy: {exc.strerror or exc}", source=name) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise PolicyError(f"cannot read policy: not a regular file ({_file_kind(st.st_mode)})",
+                              source=name)
+        if st.st_size > MAX_POLICY_BYTES:
+            raise PolicyError(f"cannot read policy: larger than {MAX_POLICY_BYTES} bytes "
+                              f"({st.st_size} bytes)", source=name)
+        chunks, size = [], 0
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_POLICY_BYTES:  # grew while we read
+                raise PolicyError(_too_large(size), source=name)
+        data = b"".join(chunks)
+    except OSError as exc:
+        raise PolicyError(f"cannot read policy: {exc.strerror or exc}", source=name) from None
+    finally:
+        os.close(fd)
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise PolicyError("not UTF-8 text", source=name,
                           line=data[:exc.start].count(b"\n") + 1) from None
+
+
+#: The largest policy file read (a policy of thousands of classes is a few hundred KiB).
+MAX_POLICY_BYTES = 1 << 20
+
+
+def _too_large(size: int) -> str:
+    return f"cannot read policy: larger than {MAX_POLICY_BYTES} bytes ({size} bytes read)"
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((kind for test, kind in kinds if test(mode)), "not a file")
+
+
+def policy_notes(policy: Policy) -> list[str]:
+    """What an administrator should know about a valid policy: rules a caller can steer,
+    and where file order decides between tenants (``qosfs check`` prints these)."""
+    notes = []
+    for c in policy.classes:
+        if c.job_env is not None and c.jobs:
+            notes.append(
+                f"classes.{quote_key(c.name)} matches jobs by the environment variable "
+                f"{c.job_env}, which the caller sets (env {c.job_env}=... picks or escapes "
+                "this class): advisory only; for classification users cannot forge, match "
+                "the cgroup their scheduler puts them in (cgroups = [...])")
+    for i, first in enumerate(policy.tenants):
+        for second in policy.tenants[i + 1:]:
+            for key in ("uids", "gids"):
+                if any(x.lo <= y.hi and y.lo <= x.hi for x in getattr(first, key)
+                       for y in getattr(second, key)):
+                    notes.append(
+                        f"tenants {first.name} and {second.name} share {key}: where both "
+                        f"match a request (their paths), {first.name} wins (file order)")
+                    break
+    return notes
 
 
 def default_policy() -> Policy:

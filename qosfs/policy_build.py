@@ -165,6 +165,32 @@ def _build_tenant(name: str, table: dict[str, Any], path: str) -> Tenant:
     return tenant
 
 
+def _check_tenant_overlap(tenants: tuple[Tenant, ...]) -> None:
+    """Two tenants defined by ids alone must not share a uid or gid: the first in file
+    order would silently take every shared user's traffic. With paths, sharing users is
+    how one team is split by project (``qosfs check`` names the precedence then)."""
+    for i, first in enumerate(tenants):
+        for second in tenants[i + 1:]:
+            if first.paths or second.paths:
+                continue
+            for key in ("uids", "gids"):
+                shared = _shared_id(getattr(first, key), getattr(second, key))
+                if shared is not None:
+                    raise PolicyError(
+                        f"{key[:-1]} {shared} is also in tenants.{quote_key(first.name)}."
+                        f"{key} (a request belongs to one tenant; give each id to one, or "
+                        "tell them apart by paths)", key=f"tenants.{quote_key(second.name)}"
+                        f".{key}")
+
+
+def _shared_id(a: tuple[IdRange, ...], b: tuple[IdRange, ...]) -> int | None:
+    for x in a:
+        for y in b:
+            if x.lo <= y.hi and y.lo <= x.hi:
+                return max(x.lo, y.lo)
+    return None
+
+
 def _priority(table: dict[str, Any], path: str) -> tuple[int, str]:
     value = table.get("priority", "normal")
     if isinstance(value, str) and value in PRIORITY_WEIGHTS:
@@ -251,6 +277,7 @@ def build_policy(raw: dict[str, Any], source: str) -> Policy:
     tenants_table = _table(raw, "tenants", "tenants")
     tenants = tuple(_build_tenant(name, _table(tenants_table, name, f"tenants.{quote_key(name)}"),
                                   f"tenants.{quote_key(name)}") for name in tenants_table)
+    _check_tenant_overlap(tenants)
     tenant_names = tuple(t.name for t in tenants)
     classes_table = _table(raw, "classes", "classes")
     classes = [_build_class(name, _table(classes_table, name, f"classes.{quote_key(name)}"),

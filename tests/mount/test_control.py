@@ -189,6 +189,27 @@ def test_sighup_reloads_the_policy_file(ctl_mount: Mounted) -> None:
     assert ctl_mount.mount.proc.poll() is None  # still serving
 
 
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_sighup_reload_of_a_fifo_or_endless_file_is_refused_and_serving_goes_on(
+        ctl_mount: Mounted, kind: str) -> None:
+    assert ctl_mount.mount.proc is not None
+    ctl_mount.policy.unlink()
+    if kind == "fifo":
+        os.mkfifo(ctl_mount.policy)  # nobody writes: reading it would block the daemon
+    else:
+        ctl_mount.policy.symlink_to("/dev/zero")  # reading it would eat all memory
+    os.kill(ctl_mount.mount.proc.pid, signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while "SIGHUP reload rejected" not in ctl_mount.mount.log():
+        assert time.monotonic() < deadline, ctl_mount.mount.log()
+        time.sleep(0.05)
+    assert "not a regular file" in ctl_mount.mount.log()
+    status = ctl_mount.request({"cmd": "status"})
+    assert status["generation"] == 1 and status["last_reload_ok"] is False
+    (ctl_mount.mnt / "capped" / "after").write_bytes(b"still serving")
+    assert (ctl_mount.src / "capped" / "after").read_bytes() == b"still serving"
+
+
 UNPRIVILEGED_CLIENT = r"""
 import json, socket, sys
 s = socket.socket(socket.AF_UNIX)

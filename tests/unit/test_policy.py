@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import grp
+import os
 import re
+import time
 import tomllib
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from qosfs.policy import (
     default_policy,
     load_policy,
     parse_policy,
+    policy_notes,
     with_changes,
 )
 
@@ -571,3 +574,49 @@ def test_live_changes_are_valid_or_one_error_and_never_touch_the_running_policy(
         assert parse_policy(changed.render()) == changed
         assert changed.source == running.source
     assert running.render() == rendered and running == parse_policy(FULL)
+
+
+@pytest.mark.parametrize("kind", ["dev-zero-symlink", "fifo", "directory", "too-large"])
+def test_only_regular_files_of_bounded_size_are_read(tmp_path: Path, kind: str) -> None:
+    """A symlink to /dev/zero read until memory ran out; a FIFO blocked for ever."""
+    path = tmp_path / "policy.toml"
+    if kind == "dev-zero-symlink":
+        path.symlink_to("/dev/zero")
+        reason = "not a regular file (a character device)"
+    elif kind == "fifo":
+        os.mkfifo(path)  # nobody writes: opening it for reading would block
+        reason = "not a regular file (a FIFO)"
+    elif kind == "directory":
+        path.mkdir()
+        reason = "not a regular file (a directory)"
+    else:
+        path.write_text("# padding\n" * 120_000)  # 1.2 MB of comments
+        reason = "larger than 1048576 bytes"
+    start = time.monotonic()
+    with pytest.raises(PolicyError, match=f"^{re.escape(str(path))}: cannot read policy: "
+                                          f"{re.escape(reason)}"):
+        load_policy(path)
+    assert time.monotonic() - start < 1.0
+
+
+def test_tenants_defined_by_ids_alone_may_not_share_one() -> None:
+    text = '[tenants.a]\nuids = ["1000-1999"]\n[tenants.b]\nuids = [1500, 3000]\n'
+    assert errmsg(text) == ("mlfs.toml:4: tenants.b.uids: uid 1500 is also in tenants.a.uids "
+                            "(a request belongs to one tenant; give each id to one, or tell "
+                            "them apart by paths)")
+    gids = '[tenants.a]\ngids = [50]\n[tenants.b]\ngids = ["40-60"]\n'
+    assert "gid 50 is also in tenants.a.gids" in errmsg(gids)
+    # Told apart by paths: allowed, and check names the precedence.
+    by_paths = '[tenants.a]\nuids = ["1000-1999"]\npaths = ["a/**"]\n[tenants.b]\nuids = [1500]\n'
+    assert policy_notes(parse_policy(by_paths)) == [
+        "tenants a and b share uids: where both match a request (their paths), a wins "
+        "(file order)"]
+
+
+def test_check_notes_rules_the_caller_controls() -> None:
+    policy = parse_policy('[classes.slurm]\njob_env = "SLURM_JOB_ID"\njobs = ["77*"]\n'
+                          '[classes.pinned]\ncgroups = ["/slurm/job_77*/**"]\n')
+    notes = policy_notes(policy)
+    assert len(notes) == 1 and notes[0].startswith(
+        "classes.slurm matches jobs by the environment variable SLURM_JOB_ID, which the "
+        "caller sets")
