@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -228,3 +229,65 @@ def test_bad_policy_is_refused_before_mounting(tmp_tree: Path) -> None:
     assert out.returncode == 6
     assert out.stderr.startswith(f"qosfs: {bad}:3: classes.x.write_bandwidth: ")
     assert not os.path.ismount(mnt)
+
+
+CGROUP2 = Path("/sys/fs/cgroup/unified") if Path("/sys/fs/cgroup/unified/cgroup.procs").exists() \
+    else Path("/sys/fs/cgroup")
+
+
+@pytest.fixture
+def job_cgroup() -> Any:
+    """A cgroup v2 "/qosfs-test-PID/job_771", as a scheduler would make for job 771."""
+    if not (CGROUP2 / "cgroup.procs").exists():
+        pytest.skip("no writable cgroup v2 hierarchy")
+    top = CGROUP2 / f"qosfs-test-{os.getpid()}"
+    job = top / "job_771"
+    try:
+        job.mkdir(parents=True)
+    except OSError as exc:
+        pytest.skip(f"cannot create a cgroup: {exc}")
+    try:
+        yield job
+    finally:
+        for cg in (job, top):
+            for _ in range(50):  # a cgroup can be removed once its processes are reaped
+                try:
+                    cg.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.05)
+
+
+@pytest.mark.root
+def test_a_job_pinned_by_cgroup_cannot_escape_by_setting_its_job_id(
+        tmp_tree: Path, job_cgroup: Path) -> None:
+    """job_env is advisory (the caller sets it); the cgroup its scheduler put it in is not."""
+    src, mnt = tmp_tree / "src", tmp_tree / "mnt"
+    src.mkdir(mode=0o755)
+    mnt.mkdir()
+    os.chmod(src, 0o777)
+    policy = tmp_tree / "policy.toml"
+    policy.write_text(f'[classes.by-cgroup]\ncgroups = ["/{job_cgroup.parent.name}/job_771"]\n'
+                      'write_bandwidth = "2MiB/s"\nburst = "1MiB"\n'
+                      '[classes.by-env]\njob_env = "SLURM_JOB_ID"\njobs = ["772"]\n'
+                      'write_bandwidth = "2MiB/s"\nburst = "1MiB"\n')
+
+    def timed_dd(name: str, job_id: str, in_cgroup: bool) -> float:
+        def enter() -> None:
+            if in_cgroup:
+                (job_cgroup / "cgroup.procs").write_text("0")
+            as_user(4242)()
+
+        start = time.monotonic()
+        subprocess.run(["dd", "if=/dev/zero", f"of={mnt / name}", "bs=1M", "count=5",
+                        "oflag=direct", "status=none"], check=True, preexec_fn=enter,
+                       env={"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": job_id})
+        return time.monotonic() - start
+
+    with QosfsMount(src, mnt, "--policy", str(policy)):
+        # In job 771's cgroup, claiming another job: still capped (4 MiB past the burst).
+        assert timed_dd("pinned", "999", in_cgroup=True) > 1.5
+        # Classified by the environment: the caller picks. As job 772 it is capped ...
+        assert timed_dd("env-capped", "772", in_cgroup=False) > 1.5
+        # ... and the same user escapes by claiming another job id (documented advisory).
+        assert timed_dd("env-escaped", "999", in_cgroup=False) < 1.0
