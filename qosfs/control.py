@@ -7,21 +7,28 @@ implies "controllable". A stale socket left by a killed daemon is replaced.
 Nothing a client does may block the loop or another client, because every FUSE request
 shares that loop:
 
-* each connection is its own task; every receive and send has a deadline (a silent client
-  is dropped after :data:`IDLE_TIMEOUT`, one that does not read its replies after
-  :data:`SEND_TIMEOUT`);
+* each connection is its own task; every receive and send has a deadline: a request must
+  arrive whole within :data:`REQUEST_TIMEOUT` of its first byte (a client trickling one
+  byte at a time does not restart the clock), a connection with no request for
+  :data:`IDLE_TIMEOUT` is dropped, and one that does not read its replies after
+  :data:`SEND_TIMEOUT`;
 * a line longer than :data:`~qosfs.protocol.MAX_REQUEST_BYTES` is refused and the
   connection closed; garbage gets an error reply and the connection goes on;
 * requests of a non-root uid are paced (:data:`REQUESTS_PER_SECOND` per uid, over all of
-  its connections), and a non-root uid holds at most :data:`MAX_CONNECTIONS_PER_UID`
-  connections, so nobody can hog the loop or the connection slots; root is never paced;
+  its connections), a non-root uid holds at most :data:`MAX_CONNECTIONS_PER_UID`
+  connections and all of them together :data:`MAX_CONNECTIONS`; root and the admin
+  group have :data:`RESERVED_CONNECTIONS` more of their own, so users with a 0666 socket
+  can never lock the administrator out; root is never paced;
 * a failure while answering is logged and answered with an ``internal`` error: an
   exception must never reach the nursery that also runs ``pyfuse3.main``.
 
-File mode 0600 (root only), or 0660 with the policy's ``[control] admin_group`` as group.
-The mode is a first gate only: every change is checked against ``SO_PEERCRED`` by
-:class:`qosfs.controller.Controller`. To let every user read status (``qosfs top``),
-``chmod 0666`` the socket; changes stay limited to root and the admin group.
+File mode 0600 (root only), or 0660 with the policy's ``[control] admin_group`` as group,
+set at bind. The mode is a first gate only: every change is checked against
+``SO_PEERCRED`` by :class:`qosfs.controller.Controller`. To let every user read status
+(``qosfs top``), ``chmod 0666`` the socket; changes stay limited to root and the admin
+group, and the daemon keeps the mode the administrator chose (a policy change only
+adjusts the group, and the group bits, when ``admin_group`` itself changes). It never acts
+on the path by name: a symlink put in its place is not followed.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 import array
 import errno
 import logging
+import math
 import os
 import socket
 import stat
@@ -38,6 +46,7 @@ from typing import Any
 
 import trio
 
+from qosfs import syscalls
 from qosfs.bucket import TokenBucket
 from qosfs.errors import EXIT_CONTROL, QosfsError
 from qosfs.protocol import (
@@ -52,10 +61,12 @@ from qosfs.protocol import (
 
 log = logging.getLogger(__name__)
 
-IDLE_TIMEOUT = 60.0  # seconds a connection may stay without completing a request
+IDLE_TIMEOUT = 60.0  # seconds a connection may stay without starting a request
+REQUEST_TIMEOUT = 10.0  # seconds from a request's first byte to its newline
 SEND_TIMEOUT = 5.0  # seconds a reply may take to be accepted by the peer
-MAX_CONNECTIONS = 256
-MAX_CONNECTIONS_PER_UID = 16  # non-root
+MAX_CONNECTIONS = 256  # unprivileged peers, all together
+MAX_CONNECTIONS_PER_UID = 8  # non-root
+RESERVED_CONNECTIONS = 512  # root and the admin group, apart from MAX_CONNECTIONS
 REQUESTS_PER_SECOND = 50.0  # non-root, per uid
 REQUEST_BURST = 50.0
 _RECV = 65536
@@ -72,22 +83,53 @@ class ControlSocket:
     def __init__(self, path: str, admin_gid: int | None = None) -> None:
         self.path = os.path.abspath(path)
         self._sock = _bind(self.path)
-        self._ino = os.stat(self.path).st_ino
-        self.set_admin_group(admin_gid)
+        self._ino = os.lstat(self.path).st_ino
+        self._admin_gid: int | None = None
         self._connections: dict[int, int] = {}  # uid -> open connections
         self._pacing: dict[int, TokenBucket] = {}
-        self._total = 0
+        self._total = 0  # unprivileged connections
+        self._privileged = 0  # root's and the admin group's
+        self._apply_group(admin_gid, 0o600 if admin_gid is None else 0o660)
 
     def __repr__(self) -> str:
         return f"<ControlSocket {self.path} connections={self._total}>"
 
     def set_admin_group(self, gid: int | None) -> None:
-        """0660 with group ``gid`` (members may connect), or 0600 root only."""
+        """The policy's admin group changed (or not): give the socket to that group with
+        group read/write, or back to root's group without them. Other bits (an
+        administrator's ``chmod 0666`` for ``top``) are kept; nothing happens if the group
+        is the same as before, so ``ctl set`` and ``reload`` leave the mode alone."""
+        if gid == self._admin_gid:
+            return
         try:
-            os.chown(self.path, -1, 0 if gid is None else gid)
-            os.chmod(self.path, 0o600 if gid is None else 0o660)
+            mode = stat.S_IMODE(os.lstat(self.path).st_mode)
+        except OSError:
+            return
+        mode = mode | 0o060 if gid is not None else mode & ~0o070
+        self._apply_group(gid, mode)
+
+    def _apply_group(self, gid: int | None, mode: int) -> None:
+        """chown/chmod the socket itself: opened O_PATH|O_NOFOLLOW and checked to be the
+        socket we bound, so a symlink or another file put at the path is never touched."""
+        self._admin_gid = gid
+        try:
+            fd = os.open(self.path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            log.warning("control socket %s: cannot open it to set its mode: %s",
+                        self.path, exc.strerror)
+            return
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISSOCK(st.st_mode) or st.st_ino != self._ino:
+                log.warning("control socket %s was replaced by something else: leaving "
+                            "its mode alone", self.path)
+                return
+            syscalls.chown_fd(fd, -1, 0 if gid is None else gid)
+            os.chmod(f"/proc/self/fd/{fd}", mode)  # the magic link is this very inode
         except OSError as exc:  # not root: the socket stays the daemon user's, 0600
             log.debug("control socket %s: cannot set group %s: %s", self.path, gid, exc)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         """Close, and remove the path if it is still ours (not replaced meanwhile)."""
@@ -124,7 +166,10 @@ class ControlSocket:
             refusal = self._admit(peer)
             if refusal is not None:
                 with trio.move_on_after(1.0):
-                    await stream.send_all(encode(error_reply(refusal, "busy")))
+                    try:
+                        await stream.send_all(encode(error_reply(refusal, "busy")))
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass  # gone already: an exception here would end the daemon
                 return
             try:
                 await self._converse(stream, peer, handler)
@@ -135,18 +180,30 @@ class ControlSocket:
             finally:
                 self._leave(peer)
 
+    def _privileged_peer(self, peer: Peer) -> bool:
+        gid = self._admin_gid
+        return peer.uid == 0 or (gid is not None and (peer.gid == gid or gid in peer.groups))
+
     def _admit(self, peer: Peer) -> str | None:
-        if self._total >= MAX_CONNECTIONS:
-            return f"too many control connections ({MAX_CONNECTIONS})"
         held = self._connections.get(peer.uid, 0)
-        if peer.uid != 0 and held >= MAX_CONNECTIONS_PER_UID:
-            return f"too many control connections for uid {peer.uid} ({held})"
+        if self._privileged_peer(peer):
+            if self._privileged >= RESERVED_CONNECTIONS:
+                return f"too many administrator control connections ({RESERVED_CONNECTIONS})"
+            self._privileged += 1
+        else:
+            if held >= MAX_CONNECTIONS_PER_UID:
+                return f"too many control connections for uid {peer.uid} ({held})"
+            if self._total >= MAX_CONNECTIONS:
+                return f"too many control connections ({MAX_CONNECTIONS})"
+            self._total += 1
         self._connections[peer.uid] = held + 1
-        self._total += 1
         return None
 
     def _leave(self, peer: Peer) -> None:
-        self._total -= 1
+        if self._privileged_peer(peer):
+            self._privileged -= 1
+        else:
+            self._total -= 1
         left = self._connections[peer.uid] - 1
         if left:
             self._connections[peer.uid] = left
@@ -157,6 +214,9 @@ class ControlSocket:
     async def _converse(self, stream: trio.SocketStream, peer: Peer, handler: Handler) -> None:
         buf = bytearray()
         scanned = 0  # bytes of buf known to hold no newline
+        # Deadlines are absolute: bytes trickling in do not push them back.
+        idle_until = trio.current_time() + IDLE_TIMEOUT
+        request_until = math.inf  # set by a request's first byte
         while True:
             newline = buf.find(b"\n", scanned)
             if newline < 0:
@@ -165,13 +225,18 @@ class ControlSocket:
                         f"request longer than {MAX_REQUEST_BYTES} bytes", "protocol"))
                     return
                 scanned = len(buf)
-                with trio.move_on_after(IDLE_TIMEOUT):
+                if buf.strip() and request_until == math.inf:
+                    request_until = trio.current_time() + REQUEST_TIMEOUT
+                with trio.move_on_at(min(idle_until, request_until)):
                     data = await stream.receive_some(_RECV)
                     if not data:
                         return  # the client closed its end
                     buf += data
                     continue
-                return  # silent for too long
+                if request_until != math.inf:
+                    await _send(stream, error_reply(
+                        f"request not complete within {REQUEST_TIMEOUT:g} s", "protocol"))
+                return  # silent, or too slow, for too long
             line = bytes(buf[:newline]).rstrip(b"\r")
             del buf[:newline + 1]
             scanned = 0
@@ -184,6 +249,9 @@ class ControlSocket:
             await self._pace(peer)
             if not await _send(stream, await _answer(line, peer, handler)):
                 return
+            idle_until = trio.current_time() + IDLE_TIMEOUT
+            request_until = math.inf if not buf.strip() else \
+                trio.current_time() + REQUEST_TIMEOUT
 
     async def _pace(self, peer: Peer) -> None:
         if peer.uid == 0:

@@ -10,6 +10,12 @@ before mounting, so a busy port fails ``qosfs mount`` with one line.
 The server speaks just enough HTTP/1.1 for Prometheus, curl and browsers: ``GET`` or
 ``HEAD`` of ``/metrics`` (any query string), one request per connection. Every read and
 write has a deadline and connections are capped, so a slow scraper costs nothing.
+
+Nobody can hold the endpoint shut with idle connections (a local user could, with 16 of
+them, for as long as they kept reconnecting): the request head must arrive within
+:data:`HEAD_TIMEOUT`, a remote address holds at most :data:`MAX_PER_ADDRESS` connections,
+and when all :data:`MAX_CONNECTIONS` are taken a new connection evicts the oldest one
+that has not sent its request yet -- a scraper sends it at once, so it is served.
 """
 
 from __future__ import annotations
@@ -28,8 +34,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 HEAD_LIMIT = 8192
-TIMEOUT = 10.0
-MAX_CONNECTIONS = 16
+HEAD_TIMEOUT = 2.0  # seconds from accept to a complete request head
+TIMEOUT = 10.0  # seconds for the whole exchange
+MAX_CONNECTIONS = 64
+MAX_PER_ADDRESS = 8  # remote addresses; local users all connect from loopback
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -54,6 +62,11 @@ class MetricsServer:
         self.port = self._sock.getsockname()[1]  # the real one when asked for port 0
         self._open = 0
         self._render = trio.CapacityLimiter(1)
+        # Connections still waiting for their request head, oldest first (evictable).
+        self._waiting: dict[int, trio.CancelScope] = {}
+        self._by_address: dict[str, int] = {}
+        self._evicted: set[int] = set()
+        self.evicted = 0
 
     def __repr__(self) -> str:
         return f"<MetricsServer {self.host}:{self.port}>"
@@ -72,35 +85,63 @@ class MetricsServer:
                     log.warning("metrics accept failed: %s", exc)
                     await trio.sleep(0.1)
                     continue
-                if self._open >= MAX_CONNECTIONS:
+                address = _remote_address(stream)
+                if address is not None and self._by_address.get(address, 0) >= MAX_PER_ADDRESS:
+                    await stream.aclose()
+                    continue
+                if self._open >= MAX_CONNECTIONS and not self._evict_oldest_waiting():
                     await stream.aclose()
                     continue
                 self._open += 1
-                nursery.start_soon(self._connection, stream)
+                if address is not None:
+                    self._by_address[address] = self._by_address.get(address, 0) + 1
+                nursery.start_soon(self._connection, stream, address)
 
-    async def _connection(self, stream: trio.SocketStream) -> None:
+    def _evict_oldest_waiting(self) -> bool:
+        """Free a slot by closing the oldest connection that sent no request yet."""
+        for key, scope in self._waiting.items():
+            del self._waiting[key]
+            self._evicted.add(key)
+            scope.cancel()
+            self._open -= 1  # its slot is free now; its task only closes the stream
+            self.evicted += 1
+            return True
+        return False
+
+    async def _connection(self, stream: trio.SocketStream, address: str | None) -> None:
+        key = id(stream)
         try:
             async with stream:
                 with trio.move_on_after(TIMEOUT):
-                    await self._exchange(stream)
+                    head = None
+                    with trio.move_on_after(HEAD_TIMEOUT) as waiting:
+                        self._waiting[key] = waiting
+                        head = await _read_head(stream)
+                    self._waiting.pop(key, None)
+                    if head is not None:
+                        await self._exchange(stream, head)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         except Exception:
             log.exception("metrics request failed")
         finally:
-            self._open -= 1
+            self._waiting.pop(key, None)
+            if key in self._evicted:
+                self._evicted.discard(key)
+            else:
+                self._open -= 1
+            if address is not None:
+                left = self._by_address[address] - 1
+                if left:
+                    self._by_address[address] = left
+                else:
+                    del self._by_address[address]
 
-    async def _exchange(self, stream: trio.SocketStream) -> None:
-        head = bytearray()
-        while b"\r\n\r\n" not in head and b"\n\n" not in head:
-            if len(head) > HEAD_LIMIT:
-                await _respond(stream, 431, b"request head too large\n")
-                return
-            data = await stream.receive_some(4096)
-            if not data:
-                return
-            head += data
-        method, _, rest = bytes(head).partition(b" ")
+    async def _exchange(self, stream: trio.SocketStream, head: bytes) -> None:
+        if len(head) > HEAD_LIMIT:
+            await _respond(stream, 431, b"request head too large\n")
+            return
+        method, _, rest = head.partition(b" ")
         path = rest.partition(b" ")[0].partition(b"?")[0]
         if method not in (b"GET", b"HEAD"):
             await _respond(stream, 405, b"only GET and HEAD\n")
@@ -112,6 +153,26 @@ class MetricsServer:
             await _respond(stream, 200, b"qosfs exporter: see /metrics\n")
         else:
             await _respond(stream, 404, b"not found; see /metrics\n")
+
+
+async def _read_head(stream: trio.SocketStream) -> bytes | None:
+    """The request head (up to just past HEAD_LIMIT), or None if the peer closed first."""
+    head = bytearray()
+    while b"\r\n\r\n" not in head and b"\n\n" not in head and len(head) <= HEAD_LIMIT:
+        data = await stream.receive_some(4096)
+        if not data:
+            return None
+        head += data
+    return bytes(head)
+
+
+def _remote_address(stream: trio.SocketStream) -> str | None:
+    """The peer's address if it is another host (loopback peers are all local users)."""
+    try:
+        host = stream.socket.getpeername()[0]
+    except (OSError, IndexError):
+        return None
+    return None if host in ("127.0.0.1", "::1") or host.startswith("::ffff:127.") else host
 
 
 _REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed",

@@ -8,6 +8,7 @@ import re
 import signal
 import socket
 import stat
+import shutil
 import subprocess
 import sys
 import threading
@@ -544,3 +545,59 @@ def test_socket_admits_root_and_the_admin_group_only(tmp_tree: Path) -> None:
             assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600  # group removed: root only
             assert client(4242, [4300]) == {"connect": 13}
             assert root.request({"cmd": "status"})["generation"] == 3
+
+
+# Opens N connections to a Unix socket or a TCP port, sends each one byte, prints
+# "held" and keeps them (a slowloris) until killed.
+HOLDER = r"""
+import socket, sys, time
+target, n = sys.argv[1], int(sys.argv[2])
+held = []
+for _ in range(n):
+    try:  # the daemon refuses (closes) connections past a user's share: keep going
+        if target.isdigit():
+            s = socket.create_connection(("127.0.0.1", int(target)))
+        else:
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(target)
+        held.append(s)
+        s.sendall(b"{" if not target.isdigit() else b"G")
+    except OSError:
+        pass
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def _hold(target: str, n: int, uid: int) -> subprocess.Popen[str]:
+    python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+    proc = subprocess.Popen([python, "-c", HOLDER, target, str(n)], cwd="/", text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            preexec_fn=as_user(uid))
+    return proc
+
+
+@pytest.mark.root
+def test_users_holding_slow_connections_never_lock_out_root_or_the_scraper(
+        ctl_mount: Mounted, capsys: pytest.CaptureFixture[str]) -> None:
+    os.chmod(ctl_mount.sock, 0o666)  # as the README suggests, for qosfs top
+    port = ctl_mount.metrics_url().rsplit(":", 1)[1].split("/")[0]
+    holders = [_hold(str(ctl_mount.sock), 16, 5100 + i) for i in range(40)]
+    holders.append(_hold(port, 200, 5200))
+    try:
+        for h in holders:
+            assert h.stdout is not None and h.stdout.readline().strip() == "held"
+        start = time.monotonic()
+        code, out, _ = ctl(capsys, ctl_mount.sock, "status")
+        assert code == 0 and "capped" in out
+        assert time.monotonic() - start < 2.0
+        start = time.monotonic()
+        with urllib.request.urlopen(ctl_mount.metrics_url(), timeout=10) as response:
+            assert response.status == 200 and b"qosfs_" in response.read()
+        assert time.monotonic() - start < 5.0
+    finally:
+        for h in holders:
+            h.kill()
+            h.wait()
+            assert h.stdout is not None
+            h.stdout.close()
