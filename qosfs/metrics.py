@@ -29,6 +29,11 @@ of idle, watching, throttling, unreachable), ``qosfs_latency_auto_limit_bytes_pe
 
 Policy: ``qosfs_policy_generation``, ``qosfs_policy_changes_total{command, result}``
 (command: set, reload; result: applied, rejected), ``qosfs_policy_last_reload_success``.
+
+Resources (see ``_RESOURCES``): ``qosfs_inode_descriptors``, ``..._budget``,
+``qosfs_inodes``, ``qosfs_parked_requests``, ``qosfs_parked_bytes``,
+``qosfs_parking_refused_total``, ``qosfs_killed_callers_total``,
+``qosfs_open_refused_total``.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ class SnapshotCollector:
         yield from self._levels()
         yield from self._latency()
         yield from self._policy()
+        yield from self._resources()
 
     def _traffic(self) -> Iterator[Metric]:
         read = CounterMetricFamily("qosfs_read_bytes", "Bytes read through the mount.",
@@ -191,6 +197,38 @@ class SnapshotCollector:
         yield GaugeMetricFamily("qosfs_policy_last_reload_success",
                                 "1 if the last reload was applied (or none was asked), else 0.",
                                 value=1.0 if self.snap.last_reload_ok else 0.0)
+
+
+    def _resources(self) -> Iterator[Metric]:
+        """What the daemon holds against its limits (``ctl status`` shows the same)."""
+        info = self.snap.info
+        for key, name, kind, text in _RESOURCES:
+            if key in info:
+                family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+                yield family(name, text, value=info[key])
+
+
+# ctl status key -> metric: descriptors held for inodes (qosfs.inodes), requests parked
+# for tokens and those refused past the parking lot's bounds (qosfs.parking), parked
+# requests answered because their caller was killed (qosfs.interrupts), and opens refused
+# past a uid's share of the daemon's descriptors (qosfs.handles).
+_RESOURCES = (
+    ("inode_fds", "qosfs_inode_descriptors", "gauge",
+     "Descriptors the daemon holds for inodes the kernel knows."),
+    ("inode_fd_budget", "qosfs_inode_descriptors_budget", "gauge",
+     "How many inode descriptors the daemon caches at most."),
+    ("inodes", "qosfs_inodes", "gauge", "Inodes the kernel currently knows."),
+    ("parked_requests", "qosfs_parked_requests", "gauge",
+     "Requests waiting for tokens now, over every class."),
+    ("parked_bytes", "qosfs_parked_bytes", "gauge",
+     "Write data held by requests waiting for tokens."),
+    ("parking_refused", "qosfs_parking_refused", "counter",
+     "Requests answered EAGAIN because a parking bound was reached."),
+    ("killed_callers", "qosfs_killed_callers", "counter",
+     "Parked requests answered at once because their caller was killed."),
+    ("open_refused", "qosfs_open_refused", "counter",
+     "Opens answered ENFILE because the uid held its share of the daemon's descriptors."),
+)
 
 
 def render(snap: Snapshot) -> bytes:

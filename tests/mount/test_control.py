@@ -352,6 +352,9 @@ def test_metrics_after_traffic(ctl_mount: Mounted) -> None:
 
     capped = 'class="capped",tenant="",uid=""'
     assert value(f"qosfs_write_bytes_total{{{capped}}}") == 3 * MiB
+    # What the daemon holds against its limits (qosfs.inodes, qosfs.parking).
+    assert 1 <= value("qosfs_inode_descriptors") <= value("qosfs_inode_descriptors_budget") + 2
+    assert value("qosfs_parked_requests") == 0 and value("qosfs_parking_refused_total") == 0
     assert value(f"qosfs_read_bytes_total{{{capped}}}") >= 3 * MiB
     assert value('qosfs_ops_total{class="capped",op="write",tenant="",uid=""}') >= 3
     assert 0.8 <= value(f"qosfs_throttled_seconds_total{{{capped}}}") < 5  # 2 MiB over the burst
