@@ -25,7 +25,7 @@ import pytest
 
 from qosfs.ctl import Client
 from qosfs.parking import ParkingLimits
-from tests.mount.test_scale import Reader, p99, reader_alone
+from tests.mount.test_scale import Reader, p99, reader_alone, rss_mib
 from tests.mounting import QosfsMount, as_user
 
 pytestmark = [pytest.mark.mount, pytest.mark.root]
@@ -56,14 +56,6 @@ def wait_for(predicate: Any, timeout: float, what: str) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def flood(tmp_tree: Path, uids: list[int], threads_per_uid: int) -> dict[str, Any]:

@@ -194,13 +194,13 @@ def _check_big_tree(tmp_tree: Path, dirs: int, files_per_dir: int, nofile: int,
                               preexec_fn=as_user(4244)).returncode == 0
         assert (src / "pub" / "new").stat().st_uid == 4243
         figures["fds_after"] = open_fds(pid)
-        figures["rss_mib"] = _rss_mib(pid)
+        figures["rss_mib"] = rss_mib(pid)
     assert figures["peak_fds"] < nofile
     print(f"\n{entries} entries, daemon limit {nofile} {args}: {figures}")
     return figures
 
 
-def _rss_mib(pid: int) -> float:
+def rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
