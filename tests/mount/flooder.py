@@ -2,7 +2,9 @@
 
 Run as a script (as the flooding user): ``python flooder.py DIR THREADS SIZE``. Prints
 one JSON line when every thread is done: how many writes succeeded and the errno of the
-others. The threads start together (a barrier), as a careless job's thread pool would.
+others. The threads write together (once all have opened), as a careless job's thread pool
+would; an open the daemon refuses (ENFILE: the uid's share of its descriptors) is counted
+and that thread stops.
 """
 
 from __future__ import annotations
@@ -20,11 +22,16 @@ def main() -> None:
     data = b"\xab" * size
     results: Counter[str] = Counter()
     lock = threading.Lock()
-    barrier = threading.Barrier(threads)
+    go = threading.Event()  # set once every thread has tried its open
 
     def write(i: int) -> None:
-        fd = os.open(os.path.join(directory, f"f{i:05d}"), os.O_WRONLY | os.O_CREAT, 0o644)
-        barrier.wait()
+        try:
+            fd = os.open(os.path.join(directory, f"f{i:05d}"), os.O_WRONLY | os.O_CREAT, 0o644)
+        except OSError as exc:  # the daemon's share of descriptors for this uid is full
+            with lock:
+                results[f"open: {os.strerror(exc.errno or 0)}"] += 1
+            return
+        go.wait()
         try:
             n = os.write(fd, data)
             outcome = "ok" if n == size else f"short:{n}"
@@ -40,6 +47,7 @@ def main() -> None:
     pool = [threading.Thread(target=write, args=(i,)) for i in range(threads)]
     for t in pool:
         t.start()
+    go.set()  # the threads that opened a file write at once, together
     for t in pool:
         t.join()
     print(json.dumps(dict(results)), flush=True)
