@@ -433,7 +433,9 @@ class PassthroughOperations(pyfuse3.Operations):
             kill_priv = bool(os.fstat(node.fd).st_mode & _SUID_SGID)
         node.opens += 1
         fsuid = ctx.uid if self._write_as_caller else 0
-        self.files[fd] = FileHandle(fd, direct, flow, node, kill_priv, fsuid, owner)
+        handle = self.files[fd] = FileHandle(fd, direct, flow, node, kill_priv, fsuid, owner)
+        if accmode != os.O_RDONLY:
+            handle.stream_left = handle.stream_limit = self.qos.stream_threshold(flow)
         cache = self.options.cache
         bypass = flow.direct_io_for(accmode)  # per class and access mode (PolicyFlow)
         return pyfuse3.FileInfo(
@@ -536,7 +538,31 @@ class PassthroughOperations(pyfuse3.Operations):
         except OSError as exc:
             raise FUSEError(exc.errno or errno.EIO) from None
         flow.stats.record_write(n, waited, took)
+        if handle.stream_left:  # an uncapped writer that may turn out to be a stream
+            self._follow_stream(handle, off, n)
         return n
+
+    def _follow_stream(self, handle: FileHandle, off: int, n: int) -> None:
+        """Count a write of a watched open; once ``stream_limit`` bytes came in sequence
+        (with at most a quarter as much elsewhere), move the open to the streaming class
+        for the rest of its life. A writer that scatters as much as the limit is left
+        alone for good. Called after the write: the move applies from the next one."""
+        if off == handle.stream_off or handle.stream_off < 0:
+            handle.stream_left -= n
+        else:
+            handle.scattered += n
+        handle.stream_off = off + n
+        if handle.stream_left <= 0:
+            handle.stream_left = 0  # decided either way: stop watching
+            if handle.scattered * 4 <= handle.stream_limit:
+                old = handle.flow
+                new = self.qos.moved_to_streaming(old)
+                if new is not old:
+                    old.release()
+                    new.open_files += 1
+                    handle.flow = new
+        elif handle.scattered >= handle.stream_limit:
+            handle.stream_left = 0  # a random writer, not a stream
 
     @fuse_handler
     async def flush(self, fh: int) -> None:
@@ -706,6 +732,9 @@ class PassthroughOperations(pyfuse3.Operations):
             "open_refused": self.open_quota.refused,
             "killed_callers": interrupts.killed_callers,
         }
+        moves = getattr(self.qos, "stream_moves", None)
+        if moves is not None:  # opens moved as streaming writers, by the class they left
+            out["streaming_moves"] = dict(moves)
         parking = getattr(self.qos, "parking", None)
         if parking is not None:
             out.update(parked_requests=parking.requests, parked_bytes=parking.bytes,

@@ -27,6 +27,13 @@ class FileHandle:
     kill_priv: bool = False  # clear setuid/setgid on the first write (unprivileged writer)
     fsuid: int = 0  # writes run with this fsuid when not 0 (see qosfs.privileges)
     owner: int = -1  # the uid whose OpenQuota it counts against (-1: none)
+    # Streaming-write detection (PassthroughOperations._follow_stream): sequential bytes
+    # still to see before the open moves to the streaming class (0: not watched), the
+    # threshold, where the next sequential write would start, bytes written elsewhere.
+    stream_left: int = 0
+    stream_limit: int = 0
+    stream_off: int = -1
+    scattered: int = 0
 
 
 @dataclass(slots=True, eq=False)

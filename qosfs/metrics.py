@@ -206,6 +206,14 @@ class SnapshotCollector:
             if key in info:
                 family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
                 yield family(name, text, value=info[key])
+        if "streaming_moves" in info:
+            moves = CounterMetricFamily(
+                "qosfs_streaming_moves", "Writable opens moved to the streaming class after "
+                "writing a stream (detect_streaming_writes), by the class they left.",
+                labels=["class"])
+            for cls, n in sorted(info["streaming_moves"].items()):
+                moves.add_metric([cls], n)
+            yield moves
 
 
 # ctl status key -> metric: descriptors held for inodes (qosfs.inodes), requests parked

@@ -87,6 +87,9 @@ def _nonempty_list(table: dict[str, Any], key: str, path: str, what: str) -> lis
     return value
 
 
+MIN_STREAM_BYTES = 1 << 20
+
+
 def _ids(table: dict[str, Any], key: str, path: str) -> tuple[IdRange, ...]:
     out = []
     for item in _nonempty_list(table, key, path, 'ids like 1000 or "1000-1999"'):
@@ -246,7 +249,17 @@ def _build_class(name: str, table: dict[str, Any], path: str,
         cache=_choice(table, "cache", path, CACHE_MODES, "auto"),
         target_read_latency=_unit(table, "target_read_latency", path, parse_duration, False),
         latency_percentile=float(percentile),
-        latency_measure=_choice(table, "latency_measure", path, LATENCY_MEASURES, "request"))
+        latency_measure=_choice(table, "latency_measure", path, LATENCY_MEASURES, "request"),
+        detect_streaming_writes=_streaming(table, path))
+
+
+def _streaming(table: dict[str, Any], path: str) -> int | None:
+    size = _unit(table, "detect_streaming_writes", path, parse_size, False)
+    if size is not None and size < MIN_STREAM_BYTES:
+        raise PolicyError(f"expected at least {format_size(MIN_STREAM_BYTES)} (smaller files are "
+                          f"not streams), got {show_value(table['detect_streaming_writes'])}",
+                          key=f"{path}.detect_streaming_writes")
+    return None if size is None else int(size)
 
 
 def _admin_gid(table: dict[str, Any]) -> int | None:
@@ -283,6 +296,11 @@ def build_policy(raw: dict[str, Any], source: str) -> Policy:
     classes = [_build_class(name, _table(classes_table, name, f"classes.{quote_key(name)}"),
                             f"classes.{quote_key(name)}", tenant_names)
                for name in classes_table]
+    streaming = [c.name for c in classes if c.detect_streaming_writes is not None]
+    if len(streaming) > 1:
+        raise PolicyError(f"only one class may take streaming writers; "
+                          f"classes.{quote_key(streaming[0])} already has it",
+                          key=f"classes.{quote_key(streaming[1])}.detect_streaming_writes")
     default = next((c for c in classes if c.name == "default"), ClassRule("default"))
     classes = [c for c in classes if c.name != "default"] + [default]
     envs = {c.job_env for c in classes if c.job_env is not None}
@@ -345,6 +363,8 @@ def _class_raw(c: ClassRule) -> dict[str, Any]:
                **_limits_raw(c.limits))
     if c.target_read_latency is not None:
         out["target_read_latency"] = format_duration(c.target_read_latency)
+    if c.detect_streaming_writes is not None:
+        out["detect_streaming_writes"] = format_size(c.detect_streaming_writes)
     return {k: v for k, v in out.items() if v not in (None, [])}
 
 

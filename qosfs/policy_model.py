@@ -15,13 +15,14 @@ CAP_KEYS = ("read_bandwidth", "write_bandwidth", "read_iops", "write_iops", "met
 LIMIT_KEYS = (*CAP_KEYS, "burst", "burst_iops")
 MATCH_KEYS = ("paths", "uids", "gids", "tenants", "ops", "job_env", "jobs", "cgroups")
 CLASS_SETTINGS = ("priority", "min_read_bandwidth", "min_write_bandwidth", "per_user", "cache",
-                  "target_read_latency", "latency_percentile", "latency_measure")
+                  "target_read_latency", "latency_percentile", "latency_measure",
+                  "detect_streaming_writes")
 CLASS_KEYS = (*MATCH_KEYS, *CLASS_SETTINGS, *LIMIT_KEYS)
 TENANT_KEYS = ("uids", "gids", "paths", *LIMIT_KEYS)
 SETTABLE = {"backend": LIMIT_KEYS, "tenant": LIMIT_KEYS,
             "class": (*LIMIT_KEYS, "min_read_bandwidth", "min_write_bandwidth", "priority",
                       "per_user", "cache", "target_read_latency", "latency_percentile",
-                      "latency_measure")}
+                      "latency_measure", "detect_streaming_writes")}
 PRIORITY_WEIGHTS = {"low": 1, "normal": 10, "high": 100}
 OPS = ("read", "write", "meta")
 CACHE_MODES = ("auto", "keep", "direct", "direct-writes")
@@ -128,6 +129,9 @@ class ClassRule:
     target_read_latency: float | None = None
     latency_percentile: float = 99.0
     latency_measure: str = "request"
+    # Bytes of (mostly) sequential writes after which a writable open of an uncapped class
+    # moves into this class (qosfs.streaming); None: this class takes no streams.
+    detect_streaming_writes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +158,12 @@ class Policy:
     def tenant_by_name(self, name: str) -> Tenant | None:
         """The tenant called ``name``, or None."""
         return next((t for t in self.tenants if t.name == name), None)
+
+    @property
+    def streaming_target(self) -> ClassRule | None:
+        """The class that takes streaming writers (at most one has
+        ``detect_streaming_writes``), or None."""
+        return next((c for c in self.classes if c.detect_streaming_writes is not None), None)
 
     @property
     def needs_job_lookup(self) -> bool:

@@ -118,6 +118,9 @@ paths = [
 ]
 write_bandwidth = "400MiB/s"
 burst = "64MiB"          # bucket depth: a short dump this size goes through at full speed
+# A writer of an uncapped class that streams this much, mostly sequentially, moves here:
+# checkpoint dumps are the largest sequential writers, whatever their names.
+detect_streaming_writes = "256MiB"
 # per_user = "fair"      # give each writing uid an equal share of the 400MiB/s
 # cache = "auto"         # while capped, write-only opens (torch.save...) bypass the page
                          # cache; "direct-writes" for writers that open read-write

@@ -65,6 +65,12 @@ class QosEngine(Protocol):
 
     async def admit_meta(self, fs: Any, inode: Inode, ctx: pyfuse3.RequestContext) -> None: ...
 
+    def stream_threshold(self, flow: Any) -> int:
+        """Sequential bytes after which a writable open of *flow* moves (0: never)."""
+
+    def moved_to_streaming(self, flow: Any) -> Any:
+        """The flow a streaming writer of *flow* continues in."""
+
     def drain(self) -> None:
         """Shutdown: let every parked request through now (they are delayed, never dropped)."""
 
@@ -120,6 +126,12 @@ class PassThroughQos:
 
     async def admit_meta(self, fs: Any, inode: Inode, ctx: pyfuse3.RequestContext) -> None:
         return None
+
+    def stream_threshold(self, flow: Any) -> int:
+        return 0  # nothing is classified, so nothing moves
+
+    def moved_to_streaming(self, flow: Any) -> Any:
+        return flow
 
     def drain(self) -> None:
         return None

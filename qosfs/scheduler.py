@@ -340,6 +340,7 @@ class PolicyQos:
         self.draining = False
         self.generation = 0
         self.parking = ParkingLot()  # bounds on requests waiting for tokens (qosfs.parking)
+        self.stream_moves: dict[str, int] = {}  # opens moved as streaming writers, by class
         self.swap(policy)
 
     # ------------------------------------------------------------------ policy swap
@@ -381,6 +382,7 @@ class PolicyQos:
         old_classes, old_tenants = self.classes, self.tenants
         self.policy, self.classifier = policy, classifier
         self._needs_job = policy.needs_job_lookup  # read per request: computed once here
+        self._streaming = policy.streaming_target  # the class streaming writers move to
         self.classes, self.tenants, self.backend = classes, tenants, backend
         self.meta_limited = any(c.limits.meta_iops is not None for c in policy.classes) or any(
             t.limits.meta_iops is not None for t in policy.tenants) or (
@@ -459,16 +461,42 @@ class PolicyQos:
         uid, gid = ctx.uid, ctx.gid
         rule = self.classifier.classify(path, uid, gid, op, self._job(ctx.pid))
         tenant = self.classifier.tenant_of(uid, gid, path)
-        tname = tenant.name if tenant is not None else None
-        key = (rule.name, tname, uid)
+        return self._flow(rule.name, tenant.name if tenant is not None else None, uid)
+
+    def _flow(self, cls: str, tname: str | None, uid: int) -> PolicyFlow:
+        key = (cls, tname, uid)
         flow = self._flows.get(key)
         if flow is None:
-            flow = PolicyFlow(self.classes[rule.name],
-                              self.tenants.get(tname) if tname else None, self.backend, uid,
-                              tname, self.accounts, self.parking)
+            flow = PolicyFlow(self.classes[cls], self.tenants.get(tname) if tname else None,
+                              self.backend, uid, tname, self.accounts, self.parking)
             self._flows[key] = flow
             self._all_flows.add(flow)
         return flow
+
+    # ------------------------------------------------------------------ streaming writers
+
+    def stream_threshold(self, flow: PolicyFlow) -> int:
+        """Bytes of mostly sequential writes after which a writable open of *flow* moves
+        to the streaming class (qosfs.streaming); 0: never (no such class, or *flow*'s
+        class caps writes itself or is that class)."""
+        target = self._streaming
+        if target is None:
+            return 0
+        rule = flow.cls.rule
+        if rule.name == target.name or rule.limits.write_bandwidth is not None \
+                or rule.limits.write_iops is not None:
+            return 0
+        return target.detect_streaming_writes or 0
+
+    def moved_to_streaming(self, flow: PolicyFlow) -> PolicyFlow:
+        """The flow an open of *flow* continues in once it is seen streaming (same tenant
+        and uid, the streaming class); counts the move by the class it leaves."""
+        target = self._streaming
+        if target is None or target.name not in self.classes:
+            return flow
+        name = flow.cls.rule.name
+        self.stream_moves[name] = self.stream_moves.get(name, 0) + 1
+        return self._flow(target.name, flow.tenant_name, flow.uid)
 
     def _memo_flow(self, fs: Any, inode: Inode, ctx: pyfuse3.RequestContext,
                    op: str) -> PolicyFlow:

@@ -291,3 +291,75 @@ def test_a_job_pinned_by_cgroup_cannot_escape_by_setting_its_job_id(
         assert timed_dd("env-capped", "772", in_cgroup=False) > 1.5
         # ... and the same user escapes by claiming another job id (documented advisory).
         assert timed_dd("env-escaped", "999", in_cgroup=False) < 1.0
+
+
+STREAMING_POLICY = """
+[classes.ckpt]
+paths = ["**/checkpoints/**"]
+write_bandwidth = "16MiB/s"
+burst = "2MiB"
+detect_streaming_writes = "32MiB"
+
+[classes.datasets]
+paths = ["data/**"]
+priority = "high"
+"""
+
+
+def _status(sock: Path) -> dict[str, Any]:
+    from qosfs.ctl import Client
+
+    with Client(str(sock)) as client:
+        return client.request({"cmd": "status"})
+
+
+def _class_writes(status: dict[str, Any], name: str) -> int:
+    return int(next(lv for lv in status["levels"] if lv["level"] == "class"
+                    and lv["name"] == name)["write_bytes"])
+
+
+@pytest.mark.root
+def test_a_stream_to_a_name_no_glob_knows_is_moved_and_capped(tmp_tree: Path) -> None:
+    src, mnt, sock = tmp_tree / "src", tmp_tree / "mnt", tmp_tree / "ctl.sock"
+    (src / "scratch" / "run7").mkdir(parents=True)
+    mnt.mkdir()
+    policy = tmp_tree / "policy.toml"
+    policy.write_text(STREAMING_POLICY)
+    with QosfsMount(src, mnt, "--policy", str(policy), "--socket", str(sock)):
+        start = time.monotonic()
+        with open(mnt / "scratch" / "run7" / "state.blob", "wb", buffering=0) as f:
+            for _ in range(96):
+                f.write(b"s" * MiB)
+        elapsed = time.monotonic() - start
+        status = _status(sock)
+        # 32 MiB went uncapped in default, then the open moved: 64 MiB at 16 MiB/s.
+        assert status["streaming_moves"] == {"default": 1}
+        assert _class_writes(status, "default") == 32 * MiB
+        assert _class_writes(status, "ckpt") == 64 * MiB
+        assert elapsed >= (64 - 2) / 16 * 0.85, elapsed
+        # Random writes of the same size are not a stream: they stay where they are.
+        with open(mnt / "scratch" / "run7" / "random.bin", "wb", buffering=0) as f:
+            for i in range(48):
+                f.seek(((i * 37) % 48) * MiB)
+                f.write(b"r" * MiB)
+        # A new open is classified afresh (the move lasts as long as the open).
+        with open(mnt / "scratch" / "run7" / "state.blob", "r+b", buffering=0) as f:
+            f.write(b"x" * MiB)
+        status = _status(sock)
+        assert status["streaming_moves"] == {"default": 1}
+        assert _class_writes(status, "default") == (32 + 48 + 1) * MiB
+    assert (src / "scratch" / "run7" / "state.blob").stat().st_size == 96 * MiB
+
+
+@pytest.mark.root
+def test_the_default_policy_moves_a_stream_before_300_mib(tmp_tree: Path) -> None:
+    src, mnt, sock = tmp_tree / "src", tmp_tree / "mnt", tmp_tree / "ctl.sock"
+    (src / "scratch" / "run7").mkdir(parents=True)
+    mnt.mkdir()
+    with QosfsMount(src, mnt, "--socket", str(sock)):
+        with open(mnt / "scratch" / "run7" / "state.blob", "wb", buffering=0) as f:
+            for _ in range(300):
+                f.write(b"s" * MiB)
+        status = _status(sock)
+    assert status["streaming_moves"] == {"default": 1}
+    assert _class_writes(status, "checkpoints") == (300 - 256) * MiB
