@@ -248,6 +248,21 @@ class JobCache:
         self._entries.clear()
 
 
+# Temporary names of atomic saves, and what they become: "model.pt.tmp" / "model.pt.tmp42"
+# -> "model.pt", ".metadata.tmp" -> ".metadata" (torch.distributed.checkpoint), and a
+# directory "ckpt_100.orbax-checkpoint-tmp-1234" -> "ckpt_100" (renamed when complete).
+_TMP_LEAF = re.compile(r"(?<=[^/])\.tmp[^/]*$")
+_TMP_DIR = re.compile(r"(?:\.[^/.]*)?-tmp-[0-9]+(?=/|$)")
+
+
+def final_name(path: str) -> str | None:
+    """The path an atomic save will rename *path* to, or None if it does not look like a
+    temporary name. A leaf that is only a temporary name (safetensors' ``.tmpXXXXXX``)
+    has no final name to read: streaming-write detection catches those."""
+    final = _TMP_DIR.sub("", _TMP_LEAF.sub("", path))
+    return final if final != path else None
+
+
 class _Rule:
     """One class with its criteria precompiled; ``None``/empty means "not a criterion"."""
 
@@ -333,6 +348,17 @@ class Classifier:
 
     def _classify_uncached(self, path: str, uid: int, gid: int, op: str,
                            job: JobInfo | None) -> ClassRule:
+        rule = self._first_match(path, uid, gid, op, job)
+        if rule is self.policy.classes[-1]:
+            # Only the default matched: a temporary name of an atomic save takes the class
+            # of the name it will be renamed to (written before the rename, or never).
+            final = final_name(path)
+            if final is not None:
+                return self._first_match(final, uid, gid, op, job)
+        return rule
+
+    def _first_match(self, path: str, uid: int, gid: int, op: str,
+                     job: JobInfo | None) -> ClassRule:
         tenant = self.tenant_of(uid, gid, path) if self._uses_tenants else None
         for r in self._rules:
             if r.ops and op not in r.ops:

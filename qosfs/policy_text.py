@@ -110,12 +110,17 @@ DEFAULT_POLICY_TEXT = """\
 # write_bandwidth = "1GiB/s"
 
 # Checkpoint dumps: hundreds of ranks writing at once starve the data loaders, so writes
-# are capped. Reading a checkpoint back is not capped.
+# are capped. Reading a checkpoint back is not capped (reads fall through to the classes
+# below: a .pt shard under data/ is a dataset). Temporary names of atomic saves
+# ("model.pt.tmp", ".metadata.tmp", "*.orbax-checkpoint-tmp-N/") take the class of the
+# name they will get; writers no name reveals are caught by detect_streaming_writes.
 [classes.checkpoints]
 paths = [
-    "**/checkpoints/**", "**/*.pt", "**/*.pth", "**/*.safetensors", "**/*.distcp",
-    "**/*.ckpt",
+    "**/checkpoints/**", "**/checkpoint-*/**", "**/checkpoint_*/**", "**/*.pt", "**/*.pth",
+    "**/*.safetensors", "**/*.distcp", "**/.metadata", "**/*.ckpt",
+    "**/*.orbax-checkpoint-tmp-*/**",
 ]
+ops = ["write"]
 write_bandwidth = "400MiB/s"
 burst = "64MiB"          # bucket depth: a short dump this size goes through at full speed
 # A writer of an uncapped class that streams this much, mostly sequentially, moves here:
@@ -126,6 +131,7 @@ detect_streaming_writes = "256MiB"
                          # cache; "direct-writes" for writers that open read-write
 
 # Training data: never throttled here, and first in line when the backend is contended.
+# (A large sequential write here, dataset preparation say, counts as a stream.)
 [classes.datasets]
 paths = [
     "data/**", "datasets/**", "**/*.parquet", "**/*.arrow", "**/*.tfrecord*", "**/*.tar",

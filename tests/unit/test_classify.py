@@ -16,6 +16,7 @@ from qosfs.classify import (
     compile_cgroup_glob,
     compile_glob,
     compile_value_glob,
+    final_name,
     read_job_info,
 )
 from qosfs.policy import default_policy, parse_policy
@@ -180,7 +181,11 @@ def test_default_policy_classes() -> None:
     c = Classifier(default_policy())
     assert c.classify("runs/r1/checkpoints/step_100/rank0.distcp", 1, 1, "write").name == (
         "checkpoints")
-    assert c.classify("model.safetensors", 1, 1, "read").name == "checkpoints"
+    assert c.classify("model.safetensors", 1, 1, "write").name == "checkpoints"
+    # Reading a checkpoint back is not the checkpoint class's business: a .pt shard under
+    # data/ is a dataset (it was charged to checkpoints and lost the dataset priority).
+    assert c.classify("data/shards/x.pt", 1, 1, "read").name == "datasets"
+    assert c.classify("model.safetensors", 1, 1, "read").name == "default"
     assert c.classify("data/imagenet/train/0001.jpg", 1, 1, "read").name == "datasets"
     assert c.classify("x/shard-0001.tar", 1, 1, "read").name == "datasets"
     assert c.classify("home/u/notes.txt", 1, 1, "write").name == "default"
@@ -252,3 +257,29 @@ def test_job_cache_ttl_and_lru() -> None:
 def test_glob_errors_stay_on_one_line() -> None:
     with pytest.raises(GlobError, match=r'^invalid glob "/a\\nb": must be relative'):
         compile_glob("/a\nb")
+
+
+@pytest.mark.parametrize("path", [
+    "run1/model.pt.tmp",                        # torch.save, then rename
+    "run1/model.pt.tmp8812",
+    "run1/checkpoint-500/pytorch_model.bin",    # Hugging Face save_pretrained
+    "run1/checkpoint-500/optimizer.pt",
+    "run1/dcp/.metadata.tmp",                   # torch.distributed.checkpoint ...
+    "run1/checkpoints/step100.pt",
+    "ckpt_100.orbax-checkpoint-tmp-1234/state/d/0a1b2c3d",  # Orbax-like, renamed at the end
+])
+def test_default_policy_catches_real_checkpoint_writers_by_name(path: str) -> None:
+    c = Classifier(default_policy())
+    assert c.classify(path, 1000, 1000, "write").name == "checkpoints", path
+
+
+def test_a_temporary_name_takes_the_class_of_the_name_it_will_get() -> None:
+    assert final_name("a/model.pt.tmp") == "a/model.pt"
+    assert final_name("a/.metadata.tmp") == "a/.metadata"
+    assert final_name("ckpt_1.orbax-checkpoint-tmp-12/x") == "ckpt_1/x"
+    assert final_name("run-tmp-3/x") == "run/x"
+    assert final_name("a/.tmpab12cd") is None  # safetensors: no final name to read
+    assert final_name("a/notes.txt") is None
+    c = Classifier(parse_policy('[classes.weights]\npaths = ["**/*.bin"]\n'))
+    assert c.classify("x/model.bin.tmp", 1, 1, "write").name == "weights"
+    assert c.classify("x/other.tmp", 1, 1, "write").name == "default"
