@@ -170,11 +170,15 @@ class JobInfo:
     """What ``/proc`` says about the calling process; ``None`` where it could not be read."""
 
     job_id: str | None = None
-    cgroup: str | None = None
+    cgroup: str | None = None  # the cgroup v2 path (the "0::" line)
+    # The distinct cgroup v1 paths other than "/" (v1 and hybrid hierarchies, where
+    # Slurm's cgroup plugin puts a job under /slurm/uid_U/job_J/... per controller).
+    v1_cgroups: tuple[str, ...] = ()
 
 
 def read_job_info(pid: int, env_var: str | None, *, proc_root: str = "/proc") -> JobInfo:
-    """Read the caller's job id (``env_var`` in ``/proc/PID/environ``) and cgroup v2 path.
+    """Read the caller's job id (``env_var`` in ``/proc/PID/environ``) and cgroup paths
+    (the v2 one, and the v1 ones of a v1 or hybrid hierarchy).
 
     ``environ`` is the environment at exec time, which is where schedulers put job ids. A
     process that exited, or whose environ we may not read, yields ``None`` fields instead
@@ -200,11 +204,15 @@ def read_job_info(pid: int, env_var: str | None, *, proc_root: str = "/proc") ->
             lines = f.read().splitlines()
     except OSError:
         lines = []
+    v1: list[str] = []
     for line in lines:
         if line.startswith("0::"):
             cgroup = line[3:]
-            break
-    return JobInfo(job_id, cgroup)
+            continue
+        path = line.split(":", 2)[-1] if line.count(":") >= 2 else ""
+        if path.startswith("/") and path != "/" and path not in v1:
+            v1.append(path)
+    return JobInfo(job_id, cgroup, tuple(v1))
 
 
 class JobCache:
@@ -300,6 +308,13 @@ class _Member:
         self.paths = _any_of(tenant.paths, compile_glob)
 
 
+def _in_cgroups(pattern: re.Pattern[str], job: JobInfo) -> bool:
+    """Whether the v2 cgroup, or any v1 one, of the caller matches a cgroup glob."""
+    if job.cgroup is not None and pattern.fullmatch(job.cgroup.lstrip("/")) is not None:
+        return True
+    return any(pattern.fullmatch(path.lstrip("/")) is not None for path in job.v1_cgroups)
+
+
 class Classifier:
     """Maps (path, uid, gid, op, job) to a class of one policy; build a new one per policy.
 
@@ -376,9 +391,7 @@ class Classifier:
                     continue
                 if r.jobs is not None and r.jobs.fullmatch(job.job_id) is None:
                     continue
-            if r.cgroups is not None:
-                cgroup = None if job is None or job.cgroup is None else job.cgroup.lstrip("/")
-                if cgroup is None or r.cgroups.fullmatch(cgroup) is None:
-                    continue
+            if r.cgroups is not None and (job is None or not _in_cgroups(r.cgroups, job)):
+                continue
             return r.rule
         return self.policy.classes[-1]  # "default" has no criteria; kept for type safety

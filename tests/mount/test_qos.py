@@ -235,12 +235,17 @@ CGROUP2 = Path("/sys/fs/cgroup/unified") if Path("/sys/fs/cgroup/unified/cgroup.
     else Path("/sys/fs/cgroup")
 
 
-@pytest.fixture
-def job_cgroup() -> Any:
-    """A cgroup v2 "/qosfs-test-PID/job_771", as a scheduler would make for job 771."""
-    if not (CGROUP2 / "cgroup.procs").exists():
-        pytest.skip("no writable cgroup v2 hierarchy")
-    top = CGROUP2 / f"qosfs-test-{os.getpid()}"
+V1_MEMORY = Path("/sys/fs/cgroup/memory")
+
+
+@pytest.fixture(params=["v2", "v1"])
+def job_cgroup(request: pytest.FixtureRequest) -> Any:
+    """A cgroup "/qosfs-test-PID/job_771", as a scheduler would make for job 771: in the
+    v2 hierarchy, or in a v1 controller's (Slurm's cgroup/v1 plugin; hybrid hosts)."""
+    root = CGROUP2 if request.param == "v2" else V1_MEMORY
+    if not (root / "cgroup.procs").exists():
+        pytest.skip(f"no writable cgroup {request.param} hierarchy")
+    top = root / f"qosfs-test-{os.getpid()}"
     job = top / "job_771"
     try:
         job.mkdir(parents=True)

@@ -217,7 +217,7 @@ def test_read_job_info(tmp_path: Path) -> None:
                                                                         "/slurm/job_5512")
     assert read_job_info(10, None, proc_root=proc) == JobInfo(None, "/slurm/job_5512")
     assert read_job_info(10, "SLURM_JOB", proc_root=proc) == JobInfo(None, "/slurm/job_5512")
-    assert read_job_info(11, "SLURM_JOB_ID", proc_root=proc) == JobInfo(None, "/")
+    assert read_job_info(11, "SLURM_JOB_ID", proc_root=proc) == JobInfo(None, "/", ("/legacy",))
     assert read_job_info(12, "SLURM_JOB_ID", proc_root=proc) == JobInfo(None, None)
     assert read_job_info(99, "SLURM_JOB_ID", proc_root=proc) == JobInfo(None, None)
     assert read_job_info(0, "SLURM_JOB_ID") == JobInfo(None, None)
@@ -283,3 +283,19 @@ def test_a_temporary_name_takes_the_class_of_the_name_it_will_get() -> None:
     c = Classifier(parse_policy('[classes.weights]\npaths = ["**/*.bin"]\n'))
     assert c.classify("x/model.bin.tmp", 1, 1, "write").name == "weights"
     assert c.classify("x/other.tmp", 1, 1, "write").name == "default"
+
+
+def test_cgroup_v1_and_hybrid_paths_match_too(tmp_path: Path) -> None:
+    """A process in a Slurm v1 (or hybrid) cgroup used never to match: only "0::" was read."""
+    _fake_proc(tmp_path, 20, None, "12:memory:/slurm/uid_1000/job_77/step_0\n"
+               "11:cpuset:/slurm/uid_1000/job_77/step_0\n1:name=systemd:/system.slice/x\n")
+    _fake_proc(tmp_path, 21, None, "0::/system.slice/slurmstepd.scope/job_78/step_0/user\n")
+    v1 = read_job_info(20, None, proc_root=str(tmp_path))
+    assert v1 == JobInfo(None, None, ("/slurm/uid_1000/job_77/step_0", "/system.slice/x"))
+    v2 = read_job_info(21, None, proc_root=str(tmp_path))
+    c = Classifier(parse_policy('[classes.slurm]\ncgroups = ["/slurm/uid_*/job_7*/**", '
+                                '"/system.slice/slurmstepd.scope/job_7*/**"]\n'))
+    assert c.classify("f", 1, 1, "write", v1).name == "slurm"
+    assert c.classify("f", 1, 1, "write", v2).name == "slurm"
+    assert c.classify("f", 1, 1, "write", JobInfo(None, "/", ("/user.slice/u",))).name == (
+        "default")
