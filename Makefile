@@ -39,6 +39,8 @@ system-deps:
 $(PY): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[test]'
+	@$(PY) -m pip install -q -e '.[test,libs]' || \
+		echo "torch/safetensors not installed: the real-library tests will be skipped"
 	@touch $(PY)
 
 venv: $(PY)
