@@ -416,10 +416,11 @@ class PolicyQos:
         self.accounts.retain(self._account_in_policy)
 
     def _account_in_policy(self, key: AccountKey) -> bool:
-        cls, tenant, uid = key
-        state = self.classes.get(cls)
-        return (state is not None and (tenant is None or tenant in self.tenants)
-                and (uid is not None) == state.rule.per_user)
+        """Keep the accounts of every class and tenant still in the policy. Those of the
+        other per_user setting stay too (no longer fed): dropping them made a class's
+        recorded bytes vanish from stats and /metrics at every per_user toggle."""
+        cls, tenant, _ = key
+        return cls in self.classes and (tenant is None or tenant in self.tenants)
 
     def drain(self) -> None:
         """Lift every limit at once: the daemon is shutting down.

@@ -604,3 +604,26 @@ def test_users_holding_slow_connections_never_lock_out_root_or_the_scraper(
             h.wait()
             assert h.stdout is not None
             h.stdout.close()
+
+
+def _class_total(url: str, metric: str, cls: str) -> float:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(m[1]) for m in re.finditer(
+        rf'^{metric}\{{class="{cls}"[^}}]*\}} (\S+)$', text, re.M))
+
+
+def test_a_per_user_toggle_keeps_the_class_totals(ctl_mount: Mounted) -> None:
+    """ctl set per_user=fair made a class's recorded writes vanish from stats and /metrics
+    (and toggling back did it again)."""
+    url = ctl_mount.metrics_url()
+    (ctl_mount.mnt / "capped" / "t").write_bytes(b"t" * 2 * MiB)
+    assert _class_total(url, "qosfs_write_bytes_total", "capped") == 2 * MiB
+    for per_user, written in (("fair", 3), ("none", 4)):
+        reply = ctl_mount.request({"cmd": "set", "target": "class", "name": "capped",
+                                   "changes": {"per_user": per_user}})
+        assert reply["ok"], reply
+        assert _class_total(url, "qosfs_write_bytes_total", "capped") == (written - 1) * MiB
+        with open(ctl_mount.mnt / "capped" / "t", "ab") as f:
+            f.write(b"t" * MiB)
+        assert _class_total(url, "qosfs_write_bytes_total", "capped") == written * MiB
