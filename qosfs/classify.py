@@ -299,13 +299,14 @@ class _Rule:
 
 
 class _Member:
-    __slots__ = ("gids", "paths", "tenant", "uids")
+    __slots__ = ("cgroups", "gids", "paths", "tenant", "uids")
 
     def __init__(self, tenant: Tenant) -> None:
         self.tenant = tenant
         self.uids = tenant.uids
         self.gids = tenant.gids
         self.paths = _any_of(tenant.paths, compile_glob)
+        self.cgroups = _any_of(tenant.cgroups, compile_cgroup_glob)
 
 
 def _in_cgroups(pattern: re.Pattern[str], job: JobInfo) -> bool:
@@ -347,16 +348,21 @@ class Classifier:
         """
         return self._classify(path, uid, gid, op, job)
 
-    def tenant_of(self, uid: int, gid: int, path: str) -> Tenant | None:
+    def tenant_of(self, uid: int, gid: int, path: str,
+                  job: JobInfo | None = None) -> Tenant | None:
         """The first tenant in policy order with uid in uids OR gid in gids, AND the path in
-        its paths (if it has any); a tenant without uids/gids is defined by paths alone."""
-        return self._tenant_of(uid, gid, path)
+        its paths, AND the caller in its cgroups (each if it has any): a tenant without
+        uids/gids is defined by paths or cgroups alone."""
+        return self._tenant_of(uid, gid, path, job)
 
-    def _tenant_of_uncached(self, uid: int, gid: int, path: str) -> Tenant | None:
+    def _tenant_of_uncached(self, uid: int, gid: int, path: str,
+                            job: JobInfo | None) -> Tenant | None:
         for m in self._members:
             if (m.uids or m.gids) and not (_in_ranges(uid, m.uids) or _in_ranges(gid, m.gids)):
                 continue
             if m.paths is not None and m.paths.fullmatch(path) is None:
+                continue
+            if m.cgroups is not None and (job is None or not _in_cgroups(m.cgroups, job)):
                 continue
             return m.tenant
         return None
@@ -374,7 +380,7 @@ class Classifier:
 
     def _first_match(self, path: str, uid: int, gid: int, op: str,
                      job: JobInfo | None) -> ClassRule:
-        tenant = self.tenant_of(uid, gid, path) if self._uses_tenants else None
+        tenant = self.tenant_of(uid, gid, path, job) if self._uses_tenants else None
         for r in self._rules:
             if r.ops and op not in r.ops:
                 continue

@@ -162,9 +162,11 @@ def _build_tenant(name: str, table: dict[str, Any], path: str) -> Tenant:
     _check_keys(table, TENANT_KEYS, path)
     tenant = Tenant(name, _ids(table, "uids", path), _ids(table, "gids", path),
                     _strings(table, "paths", path, "path globs", compile_glob),
-                    _limits(table, path))
-    if not (tenant.uids or tenant.gids or tenant.paths):
-        raise PolicyError("a tenant needs at least one of uids, gids or paths", key=path)
+                    _limits(table, path),
+                    _strings(table, "cgroups", path, "cgroup globs", compile_cgroup_glob))
+    if not (tenant.uids or tenant.gids or tenant.paths or tenant.cgroups):
+        raise PolicyError("a tenant needs at least one of uids, gids, paths or cgroups",
+                          key=path)
     return tenant
 
 
@@ -174,7 +176,7 @@ def _check_tenant_overlap(tenants: tuple[Tenant, ...]) -> None:
     how one team is split by project (``qosfs check`` names the precedence then)."""
     for i, first in enumerate(tenants):
         for second in tenants[i + 1:]:
-            if first.paths or second.paths:
+            if first.paths or second.paths or first.cgroups or second.cgroups:
                 continue
             for key in ("uids", "gids"):
                 shared = _shared_id(getattr(first, key), getattr(second, key))
@@ -376,10 +378,11 @@ def policy_to_raw(policy: Policy) -> dict[str, Any]:
     if policy.control.admin_gid is not None:
         raw["control"] = {"admin_group": policy.control.admin_gid}
     raw["tenants"] = {t.name: {"uids": _ids_raw(t.uids), "gids": _ids_raw(t.gids),
-                               "paths": list(t.paths), **_limits_raw(t.limits)}
+                               "paths": list(t.paths), "cgroups": list(t.cgroups),
+                               **_limits_raw(t.limits)}
                       for t in policy.tenants}
     for table in raw["tenants"].values():
-        for key in ("uids", "gids", "paths"):
+        for key in ("uids", "gids", "paths", "cgroups"):
             if not table[key]:
                 del table[key]
     raw["classes"] = {c.name: _class_raw(c) for c in policy.classes}

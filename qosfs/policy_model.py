@@ -18,7 +18,7 @@ CLASS_SETTINGS = ("priority", "min_read_bandwidth", "min_write_bandwidth", "per_
                   "target_read_latency", "latency_percentile", "latency_measure",
                   "detect_streaming_writes")
 CLASS_KEYS = (*MATCH_KEYS, *CLASS_SETTINGS, *LIMIT_KEYS)
-TENANT_KEYS = ("uids", "gids", "paths", *LIMIT_KEYS)
+TENANT_KEYS = ("uids", "gids", "paths", "cgroups", *LIMIT_KEYS)
 SETTABLE = {"backend": LIMIT_KEYS, "tenant": LIMIT_KEYS,
             "class": (*LIMIT_KEYS, "min_read_bandwidth", "min_write_bandwidth", "priority",
                       "per_user", "cache", "target_read_latency", "latency_percentile",
@@ -104,6 +104,8 @@ class Tenant:
     gids: tuple[IdRange, ...] = ()
     paths: tuple[str, ...] = ()
     limits: Limits = Limits()
+    # The callers' cgroup (a scheduler's job, a Kubernetes pod): who cannot forge it.
+    cgroups: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +170,8 @@ class Policy:
     @property
     def needs_job_lookup(self) -> bool:
         """Whether classification needs :func:`qosfs.classify.read_job_info` at open."""
-        return any(c.job_env is not None or c.cgroups for c in self.classes)
+        return any(c.job_env is not None or c.cgroups for c in self.classes) or any(
+            t.cgroups for t in self.tenants)
 
     @property
     def job_env(self) -> str | None:

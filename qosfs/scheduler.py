@@ -460,8 +460,9 @@ class PolicyQos:
 
     def _flow_for(self, path: str, ctx: pyfuse3.RequestContext, op: str) -> PolicyFlow:
         uid, gid = ctx.uid, ctx.gid
-        rule = self.classifier.classify(path, uid, gid, op, self._job(ctx.pid))
-        tenant = self.classifier.tenant_of(uid, gid, path)
+        job = self._job(ctx.pid)
+        rule = self.classifier.classify(path, uid, gid, op, job)
+        tenant = self.classifier.tenant_of(uid, gid, path, job)
         return self._flow(rule.name, tenant.name if tenant is not None else None, uid)
 
     def _flow(self, cls: str, tname: str | None, uid: int) -> PolicyFlow:

@@ -368,3 +368,30 @@ def test_the_default_policy_moves_a_stream_before_300_mib(tmp_tree: Path) -> Non
         status = _status(sock)
     assert status["streaming_moves"] == {"default": 1}
     assert _class_writes(status, "checkpoints") == (300 - 256) * MiB
+
+
+@pytest.mark.root
+def test_a_tenant_defined_by_its_cgroup_gets_its_cap(tmp_tree: Path, job_cgroup: Path) -> None:
+    """A project (a Slurm job, a Kubernetes pod) as a tenant, which users cannot leave."""
+    src, mnt = tmp_tree / "src", tmp_tree / "mnt"
+    src.mkdir(mode=0o755)
+    mnt.mkdir()
+    os.chmod(src, 0o777)
+    policy = tmp_tree / "policy.toml"
+    policy.write_text(f'[tenants.project-a]\ncgroups = ["/{job_cgroup.parent.name}/job_771"]\n'
+                      'write_bandwidth = "2MiB/s"\nburst = "1MiB"\n')
+
+    def timed_dd(name: str, in_cgroup: bool) -> float:
+        def enter() -> None:
+            if in_cgroup:
+                (job_cgroup / "cgroup.procs").write_text("0")
+            as_user(4242)()
+
+        start = time.monotonic()
+        subprocess.run(["dd", "if=/dev/zero", f"of={mnt / name}", "bs=1M", "count=5",
+                        "oflag=direct", "status=none"], check=True, preexec_fn=enter)
+        return time.monotonic() - start
+
+    with QosfsMount(src, mnt, "--policy", str(policy)):
+        assert timed_dd("member", in_cgroup=True) > 1.5  # 4 MiB past the burst at 2 MiB/s
+        assert timed_dd("outsider", in_cgroup=False) < 1.0

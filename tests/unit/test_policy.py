@@ -213,7 +213,7 @@ SEMANTIC_ERRORS = [
      ('mlfs.toml:2: tenants.t.uids: expected a non-empty list of ids like 1000 or "1000-1999", '
       'got a list')),
     ('[tenants.t]\nwrite_bandwidth = "1GiB/s"\n',
-     'mlfs.toml:1: tenants.t: a tenant needs at least one of uids, gids or paths'),
+     'mlfs.toml:1: tenants.t: a tenant needs at least one of uids, gids, paths or cgroups'),
     ('[control]\nadmin_group = "no-such-group-qosfs"\n',
      'mlfs.toml:2: control.admin_group: no group named "no-such-group-qosfs"'),
     ('[control]\nadmin_group = true\n',
