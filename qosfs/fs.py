@@ -409,7 +409,25 @@ class PassthroughOperations(pyfuse3.Operations):
             # classifications from them) is stale. After the call, so that one read while
             # the rename ran is dropped too.
             self.paths.renamed()
+        await self._charge_renamed(new, name_new, ctx)
 
+    async def _charge_renamed(self, parent: Inode, name: bytes,
+                              ctx: pyfuse3.RequestContext) -> None:
+        """An atomic save just got its final name: bytes it wrote while its name put it in
+        an uncapped class are charged to the class of the final name (as debt, paid by
+        that class's next writes), so a cap holds over successive saves even for writers
+        whose temporary name says nothing (safetensors' ".tmpXXXXXX")."""
+        try:
+            st = await self._meta(functools.partial(os.stat, dir_fd=parent.fd,
+                                                    follow_symlinks=False), name)
+        except OSError:
+            return  # gone already (renamed again, unlinked): nothing to charge
+        inode = self.inodes.find(st)
+        if inode is None or not inode.unnamed_bytes:
+            return
+        nbytes, charged = inode.unnamed_bytes, inode.unnamed_flow
+        inode.unnamed_bytes, inode.unnamed_flow = 0, None
+        self.qos.charge_renamed(self, inode, ctx, charged, nbytes)
     # ----------------------------------------------------------------- files
 
     @staticmethod
@@ -538,8 +556,12 @@ class PassthroughOperations(pyfuse3.Operations):
         except OSError as exc:
             raise FUSEError(exc.errno or errno.EIO) from None
         flow.stats.record_write(n, waited, took)
-        if handle.stream_left:  # an uncapped writer that may turn out to be a stream
-            self._follow_stream(handle, off, n)
+        if handle.stream_limit:  # an uncapped writer that may turn out to be a checkpoint
+            node = handle.inode
+            node.unnamed_bytes += n
+            node.unnamed_flow = flow
+            if handle.stream_left:
+                self._follow_stream(handle, off, n)
         return n
 
     def _follow_stream(self, handle: FileHandle, off: int, n: int) -> None:
@@ -561,6 +583,7 @@ class PassthroughOperations(pyfuse3.Operations):
                     old.release()
                     new.open_files += 1
                     handle.flow = new
+                    handle.stream_limit = 0  # charged where it belongs from now on
         elif handle.scattered >= handle.stream_limit:
             handle.stream_left = 0  # a random writer, not a stream
 
@@ -735,6 +758,7 @@ class PassthroughOperations(pyfuse3.Operations):
         moves = getattr(self.qos, "stream_moves", None)
         if moves is not None:  # opens moved as streaming writers, by the class they left
             out["streaming_moves"] = dict(moves)
+            out["rename_charged_bytes"] = dict(getattr(self.qos, "rename_charges", {}))
         parking = getattr(self.qos, "parking", None)
         if parking is not None:
             out.update(parked_requests=parking.requests, parked_bytes=parking.bytes,

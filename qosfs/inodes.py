@@ -80,6 +80,8 @@ class Inode:
         "referenced",
         "slot",
         "stale",
+        "unnamed_bytes",
+        "unnamed_flow",
     )
 
     def __init__(self, table: InodeTable, nodeid: int, key: tuple[int, int], lookups: int,
@@ -100,6 +102,10 @@ class Inode:
         # the QoS engine last classified a request on it (qosfs.scheduler.PolicyQos).
         self.path_memo: tuple[int, float, str] | None = None
         self.qos_memo: Any = None
+        # Bytes written to it through an uncapped class (and that flow): a rename may show
+        # they were a checkpoint all along (safetensors writes ".tmpXXXXXX", then renames).
+        self.unnamed_bytes = 0
+        self.unnamed_flow: Any = None
 
     @property
     def fd(self) -> int:

@@ -71,6 +71,10 @@ class QosEngine(Protocol):
     def moved_to_streaming(self, flow: Any) -> Any:
         """The flow a streaming writer of *flow* continues in."""
 
+    def charge_renamed(self, fs: Any, inode: Inode, ctx: pyfuse3.RequestContext,
+                       charged: Any, nbytes: int) -> None:
+        """Bytes written under a name that said nothing: charge them to the final name's."""
+
     def drain(self) -> None:
         """Shutdown: let every parked request through now (they are delayed, never dropped)."""
 
@@ -132,6 +136,10 @@ class PassThroughQos:
 
     def moved_to_streaming(self, flow: Any) -> Any:
         return flow
+
+    def charge_renamed(self, fs: Any, inode: Inode, ctx: pyfuse3.RequestContext,
+                       charged: Any, nbytes: int) -> None:
+        return None
 
     def drain(self) -> None:
         return None

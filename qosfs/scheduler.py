@@ -341,6 +341,7 @@ class PolicyQos:
         self.generation = 0
         self.parking = ParkingLot()  # bounds on requests waiting for tokens (qosfs.parking)
         self.stream_moves: dict[str, int] = {}  # opens moved as streaming writers, by class
+        self.rename_charges: dict[str, int] = {}  # bytes charged at a rename, by class
         self.swap(policy)
 
     # ------------------------------------------------------------------ policy swap
@@ -499,6 +500,22 @@ class PolicyQos:
         name = flow.cls.rule.name
         self.stream_moves[name] = self.stream_moves.get(name, 0) + 1
         return self._flow(target.name, flow.tenant_name, flow.uid)
+
+    def charge_renamed(self, fs: Any, inode: Inode, ctx: pyfuse3.RequestContext,
+                       charged: PolicyFlow, nbytes: int) -> None:
+        """*inode* was renamed; *nbytes* were written to it through *charged* (an uncapped
+        class). If writes under its new name belong to a capped class, move the charge
+        there now: that class goes into debt, which its next writes pay, and *charged*
+        gets the bytes back."""
+        flow = self._memo_flow(fs, inode, ctx, "write")
+        if flow.cls is charged.cls or not flow.throttled_writes:
+            return
+        for level in flow._levels():
+            level._refund(Kind.WRITE, -nbytes, 0)  # a negative refund is a charge
+        for level in charged._levels():
+            level._refund(Kind.WRITE, nbytes, 0)
+        name = flow.cls.rule.name
+        self.rename_charges[name] = self.rename_charges.get(name, 0) + nbytes
 
     def _memo_flow(self, fs: Any, inode: Inode, ctx: pyfuse3.RequestContext,
                    op: str) -> PolicyFlow:
