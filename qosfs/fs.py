@@ -427,7 +427,17 @@ class PassthroughOperations(pyfuse3.Operations):
             return
         nbytes, charged = inode.unnamed_bytes, inode.unnamed_flow
         inode.unnamed_bytes, inode.unnamed_flow = 0, None
-        self.qos.charge_renamed(self, inode, ctx, charged, nbytes)
+        flow = self.qos.charge_renamed(self, inode, ctx, charged, nbytes)
+        if flow is None or not inode.opens:
+            return
+        # Still open (written, renamed, written on): its remaining writes go where the
+        # final name belongs.
+        for handle in self.files.values():
+            if handle.inode is inode and handle.stream_limit and handle.flow is not flow:
+                handle.flow.release()
+                flow.open_files += 1
+                handle.flow = flow
+                handle.stream_limit = handle.stream_left = 0
     # ----------------------------------------------------------------- files
 
     @staticmethod

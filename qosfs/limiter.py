@@ -276,6 +276,15 @@ class RateLevel:
             o.take(1, now)
         self._count(kind, nbytes, 1)
 
+    def charge_bytes(self, kind: Kind, nbytes: int) -> None:
+        """Charge bytes already moved (no op, no waiting): the bucket goes into debt,
+        which the next requests here pay. Refills first, or the debt would vanish into
+        the tokens earned while idle."""
+        b = self._bytes_by_kind[kind]
+        if b is not None:
+            b.take(nbytes, trio.current_time())
+        self._count(kind, nbytes, 0)
+
     def _refund(self, kind: Kind, nbytes: int, ops: int) -> None:
         b = self._bytes_by_kind[kind]
         if b is not None:

@@ -72,8 +72,9 @@ class QosEngine(Protocol):
         """The flow a streaming writer of *flow* continues in."""
 
     def charge_renamed(self, fs: Any, inode: Inode, ctx: pyfuse3.RequestContext,
-                       charged: Any, nbytes: int) -> None:
-        """Bytes written under a name that said nothing: charge them to the final name's."""
+                       charged: Any, nbytes: int) -> Any:
+        """Bytes written under a name that said nothing: charge them to the final name's
+        class; returns its flow (None: nothing moved)."""
 
     def drain(self) -> None:
         """Shutdown: let every parked request through now (they are delayed, never dropped)."""
@@ -138,7 +139,7 @@ class PassThroughQos:
         return flow
 
     def charge_renamed(self, fs: Any, inode: Inode, ctx: pyfuse3.RequestContext,
-                       charged: Any, nbytes: int) -> None:
+                       charged: Any, nbytes: int) -> Any:
         return None
 
     def drain(self) -> None:

@@ -502,20 +502,23 @@ class PolicyQos:
         return self._flow(target.name, flow.tenant_name, flow.uid)
 
     def charge_renamed(self, fs: Any, inode: Inode, ctx: pyfuse3.RequestContext,
-                       charged: PolicyFlow, nbytes: int) -> None:
+                       charged: PolicyFlow, nbytes: int) -> PolicyFlow | None:
         """*inode* was renamed; *nbytes* were written to it through *charged* (an uncapped
         class). If writes under its new name belong to a capped class, move the charge
         there now: that class goes into debt, which its next writes pay, and *charged*
-        gets the bytes back."""
+        gets the bytes back. Returns that flow (for the file's open handles), or None."""
         flow = self._memo_flow(fs, inode, ctx, "write")
         if flow.cls is charged.cls or not flow.throttled_writes:
-            return
+            return None
+        # The class, user and tenant levels (not a backend share: its dispatch is its own).
         for level in flow._levels():
-            level._refund(Kind.WRITE, -nbytes, 0)  # a negative refund is a charge
+            if isinstance(level, RateLevel):
+                level.charge_bytes(Kind.WRITE, nbytes)
         for level in charged._levels():
             level._refund(Kind.WRITE, nbytes, 0)
         name = flow.cls.rule.name
         self.rename_charges[name] = self.rename_charges.get(name, 0) + nbytes
+        return flow
 
     def _memo_flow(self, fs: Any, inode: Inode, ctx: pyfuse3.RequestContext,
                    op: str) -> PolicyFlow:

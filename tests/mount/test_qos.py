@@ -395,3 +395,31 @@ def test_a_tenant_defined_by_its_cgroup_gets_its_cap(tmp_tree: Path, job_cgroup:
     with QosfsMount(src, mnt, "--policy", str(policy)):
         assert timed_dd("member", in_cgroup=True) > 1.5  # 4 MiB past the burst at 2 MiB/s
         assert timed_dd("outsider", in_cgroup=False) < 1.0
+
+
+@pytest.mark.root
+def test_a_file_renamed_to_a_checkpoint_name_while_open_is_capped_from_then_on(
+        tmp_tree: Path) -> None:
+    src, mnt, sock = tmp_tree / "src", tmp_tree / "mnt", tmp_tree / "ctl.sock"
+    src.mkdir()
+    mnt.mkdir()
+    policy = tmp_tree / "policy.toml"
+    policy.write_text(STREAMING_POLICY.replace('paths = ["**/checkpoints/**"]',
+                                               'paths = ["**/*.pt"]'))
+    with QosfsMount(src, mnt, "--policy", str(policy), "--socket", str(sock)):
+        with open(mnt / "state.tmpfile", "wb", buffering=0) as f:
+            start = time.monotonic()
+            for _ in range(8):
+                f.write(b"a" * MiB)
+            assert time.monotonic() - start < 1.0  # default: not capped
+            os.rename(mnt / "state.tmpfile", mnt / "state.pt")
+            start = time.monotonic()
+            for _ in range(8):
+                f.write(b"b" * MiB)
+            # ckpt is 16 MiB/s with a 2 MiB burst: the 8 MiB charged at the rename and
+            # these 8 MiB, less the burst, take about 0.9 s.
+            assert time.monotonic() - start >= (16 - 2) / 16 * 0.85
+        status = _status(sock)
+    assert status["rename_charged_bytes"] == {"ckpt": 8 * MiB}
+    assert _class_writes(status, "ckpt") == 16 * MiB
+    assert _class_writes(status, "default") == 0

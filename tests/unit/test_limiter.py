@@ -483,3 +483,16 @@ def test_any_arrival_pattern_stays_in_the_envelope_and_fifo(
     # Live and not idling: after the last arrival, at most all the traffic's worth of time.
     total = sum(n for _, n in arrivals)
     assert done[-1][0] <= arrivals[-1][0] + total / rate + 1e-6
+
+
+@mock_clock
+async def test_bytes_charged_after_the_fact_are_paid_by_the_next_requests() -> None:
+    """Bytes written under a name that said nothing are charged at the rename: the debt
+    must survive the tokens the idle bucket earned meanwhile (refill first, then take)."""
+    level = wlevel(MiB, MiB)
+    await trio.sleep(10)  # idle: the bucket is full, and would be far more without its cap
+    level.charge_bytes(Kind.WRITE, 4 * MiB)
+    assert level.bytes_written == 4 * MiB and level.ops_write == 0
+    start = trio.current_time()
+    await admit([level], Kind.WRITE, MiB)
+    assert trio.current_time() - start == pytest.approx(4.0)  # -3 MiB, then 1 MiB to earn
