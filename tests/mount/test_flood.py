@@ -108,6 +108,7 @@ def flood(tmp_tree: Path, uids: list[int], threads_per_uid: int) -> dict[str, An
             figures["cat_unseen_ms"] = (time.monotonic() - start) * 1e3
             figures["steady_p99_ms"] = p99(reader.latencies[steady:]) * 1e3
             figures["rss_during_mib"] = rss_mib(m.proc.pid)
+            figures["parked_at_kill"] = status(sock)["parked_requests"]
             start = time.monotonic()
             for proc in flooders:
                 proc.send_signal(signal.SIGKILL)
@@ -151,7 +152,9 @@ def check(figures: dict[str, Any], uids: int) -> None:
     assert figures["steady_p99_ms"] < max(10.0, 5 * figures["alone_p99_ms"]), figures
     assert figures["cat_unseen_ms"] < 1000, figures
     assert figures["kill_s"] < 1.0, figures
-    assert figures["killed_callers"] >= figures["parked"] - uids, figures
+    # Nearly every parked request was answered because its caller died (a few may be
+    # admitted at the cap's pace between the count and the kill).
+    assert figures["killed_callers"] >= figures["parked_at_kill"] * 0.9 - uids, figures
     # Parked write data is bounded; the daemon holds about twice that (pyfuse3's copy and
     # its worker's receive buffer).
     grown = figures["rss_during_mib"] - figures["rss_before_mib"]
