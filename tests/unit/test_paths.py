@@ -57,12 +57,12 @@ def test_a_child_path_is_derived_from_its_parent_and_keeps_the_parents_deadline(
     top, book, clock = tree.top, tree.book, tree.clock
     assert book.relpath(tree.b) == "a/b"
     clock[0] += paths.PATH_MEMO_SECONDS / 2
-    monkeypatch.setattr(book, "_read", lambda inode: pytest.fail("read /proc"))
-    book.note_child(tree.b, b"f", tree.f)
-    book.note_child(tree.root, b"a", tree.a)
-    assert (book.relpath(tree.f), book.relpath(tree.a)) == ("a/b/f", "a")
+    with monkeypatch.context() as patch:  # undo only this: the fixture's clock stays
+        patch.setattr(book, "_read", lambda inode: pytest.fail("read /proc"))
+        book.note_child(tree.b, b"f", tree.f)
+        book.note_child(tree.root, b"a", tree.a)
+        assert (book.relpath(tree.f), book.relpath(tree.a)) == ("a/b/f", "a")
     clock[0] += paths.PATH_MEMO_SECONDS / 2  # the parent's path was read a second ago
-    monkeypatch.undo()
     os.rename(top / "a" / "b" / "f", top / "a" / "b" / "h")
     assert book.relpath(tree.f) == "a/b/h"
 
