@@ -167,37 +167,54 @@ def _in_ranges(value: int, ranges: tuple[IdRange, ...]) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class JobInfo:
-    """What ``/proc`` says about the calling process; ``None`` where it could not be read."""
+    """What ``/proc`` says about the calling process; ``None``/empty where it could not be
+    read. Hashable: classification results are memoized on it."""
 
-    job_id: str | None = None
+    # (name, value) of each environment variable the policy matches on that the caller
+    # had set to a non-empty value at exec (SLURM_JOB_ID, a pod's POD_NAMESPACE, ...).
+    env: tuple[tuple[str, str], ...] = ()
     cgroup: str | None = None  # the cgroup v2 path (the "0::" line)
     # The distinct cgroup v1 paths other than "/" (v1 and hybrid hierarchies, where
     # Slurm's cgroup plugin puts a job under /slurm/uid_U/job_J/... per controller).
     v1_cgroups: tuple[str, ...] = ()
 
+    def value(self, name: str) -> str | None:
+        """The caller's value of environment variable *name*, or None if unset or empty."""
+        for key, value in self.env:
+            if key == name:
+                return value
+        return None
 
-def read_job_info(pid: int, env_var: str | None, *, proc_root: str = "/proc") -> JobInfo:
-    """Read the caller's job id (``env_var`` in ``/proc/PID/environ``) and cgroup paths
-    (the v2 one, and the v1 ones of a v1 or hybrid hierarchy).
 
-    ``environ`` is the environment at exec time, which is where schedulers put job ids. A
-    process that exited, or whose environ we may not read, yields ``None`` fields instead
-    of an error: classification must not fail a request. An empty value counts as unset.
+def _read_env(pid: int, names: tuple[str, ...], proc_root: str) -> tuple[tuple[str, str], ...]:
+    try:
+        with open(f"{proc_root}/{pid}/environ", "rb") as stream:
+            data = stream.read()
+    except OSError:
+        return ()
+    wanted = {name.encode(): name for name in names}
+    found: dict[str, str] = {}
+    for item in data.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        name = wanted.get(key)
+        if sep and name is not None and value and name not in found:
+            found[name] = value.decode("utf-8", "surrogateescape")
+    return tuple((name, found[name]) for name in names if name in found)
+
+
+def read_job_info(pid: int, env_vars: tuple[str, ...], *,
+                  proc_root: str = "/proc") -> JobInfo:
+    """Read the caller's values of *env_vars* (from ``/proc/PID/environ``) and its cgroup
+    paths (the v2 one, and the v1 ones of a v1 or hybrid hierarchy).
+
+    ``environ`` is the environment at exec time, which is where schedulers put job ids and
+    Kubernetes puts what the pod spec sets. A process that exited, or whose environ we may
+    not read, yields empty fields instead of an error: classification must not fail a
+    request. An empty value counts as unset.
     """
     if pid <= 0:  # the kernel's own requests (writeback) carry pid 0
         return JobInfo()
-    job_id = None
-    if env_var:
-        try:
-            with open(f"{proc_root}/{pid}/environ", "rb") as stream:
-                data = stream.read()
-        except OSError:
-            data = b""
-        prefix = env_var.encode() + b"="
-        for item in data.split(b"\0"):
-            if item.startswith(prefix):
-                job_id = item[len(prefix):].decode("utf-8", "surrogateescape") or None
-                break
+    env = _read_env(pid, env_vars, proc_root) if env_vars else ()
     cgroup = None
     try:
         with open(f"{proc_root}/{pid}/cgroup", encoding="utf-8", errors="surrogateescape") as f:
@@ -212,23 +229,24 @@ def read_job_info(pid: int, env_var: str | None, *, proc_root: str = "/proc") ->
         path = line.split(":", 2)[-1] if line.count(":") >= 2 else ""
         if path.startswith("/") and path != "/" and path not in v1:
             v1.append(path)
-    return JobInfo(job_id, cgroup, tuple(v1))
+    return JobInfo(env, cgroup, tuple(v1))
 
 
 class JobCache:
-    """A bounded LRU of :class:`JobInfo` per (pid, env_var), with a TTL since pids recycle.
+    """A bounded LRU of :class:`JobInfo` per (pid, env_vars), with a TTL since pids recycle.
 
     Lookups happen at open time only, and many opens come from the same rank, so most hit.
     """
 
     def __init__(self, *, maxsize: int = 4096, ttl: float = 5.0,
                  clock: Callable[[], float] = time.monotonic,
-                 reader: Callable[[int, str | None], JobInfo] = read_job_info) -> None:
+                 reader: Callable[[int, tuple[str, ...]], JobInfo] = read_job_info) -> None:
         self.maxsize = maxsize
         self.ttl = ttl
         self._clock = clock
         self._reader = reader
-        self._entries: OrderedDict[tuple[int, str | None], tuple[float, JobInfo]] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, tuple[str, ...]], tuple[float, JobInfo]] = (
+            OrderedDict())
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -236,15 +254,15 @@ class JobCache:
     def __repr__(self) -> str:
         return f"JobCache(entries={len(self._entries)}, maxsize={self.maxsize}, ttl={self.ttl})"
 
-    def get(self, pid: int, env_var: str | None) -> JobInfo:
+    def get(self, pid: int, env_vars: tuple[str, ...]) -> JobInfo:
         """The (possibly cached) job info of ``pid``; reads ``/proc`` on a miss or expiry."""
-        key = (pid, env_var)
+        key = (pid, env_vars)
         now = self._clock()
         hit = self._entries.get(key)
         if hit is not None and now - hit[0] < self.ttl:
             self._entries.move_to_end(key)
             return hit[1]
-        info = self._reader(pid, env_var)
+        info = self._reader(pid, env_vars)
         self._entries[key] = (now, info)
         self._entries.move_to_end(key)
         while len(self._entries) > self.maxsize:
@@ -299,7 +317,7 @@ class _Rule:
 
 
 class _Member:
-    __slots__ = ("cgroups", "gids", "paths", "tenant", "uids")
+    __slots__ = ("cgroups", "gids", "job_env", "jobs", "paths", "tenant", "uids")
 
     def __init__(self, tenant: Tenant) -> None:
         self.tenant = tenant
@@ -307,6 +325,14 @@ class _Member:
         self.gids = tenant.gids
         self.paths = _any_of(tenant.paths, compile_glob)
         self.cgroups = _any_of(tenant.cgroups, compile_cgroup_glob)
+        self.job_env = tenant.job_env
+        self.jobs = _any_of(tenant.jobs, compile_value_glob)
+
+
+def _in_jobs(job_env: str, jobs: re.Pattern[str] | None, job: JobInfo | None) -> bool:
+    """Whether the caller set *job_env* (to a value one of the *jobs* globs matches)."""
+    value = job.value(job_env) if job is not None else None
+    return value is not None and (jobs is None or jobs.fullmatch(value) is not None)
 
 
 def _in_cgroups(pattern: re.Pattern[str], job: JobInfo) -> bool:
@@ -351,8 +377,8 @@ class Classifier:
     def tenant_of(self, uid: int, gid: int, path: str,
                   job: JobInfo | None = None) -> Tenant | None:
         """The first tenant in policy order with uid in uids OR gid in gids, AND the path in
-        its paths, AND the caller in its cgroups (each if it has any): a tenant without
-        uids/gids is defined by paths or cgroups alone."""
+        its paths, AND the caller in its cgroups, AND its job_env value in its jobs (each if
+        it has any): a tenant without uids/gids is defined by the other keys alone."""
         return self._tenant_of(uid, gid, path, job)
 
     def _tenant_of_uncached(self, uid: int, gid: int, path: str,
@@ -363,6 +389,8 @@ class Classifier:
             if m.paths is not None and m.paths.fullmatch(path) is None:
                 continue
             if m.cgroups is not None and (job is None or not _in_cgroups(m.cgroups, job)):
+                continue
+            if m.job_env is not None and not _in_jobs(m.job_env, m.jobs, job):
                 continue
             return m.tenant
         return None
@@ -392,11 +420,8 @@ class Classifier:
                 continue
             if r.tenants and (tenant is None or tenant.name not in r.tenants):
                 continue
-            if r.job_env is not None:
-                if job is None or job.job_id is None:
-                    continue
-                if r.jobs is not None and r.jobs.fullmatch(job.job_id) is None:
-                    continue
+            if r.job_env is not None and not _in_jobs(r.job_env, r.jobs, job):
+                continue
             if r.cgroups is not None and (job is None or not _in_cgroups(r.cgroups, job)):
                 continue
             return r.rule

@@ -15,6 +15,9 @@ Schema (every key optional)::
     uids = ["1000-1999", 42]      # ids or "lo-hi" ranges; member if uid OR gid matches
     gids = [100]                  # (no uids/gids: membership by paths alone)
     paths = ["teams/a/**"]        # AND, if given, the path matches one of these globs
+    cgroups = ["/kubepods.slice/**/*pod<uid>*/**"]  # AND the caller's cgroup matches
+    job_env = "POD_NAMESPACE"     # AND the caller's environment sets this variable (to a
+    jobs = ["team-a*"]            # value one of these globs matches): advisory, see check
     write_bandwidth = "1GiB/s"    # limit keys: caps over all of the tenant's traffic
     [classes.NAME]                # what. The first class in file order whose every given
     paths = ["data/**"]           # criterion matches wins; a list matches if any element does.
@@ -24,8 +27,7 @@ Schema (every key optional)::
     ops = ["read", "write", "meta"]
     job_env = "SLURM_JOB_ID"      # the caller's (exec-time) environment sets this variable;
     jobs = ["1234", "55*"]        # and its value matches one of these globs (needs job_env).
-                                  # One job_env name per policy.
-    cgroups = ["/slurm/uid_*/job_*/**"]  # the caller's cgroup v2 path matches one of these
+    cgroups = ["/slurm/uid_*/job_*/**"]  # the caller's cgroup (v2, or any v1) path matches
     priority = "normal"           # "low" (weight 1), "normal" (10), "high" (100) or 1..10000
     min_read_bandwidth = "1GiB/s"   # guaranteed share; needs [backend] read_bandwidth, the
     min_write_bandwidth = "..."     # sum over classes must fit in it, and so must any cap
@@ -175,6 +177,13 @@ def policy_notes(policy: Policy) -> list[str]:
                 f"{c.job_env}, which the caller sets (env {c.job_env}=... picks or escapes "
                 "this class): advisory only; for classification users cannot forge, match "
                 "the cgroup their scheduler puts them in (cgroups = [...])")
+    for t in policy.tenants:
+        if t.job_env is not None:
+            notes.append(
+                f"tenants.{quote_key(t.name)} matches by the environment variable {t.job_env}, "
+                f"which the caller sets (env {t.job_env}=... joins or leaves this tenant): fine "
+                "where only the platform starts processes (a pod spec's env, set by an "
+                "admission controller); where users start them, match cgroups instead")
     for i, first in enumerate(policy.tenants):
         for second in policy.tenants[i + 1:]:
             for key in ("uids", "gids"):

@@ -160,23 +160,40 @@ def _name(name: str, path: str) -> str:
 def _build_tenant(name: str, table: dict[str, Any], path: str) -> Tenant:
     _name(name, path)
     _check_keys(table, TENANT_KEYS, path)
+    job_env, jobs = _job_keys(table, path)
     tenant = Tenant(name, _ids(table, "uids", path), _ids(table, "gids", path),
                     _strings(table, "paths", path, "path globs", compile_glob),
                     _limits(table, path),
-                    _strings(table, "cgroups", path, "cgroup globs", compile_cgroup_glob))
-    if not (tenant.uids or tenant.gids or tenant.paths or tenant.cgroups):
-        raise PolicyError("a tenant needs at least one of uids, gids, paths or cgroups",
-                          key=path)
+                    _strings(table, "cgroups", path, "cgroup globs", compile_cgroup_glob),
+                    job_env, jobs)
+    if not (tenant.uids or tenant.gids or tenant.paths or tenant.cgroups or tenant.job_env):
+        raise PolicyError("a tenant needs at least one of uids, gids, paths, cgroups or "
+                          "job_env", key=path)
     return tenant
+
+
+def _job_keys(table: dict[str, Any], path: str) -> tuple[str | None, tuple[str, ...]]:
+    """``job_env`` (a variable name) and ``jobs`` (globs over its value), as classes and
+    tenants both spell them."""
+    job_env = table.get("job_env")
+    if job_env is not None and not (isinstance(job_env, str) and _ENV_NAME.fullmatch(job_env)):
+        raise PolicyError(f'expected an environment variable name like "SLURM_JOB_ID", got '
+                          f"{show_value(job_env)}", key=f"{path}.job_env")
+    jobs = _strings(table, "jobs", path, "job id globs", compile_value_glob)
+    if jobs and job_env is None:
+        raise PolicyError('jobs needs job_env, the variable holding the value (e.g. '
+                          '"SLURM_JOB_ID")', key=f"{path}.jobs")
+    return job_env, jobs
 
 
 def _check_tenant_overlap(tenants: tuple[Tenant, ...]) -> None:
     """Two tenants defined by ids alone must not share a uid or gid: the first in file
-    order would silently take every shared user's traffic. With paths, sharing users is
-    how one team is split by project (``qosfs check`` names the precedence then)."""
+    order would silently take every shared user's traffic. With paths, cgroups or an
+    environment value, sharing users is how one team is split by project (``qosfs check``
+    names the precedence then)."""
     for i, first in enumerate(tenants):
         for second in tenants[i + 1:]:
-            if first.paths or second.paths or first.cgroups or second.cgroups:
+            if any(t.paths or t.cgroups or t.job_env for t in (first, second)):
                 continue
             for key in ("uids", "gids"):
                 shared = _shared_id(getattr(first, key), getattr(second, key))
@@ -224,14 +241,7 @@ def _build_class(name: str, table: dict[str, Any], path: str,
         if op not in OPS:
             raise PolicyError(f'expected ops from "read", "write", "meta", got {show_value(op)}',
                               key=f"{path}.ops")
-    job_env = table.get("job_env")
-    if job_env is not None and not (isinstance(job_env, str) and _ENV_NAME.fullmatch(job_env)):
-        raise PolicyError(f'expected an environment variable name like "SLURM_JOB_ID", got '
-                          f"{show_value(job_env)}", key=f"{path}.job_env")
-    jobs = _strings(table, "jobs", path, "job id globs", compile_value_glob)
-    if jobs and job_env is None:
-        raise PolicyError('jobs needs job_env, the variable holding the job id (e.g. '
-                          '"SLURM_JOB_ID")', key=f"{path}.jobs")
+    job_env, jobs = _job_keys(table, path)
     percentile = table.get("latency_percentile", 99.0)
     if isinstance(percentile, bool) or not isinstance(percentile, int | float) or not (
             0 < percentile < 100):
@@ -305,12 +315,6 @@ def build_policy(raw: dict[str, Any], source: str) -> Policy:
                           key=f"classes.{quote_key(streaming[1])}.detect_streaming_writes")
     default = next((c for c in classes if c.name == "default"), ClassRule("default"))
     classes = [c for c in classes if c.name != "default"] + [default]
-    envs = {c.job_env for c in classes if c.job_env is not None}
-    if len(envs) > 1:
-        last = next(c for c in reversed(classes) if c.job_env is not None)
-        found = ", ".join(sorted(envs))
-        raise PolicyError(f"all classes must use the same job_env (found {found})",
-                          key=f"classes.{last.name}.job_env")
     for direction in ("read", "write"):
         _check_minimums(classes, backend_limits, direction)
     backend = None if backend_limits == Limits() else Backend(backend_limits)
@@ -379,10 +383,11 @@ def policy_to_raw(policy: Policy) -> dict[str, Any]:
         raw["control"] = {"admin_group": policy.control.admin_gid}
     raw["tenants"] = {t.name: {"uids": _ids_raw(t.uids), "gids": _ids_raw(t.gids),
                                "paths": list(t.paths), "cgroups": list(t.cgroups),
+                               "job_env": t.job_env, "jobs": list(t.jobs),
                                **_limits_raw(t.limits)}
                       for t in policy.tenants}
     for table in raw["tenants"].values():
-        for key in ("uids", "gids", "paths", "cgroups"):
+        for key in ("uids", "gids", "paths", "cgroups", "job_env", "jobs"):
             if not table[key]:
                 del table[key]
     raw["classes"] = {c.name: _class_raw(c) for c in policy.classes}

@@ -18,7 +18,7 @@ CLASS_SETTINGS = ("priority", "min_read_bandwidth", "min_write_bandwidth", "per_
                   "target_read_latency", "latency_percentile", "latency_measure",
                   "detect_streaming_writes")
 CLASS_KEYS = (*MATCH_KEYS, *CLASS_SETTINGS, *LIMIT_KEYS)
-TENANT_KEYS = ("uids", "gids", "paths", "cgroups", *LIMIT_KEYS)
+TENANT_KEYS = ("uids", "gids", "paths", "cgroups", "job_env", "jobs", *LIMIT_KEYS)
 SETTABLE = {"backend": LIMIT_KEYS, "tenant": LIMIT_KEYS,
             "class": (*LIMIT_KEYS, "min_read_bandwidth", "min_write_bandwidth", "priority",
                       "per_user", "cache", "target_read_latency", "latency_percentile",
@@ -106,6 +106,11 @@ class Tenant:
     limits: Limits = Limits()
     # The callers' cgroup (a scheduler's job, a Kubernetes pod): who cannot forge it.
     cgroups: tuple[str, ...] = ()
+    # An environment variable the caller's (exec-time) environment sets, e.g. a pod's
+    # namespace or Run:ai project from the downward API, and globs its value must match
+    # (none: set at all). Advisory: the caller controls its environment.
+    job_env: str | None = None
+    jobs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,12 +176,13 @@ class Policy:
     def needs_job_lookup(self) -> bool:
         """Whether classification needs :func:`qosfs.classify.read_job_info` at open."""
         return any(c.job_env is not None or c.cgroups for c in self.classes) or any(
-            t.cgroups for t in self.tenants)
+            t.job_env is not None or t.cgroups for t in self.tenants)
 
     @property
-    def job_env(self) -> str | None:
-        """The one environment variable classes match jobs on (the policy allows one)."""
-        return next((c.job_env for c in self.classes if c.job_env is not None), None)
+    def job_envs(self) -> tuple[str, ...]:
+        """The environment variables classes and tenants match on, each once, in order."""
+        names = [r.job_env for r in (*self.tenants, *self.classes) if r.job_env is not None]
+        return tuple(dict.fromkeys(names))
 
     def render(self) -> str:
         """The resolved policy as TOML that parses back to an equal :class:`Policy`."""

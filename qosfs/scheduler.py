@@ -383,6 +383,7 @@ class PolicyQos:
         old_classes, old_tenants = self.classes, self.tenants
         self.policy, self.classifier = policy, classifier
         self._needs_job = policy.needs_job_lookup  # read per request: computed once here
+        self._job_envs = policy.job_envs
         self._streaming = policy.streaming_target  # the class streaming writers move to
         self.classes, self.tenants, self.backend = classes, tenants, backend
         self.meta_limited = any(c.limits.meta_iops is not None for c in policy.classes) or any(
@@ -457,7 +458,7 @@ class PolicyQos:
     def _job(self, pid: int) -> JobInfo | None:
         if not self._needs_job:
             return None
-        return self._jobs.get(pid, self.policy.job_env)
+        return self._jobs.get(pid, self._job_envs)
 
     def _flow_for(self, path: str, ctx: pyfuse3.RequestContext, op: str) -> PolicyFlow:
         uid, gid = ctx.uid, ctx.gid

@@ -318,8 +318,8 @@ def _status(sock: Path) -> dict[str, Any]:
         return client.request({"cmd": "status"})
 
 
-def _class_writes(status: dict[str, Any], name: str) -> int:
-    return int(next(lv for lv in status["levels"] if lv["level"] == "class"
+def _class_writes(status: dict[str, Any], name: str, level: str = "class") -> int:
+    return int(next(lv for lv in status["levels"] if lv["level"] == level
                     and lv["name"] == name)["write_bytes"])
 
 
@@ -395,6 +395,34 @@ def test_a_tenant_defined_by_its_cgroup_gets_its_cap(tmp_tree: Path, job_cgroup:
     with QosfsMount(src, mnt, "--policy", str(policy)):
         assert timed_dd("member", in_cgroup=True) > 1.5  # 4 MiB past the burst at 2 MiB/s
         assert timed_dd("outsider", in_cgroup=False) < 1.0
+
+
+def test_a_tenant_defined_by_an_environment_value_gets_its_cap(tmp_tree: Path) -> None:
+    """A Kubernetes namespace or Run:ai project set in the pod's environment is a tenant;
+    a class matching another variable (a job id) works in the same policy."""
+    src, mnt, sock = tmp_tree / "src", tmp_tree / "mnt", tmp_tree / "ctl.sock"
+    src.mkdir()
+    mnt.mkdir()
+    policy = tmp_tree / "policy.toml"
+    policy.write_text('[tenants.team-a]\njob_env = "POD_NAMESPACE"\njobs = ["team-a*"]\n'
+                      'write_bandwidth = "2MiB/s"\nburst = "1MiB"\n'
+                      '[classes.hot-job]\njob_env = "SLURM_JOB_ID"\njobs = ["77"]\n')
+
+    def timed_dd(name: str, **env: str) -> float:
+        start = time.monotonic()
+        subprocess.run(["dd", "if=/dev/zero", f"of={mnt / name}", "bs=1M", "count=5",
+                        "oflag=direct", "status=none"], check=True,
+                       env={"PATH": os.environ["PATH"], **env})
+        return time.monotonic() - start
+
+    with QosfsMount(src, mnt, "--policy", str(policy), "--socket", str(sock)):
+        assert timed_dd("member", POD_NAMESPACE="team-a-prod", SLURM_JOB_ID="77") > 1.5
+        assert timed_dd("other-namespace", POD_NAMESPACE="team-b") < 1.0
+        assert timed_dd("no-namespace") < 1.0
+        status = _status(sock)
+    assert _class_writes(status, "team-a", "tenant") == 5 * MiB
+    assert _class_writes(status, "hot-job") == 5 * MiB  # the member's job id, read too
+    assert _class_writes(status, "default") == 10 * MiB
 
 
 @pytest.mark.root

@@ -19,7 +19,7 @@ from qosfs.classify import (
     final_name,
     read_job_info,
 )
-from qosfs.policy import default_policy, parse_policy
+from qosfs.policy import default_policy, parse_policy, policy_notes
 
 GLOBS = [
     ("data/**", "data", True),
@@ -140,6 +140,10 @@ def classifier() -> Classifier:
     return Classifier(parse_policy(POLICY))
 
 
+def _slurm(job_id: str) -> tuple[tuple[str, str], ...]:
+    return (("SLURM_JOB_ID", job_id),)
+
+
 @pytest.mark.parametrize(("path", "uid", "gid", "op", "job", "expected"), [
     ("x/checkpoints/step1", 1000, 1, "write", None, "team-a-ckpt"),
     ("x/checkpoints/step1", 1, 500, "read", None, "team-a-ckpt"),  # tenant via gid
@@ -153,12 +157,12 @@ def classifier() -> Classifier:
     ("data/a", 8, 150, "read", None, "data"),
     ("data", 1, 1, "read", None, "data"),
     ("", 1, 1, "meta", None, "default"),
-    ("data/a", 1, 1, "read", JobInfo("5512", None), "slurm-hot"),
-    ("data/a", 1, 1, "read", JobInfo("77", None), "data"),
-    ("data/a", 1, 1, "write", JobInfo("77", None), "any-job"),
-    ("data/a", 1, 1, "write", JobInfo(None, "/batch.slice/x"), "batch"),
-    ("data/a", 1, 1, "write", JobInfo(None, "/user.slice/x"), "data"),
-    ("other", 1, 1, "read", JobInfo(None, None), "default"),
+    ("data/a", 1, 1, "read", JobInfo(_slurm("5512"), None), "slurm-hot"),
+    ("data/a", 1, 1, "read", JobInfo(_slurm("77"), None), "data"),
+    ("data/a", 1, 1, "write", JobInfo(_slurm("77"), None), "any-job"),
+    ("data/a", 1, 1, "write", JobInfo((), "/batch.slice/x"), "batch"),
+    ("data/a", 1, 1, "write", JobInfo((), "/user.slice/x"), "data"),
+    ("other", 1, 1, "read", JobInfo((), None), "default"),
 ])
 def test_classify(classifier: Classifier, path: str, uid: int, gid: int, op: str,
                   job: JobInfo | None, expected: str) -> None:
@@ -213,19 +217,23 @@ def test_read_job_info(tmp_path: Path) -> None:
     _fake_proc(tmp_path, 11, b"SLURM_JOB_ID=\0", "12:cpu:/legacy\n0::/\n")
     _fake_proc(tmp_path, 12, None, None)
     proc = str(tmp_path)
-    assert read_job_info(10, "SLURM_JOB_ID", proc_root=proc) == JobInfo("5512",
-                                                                        "/slurm/job_5512")
-    assert read_job_info(10, None, proc_root=proc) == JobInfo(None, "/slurm/job_5512")
-    assert read_job_info(10, "SLURM_JOB", proc_root=proc) == JobInfo(None, "/slurm/job_5512")
-    assert read_job_info(11, "SLURM_JOB_ID", proc_root=proc) == JobInfo(None, "/", ("/legacy",))
-    assert read_job_info(12, "SLURM_JOB_ID", proc_root=proc) == JobInfo(None, None)
-    assert read_job_info(99, "SLURM_JOB_ID", proc_root=proc) == JobInfo(None, None)
-    assert read_job_info(0, "SLURM_JOB_ID") == JobInfo(None, None)
+    slurm = ("SLURM_JOB_ID",)
+    assert read_job_info(10, slurm, proc_root=proc) == JobInfo(_slurm("5512"), "/slurm/job_5512")
+    assert read_job_info(10, (), proc_root=proc) == JobInfo((), "/slurm/job_5512")
+    assert read_job_info(10, ("SLURM_JOB",), proc_root=proc) == JobInfo((), "/slurm/job_5512")
+    both = read_job_info(10, ("X", "SLURM_JOB_ID", "NONE"), proc_root=proc)
+    assert both.env == (("X", "1"), ("SLURM_JOB_ID", "5512")) and both.value("X") == "1"
+    assert both.value("NONE") is None
+    assert read_job_info(11, slurm, proc_root=proc) == JobInfo((), "/", ("/legacy",))
+    assert read_job_info(12, slurm, proc_root=proc) == JobInfo((), None)
+    assert read_job_info(99, slurm, proc_root=proc) == JobInfo((), None)
+    assert read_job_info(0, slurm) == JobInfo((), None)
 
 
 def test_read_job_info_real_process() -> None:
-    info = read_job_info(os.getpid(), "PATH")  # environ is the exec-time environment
-    assert info.job_id is None or ":" in info.job_id or "/" in info.job_id
+    info = read_job_info(os.getpid(), ("PATH",))  # environ is the exec-time environment
+    path = info.value("PATH")
+    assert path is None or ":" in path or "/" in path
     assert info.cgroup is None or info.cgroup.startswith("/")
 
 
@@ -233,22 +241,22 @@ def test_job_cache_ttl_and_lru() -> None:
     now = [0.0]
     calls: list[int] = []
 
-    def reader(pid: int, env_var: str | None) -> JobInfo:
+    def reader(pid: int, env_vars: tuple[str, ...]) -> JobInfo:
         calls.append(pid)
-        return JobInfo(f"job{pid}-{len(calls)}", None)
+        return JobInfo((("J", f"job{pid}-{len(calls)}"),), None)
 
     cache = JobCache(maxsize=2, ttl=5.0, clock=lambda: now[0], reader=reader)
-    assert cache.get(1, "J").job_id == "job1-1"
-    assert cache.get(1, "J").job_id == "job1-1" and calls == [1]
+    assert cache.get(1, ("J",)).value("J") == "job1-1"
+    assert cache.get(1, ("J",)).value("J") == "job1-1" and calls == [1]
     now[0] = 5.0  # expired: the pid may belong to another process now
-    assert cache.get(1, "J").job_id == "job1-2"
-    cache.get(2, "J")
-    cache.get(1, "J")  # refresh 1's recency
-    cache.get(3, "J")  # evicts 2, the least recently used
+    assert cache.get(1, ("J",)).value("J") == "job1-2"
+    cache.get(2, ("J",))
+    cache.get(1, ("J",))  # refresh 1's recency
+    cache.get(3, ("J",))  # evicts 2, the least recently used
     assert len(cache) == 2 and calls == [1, 1, 2, 3]
-    cache.get(1, "J")
+    cache.get(1, ("J",))
     assert calls == [1, 1, 2, 3]
-    cache.get(2, "J")
+    cache.get(2, ("J",))
     assert calls == [1, 1, 2, 3, 2]
     cache.clear()
     assert len(cache) == 0 and "maxsize=2" in repr(cache)
@@ -290,12 +298,33 @@ def test_cgroup_v1_and_hybrid_paths_match_too(tmp_path: Path) -> None:
     _fake_proc(tmp_path, 20, None, "12:memory:/slurm/uid_1000/job_77/step_0\n"
                "11:cpuset:/slurm/uid_1000/job_77/step_0\n1:name=systemd:/system.slice/x\n")
     _fake_proc(tmp_path, 21, None, "0::/system.slice/slurmstepd.scope/job_78/step_0/user\n")
-    v1 = read_job_info(20, None, proc_root=str(tmp_path))
-    assert v1 == JobInfo(None, None, ("/slurm/uid_1000/job_77/step_0", "/system.slice/x"))
-    v2 = read_job_info(21, None, proc_root=str(tmp_path))
+    v1 = read_job_info(20, (), proc_root=str(tmp_path))
+    assert v1 == JobInfo((), None, ("/slurm/uid_1000/job_77/step_0", "/system.slice/x"))
+    v2 = read_job_info(21, (), proc_root=str(tmp_path))
     c = Classifier(parse_policy('[classes.slurm]\ncgroups = ["/slurm/uid_*/job_7*/**", '
                                 '"/system.slice/slurmstepd.scope/job_7*/**"]\n'))
     assert c.classify("f", 1, 1, "write", v1).name == "slurm"
     assert c.classify("f", 1, 1, "write", v2).name == "slurm"
-    assert c.classify("f", 1, 1, "write", JobInfo(None, "/", ("/user.slice/u",))).name == (
+    assert c.classify("f", 1, 1, "write", JobInfo((), "/", ("/user.slice/u",))).name == (
         "default")
+
+
+def test_tenants_match_environment_values_and_classes_their_own_variable() -> None:
+    """A namespace in the pod's environment makes a tenant; a class can match a job id
+    from another variable in the same policy (one variable per policy was the old rule)."""
+    policy = parse_policy('[tenants.team-a]\njob_env = "POD_NAMESPACE"\njobs = ["team-a*"]\n'
+                          '[tenants.anyone-in-k8s]\njob_env = "POD_NAMESPACE"\n'
+                          '[classes.a-hot]\ntenants = ["team-a"]\njob_env = "JOB"\n'
+                          'jobs = ["7*"]\n')
+    assert policy.job_envs == ("POD_NAMESPACE", "JOB")
+    c = Classifier(policy)
+    a_job = JobInfo((("POD_NAMESPACE", "team-a-prod"), ("JOB", "77")))
+    assert c.tenant_of(1, 1, "x", a_job).name == "team-a"  # type: ignore[union-attr]
+    assert c.classify("x", 1, 1, "write", a_job).name == "a-hot"
+    b_job = JobInfo((("POD_NAMESPACE", "team-b"), ("JOB", "77")))
+    assert c.tenant_of(1, 1, "x", b_job).name == "anyone-in-k8s"  # type: ignore[union-attr]
+    assert c.classify("x", 1, 1, "write", b_job).name == "default"
+    assert c.tenant_of(1, 1, "x", JobInfo()) is None and c.tenant_of(1, 1, "x") is None
+    notes = policy_notes(policy)
+    assert any("tenants.team-a matches by the environment variable POD_NAMESPACE" in n
+               for n in notes)

@@ -116,7 +116,7 @@ def test_full_policy_parses() -> None:
     assert slurm.limits.is_unlimited and not ckpt.limits.is_unlimited
     assert p.class_by_name("datasets").priority_weight == 100  # type: ignore[union-attr]
     assert p.class_by_name("default").limits.read_iops == 5000  # type: ignore[union-attr]
-    assert p.needs_job_lookup and p.job_env == "SLURM_JOB_ID"
+    assert p.needs_job_lookup and p.job_envs == ("SLURM_JOB_ID",)
     assert p.class_by_name("nope") is None and p.tenant_by_name("nope") is None
 
 
@@ -124,7 +124,7 @@ def test_empty_policy_has_only_default() -> None:
     p = parse_policy("")
     assert p.classes == (ClassRule("default"),)
     assert p.backend is None and p.tenants == () and p.control == Control()
-    assert not p.needs_job_lookup and p.job_env is None
+    assert not p.needs_job_lookup and p.job_envs == ()
 
 
 def test_all_ops_normalize_to_any() -> None:
@@ -213,7 +213,8 @@ SEMANTIC_ERRORS = [
      ('mlfs.toml:2: tenants.t.uids: expected a non-empty list of ids like 1000 or "1000-1999", '
       'got a list')),
     ('[tenants.t]\nwrite_bandwidth = "1GiB/s"\n',
-     'mlfs.toml:1: tenants.t: a tenant needs at least one of uids, gids, paths or cgroups'),
+     ('mlfs.toml:1: tenants.t: a tenant needs at least one of uids, gids, paths, cgroups or '
+      'job_env')),
     ('[control]\nadmin_group = "no-such-group-qosfs"\n',
      'mlfs.toml:2: control.admin_group: no group named "no-such-group-qosfs"'),
     ('[control]\nadmin_group = true\n',
@@ -245,13 +246,14 @@ SEMANTIC_ERRORS = [
     ('[classes.x]\ncache = "off"\n',
      'mlfs.toml:2: classes.x.cache: expected one of "auto", "keep", "direct", "direct-writes", got "off"'),
     ('[classes.x]\njobs = ["1"]\n',
-     ('mlfs.toml:2: classes.x.jobs: jobs needs job_env, the variable holding the job id (e.g. '
+     ('mlfs.toml:2: classes.x.jobs: jobs needs job_env, the variable holding the value (e.g. '
       '"SLURM_JOB_ID")')),
     ('[classes.x]\njob_env = "A-B"\n',
      ('mlfs.toml:2: classes.x.job_env: expected an environment variable name like '
       '"SLURM_JOB_ID", got "A-B"')),
-    ('[classes.x]\njob_env = "A"\n[classes.y]\njob_env = "B"\n',
-     'mlfs.toml:4: classes.y.job_env: all classes must use the same job_env (found A, B)'),
+    ('[tenants.t]\njobs = ["a*"]\n',
+     ('mlfs.toml:2: tenants.t.jobs: jobs needs job_env, the variable holding the value (e.g. '
+      '"SLURM_JOB_ID")')),
     ('[classes.x]\nlatency_percentile = 100\n',
      ('mlfs.toml:2: classes.x.latency_percentile: expected a percentile between 0 and 100, got '
       '100')),
