@@ -29,7 +29,13 @@ request waited for tokens and the nanoseconds the backing syscall took (one
   (:meth:`Accounts.set_fine_classes`) so other classes pay one ``is None`` test.
 
 Keys live as long as the policy has their class and tenant (:meth:`Accounts.retain`), so
-a Prometheus counter only ever restarts when its class was removed and came back.
+a Prometheus counter only ever restarts when its class was removed and came back -- except
+per-uid keys, whose number is bounded (``[metrics]`` in the policy, see
+:meth:`Accounts.set_user_series`): a class labels at most ``user_series`` uids (later
+ones are counted in the class's uid-less key from their first byte), and a uid idle for
+``user_series_idle`` is folded into that key (:meth:`Accounts.fold`). Each uid costs about
+120 series, so this is what keeps 10,000 users from being 1.2M series per node. Folding
+keeps every class sum monotonic; the uid-less series jumps by what the uid had.
 """
 
 from __future__ import annotations
@@ -303,24 +309,107 @@ class FlowStats:
                 f"written={self.write_bytes}B/{self.write_ops} meta={self.meta_ops}>")
 
 
+def _fold_histogram(into: LatencyHistogram, other: LatencyHistogram) -> None:
+    for i, n in enumerate(other.counts):
+        into.counts[i] += n
+    into.sum_ns += other.sum_ns
+
+
+def _activity(stats: FlowStats) -> int:
+    """A number that changes whenever the key sees a request."""
+    return stats.read_ops + stats.write_ops + stats.meta_ops
+
+
 class Accounts:
     """The :class:`FlowStats` of every (class, tenant, uid) that had an open or a request."""
 
-    __slots__ = ("_fine", "_stats")
+    __slots__ = ("_activity", "_fine", "_labelled", "_stats", "user_series")
 
-    def __init__(self) -> None:
+    def __init__(self, user_series: int | None = None) -> None:
         self._stats: dict[AccountKey, FlowStats] = {}
         self._fine: frozenset[str] = frozenset()
+        # At most this many uid keys per class (None: no bound); see set_user_series().
+        self.user_series = user_series
+        self._labelled: dict[str, int] = {}  # uid keys per class now
+        # Per uid key: (activity at the last look, when it last changed); see idle_uids().
+        self._activity: dict[AccountKey, tuple[int, float]] = {}
 
     def get(self, cls: str, tenant: str | None, uid: int | None) -> FlowStats:
-        """The stats of a key, created on first use (at open, never per request)."""
+        """The stats of a key, created on first use (at open, never per request).
+
+        A uid past the class's ``user_series`` bound gets the class's uid-less stats: its
+        traffic is counted from its first byte there, so no series ever goes backwards.
+        """
         key = (cls, tenant, uid)
         stats = self._stats.get(key)
         if stats is None:
+            if uid is not None:
+                labelled = self._labelled.get(cls, 0)
+                if self.user_series is not None and labelled >= self.user_series:
+                    return self.get(cls, tenant, None)
+                self._labelled[cls] = labelled + 1
             stats = self._stats[key] = FlowStats()
             if cls in self._fine:
                 stats.read_fine = FineHistogram()
         return stats
+
+    def set_user_series(self, limit: int | None) -> list[AccountKey]:
+        """Bound the uid keys per class from now on; returns the keys over the new bound
+        (the least traffic first) for the caller to :meth:`fold` (it re-points the flows
+        that count into them)."""
+        self.user_series = limit
+        if limit is None:
+            return []
+        over: list[AccountKey] = []
+        for cls, n in self._labelled.items():
+            if n > limit:
+                keys = sorted((k for k in self._stats if k[0] == cls and k[2] is not None),
+                              key=lambda k: self._stats[k].read_bytes + self._stats[k].write_bytes)
+                over += keys[:n - limit]
+        return over
+
+    def idle_uids(self, now: float, idle_after: float) -> list[AccountKey]:
+        """The uid keys without a request for *idle_after* seconds, as seen by successive
+        calls (call it periodically: activity is compared between calls, so the hot path
+        keeps no timestamps)."""
+        idle = []
+        seen = self._activity
+        for key, stats in self._stats.items():
+            if key[2] is None:
+                continue
+            count = _activity(stats)
+            last = seen.get(key)
+            if last is None or last[0] != count:
+                seen[key] = (count, now)
+            elif now - last[1] >= idle_after:
+                idle.append(key)
+        return idle
+
+    def fold(self, key: AccountKey) -> tuple[FlowStats, FlowStats] | None:
+        """Add a uid key's totals to its class's uid-less key and forget the uid key.
+
+        Returns (the folded stats, the class's) so the caller can re-point flows still
+        counting into the first, or None if *key* is not a uid key held here. Fine read
+        histograms are not folded: a latency controller diffs them per key, and old
+        observations arriving in one window would read as a burst.
+        """
+        cls, tenant, uid = key
+        old = self._stats.get(key)
+        if uid is None or old is None:
+            return None
+        del self._stats[key]
+        self._activity.pop(key, None)
+        self._labelled[cls] -= 1
+        into = self.get(cls, tenant, None)
+        into.read_bytes += old.read_bytes
+        into.write_bytes += old.write_bytes
+        into.read_ops += old.read_ops
+        into.write_ops += old.write_ops
+        into.meta_ops += old.meta_ops
+        into.throttled_seconds += old.throttled_seconds
+        for name in ("read_latency", "write_latency", "read_backend", "write_backend"):
+            _fold_histogram(getattr(into, name), getattr(old, name))
+        return old, into
 
     def set_fine_classes(self, classes: frozenset[str]) -> None:
         """Record fine read backend histograms for exactly these classes from now on."""
@@ -346,6 +435,14 @@ class Accounts:
         """Forget every key ``keep`` rejects (after a policy swap re-bound the flows)."""
         for key in [k for k in self._stats if not keep(k)]:
             del self._stats[key]
+            self._activity.pop(key, None)
+            if key[2] is not None:
+                self._labelled[key[0]] -= 1
+
+    @property
+    def uid_keys(self) -> int:
+        """How many per-uid keys exist now (each is ~120 series in /metrics)."""
+        return sum(self._labelled.values())
 
     def keys(self) -> list[AccountKey]:
         return list(self._stats)

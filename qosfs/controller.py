@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -107,7 +108,10 @@ class Controller:
                                     reply["error"])
 
     async def _sample_rates(self) -> None:
+        expire = getattr(self.engine, "expire_idle_users", None)  # PolicyQos only
         while True:
+            if expire is not None:  # idle uids leave the per-uid series (qosfs.accounting)
+                expire(time.monotonic())
             self.sampler.sample(self.snapshot())
             await trio.sleep(SAMPLE_INTERVAL)
 

@@ -769,6 +769,10 @@ class PassthroughOperations(pyfuse3.Operations):
         if moves is not None:  # opens moved as streaming writers, by the class they left
             out["streaming_moves"] = dict(moves)
             out["rename_charged_bytes"] = dict(getattr(self.qos, "rename_charges", {}))
+            accounts = getattr(self.qos, "accounts", None)
+            if accounts is not None:  # per-uid series (qosfs.accounting, [metrics])
+                out["user_accounts"] = accounts.uid_keys
+                out["users_expired"] = getattr(self.qos, "users_expired", 0)
         parking = getattr(self.qos, "parking", None)
         if parking is not None:
             out.update(parked_requests=parking.requests, parked_bytes=parking.bytes,

@@ -33,7 +33,10 @@ Policy: ``qosfs_policy_generation``, ``qosfs_policy_changes_total{command, resul
 Resources (see ``_RESOURCES``): ``qosfs_inode_descriptors``, ``..._budget``,
 ``qosfs_inodes``, ``qosfs_parked_requests``, ``qosfs_parked_bytes``,
 ``qosfs_parking_refused_total``, ``qosfs_killed_callers_total``,
-``qosfs_open_refused_total``.
+``qosfs_open_refused_total``, ``qosfs_user_accounts``, ``qosfs_users_expired_total``.
+
+Per-uid series are bounded by the policy's ``[metrics]`` table (see
+:mod:`qosfs.accounting`): at most ``user_series`` uids per class, idle ones folded away.
 """
 
 from __future__ import annotations
@@ -132,7 +135,12 @@ class SnapshotCollector:
         iops = GaugeMetricFamily("qosfs_limit_ops_per_second",
                                  "Operations-per-second cap in force (absent: unlimited).",
                                  labels=[*_LEVEL, "op"])
+        # A user's level is exported only for uids with series of their own ([metrics]
+        # user_series bounds them; ctl status still lists every active user).
+        labelled = {(cls, uid) for (cls, _, uid), _ in self.snap.accounts if uid is not None}
         for row in self.snap.levels:
+            if row.uid is not None and (row.name, row.uid) not in labelled:
+                continue
             labels = [row.level, row.name, _label(row.uid)]
             depth.add_metric(labels, row.queue_depth)
             throttled.add_metric(labels, row.throttled_seconds)
@@ -236,6 +244,10 @@ _RESOURCES = (
      "Parked requests answered at once because their caller was killed."),
     ("open_refused", "qosfs_open_refused", "counter",
      "Opens answered ENFILE because the uid held its share of the daemon's descriptors."),
+    ("user_accounts", "qosfs_user_accounts", "gauge",
+     "uids with series of their own in per_user classes ([metrics] user_series)."),
+    ("users_expired", "qosfs_users_expired", "counter",
+     "uid accounts folded into their class's uid=\"\" series after going idle."),
 )
 
 

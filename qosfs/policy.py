@@ -11,6 +11,9 @@ Schema (every key optional)::
     read_bandwidth = "4GiB/s"     # any limit key (below)
     [control]
     admin_group = "storage-admins"  # group name or gid that may change limits via the socket
+    [metrics]                     # per-uid detail in /metrics (per_user classes):
+    user_series = 100             # at most this many uids per class get series (0: none);
+    user_series_idle = "10m"      # a uid idle this long leaves; totals fold into uid=""
     [tenants.NAME]                # who. NAME: letters, digits, "_" and "-"
     uids = ["1000-1999", 42]      # ids or "lo-hi" ranges; member if uid OR gid matches
     gids = [100]                  # (no uids/gids: membership by paths alone)
@@ -74,6 +77,7 @@ from qosfs.policy_model import (
     Backend,
     ClassRule,
     Control,
+    Exported,
     IdRange,
     Limits,
     Policy,
@@ -86,7 +90,7 @@ from qosfs.units import show_value
 __all__ = [
     "CACHE_MODES", "CAP_KEYS", "CLASS_KEYS", "CLASS_SETTINGS", "DEFAULT_POLICY_TEXT",
     "LATENCY_MEASURES", "LIMIT_KEYS", "MATCH_KEYS", "OPS", "PRIORITY_WEIGHTS", "SETTABLE",
-    "TENANT_KEYS", "Backend", "ClassRule", "Control", "IdRange", "Limits", "Policy",
+    "TENANT_KEYS", "Backend", "ClassRule", "Control", "Exported", "IdRange", "Limits", "Policy",
     "PolicyError", "Tenant", "default_policy", "load_policy", "parse_policy", "policy_notes",
     "read_policy_text", "with_changes",
 ]

@@ -26,7 +26,10 @@ from qosfs.policy_model import (
     TENANT_KEYS,
     Backend,
     ClassRule,
+    DEFAULT_USER_SERIES,
+    DEFAULT_USER_SERIES_IDLE,
     Control,
+    Exported,
     IdRange,
     Limits,
     Policy,
@@ -38,10 +41,12 @@ from qosfs.units import (
     UnitError,
     format_bandwidth,
     format_duration,
+    format_interval,
     format_iops,
     format_size,
     parse_bandwidth,
     parse_duration,
+    parse_interval,
     parse_iops,
     parse_size,
     show_value,
@@ -292,8 +297,27 @@ def _admin_gid(table: dict[str, Any]) -> int | None:
                       key="control.admin_group")
 
 
+#: The bounds of [metrics] settings: a uid label per class costs ~120 series.
+MAX_USER_SERIES = 100_000
+MIN_USER_SERIES_IDLE = 1.0
+
+
+def _exported(table: dict[str, Any]) -> Exported:
+    _check_keys(table, ("user_series", "user_series_idle"), "metrics")
+    limit = table.get("user_series", DEFAULT_USER_SERIES)
+    if isinstance(limit, bool) or not isinstance(limit, int) or not (
+            0 <= limit <= MAX_USER_SERIES):
+        raise PolicyError(f"expected a number of uids 0..{MAX_USER_SERIES} (0: no per-uid "
+                          f"series), got {show_value(limit)}", key="metrics.user_series")
+    idle = _unit(table, "user_series_idle", "metrics", parse_interval, False)
+    if idle is not None and idle < MIN_USER_SERIES_IDLE:
+        raise PolicyError(f"expected at least 1s, got {show_value(table['user_series_idle'])}",
+                          key="metrics.user_series_idle")
+    return Exported(limit, DEFAULT_USER_SERIES_IDLE if idle is None else idle)
+
+
 def build_policy(raw: dict[str, Any], source: str) -> Policy:
-    _check_keys(raw, ("backend", "control", "tenants", "classes"), "")
+    _check_keys(raw, ("backend", "control", "metrics", "tenants", "classes"), "")
     backend_table = _table(raw, "backend", "backend")
     _check_keys(backend_table, LIMIT_KEYS, "backend")
     backend_limits = _limits(backend_table, "backend")
@@ -318,7 +342,8 @@ def build_policy(raw: dict[str, Any], source: str) -> Policy:
     for direction in ("read", "write"):
         _check_minimums(classes, backend_limits, direction)
     backend = None if backend_limits == Limits() else Backend(backend_limits)
-    return Policy(source, tuple(classes), tenants, backend, Control(_admin_gid(control_table)))
+    return Policy(source, tuple(classes), tenants, backend, Control(_admin_gid(control_table)),
+                  _exported(_table(raw, "metrics", "metrics")))
 
 
 def _check_minimums(classes: list[ClassRule], backend: Limits, direction: str) -> None:
@@ -381,6 +406,9 @@ def policy_to_raw(policy: Policy) -> dict[str, Any]:
         raw["backend"] = _limits_raw(policy.backend.limits)
     if policy.control.admin_gid is not None:
         raw["control"] = {"admin_group": policy.control.admin_gid}
+    if policy.exported != Exported():
+        raw["metrics"] = {"user_series": policy.exported.user_series,
+                          "user_series_idle": format_interval(policy.exported.user_series_idle)}
     raw["tenants"] = {t.name: {"uids": _ids_raw(t.uids), "gids": _ids_raw(t.gids),
                                "paths": list(t.paths), "cgroups": list(t.cgroups),
                                "job_env": t.job_env, "jobs": list(t.jobs),

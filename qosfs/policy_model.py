@@ -148,6 +148,23 @@ class Control:
     admin_gid: int | None = None
 
 
+DEFAULT_USER_SERIES = 100
+DEFAULT_USER_SERIES_IDLE = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Exported:
+    """How much per-uid detail ``/metrics`` carries (``[metrics]``): each uid of a
+    ``per_user`` class costs about 120 series, and clusters have thousands of users."""
+
+    # At most this many uids of one class have series of their own; traffic of the
+    # others is counted in the class's uid="" series (0: per-uid series off).
+    user_series: int = DEFAULT_USER_SERIES
+    # A uid with no traffic and no open file this long leaves the exported series; its
+    # totals fold into the class's uid="" series, so class sums stay monotonic.
+    user_series_idle: float = DEFAULT_USER_SERIES_IDLE
+
+
 @dataclass(frozen=True, slots=True)
 class Policy:
     """A whole validated policy; ``classes[-1]`` is always ``default``."""
@@ -157,6 +174,7 @@ class Policy:
     tenants: tuple[Tenant, ...] = ()
     backend: Backend | None = None
     control: Control = Control()
+    exported: Exported = Exported()
 
     def class_by_name(self, name: str) -> ClassRule | None:
         """The class called ``name``, or None."""

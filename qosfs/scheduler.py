@@ -336,6 +336,8 @@ class PolicyQos:
         self._all_flows: weakref.WeakSet[PolicyFlow] = weakref.WeakSet()
         self._jobs = JobCache()
         self.accounts = Accounts()  # traffic counters per (class, tenant, uid), for metrics
+        self.users_expired = 0  # uid accounts folded into their class after going idle
+        self._next_sweep = 0.0
         self.auto_caps: dict[str, AutoCaps] = {}  # by class name; see set_auto_caps()
         self.draining = False
         self.generation = 0
@@ -391,6 +393,8 @@ class PolicyQos:
             backend is not None and policy.backend is not None
             and policy.backend.limits.meta_iops is not None)
         self._rebind(old_classes, old_tenants)
+        for key in self.accounts.set_user_series(policy.exported.user_series):
+            self._fold(key)
         self.auto_caps = {k: v for k, v in self.auto_caps.items() if k in classes}
         self.generation += 1
         log.info("policy generation %d in force (%d classes, %d tenants, from %s)",
@@ -423,6 +427,41 @@ class PolicyQos:
         recorded bytes vanish from stats and /metrics at every per_user toggle."""
         cls, tenant, _ = key
         return cls in self.classes and (tenant is None or tenant in self.tenants)
+
+    def _fold(self, key: AccountKey) -> bool:
+        """Fold a uid's account into its class's uid-less one; flows that counted into it
+        count there from now on (qosfs.accounting: no series goes backwards)."""
+        folded = self.accounts.fold(key)
+        if folded is None:
+            return False
+        old, into = folded
+        for flow in list(self._all_flows):
+            if flow.stats is old:
+                flow.stats = into
+        return True
+
+    def expire_idle_users(self, now: float) -> int:
+        """Fold the accounts of uids idle for the policy's ``user_series_idle`` with no
+        file open, and forget cached flows with no open file (a later open makes a new
+        one, with a fresh per-uid account if the class has room). Call it often (every
+        second); it does its work at most every quarter of the idle time (1 s..60 s).
+        Returns how many uids were folded."""
+        if now < self._next_sweep:
+            return 0
+        idle_after = self.policy.exported.user_series_idle
+        self._next_sweep = now + min(max(idle_after / 4, 1.0), 60.0)
+        for state in self.classes.values():  # fair-share levels of users gone quiet
+            if state.group is not None:
+                state.group.expire()
+        busy = {id(flow.stats) for flow in self._all_flows if flow.open_files > 0}
+        folded = 0
+        for key in self.accounts.idle_uids(now, idle_after):
+            stats = self.accounts.get(*key)
+            if id(stats) not in busy and self._fold(key):
+                folded += 1
+        self._flows = {k: f for k, f in self._flows.items() if f.open_files > 0}
+        self.users_expired += folded
+        return folded
 
     def drain(self) -> None:
         """Lift every limit at once: the daemon is shutting down.

@@ -36,7 +36,7 @@ from typing import Any
 
 __all__ = [
     "MAX_BANDWIDTH", "MAX_IOPS", "MAX_SIZE", "UnitError",
-    "format_bandwidth", "format_duration", "format_iops", "format_size",
+    "format_bandwidth", "format_duration", "format_interval", "format_iops", "format_size",
     "parse_bandwidth", "parse_duration", "parse_interval", "parse_iops", "parse_size",
     "show_value",
 ]
@@ -244,3 +244,8 @@ def format_iops(iops: float) -> str:
 def format_duration(seconds: float) -> str:
     """Seconds as the shortest exact spelling, e.g. ``"5ms"``."""
     return _shortest(seconds, DURATION_UNITS, "")
+
+
+def format_interval(seconds: float) -> str:
+    """Seconds as the shortest exact :func:`parse_interval` spelling, e.g. ``"10m"``."""
+    return _shortest(seconds, INTERVAL_UNITS, "")

@@ -101,3 +101,32 @@ def test_hot_path_cost_is_small() -> None:
     cost = best - empty
     print(f"accounting per request: {cost * 1e9:.0f} ns")
     assert cost < 5e-6
+
+
+def test_a_class_labels_at_most_user_series_uids_and_folds_the_rest() -> None:
+    acc = Accounts(user_series=2)
+    a, b = acc.get("c", None, 1), acc.get("c", None, 2)
+    shared = acc.get("c", None, 3)  # past the bound: counted in the class's uid-less key
+    assert shared is acc.get("c", None, None) and acc.uid_keys == 2
+    a.record_write(100, 0.5, 2000)
+    b.record_write(10, 0.0, 2000)
+    shared.record_write(1, 0.0, 1000)
+    assert acc.set_user_series(1) == [("c", None, 2)]  # the least traffic goes first
+    old, into = acc.fold(("c", None, 2)) or (None, None)
+    assert old is b and into is shared and acc.uid_keys == 1
+    assert (into.write_bytes, into.write_ops, into.write_latency.snapshot().count) == (11, 2, 2)
+    assert acc.fold(("c", None, 2)) is None and acc.fold(("c", None, None)) is None
+    assert acc.get("c", None, 4) is shared  # still at the bound of 1
+
+
+def test_idle_uids_are_those_without_requests_between_looks() -> None:
+    acc = Accounts()
+    busy, quiet = acc.get("c", None, 1), acc.get("c", None, 2)
+    acc.get("c", None, None)
+    assert acc.idle_uids(0.0, 10.0) == []  # first look: everyone just seen
+    busy.record_read(1, 0.0, 1000)
+    assert acc.idle_uids(9.0, 10.0) == []
+    busy.record_read(1, 0.0, 1000)
+    assert acc.idle_uids(10.0, 10.0) == [("c", None, 2)]
+    quiet.meta_ops += 1  # any request counts
+    assert acc.idle_uids(11.0, 10.0) == []

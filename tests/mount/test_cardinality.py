@@ -1,0 +1,132 @@
+"""Per-uid series stay bounded: idle uids leave /metrics, a class labels at most N uids,
+and the class totals never go backwards (the policy's ``[metrics]`` table)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qosfs.ctl import Client
+from tests.mounting import QosfsMount
+
+pytestmark = [pytest.mark.mount, pytest.mark.root]
+
+KiB = 1 << 10
+
+# One process writes a 4 KiB file as each of many uids: setfsuid(2) changes the uid FUSE
+# sees for the next request, without a process per uid.
+WRITER = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+top, first, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for uid in range(first, first + count):
+    libc.setfsuid(uid)
+    with open(os.path.join(top, f"f{uid}"), "wb") as f:
+        f.write(b"u" * 4096)
+libc.setfsuid(0)
+"""
+
+
+class Mount:
+    def __init__(self, tmp: Path, metrics_table: str) -> None:
+        self.src, self.mnt, self.sock = tmp / "src", tmp / "mnt", tmp / "ctl.sock"
+        (self.src / "users").mkdir(parents=True, mode=0o777)
+        self.src.joinpath("users").chmod(0o777)
+        self.mnt.mkdir()
+        policy = tmp / "policy.toml"
+        policy.write_text(f'{metrics_table}\n[classes.scratch]\npaths = ["users/**"]\n'
+                          'per_user = "fair"\n')
+        self.mount = QosfsMount(self.src, self.mnt, "--policy", str(policy),
+                                "--socket", str(self.sock), "--metrics", "127.0.0.1:0")
+
+    def write_as(self, first: int, count: int) -> None:
+        subprocess.run([sys.executable, "-c", WRITER, str(self.mnt / "users"), str(first),
+                        str(count)], check=True, timeout=300)
+
+    def status(self) -> dict[str, Any]:
+        with Client(str(self.sock)) as client:
+            return client.request({"cmd": "status"})
+
+    def metrics(self) -> str:
+        found = re.search(r"serving metrics on (http://\S+)", self.mount.log())
+        assert found, self.mount.log()
+        with urllib.request.urlopen(found[1], timeout=30) as response:
+            return response.read().decode()
+
+
+@pytest.fixture
+def mounted(tmp_tree: Path, request: pytest.FixtureRequest) -> Iterator[Mount]:
+    m = Mount(tmp_tree, request.param)
+    with m.mount:
+        yield m
+
+
+def uid_series(text: str) -> int:
+    return len(re.findall(r'^qosfs_\w+\{[^}]*uid="\d+"', text, re.M))
+
+
+def class_written(text: str) -> float:
+    return sum(float(v) for v in re.findall(
+        r'^qosfs_write_bytes_total\{class="scratch"[^}]*\} (\S+)$', text, re.M))
+
+
+def wait_for(what: Any, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = what()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("mounted", ['[metrics]\nuser_series = 2000\nuser_series_idle = "3s"'],
+                         indirect=True)
+def test_idle_uids_leave_the_series_and_their_totals_stay(mounted: Mount) -> None:
+    before = uid_series(mounted.metrics())
+    mounted.write_as(10_000, 1000)
+    busy = mounted.metrics()
+    per_uid = (uid_series(busy) - before) / 1000
+    assert mounted.status()["user_accounts"] == 1000
+    assert class_written(busy) == 1000 * 4 * KiB
+    print(f"\nseries per uid of a per_user class: {per_uid:.0f}; "
+          f"/metrics with 1,000 uids: {len(busy.splitlines())} lines")
+    assert per_uid > 50  # the cost this bounds
+
+    assert wait_for(lambda: mounted.status()["user_accounts"] == 0), mounted.status()
+    idle = mounted.metrics()
+    assert uid_series(idle) == before
+    assert mounted.status()["users_expired"] == 1000
+    assert class_written(idle) == 1000 * 4 * KiB  # folded into uid="", not lost
+    print(f"after the expiry: {len(idle.splitlines())} lines")
+
+    mounted.write_as(10_000, 1)  # a returning uid gets a series again, from zero
+    back = mounted.metrics()
+    assert re.search(r'^qosfs_write_bytes_total\{class="scratch",tenant="",uid="10000"\} '
+                     r'4096\.0$', back, re.M), back
+    assert class_written(back) == 1001 * 4 * KiB
+
+
+@pytest.mark.parametrize("mounted", ["[metrics]\nuser_series = 10"], indirect=True)
+def test_a_class_labels_at_most_user_series_uids(mounted: Mount) -> None:
+    mounted.write_as(20_000, 50)
+    text = mounted.metrics()
+    labelled = set(re.findall(r'^qosfs_write_bytes_total\{class="scratch",tenant="",'
+                              r'uid="(\d+)"\}', text, re.M))
+    assert len(labelled) == 10 and mounted.status()["user_accounts"] == 10
+    assert class_written(text) == 50 * 4 * KiB  # the other 40 are in uid=""
+
+
+@pytest.mark.parametrize("mounted", ["[metrics]\nuser_series = 0"], indirect=True)
+def test_per_uid_series_can_be_turned_off(mounted: Mount) -> None:
+    mounted.write_as(30_000, 5)
+    text = mounted.metrics()
+    assert uid_series(text) == 0
+    assert class_written(text) == 5 * 4 * KiB
