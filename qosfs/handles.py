@@ -34,6 +34,12 @@ class FileHandle:
     stream_limit: int = 0
     stream_off: int = -1
     scattered: int = 0
+    # A write the kernel cut short at a page boundary (PassthroughOperations._split_tail):
+    # where its continuation would start (-1: none), and the bytes and ops of the caller's
+    # write so far.
+    split_end: int = -1
+    split_bytes: int = 0
+    split_ops: int = 0
 
 
 @dataclass(slots=True, eq=False)

@@ -43,6 +43,8 @@ class Flow(Protocol):
 
     def refund_read(self, nbytes: int) -> None: ...
 
+    def refund_write_op(self) -> None: ...  # a write the kernel split off a caller's write
+
     def release(self) -> None: ...
 
 
@@ -107,6 +109,9 @@ class CountingFlow:
         return 0.0
 
     def refund_read(self, nbytes: int) -> None:
+        return None
+
+    def refund_write_op(self) -> None:
         return None
 
     def release(self) -> None:

@@ -272,6 +272,13 @@ class PolicyFlow:
         """Give back what a short read (EOF) was charged but did not transfer."""
         refund_bytes(self._levels(), Kind.READ, nbytes)
 
+    def refund_write_op(self) -> None:
+        """Give back the write op of a request that only finishes a caller's write the
+        kernel split at a page boundary (qosfs.fs: ``_split_tail``); its bytes stay
+        charged."""
+        for level in self._levels():
+            level._refund(Kind.WRITE, 0, 1)
+
     @property
     def throttled_writes(self) -> bool:
         """Whether a cap (configured or automatic) bounds this flow's writes right now.
