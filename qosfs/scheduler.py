@@ -557,12 +557,16 @@ class PolicyQos:
         flow = self._memo_flow(fs, inode, ctx, "write")
         if flow.cls is charged.cls or not flow.throttled_writes:
             return None
-        # The class, user and tenant levels (not a backend share: its dispatch is its own).
+        # Class, user and tenant levels move the bytes; the backend saw them already, so
+        # only its share of them moves (the new class's dispatch tags advance).
         for level in flow._levels():
-            if isinstance(level, RateLevel):
+            if isinstance(level, ClassPort):
+                level.charge_share(Kind.WRITE, nbytes)
+            else:
                 level.charge_bytes(Kind.WRITE, nbytes)
         for level in charged._levels():
-            level._refund(Kind.WRITE, nbytes, 0)
+            if not isinstance(level, ClassPort):
+                level._refund(Kind.WRITE, nbytes, 0)
         name = flow.cls.rule.name
         self.rename_charges[name] = self.rename_charges.get(name, 0) + nbytes
         return flow

@@ -474,14 +474,15 @@ def test_a_write_iops_cap_counts_callers_writes_not_kernel_splits(tmp_tree: Path
 
 
 @pytest.mark.root
+@pytest.mark.parametrize("backend", ["", '[backend]\nwrite_bandwidth = "64GiB/s"\n'])
 def test_a_file_renamed_to_a_checkpoint_name_while_open_is_capped_from_then_on(
-        tmp_tree: Path) -> None:
+        tmp_tree: Path, backend: str) -> None:
     src, mnt, sock = tmp_tree / "src", tmp_tree / "mnt", tmp_tree / "ctl.sock"
     src.mkdir()
     mnt.mkdir()
     policy = tmp_tree / "policy.toml"
-    policy.write_text(STREAMING_POLICY.replace('paths = ["**/checkpoints/**"]',
-                                               'paths = ["**/*.pt"]'))
+    policy.write_text(backend + STREAMING_POLICY.replace('paths = ["**/checkpoints/**"]',
+                                                         'paths = ["**/*.pt"]'))
     with QosfsMount(src, mnt, "--policy", str(policy), "--socket", str(sock)):
         with open(mnt / "state.tmpfile", "wb", buffering=0) as f:
             start = time.monotonic()
@@ -499,3 +500,5 @@ def test_a_file_renamed_to_a_checkpoint_name_while_open_is_capped_from_then_on(
     assert status["rename_charged_bytes"] == {"ckpt": 8 * MiB}
     assert _class_writes(status, "ckpt") == 16 * MiB
     assert _class_writes(status, "default") == 0
+    if backend:  # the storage did take all 16 MiB: the move between classes keeps them
+        assert _class_writes(status, "backend", "backend") == 16 * MiB

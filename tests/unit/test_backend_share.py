@@ -198,3 +198,17 @@ async def test_uncontended_requests_pass_without_parking() -> None:
         for _ in range(5):
             await admit([p], Kind.WRITE, MiB)
     assert b.level.waits == 0 and b.level.bytes_written == 5 * MiB
+
+
+@mock_clock
+async def test_bytes_moved_to_a_class_by_a_rename_count_as_its_share() -> None:
+    """A rename charges a class bytes another class already sent to the backend: the
+    class yields that much to the others, and the backend's bucket is not charged again."""
+    b = backend()
+    a, other = port(b, "a"), port(b, "b")
+    before = b.level.statistics().bytes_written
+    a.charge_share(Kind.WRITE, 200 * MiB)
+    assert b.level.statistics().bytes_written == before
+    rates = await race({"a": [a], "b": [other]})
+    assert 98 <= rates["a"] + rates["b"] <= 102
+    assert rates["b"] - rates["a"] == pytest.approx(20, abs=3)  # 200 MiB over 10 s
