@@ -117,7 +117,10 @@ def test_status_set_and_stats(ctl_mount: Mounted, capsys: pytest.CaptureFixture[
     stats = json.loads(out)
     capped = next(a for a in stats["accounts"] if a["class"] == "capped")
     assert capped["write_bytes"] == 3 * MiB and capped["write_ops"] >= 3
-    assert capped["latency"]["write_backend"]["count"] == capped["write_ops"]
+    # Histograms count requests; write_ops counts the caller's writes: one 3 MiB write
+    # from an unaligned buffer arrives as 4 requests, charged 3 ops (qosfs.fs._split_tail).
+    requests = capped["latency"]["write_backend"]["count"]
+    assert capped["write_ops"] <= requests <= capped["write_ops"] + 1
     code, out, _ = ctl(capsys, sock, "stats")
     assert code == 0 and re.search(r"^capped\s+-\s+-\s+\S+\s+3MiB", out, re.M), out
     code, out, _ = ctl(capsys, sock, "status")
