@@ -11,8 +11,11 @@ Choices made here, each for a reason:
   once the backing store has it, so a daemon crash loses nothing that was acknowledged,
   and every byte is accounted when it really moves.
 * The page cache is used for reads unless the QoS class asks for ``direct_io`` (a capped
-  read class must not escape its cap through cached pages). ``keep_cache`` is off by
-  default so each open revalidates against the backing store, like NFS close-to-open.
+  read class must not escape its cap through cached pages). With ``--cache auto`` an
+  open keeps the pages the kernel has (``keep_cache``) when the backing file's size,
+  mtime and ctime are those seen at the previous open and nothing was written through
+  the mount since, and drops them otherwise: NFS's close-to-open consistency. Dropping
+  them at every open halved a re-read (1.9 against 4.4 GB/s).
 * Entry and attribute timeouts default to 1 s, the same order as NFS's ``actimeo``:
   repeated stats do not cost a round trip, and changes made under the mount by other
   nodes become visible within a second.
@@ -262,6 +265,7 @@ class PassthroughOperations(pyfuse3.Operations):
             syscalls.chown_fd(node.fd, -1, -1)
             return
         if fields.update_size:
+            node.cache_stamp = None  # cached pages past the new size are gone: re-read
             if handle is not None:
                 os.ftruncate(handle.fd, attr.st_size)
             else:
@@ -472,11 +476,27 @@ class PassthroughOperations(pyfuse3.Operations):
             handle.stream_left = handle.stream_limit = self.qos.stream_threshold(flow)
         cache = self.options.cache
         bypass = flow.direct_io_for(accmode)  # per class and access mode (PolicyFlow)
-        return pyfuse3.FileInfo(
-            fh=fd,
-            direct_io=bypass or cache == "never",
-            keep_cache=cache == "always" and not bypass,
-        )
+        if bypass or cache == "never":
+            return pyfuse3.FileInfo(fh=fd, direct_io=True, keep_cache=False)
+        return pyfuse3.FileInfo(fh=fd, direct_io=False,
+                                keep_cache=cache == "always" or self._unchanged(node, fd))
+
+    @staticmethod
+    def _unchanged(node: Inode, fd: int) -> bool:
+        """Whether the kernel's cached pages of *node* still hold the backing file: same
+        size, mtime and ctime as at the last open, and no write through the mount since
+        (a write clears the stamp). Records the stamp for the next open either way.
+
+        The stamp is taken at open, as NFS's close-to-open does: a change made underneath
+        is seen by the next open, not by reads of an open that is already open. Kernels
+        from 6.13 give a change right after a stat a fine-grained ctime (multigrain
+        timestamps), so a same-size rewrite within one clock tick is seen too.
+        """
+        st = os.fstat(fd)
+        stamp = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        kept = stamp == node.cache_stamp
+        node.cache_stamp = stamp
+        return kept
 
     @fuse_handler
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
@@ -572,6 +592,7 @@ class PassthroughOperations(pyfuse3.Operations):
         except OSError as exc:
             raise FUSEError(exc.errno or errno.EIO) from None
         flow.stats.record_write(n, waited, took)
+        handle.inode.cache_stamp = None  # the next open drops cached pages (keep_cache)
         if off == handle.split_end or _SPLIT_MIN < n < MAX_WRITE:
             self._split_tail(handle, flow, off, n)
         if handle.stream_limit:  # an uncapped writer that may turn out to be a checkpoint

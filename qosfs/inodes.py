@@ -68,6 +68,7 @@ class Inode:
 
     __slots__ = (
         "_table",
+        "cache_stamp",
         "cached_fd",
         "entry",
         "handle",
@@ -101,6 +102,9 @@ class Inode:
         # Memos for classification, dropped with the inode: its path (qosfs.paths) and how
         # the QoS engine last classified a request on it (qosfs.scheduler.PolicyQos).
         self.path_memo: tuple[int, float, str] | None = None
+        # (size, mtime_ns, ctime_ns) of the backing file when the kernel's page cache of
+        # it was last known good (qosfs.fs: keep_cache); None after a write through us.
+        self.cache_stamp: tuple[int, int, int] | None = None
         self.qos_memo: Any = None
         # Bytes written to it through an uncapped class (and that flow): a rename may show
         # they were a checkpoint all along (safetensors writes ".tmpXXXXXX", then renames).
