@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # policy.py imports this module for glob validation: no runti
 
 __all__ = [
     "Classifier", "GlobError", "JobCache", "JobInfo", "compile_cgroup_glob", "compile_glob",
-    "compile_value_glob", "read_job_info",
+    "compile_path_globs", "compile_value_glob", "read_job_info",
 ]
 
 
@@ -159,6 +159,12 @@ def _any_of(patterns: tuple[str, ...], compile_one: Callable[[str], re.Pattern[s
     if not patterns:
         return None
     return re.compile("|".join(f"(?:{compile_one(p).pattern})" for p in patterns), re.DOTALL)
+
+
+def compile_path_globs(patterns: tuple[str, ...]) -> re.Pattern[str] | None:
+    """One regex matching a relative path any of the path globs *patterns* matches (None
+    for no patterns); ``fullmatch`` it."""
+    return _any_of(patterns, compile_glob)
 
 
 def _in_ranges(value: int, ranges: tuple[IdRange, ...]) -> bool:

@@ -144,6 +144,13 @@ class PassthroughOperations(pyfuse3.Operations):
         e.generation = 0
         e.entry_timeout = self.options.entry_timeout
         e.attr_timeout = self.options.attr_timeout
+        by_path = self.qos.cache_timeouts  # by the classes' paths, if the policy says
+        if by_path is not None:
+            entry, attr = by_path(self.paths.relpath(inode))
+            if entry is not None:
+                e.entry_timeout = entry
+            if attr is not None:
+                e.attr_timeout = attr
         e.st_mode = st.st_mode
         e.st_nlink = st.st_nlink
         e.st_uid = st.st_uid

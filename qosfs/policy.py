@@ -39,6 +39,9 @@ Schema (every key optional)::
                                   # writes through write-only opens do too; "keep";
                                   # "direct"; "direct-writes": every writable open (a
                                   # shared mmap of a writable open then fails, ENODEV)
+    entry_timeout = "60s"         # how long the kernel trusts names and attributes of
+    attr_timeout = "60s"          # objects under this class's paths (by path alone;
+                                  # needs paths; default: the mount's --attr-timeout)
     target_read_latency = "5ms"   # protect this class's reads: lower-priority classes are
     latency_percentile = 99       # capped automatically while the percentile (0 < p < 100)
     latency_measure = "request"   # of its read latency over a window misses the target;

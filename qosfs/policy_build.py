@@ -267,7 +267,27 @@ def _build_class(name: str, table: dict[str, Any], path: str,
         target_read_latency=_unit(table, "target_read_latency", path, parse_duration, False),
         latency_percentile=float(percentile),
         latency_measure=_choice(table, "latency_measure", path, LATENCY_MEASURES, "request"),
-        detect_streaming_writes=_streaming(table, path))
+        detect_streaming_writes=_streaming(table, path),
+        entry_timeout=_cache_timeout(table, "entry_timeout", path, name),
+        attr_timeout=_cache_timeout(table, "attr_timeout", path, name))
+
+
+def _cache_timeout(table: dict[str, Any], key: str, path: str, name: str) -> float | None:
+    """entry_timeout/attr_timeout: 0 .. 1 h. Only the default class and classes with
+    paths may set them: the kernel caches a name or an inode for every caller, so the
+    object's path is all that can decide how long."""
+    value = table.get(key)
+    if value is None:
+        return None
+    if value in (0, "0", "0s"):
+        seconds = 0.0
+    else:
+        seconds = _unit(table, key, path, parse_duration, False)
+    if name != "default" and not table.get("paths"):
+        raise PolicyError(f"{key} needs paths: the kernel caches an object for every "
+                          "caller, so only its path can decide how long (uids, gids, "
+                          "tenants, ops and jobs cannot)", key=f"{path}.{key}")
+    return float(seconds)
 
 
 def _streaming(table: dict[str, Any], path: str) -> int | None:
@@ -396,6 +416,10 @@ def _class_raw(c: ClassRule) -> dict[str, Any]:
         out["target_read_latency"] = format_duration(c.target_read_latency)
     if c.detect_streaming_writes is not None:
         out["detect_streaming_writes"] = format_size(c.detect_streaming_writes)
+    for key in ("entry_timeout", "attr_timeout"):
+        seconds = getattr(c, key)
+        if seconds is not None:
+            out[key] = format_duration(seconds) if seconds else "0s"
     return {k: v for k, v in out.items() if v not in (None, [])}
 
 

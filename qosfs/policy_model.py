@@ -16,13 +16,14 @@ LIMIT_KEYS = (*CAP_KEYS, "burst", "burst_iops")
 MATCH_KEYS = ("paths", "uids", "gids", "tenants", "ops", "job_env", "jobs", "cgroups")
 CLASS_SETTINGS = ("priority", "min_read_bandwidth", "min_write_bandwidth", "per_user", "cache",
                   "target_read_latency", "latency_percentile", "latency_measure",
-                  "detect_streaming_writes")
+                  "detect_streaming_writes", "entry_timeout", "attr_timeout")
 CLASS_KEYS = (*MATCH_KEYS, *CLASS_SETTINGS, *LIMIT_KEYS)
 TENANT_KEYS = ("uids", "gids", "paths", "cgroups", "job_env", "jobs", *LIMIT_KEYS)
 SETTABLE = {"backend": LIMIT_KEYS, "tenant": LIMIT_KEYS,
             "class": (*LIMIT_KEYS, "min_read_bandwidth", "min_write_bandwidth", "priority",
                       "per_user", "cache", "target_read_latency", "latency_percentile",
-                      "latency_measure", "detect_streaming_writes")}
+                      "latency_measure", "detect_streaming_writes", "entry_timeout",
+                      "attr_timeout")}
 PRIORITY_WEIGHTS = {"low": 1, "normal": 10, "high": 100}
 OPS = ("read", "write", "meta")
 CACHE_MODES = ("auto", "keep", "direct", "direct-writes")
@@ -133,6 +134,11 @@ class ClassRule:
     limits: Limits = Limits()
     per_user: bool = False
     cache: str = "auto"
+    # How long the kernel may trust names (entry) and attributes (attr) of objects under
+    # this class's paths; None: the mount's --attr-timeout. Decided by path alone: the
+    # kernel caches an inode for every caller (qosfs.fs, PolicyQos.cache_timeouts).
+    entry_timeout: float | None = None
+    attr_timeout: float | None = None
     target_read_latency: float | None = None
     latency_percentile: float = 99.0
     latency_measure: str = "request"

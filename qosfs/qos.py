@@ -11,6 +11,7 @@ flow and nothing waits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
@@ -61,6 +62,9 @@ class QosEngine(Protocol):
     meta_limited: bool
     meta_limiter: trio.CapacityLimiter
     accounts: Accounts  # every flow's FlowStats, for status and metrics
+    # (entry_timeout, attr_timeout) for an object's path, None where the mount's options
+    # apply; the attribute is None when nothing depends on the path.
+    cache_timeouts: Callable[[str], tuple[float | None, float | None]] | None
 
     def open_flow(self, fs: Any, inode: Inode, ctx: pyfuse3.RequestContext,
                   writing: bool) -> Flow: ...
@@ -123,6 +127,7 @@ class PassThroughQos:
 
     meta_limited = False
     needs_paths = False  # nothing is classified
+    cache_timeouts = None  # the mount's --attr-timeout for everything
 
     def __init__(self) -> None:
         self.accounts = Accounts()

@@ -24,10 +24,12 @@ or ``fs.py``.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +38,7 @@ import trio
 from qosfs.accounting import AccountKey, Accounts
 from qosfs.backend_share import BackendLevel, ClassPort, Share
 from qosfs.bucket import UNLIMITED, LevelLimits, Limit
-from qosfs.classify import Classifier, JobCache, JobInfo
+from qosfs.classify import Classifier, JobCache, JobInfo, compile_path_globs
 from qosfs.interrupts import Caller, cancelled_if_killed, current_caller
 from qosfs.limiter import (
     FairShareGroup,
@@ -124,6 +126,40 @@ def backend_share(rule: ClassRule) -> Share:
     return Share(weight=float(rule.priority_weight),
                  min_read_bandwidth=rule.min_read_bandwidth or 0.0,
                  min_write_bandwidth=rule.min_write_bandwidth or 0.0)
+
+
+def _cache_timeouts(policy: Policy) -> Callable[[str], tuple[float | None, float | None]] | None:
+    """What ``entry_timeout``/``attr_timeout`` an object's path gets under *policy*: for
+    each, the first class in policy order that sets it and whose paths match (the default
+    class matches everything); None for a key no class decides (the mount's option).
+    None when no class sets either, so the filesystem skips the path lookup altogether.
+
+    By path alone, not by caller: the kernel caches a name and an inode's attributes for
+    every process, so a timeout that depended on who asked would apply to everyone anyway.
+    """
+    rules = [(None if rule.name == "default" else compile_path_globs(rule.paths),
+              rule.entry_timeout, rule.attr_timeout)
+             for rule in policy.classes
+             if rule.entry_timeout is not None or rule.attr_timeout is not None]
+    if not rules:
+        return None
+
+    @functools.lru_cache(maxsize=16384)
+    def timeouts(path: str) -> tuple[float | None, float | None]:
+        entry: float | None = None
+        attr: float | None = None
+        for pattern, entry_timeout, attr_timeout in rules:
+            if pattern is not None and pattern.fullmatch(path) is None:
+                continue
+            if entry is None:
+                entry = entry_timeout
+            if attr is None:
+                attr = attr_timeout
+            if entry is not None and attr is not None:
+                break
+        return entry, attr
+
+    return timeouts
 
 
 class ClassState:
@@ -399,6 +435,7 @@ class PolicyQos:
             t.limits.meta_iops is not None for t in policy.tenants) or (
             backend is not None and policy.backend is not None
             and policy.backend.limits.meta_iops is not None)
+        self.cache_timeouts = _cache_timeouts(policy)
         self._rebind(old_classes, old_tenants)
         for key in self.accounts.set_user_series(policy.exported.user_series):
             self._fold(key)

@@ -115,3 +115,31 @@ def test_a_read_capped_class_never_reads_past_its_cap_from_the_cache(mounted: Mo
     took = time.monotonic() - start
     assert took >= (8 - 1) / 4 * 0.85  # 8 MiB at 4 MiB/s less the burst: ~1.75 s
     assert mounted.reads("capped-reader")[1] >= 8 * MiB  # every byte went through us
+
+
+def test_a_class_can_let_the_kernel_trust_names_and_attributes_longer(
+        tmp_tree: Path) -> None:
+    """attr_timeout/entry_timeout by the classes' paths: a dataset tree that does not
+    change while a job reads it skips the lookups and getattrs a 1 s timeout costs."""
+    src, mnt, sock = tmp_tree / "src", tmp_tree / "mnt", tmp_tree / "ctl.sock"
+    for d in (src / "data", src / "scratch", mnt):
+        d.mkdir(parents=True)
+    policy = tmp_tree / "policy.toml"
+    policy.write_text('[classes.datasets]\npaths = ["data/**"]\nentry_timeout = "60s"\n'
+                      'attr_timeout = "60s"\n')
+    for top in ("data", "scratch"):
+        (src / top / "f").write_bytes(b"x")
+    with QosfsMount(src, mnt, "--policy", str(policy), "--socket", str(sock)):
+        assert os.stat(mnt / "data" / "f").st_size == os.stat(mnt / "scratch" / "f").st_size == 1
+        assert not (mnt / "data" / "new").exists()  # a miss, which the kernel caches
+        for top in ("data", "scratch"):  # changed underneath, by another node say
+            with open(src / top / "f", "ab") as f:
+                f.write(b"yy")
+        (src / "data" / "new").write_bytes(b"n")
+        time.sleep(1.5)  # past the mount's 1 s
+        assert os.stat(mnt / "scratch" / "f").st_size == 3
+        assert os.stat(mnt / "data" / "f").st_size == 1  # trusted for 60 s
+        # Misses keep the mount's timeout: files that appear in a dataset are seen.
+        assert (mnt / "data" / "new").read_bytes() == b"n"
+        os.truncate(mnt / "data" / "f", 0)  # a change through the mount is seen at once
+        assert os.stat(mnt / "data" / "f").st_size == 0

@@ -354,7 +354,9 @@ def test_with_changes() -> None:
     ('class', 'checkpoints', {'paths': 'x'},
      ('ctl: classes.checkpoints.paths: unknown key "paths" (expected read_bandwidth, '
       'write_bandwidth, read_iops, write_iops, meta_iops, burst, burst_iops, '
-      'min_read_bandwidth, min_write_bandwidth, priority, per_user, cache, target_read_latency, latency_percentile, latency_measure, detect_streaming_writes)')),
+      'min_read_bandwidth, min_write_bandwidth, priority, per_user, cache, target_read_latency, '
+      'latency_percentile, latency_measure, detect_streaming_writes, entry_timeout, '
+      'attr_timeout)')),
     ('class', 'checkpoints', {'write_bandwidth': '1MB'},
      'ctl: classes.checkpoints.write_bandwidth: expected a bandwidth like "400MiB/s", got "1MB"'),
     ('class', 'datasets', {'min_read_bandwidth': '5GiB/s'},
@@ -622,3 +624,13 @@ def test_check_notes_rules_the_caller_controls() -> None:
     assert len(notes) == 1 and notes[0].startswith(
         "classes.slurm matches jobs by the environment variable SLURM_JOB_ID, which the "
         "caller sets")
+
+
+def test_cache_timeouts_need_paths_and_render_back() -> None:
+    with pytest.raises(PolicyError, match="attr_timeout needs paths"):
+        parse_policy('[classes.x]\nuids = [1]\nattr_timeout = "5s"\n', "m.toml")
+    p = parse_policy('[classes.d]\npaths = ["data/**"]\nentry_timeout = "60s"\n'
+                     'attr_timeout = "0s"\n[classes.default]\nattr_timeout = "2s"\n')
+    d = p.class_by_name("d")
+    assert d is not None and (d.entry_timeout, d.attr_timeout) == (60.0, 0.0)
+    assert parse_policy(p.render()) == p

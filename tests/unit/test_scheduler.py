@@ -256,3 +256,16 @@ def test_which_opens_bypass_the_page_cache(cache: str, write_cap: bool,
     flow = open_flow(qos, "c/f")
     assert tuple(flow.direct_io_for(m) for m in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR)) \
         == expected
+
+
+def test_cache_timeouts_go_by_path_first_class_that_sets_each() -> None:
+    engine = PolicyQos(parse_policy(
+        '[classes.ckpt]\npaths = ["**/*.pt"]\nops = ["write"]\nattr_timeout = "1s"\n'
+        '[classes.datasets]\npaths = ["data/**"]\nentry_timeout = "60s"\n'
+        'attr_timeout = "30s"\n[classes.default]\nentry_timeout = "2s"\n'))
+    timeouts = engine.cache_timeouts
+    assert timeouts is not None
+    assert timeouts("data/x.bin") == (60.0, 30.0)
+    assert timeouts("data/x.pt") == (60.0, 1.0)  # ckpt decides attr (ops do not matter)
+    assert timeouts("other") == (2.0, None)  # None: the mount's --attr-timeout
+    assert PolicyQos(parse_policy("")).cache_timeouts is None  # nothing to look up
