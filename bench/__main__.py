@@ -8,6 +8,7 @@
   fairshare    three uids sharing a per_user = "fair" class
   metadata     create/stat/open/unlink rates, and under a meta_iops cap
   priorities   a declared backend shared by priority and min_write_bandwidth
+  loader       a data loader's samples/s (cold, cached) and a cached re-read, native vs qosfs
   demo         a one-minute look at what QoS does for a dataset reader
   latency-target  a reader's latency target held against an uncapped checkpoint storm
   soak         mixed readers, writers, metadata and ctl changes for N minutes, then checks

@@ -143,9 +143,27 @@ def _head_prio(prio: dict[str, Any]) -> Rows:
              verdict(abs(w) <= SHARE_PCT)]]
 
 
+LOADER_GAIN = 2.0  # issue targets against the figures before keep_cache / timeouts
+RE_READ_MIN = 0.9
+
+
+def _head_loader(r: dict[str, Any]) -> Rows:
+    sm = r["summary"]
+    rows = []
+    for kind in ("cold", "cached"):
+        got = sm["policy"][kind]["samples_per_s"]
+        rows.append([f"data loader {kind}, default policy: samples/s (native "
+                     f"{sm['native'][kind]['samples_per_s']:,.0f})", f"{got:,.0f}",
+                     "—", ""])
+    re_read = sm["policy"]["reread"]["mb_per_s"] / sm["native"]["reread"]["mb_per_s"]
+    rows.append(["cached re-read, default policy / native", ratio(re_read),
+                 f"≥ {RE_READ_MIN}", verdict(re_read >= RE_READ_MIN)])
+    return rows
+
+
 HEADLINES = {"overhead": _head_overhead, "caps": _head_caps, "isolation": _head_isolation,
              "live-change": _head_live, "fairshare": _head_fair, "metadata": _head_meta,
-             "priorities": _head_prio}
+             "priorities": _head_prio, "loader": _head_loader}
 # a result this code cannot read (another version's REPORT.json) spoils only its rows
 _UNREADABLE = (KeyError, TypeError, ValueError, IndexError)
 

@@ -24,6 +24,7 @@ from bench import (
     fairshare,
     isolation,
     live_change,
+    loader,
     metadata,
     overhead,
     plots,
@@ -52,6 +53,7 @@ SUITES: dict[str, Callable[[Run], dict[str, Any]]] = {
     "fairshare": fairshare.run,
     "metadata": metadata.run,
     "priorities": priorities.run,
+    "loader": loader.run,
 }
 META_ENGINES = ("filecreate", "filestat", "filedelete")
 
