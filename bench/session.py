@@ -30,6 +30,7 @@ from bench import (
     plots,
     priorities,
     report,
+    storage,
 )
 from bench.context import Run, stderr_log
 from bench.fio import FioError, find_fio, fio_version, missing_engines
@@ -54,6 +55,7 @@ SUITES: dict[str, Callable[[Run], dict[str, Any]]] = {
     "metadata": metadata.run,
     "priorities": priorities.run,
     "loader": loader.run,
+    "storage": storage.run,
 }
 META_ENGINES = ("filecreate", "filestat", "filedelete")
 
