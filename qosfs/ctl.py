@@ -240,9 +240,11 @@ def format_latency(reply: dict[str, Any]) -> list[str]:
              f"increases, {lc['decisions']['release']} releases)"]
     for p in lc["protected"]:
         pct = f"p{p['percentile']:g}"
+        relative = "" if p.get("slowdown") is None else (
+            f" ({p['slowdown']:g}x baseline {human_seconds(p.get('baseline_seconds'))})")
         lines.append(f"  {p['class']}: {pct} {p['measure']} "
                      f"{human_seconds(p['latency_seconds'])} / target "
-                     f"{human_seconds(p['target_seconds'])}  {p['verdict']}")
+                     f"{human_seconds(p['target_seconds'])}{relative}  {p['verdict']}")
     for t in lc["throttled"]:
         caps = {k: v for k, v in (("read_bandwidth", t["read_bandwidth"]),
                                   ("write_bandwidth", t["write_bandwidth"])) if v is not None}

@@ -69,6 +69,8 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -92,6 +94,8 @@ RELEASE_WINDOWS = 3  # windows without binding before a cap is removed
 FLOOR = float(1 << 20)  # bytes/s: the lowest automatic cap (above min_*_bandwidth)
 MIN_SAMPLES = 10  # latency samples a window needs to be judged
 PROBE_CHECK = 0.05  # seconds between checks whether the canary should run
+BASELINE_WINDOWS = 20  # quiet windows a relative target's baseline is the median of
+QUIET = 1.1  # a low class moving at most this times FLOOR is quiet (a floored storm too)
 _DIRECTIONS = ("read", "write")
 
 
@@ -145,7 +149,7 @@ def _floor_of(rule: ClassRule, direction: str) -> float:
 
 
 def protected_classes(policy: Policy) -> list[ClassRule]:
-    return [c for c in policy.classes if c.target_read_latency is not None]
+    return [c for c in policy.classes if c.latency_protected]
 
 
 def low_classes(policy: Policy) -> dict[str, list[ClassRule]]:
@@ -153,7 +157,7 @@ def low_classes(policy: Policy) -> dict[str, list[ClassRule]]:
     guards = protected_classes(policy)
     out = {}
     for rule in policy.classes:
-        if rule.target_read_latency is None:
+        if not rule.latency_protected:
             above = [g for g in guards if g.priority_weight > rule.priority_weight]
             if above:
                 out[rule.name] = above
@@ -170,6 +174,10 @@ class LatencyController:
     def __init__(self, policy: Policy) -> None:
         self.low: dict[str, _LowClass] = {}
         self.verdicts: dict[str, str] = {}
+        # Relative targets: the latency of each protected class in recent windows when the
+        # classes below it were quiet, and the target each window was judged on.
+        self.baselines: dict[str, deque[float]] = {}
+        self.targets: dict[str, float | None] = {}
         self.state = "idle"
         self.decisions = {"decrease": 0, "increase": 0, "release": 0}
         self.set_policy(policy)
@@ -184,6 +192,8 @@ class LatencyController:
         self.rules = {c.name: c for c in policy.classes}
         for name in [n for n in self.low if n not in self.roles]:
             del self.low[name]
+        guarded = {c.name for c in protected_classes(policy)}
+        self.baselines = {k: v for k, v in self.baselines.items() if k in guarded}
         if not protected_classes(policy):
             self.state = "idle"
 
@@ -196,18 +206,28 @@ class LatencyController:
              classes: Sequence[ClassSample]) -> dict[str, AutoCaps]:
         """Judge one window and return the caps that changed, by class."""
         verdicts = {}
+        rates = {c.name: c for c in classes}
         for rule in protected_classes(self.policy):
             sample = next((p for p in protected if p.name == rule.name), None)
+            judged = not (sample is None or sample.reads == 0 or sample.latency is None
+                          or sample.samples < MIN_SAMPLES)
+            if judged and rule.target_read_slowdown is not None and self._quiet_below(
+                    rule.name, rates):
+                assert sample is not None and sample.latency is not None
+                self.baselines.setdefault(rule.name, deque(maxlen=BASELINE_WINDOWS)).append(
+                    sample.latency)
+            target = self.targets[rule.name] = self.target_of(rule)
             if sample is None or sample.reads == 0:
                 verdicts[rule.name] = "idle"
-            elif sample.latency is None or sample.samples < MIN_SAMPLES:
+            elif not judged:
                 verdicts[rule.name] = "few-samples"
-            elif sample.latency > rule.target_read_latency:  # type: ignore[operator]
+            elif target is None:
+                verdicts[rule.name] = "learning"  # no quiet window seen yet: no baseline
+            elif sample.latency > target:  # type: ignore[operator]
                 verdicts[rule.name] = "missed"
             else:
                 verdicts[rule.name] = "met"
         self.verdicts = verdicts
-        rates = {c.name: c for c in classes}
         changed = {}
         floored = []  # per class decreased: is it at its floor (or has nothing to give)?
         for name, above in self.roles.items():
@@ -218,19 +238,20 @@ class LatencyController:
                 factor = DECREASE
                 for g in above:
                     p = next((x for x in protected if x.name == g.name), None)
-                    target = g.target_read_latency
+                    target = self.targets.get(g.name)
                     if verdicts.get(g.name) == "missed" and p and p.latency and target:
                         factor = min(factor, target / p.latency)
                 floored.append(self._decrease(name, sample, now, max(DEEPEST, factor)))
-            elif "few-samples" not in seen and name in self.low:
+            elif "few-samples" not in seen and "learning" not in seen and name in self.low:
                 if all(v == "idle" for v in seen):
                     growth = 1.0  # double: nothing to protect
                 else:
                     growth = CLIMB
                     for g in above:  # the least headroom of the guards decides
                         p = next((x for x in protected if x.name == g.name), None)
-                        if p is not None and p.latency is not None and g.target_read_latency:
-                            headroom = 1.0 - p.latency / g.target_read_latency
+                        target = self.targets.get(g.name)
+                        if p is not None and p.latency is not None and target:
+                            headroom = 1.0 - p.latency / target
                             growth = min(growth, max(INCREASE, headroom / 2))
                 self._increase(name, sample, growth)
             after = self.low[name].caps() if name in self.low else NO_AUTO_CAPS
@@ -247,6 +268,33 @@ class LatencyController:
         else:
             self.state = "watching"
         return changed
+
+    def _quiet_below(self, guard: str, rates: dict[str, ClassSample]) -> bool:
+        """Whether every class that yields to *guard* moved next to nothing this window
+        (at most its floor, where a cap may hold it): a window to learn from."""
+        for name, above in self.roles.items():
+            if any(g.name == guard for g in above):
+                sample = rates.get(name)
+                if sample is not None and max(sample.read_rate, sample.write_rate) > (
+                        QUIET * FLOOR):
+                    return False
+        return True
+
+    def target_of(self, rule: ClassRule) -> float | None:
+        """The latency *rule*'s reads are judged on now: its absolute target, its slowdown
+        times its baseline (the median latency of recent quiet windows), or the lower of
+        the two; None while a relative target has no baseline (and no absolute one)."""
+        target = rule.target_read_latency
+        seen = self.baselines.get(rule.name)
+        if rule.target_read_slowdown is not None and seen:
+            relative = rule.target_read_slowdown * statistics.median(seen)
+            target = relative if target is None else min(target, relative)
+        return target
+
+    def baseline(self, name: str) -> float | None:
+        """The baseline latency of protected class *name* (None: none learned)."""
+        seen = self.baselines.get(name)
+        return statistics.median(seen) if seen else None
 
     def _decrease(self, name: str, sample: ClassSample, now: float, factor: float) -> bool:
         """Multiplicative decrease; returns whether every capped direction is at its floor."""
@@ -478,7 +526,9 @@ class LatencyControl:
         for rule in protected_classes(c.policy):
             s = by_name.get(rule.name)
             protected.append({
-                "class": rule.name, "target_seconds": rule.target_read_latency,
+                "class": rule.name, "target_seconds": c.target_of(rule),
+                "slowdown": rule.target_read_slowdown,
+                "baseline_seconds": c.baseline(rule.name),
                 "percentile": rule.latency_percentile, "measure": rule.latency_measure,
                 "latency_seconds": s.latency if s else None,
                 "queue_seconds": s.queue if s else None,

@@ -167,7 +167,8 @@ class SnapshotCollector:
                                 "1 if the last window met the target (or had no reads).",
                                 labels=["class"])
         for p in lc["protected"]:
-            target.add_metric([p["class"]], p["target_seconds"])
+            if p["target_seconds"] is not None:  # a relative target still learning: absent
+                target.add_metric([p["class"]], p["target_seconds"])
             if p["latency_seconds"] is not None:
                 observed.add_metric([p["class"]], p["latency_seconds"])
             met.add_metric([p["class"]], 0.0 if p["verdict"] == "missed" else 1.0)

@@ -42,6 +42,8 @@ Schema (every key optional)::
     entry_timeout = "60s"         # how long the kernel trusts names and attributes of
     attr_timeout = "60s"          # objects under this class's paths (by path alone;
                                   # needs paths; default: the mount's --attr-timeout)
+    target_read_slowdown = 1.5    # or relative: reads may take 1.5x what they take while
+                                  # the lower classes are quiet (learned; both: the lower)
     target_read_latency = "5ms"   # protect this class's reads: lower-priority classes are
     latency_percentile = 99       # capped automatically while the percentile (0 < p < 100)
     latency_measure = "request"   # of its read latency over a window misses the target;
@@ -213,7 +215,8 @@ def with_changes(policy: Policy, target_kind: str, name: str | None,
     """A new validated policy with settings of one class/tenant/backend changed (``ctl set``).
 
     Values are spelled as in the file (``"800MiB/s"``, ``"2k"``, ``"high"``); ``"unlimited"``
-    removes the key (no cap, or back to the default), and so does ``target_read_latency=none``.
+    removes the key (no cap, or back to the default), and so does ``target_read_latency=none``
+    (or ``target_read_slowdown=none``).
     Unknown targets or keys, bad values and broken constraints raise :class:`PolicyError` with source ``"ctl"``.
     """
     raw = policy_to_raw(policy)
@@ -233,9 +236,9 @@ def with_changes(policy: Policy, target_kind: str, name: str | None,
         if key not in SETTABLE[target_kind]:
             raise PolicyError(unknown_key(key, SETTABLE[target_kind]), source="ctl",
                               key=f"{path}.{quote_key(key)}")
-        if value == "unlimited" or (value == "none" and key == "target_read_latency"):
+        if value == "unlimited" or (value == "none" and key.startswith("target_read_")):
             table.pop(key, None)
-        elif key == "latency_percentile" and isinstance(value, str):
+        elif key in ("latency_percentile", "target_read_slowdown") and isinstance(value, str):
             try:
                 table[key] = float(value)
             except ValueError:

@@ -265,11 +265,29 @@ def _build_class(name: str, table: dict[str, Any], path: str,
         per_user=_choice(table, "per_user", path, ("none", "fair"), "none") == "fair",
         cache=_choice(table, "cache", path, CACHE_MODES, "auto"),
         target_read_latency=_unit(table, "target_read_latency", path, parse_duration, False),
+        target_read_slowdown=_slowdown(table, path),
         latency_percentile=float(percentile),
         latency_measure=_choice(table, "latency_measure", path, LATENCY_MEASURES, "request"),
         detect_streaming_writes=_streaming(table, path),
         entry_timeout=_cache_timeout(table, "entry_timeout", path, name),
         attr_timeout=_cache_timeout(table, "attr_timeout", path, name))
+
+
+#: target_read_slowdown bounds: at most 1.0 would throttle for noise, past 100 protects nothing.
+MIN_SLOWDOWN, MAX_SLOWDOWN = 1.0, 100.0
+
+
+def _slowdown(table: dict[str, Any], path: str) -> float | None:
+    value = table.get("target_read_slowdown")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            MIN_SLOWDOWN < value <= MAX_SLOWDOWN):
+        raise PolicyError(f"expected a factor above {MIN_SLOWDOWN:g} and at most "
+                          f"{MAX_SLOWDOWN:g} (1.5: reads may take 1.5x what they take while "
+                          f"the classes below are quiet), got {show_value(value)}",
+                          key=f"{path}.target_read_slowdown")
+    return float(value)
 
 
 def _cache_timeout(table: dict[str, Any], key: str, path: str, name: str) -> float | None:
@@ -414,6 +432,8 @@ def _class_raw(c: ClassRule) -> dict[str, Any]:
                **_limits_raw(c.limits))
     if c.target_read_latency is not None:
         out["target_read_latency"] = format_duration(c.target_read_latency)
+    if c.target_read_slowdown is not None:
+        out["target_read_slowdown"] = c.target_read_slowdown
     if c.detect_streaming_writes is not None:
         out["detect_streaming_writes"] = format_size(c.detect_streaming_writes)
     for key in ("entry_timeout", "attr_timeout"):

@@ -15,13 +15,15 @@ CAP_KEYS = ("read_bandwidth", "write_bandwidth", "read_iops", "write_iops", "met
 LIMIT_KEYS = (*CAP_KEYS, "burst", "burst_iops")
 MATCH_KEYS = ("paths", "uids", "gids", "tenants", "ops", "job_env", "jobs", "cgroups")
 CLASS_SETTINGS = ("priority", "min_read_bandwidth", "min_write_bandwidth", "per_user", "cache",
-                  "target_read_latency", "latency_percentile", "latency_measure",
-                  "detect_streaming_writes", "entry_timeout", "attr_timeout")
+                  "target_read_latency", "target_read_slowdown", "latency_percentile",
+                  "latency_measure", "detect_streaming_writes", "entry_timeout",
+                  "attr_timeout")
 CLASS_KEYS = (*MATCH_KEYS, *CLASS_SETTINGS, *LIMIT_KEYS)
 TENANT_KEYS = ("uids", "gids", "paths", "cgroups", "job_env", "jobs", *LIMIT_KEYS)
 SETTABLE = {"backend": LIMIT_KEYS, "tenant": LIMIT_KEYS,
             "class": (*LIMIT_KEYS, "min_read_bandwidth", "min_write_bandwidth", "priority",
-                      "per_user", "cache", "target_read_latency", "latency_percentile",
+                      "per_user", "cache", "target_read_latency", "target_read_slowdown",
+                      "latency_percentile",
                       "latency_measure", "detect_streaming_writes", "entry_timeout",
                       "attr_timeout")}
 PRIORITY_WEIGHTS = {"low": 1, "normal": 10, "high": 100}
@@ -140,11 +142,19 @@ class ClassRule:
     entry_timeout: float | None = None
     attr_timeout: float | None = None
     target_read_latency: float | None = None
+    # A target relative to the class itself: its read latency may be at most this many
+    # times what it is while the classes below it are quiet (qosfs.latency_control).
+    target_read_slowdown: float | None = None
     latency_percentile: float = 99.0
     latency_measure: str = "request"
     # Bytes of (mostly) sequential writes after which a writable open of an uncapped class
     # moves into this class (qosfs.streaming); None: this class takes no streams.
     detect_streaming_writes: int | None = None
+
+    @property
+    def latency_protected(self) -> bool:
+        """Whether a latency target (absolute or relative) protects this class's reads."""
+        return self.target_read_latency is not None or self.target_read_slowdown is not None
 
 
 @dataclass(frozen=True, slots=True)

@@ -144,6 +144,10 @@ priority = "high"
 # made underneath (by another node) within the minute.
 entry_timeout = "60s"
 attr_timeout = "60s"
+# Protected against whatever this machine's bottleneck is (the storage, the network, the
+# daemon's CPU): while dataset reads take more than 1.3x what they take when the classes
+# below are quiet, those classes are capped automatically, under their own caps.
+target_read_slowdown = 1.3
 # min_read_bandwidth = "1GiB/s"   # a guaranteed share; needs [backend] read_bandwidth
 
 # Everything else: counted, not capped.

@@ -330,3 +330,34 @@ async def test_status_top_and_metrics_show_the_controller() -> None:
     assert ('qosfs_latency_auto_limit_bytes_per_second{class="checkpoints",'
             'direction="write"} 7.340032e+07') in metrics
     assert 'qosfs_latency_target_seconds{class="datasets"} 0.005' in metrics
+
+
+RELATIVE = POLICY.replace('target_read_latency = "5ms"', "target_read_slowdown = 1.5")
+
+
+def test_a_relative_target_learns_its_baseline_while_the_classes_below_are_quiet() -> None:
+    c = LatencyController(parse_policy(RELATIVE.format(ckpt=""), "t"))
+    c.step(0.0, ds(0.004), ck(write=500 * MiB))  # a storm from the start: nothing to go by
+    assert c.verdicts == {"datasets": "learning"} and c.caps()["checkpoints"] == AutoCaps()
+    for t in (0.5, 1.0, 1.5):  # the storm pauses (under the floor counts as quiet)
+        c.step(t, ds(0.001 if t != 1.0 else 0.0012), ck(write=0.5 * MiB))
+    assert c.baseline("datasets") == pytest.approx(0.001)
+    assert c.verdicts == {"datasets": "met"}
+    changed = c.step(2.0, ds(0.002), ck(write=500 * MiB))  # 2x > 1.5x: capped
+    assert changed["checkpoints"].write_bandwidth == pytest.approx(500 * MiB * 0.7)
+    assert c.targets == {"datasets": pytest.approx(0.0015)}
+    assert c.baseline("datasets") == pytest.approx(0.001)  # storm windows do not count
+    c.step(2.5, ds(0.0012), ck(write=350 * MiB, waited=True))
+    assert c.verdicts == {"datasets": "met"} and c.state == "throttling"
+
+
+def test_absolute_and_relative_targets_together_take_the_lower() -> None:
+    both = RELATIVE.replace("target_read_slowdown = 1.5",
+                            'target_read_slowdown = 3\ntarget_read_latency = "5ms"')
+    c = LatencyController(parse_policy(both.format(ckpt=""), "t"))
+    c.step(0.0, ds(0.004), ck(write=500 * MiB))
+    assert c.verdicts == {"datasets": "met"}  # absolute 5 ms while learning
+    c.step(0.5, ds(0.001), ck(write=0.0))
+    assert c.targets == {"datasets": pytest.approx(0.003)}  # 3 x 1 ms < 5 ms
+    c.step(1.0, ds(0.004), ck(write=500 * MiB))
+    assert c.verdicts == {"datasets": "missed"}

@@ -355,8 +355,8 @@ def test_with_changes() -> None:
      ('ctl: classes.checkpoints.paths: unknown key "paths" (expected read_bandwidth, '
       'write_bandwidth, read_iops, write_iops, meta_iops, burst, burst_iops, '
       'min_read_bandwidth, min_write_bandwidth, priority, per_user, cache, target_read_latency, '
-      'latency_percentile, latency_measure, detect_streaming_writes, entry_timeout, '
-      'attr_timeout)')),
+      'target_read_slowdown, latency_percentile, latency_measure, detect_streaming_writes, '
+      'entry_timeout, attr_timeout)')),
     ('class', 'checkpoints', {'write_bandwidth': '1MB'},
      'ctl: classes.checkpoints.write_bandwidth: expected a bandwidth like "400MiB/s", got "1MB"'),
     ('class', 'datasets', {'min_read_bandwidth': '5GiB/s'},
