@@ -10,6 +10,7 @@
   priorities   a declared backend shared by priority and min_write_bandwidth
   loader       a data loader's samples/s (cold, cached) and a cached re-read, native vs qosfs
   storage      the demo's reader and storm sharing a disk: bare, --no-qos, default policy
+  envelope     what one mount carries (small/large reads, metadata), and a do-nothing floor
   demo         a one-minute look at what QoS does for a dataset reader
   latency-target  a reader's latency target held against an uncapped checkpoint storm
   soak         mixed readers, writers, metadata and ctl changes for N minutes, then checks

@@ -388,11 +388,37 @@ def section_storage(doc: Doc, r: dict[str, Any]) -> list[str]:
     ]
 
 
+def section_envelope(doc: Doc, r: dict[str, Any]) -> list[str]:
+    sm = r["summary"]
+    labels = {"randread_4k_1job_iops": "4 KiB random reads, QD1 (IOPS)",
+              "randread_4k_4job_iops": "4 KiB random reads, 4 jobs (IOPS)",
+              "read_1m_2job_gb_per_s": "1 MiB direct reads, 2 jobs (GB/s)",
+              "create_per_s": "create (per s)", "stat_per_s": "stat (per s)",
+              "delete_per_s": "unlink (per s)"}
+
+    def cell(side: str, key: str) -> str:
+        values = sm.get(side, {}).get(key)
+        if not values:
+            return "—"
+        fmt = "{:.2f}" if key.endswith("gb_per_s") else "{:,.0f}"
+        return " / ".join(fmt.format(v) for v in values)
+
+    rows = [[label, cell("policy", k), cell("no-qos", k), cell("null", k)]
+            for k, label in labels.items()]
+    return [
+        "## Envelope: what one mount carries", "",
+        *table(["what", "default policy", "--no-qos", "do-nothing pyfuse3"], rows), "",
+        f"tmpfs source; fio, {r['seconds']} s per figure, {r['reps']} repetitions shown "
+        f"apart; meta.fio with {r['files']} files. The do-nothing pyfuse3 filesystem is "
+        "the floor: what pyfuse3's request loop and the kernel cost without any work.", "",
+    ]
+
+
 SECTIONS: dict[str, Callable[[Doc, dict[str, Any]], list[str]]] = {
     "overhead": section_overhead, "caps": section_caps, "isolation": section_isolation,
     "live-change": section_live, "fairshare": section_fair, "metadata": section_meta,
     "priorities": section_prio, "loader": section_loader,
-    "storage": section_storage,
+    "storage": section_storage, "envelope": section_envelope,
 }
 
 

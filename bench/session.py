@@ -21,6 +21,7 @@ from typing import Any
 import qosfs
 from bench import (
     caps,
+    envelope,
     fairshare,
     isolation,
     live_change,
@@ -56,6 +57,7 @@ SUITES: dict[str, Callable[[Run], dict[str, Any]]] = {
     "priorities": priorities.run,
     "loader": loader.run,
     "storage": storage.run,
+    "envelope": envelope.run,
 }
 META_ENGINES = ("filecreate", "filestat", "filedelete")
 

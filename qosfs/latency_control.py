@@ -79,6 +79,8 @@ import trio
 
 from qosfs.accounting import AccountKey, FineHistogram
 from qosfs.policy import ClassRule, Policy
+from qosfs.latency_probe import INTERVAL as PROBE_INTERVAL
+from qosfs.latency_probe import QUIET_INTERVAL as PROBE_QUIET_INTERVAL
 from qosfs.scheduler import NO_AUTO_CAPS, AutoCaps, PolicyQos
 
 __all__ = ["LatencyControl", "LatencyController", "ProtectedSample", "ClassSample"]
@@ -178,6 +180,7 @@ class LatencyController:
         # classes below it were quiet, and the target each window was judged on.
         self.baselines: dict[str, deque[float]] = {}
         self.targets: dict[str, float | None] = {}
+        self.quiet = False  # every class below a protected one moved nothing last window
         self.state = "idle"
         self.decisions = {"decrease": 0, "increase": 0, "release": 0}
         self.set_policy(policy)
@@ -207,6 +210,8 @@ class LatencyController:
         """Judge one window and return the caps that changed, by class."""
         verdicts = {}
         rates = {c.name: c for c in classes}
+        self.quiet = all(self._quiet_below(g.name, rates)
+                         for g in protected_classes(self.policy))
         for rule in protected_classes(self.policy):
             sample = next((p for p in protected if p.name == rule.name), None)
             judged = not (sample is None or sample.reads == 0 or sample.latency is None
@@ -451,6 +456,12 @@ class LatencyControl:
             self.probe.start()
         elif not wanted and self.probe.running:
             self.probe.stop()
+        # Full rate only while something below a protected class moves (or is capped):
+        # a quiet window only feeds a baseline, for which fewer samples do.
+        set_interval = getattr(self.probe, "set_interval", None)
+        if set_interval is not None:
+            busy = self.controller.low or not self.controller.quiet
+            set_interval(PROBE_INTERVAL if busy else PROBE_QUIET_INTERVAL)
 
     def _sample_levels(self) -> dict[str, ClassSample]:
         now = trio.current_time()

@@ -342,8 +342,9 @@ def test_a_relative_target_learns_its_baseline_while_the_classes_below_are_quiet
     for t in (0.5, 1.0, 1.5):  # the storm pauses (under the floor counts as quiet)
         c.step(t, ds(0.001 if t != 1.0 else 0.0012), ck(write=0.5 * MiB))
     assert c.baseline("datasets") == pytest.approx(0.001)
-    assert c.verdicts == {"datasets": "met"}
+    assert c.verdicts == {"datasets": "met"} and c.quiet  # the canary may slow down
     changed = c.step(2.0, ds(0.002), ck(write=500 * MiB))  # 2x > 1.5x: capped
+    assert not c.quiet
     assert changed["checkpoints"].write_bandwidth == pytest.approx(500 * MiB * 0.7)
     assert c.targets == {"datasets": pytest.approx(0.0015)}
     assert c.baseline("datasets") == pytest.approx(0.001)  # storm windows do not count
