@@ -23,8 +23,8 @@ from bench.context import Mounted, Run
 from bench.fio import JOBS_DIR, run_job
 from bench.sampler import StatusSampler, Window, error_pct, span_rates, steady
 from bench.system import drop_caches, wait_quiet
-from qosfs.ctl import call
-from qosfs.units import parse_bandwidth, parse_iops
+from qosfs.control.ctl import call
+from qosfs.core.units import parse_bandwidth, parse_iops
 
 POLICY = """
 [classes.capped]

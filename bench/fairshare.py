@@ -7,7 +7,7 @@ every re-split shows: A writes through phases 1-4, B joins at phase 2, C at phas
 leaves after it. Per-uid rates are the daemon's per-user level counters every 0.5 s; each
 phase's figure is the mean over its windows after the first second (a newcomer's fio
 start-up lands there), compared with ``CAP / active users``. A user who stops keeps its
-share until it has been idle for the class's ``idle_after`` (2 s, qosfs.limiter), by
+share until it has been idle for the class's ``idle_after`` (2 s, qosfs.qos.levels), by
 design, so after a departure the first ``idle_after`` + 1 s are left out instead.
 """
 
@@ -25,8 +25,8 @@ from bench.context import Run
 from bench.fio import JOBS_DIR, FioError, run_job
 from bench.sampler import Sample, StatusSampler, error_pct, mean_rate, windows
 from bench.system import BenchError
-from qosfs.limiter import FairShareGroup
-from qosfs.units import parse_bandwidth
+from qosfs.core.units import parse_bandwidth
+from qosfs.qos.levels import FairShareGroup
 
 UIDS = (60001, 60002, 60003)
 CAP = "150MiB/s"

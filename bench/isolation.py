@@ -30,7 +30,7 @@ from bench.context import Mounted, Run
 from bench.fio import JOBS_DIR, FioError, FioMetrics, parse_fio_json, run_job
 from bench.sampler import StatusSampler, windows
 from bench.system import CpuWatch, drop_caches, wait_quiet
-from qosfs.ctl import call
+from qosfs.control.ctl import call
 
 MiB = 1 << 20
 SWEEP = ("25MiB/s", "50MiB/s", "100MiB/s", "200MiB/s")

@@ -51,8 +51,8 @@ from bench.system import (
     tmpfs_area,
     wait_quiet,
 )
-from qosfs.accounting import HistogramSnapshot
-from qosfs.ctl import Client, checked
+from qosfs.control.ctl import Client, checked
+from qosfs.qos.accounting import HistogramSnapshot
 
 JOBS = Path(__file__).resolve().parent / "jobs"
 POLICY = """

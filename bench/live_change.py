@@ -39,8 +39,8 @@ from typing import Any
 
 from bench.context import Run
 from bench.system import REPO, BenchError
-from qosfs.ctl import Client, checked
-from qosfs.units import parse_bandwidth
+from qosfs.control.ctl import Client, checked
+from qosfs.core.units import parse_bandwidth
 
 MiB = 1 << 20
 LOW, HIGH = "1MiB/s", "4GiB/s"

@@ -29,11 +29,11 @@ from typing import Any
 import pyfuse3
 import trio
 
-from qosfs.backing_io import BackingIO, IoMode
-from qosfs.fs import FsOptions, PassthroughOperations
-from qosfs.policy import parse_policy
-from qosfs.qos import PassThroughQos
-from qosfs.scheduler import PolicyQos
+from qosfs.passthrough.backing_io import BackingIO, IoMode
+from qosfs.passthrough.operations import FsOptions, PassthroughOperations
+from qosfs.policy.loading import parse_policy
+from qosfs.qos.engine import PolicyQos
+from qosfs.qos.interface import PassThroughQos
 
 OPERATIONS = ("create", "stat", "open", "unlink")
 FILES = 1000  # per operation and round: a quarter of the daemon's usual fd headroom

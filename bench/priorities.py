@@ -1,6 +1,6 @@
 """Priorities and minimums: with ``[backend] write_bandwidth`` declared, two classes that
 both want more than the backend share it by priority weight, and a class's
-``min_write_bandwidth`` is a floor under its share (DESIGN §3; qosfs.backend_share).
+``min_write_bandwidth`` is a floor under its share (DESIGN §3; qosfs.qos.backend).
 
 Scenarios, each on a fresh mount: a ``high`` and a ``low`` class (weights 100 and 1),
 each with four 1 MiB sequential writers (checkpoint-storm.fio), without and with a
@@ -19,8 +19,8 @@ from bench.context import Run
 from bench.fio import JOBS_DIR, FioError, run_job
 from bench.sampler import StatusSampler, error_pct, mean_rate, steady, windows
 from bench.system import BenchError, drop_caches, wait_quiet
-from qosfs.policy import PRIORITY_WEIGHTS
-from qosfs.units import parse_bandwidth
+from qosfs.core.units import parse_bandwidth
+from qosfs.policy.loading import PRIORITY_WEIGHTS
 
 BACKEND = "100MiB/s"
 LOW_MIN = "30MiB/s"

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from qosfs.ctl import Client, checked
-from qosfs.errors import QosfsError
+from qosfs.control.ctl import Client, checked
+from qosfs.core.errors import QosfsError
 
 COUNTERS = ("read_bytes", "write_bytes", "read_ops", "write_ops", "meta_ops",
             "throttled_seconds")

@@ -44,7 +44,7 @@ from bench.system import (
     require_root,
     tmpfs_area,
 )
-from qosfs.errors import QosfsError
+from qosfs.core.errors import QosfsError
 
 # In report order. Each takes a Run and returns its figures as plain data.
 SUITES: dict[str, Callable[[Run], dict[str, Any]]] = {

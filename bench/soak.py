@@ -31,7 +31,7 @@ from typing import Any
 import xxhash
 
 from bench.system import BenchError, QosfsMount, machine_info, require_root, tmpfs_area
-from qosfs.ctl import Client
+from qosfs.control.ctl import Client
 
 MiB = 1 << 20
 POLICY = """

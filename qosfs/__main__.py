@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from qosfs.cli import main
+from qosfs.daemon.cli import main
 
 sys.exit(main())

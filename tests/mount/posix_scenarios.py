@@ -102,7 +102,7 @@ def s_files(root: str) -> Obs:
 
 
 def s_rename(root: str) -> Obs:
-    from qosfs.syscalls import RENAME_EXCHANGE, RENAME_NOREPLACE, renameat2
+    from qosfs.core.syscalls import RENAME_EXCHANGE, RENAME_NOREPLACE, renameat2
 
     log: Obs = []
 

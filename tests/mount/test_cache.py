@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from qosfs.ctl import Client
+from qosfs.control.ctl import Client
 from tests.mounting import QosfsMount, as_user
 
 pytestmark = pytest.mark.mount

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from qosfs.ctl import Client
+from qosfs.control.ctl import Client
 from tests.mounting import QosfsMount
 
 pytestmark = [pytest.mark.mount, pytest.mark.root]

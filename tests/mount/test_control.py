@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import stat
-import shutil
 import subprocess
 import sys
 import threading
@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from qosfs import cli
-from qosfs.ctl import Client
-from qosfs.protocol import MAX_REQUEST_BYTES, default_socket_path
+from qosfs.control.ctl import Client
+from qosfs.control.protocol import MAX_REQUEST_BYTES, default_socket_path
+from qosfs.daemon import cli
 from tests.mounting import ROOT, QosfsMount, as_user, is_mounted
 
 pytestmark = pytest.mark.mount
@@ -118,7 +118,7 @@ def test_status_set_and_stats(ctl_mount: Mounted, capsys: pytest.CaptureFixture[
     capped = next(a for a in stats["accounts"] if a["class"] == "capped")
     assert capped["write_bytes"] == 3 * MiB and capped["write_ops"] >= 3
     # Histograms count requests; write_ops counts the caller's writes: one 3 MiB write
-    # from an unaligned buffer arrives as 4 requests, charged 3 ops (qosfs.fs._split_tail).
+    # from an unaligned buffer arrives as 4 requests, charged 3 ops (qosfs.passthrough.operations._split_tail).
     requests = capped["latency"]["write_backend"]["count"]
     assert capped["write_ops"] <= requests <= capped["write_ops"] + 1
     code, out, _ = ctl(capsys, sock, "stats")
@@ -355,7 +355,7 @@ def test_metrics_after_traffic(ctl_mount: Mounted) -> None:
 
     capped = 'class="capped",tenant="",uid=""'
     assert value(f"qosfs_write_bytes_total{{{capped}}}") == 3 * MiB
-    # What the daemon holds against its limits (qosfs.inodes, qosfs.parking).
+    # What the daemon holds against its limits (qosfs.passthrough.inodes, qosfs.qos.bounds).
     assert 1 <= value("qosfs_inode_descriptors") <= value("qosfs_inode_descriptors_budget") + 2
     assert value("qosfs_parked_requests") == 0 and value("qosfs_parking_refused_total") == 0
     assert value(f"qosfs_read_bytes_total{{{capped}}}") >= 3 * MiB
@@ -437,7 +437,7 @@ def test_many_clients_and_chunked_garbage_leave_the_daemon_serving_and_the_polic
         ctl_mount: Mounted) -> None:
     import random
 
-    from tests.unit.test_protocol import _INSERTS, _VALID_LINES
+    from tests.unit.control.test_protocol import _INSERTS, _VALID_LINES
 
     before = policy_view(ctl_mount.request({"cmd": "status"}))
     rnd = random.Random(7)

@@ -6,7 +6,7 @@ capped at 1 MiB/s. Before: every pyfuse3 worker was parked, so nothing else was 
 /dev/fuse (a 6-byte ``cat`` in an unthrottled class took 19 s), and ``kill -9`` of the
 flooder left its threads in D state until the cap was lifted. Now the parking lot bounds
 what may wait (the rest is answered EAGAIN), and FUSE INTERRUPT answers the parked
-requests of a killed caller (qosfs.parking, qosfs.interrupts).
+requests of a killed caller (qosfs.qos.bounds, qosfs.core.interrupts).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from qosfs.ctl import Client
-from qosfs.parking import ParkingLimits
+from qosfs.control.ctl import Client
+from qosfs.qos.bounds import ParkingLimits
 from tests.mount.test_scale import Reader, p99, reader_alone, rss_mib
 from tests.mounting import QosfsMount, as_user
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qosfs.ctl import Client
+from qosfs.control.ctl import Client
 from tests.mounting import QosfsMount, is_mounted
 
 pytestmark = pytest.mark.mount
@@ -46,7 +46,7 @@ def _canaries(daemon_pid: int) -> list[int]:
                 cmd = f.read()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == daemon_pid and b"qosfs.latency_probe" in cmd:
+        if ppid == daemon_pid and b"qosfs.qos.latency_probe" in cmd:
             found.append(int(entry))
     return found
 

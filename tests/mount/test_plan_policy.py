@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qosfs.cli import main
+from qosfs.daemon.cli import main
 from tests.mounting import QosfsMount, is_mounted
 
 pytestmark = pytest.mark.mount

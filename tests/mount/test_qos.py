@@ -312,14 +312,14 @@ priority = "high"
 
 
 def _status(sock: Path) -> dict[str, Any]:
-    from qosfs.ctl import Client
+    from qosfs.control.ctl import Client
 
     with Client(str(sock)) as client:
         return client.request({"cmd": "status"})
 
 
 def _stats(sock: Path) -> dict[str, Any]:
-    from qosfs.ctl import Client
+    from qosfs.control.ctl import Client
 
     with Client(str(sock)) as client:
         return client.request({"cmd": "stats"})

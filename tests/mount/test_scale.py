@@ -212,7 +212,7 @@ def rss_mib(pid: int) -> float:
 def test_a_tree_bigger_than_the_fd_limit_walks_twice_without_error(tmp_tree: Path,
                                                                    io_mode: str) -> None:
     # threads: metadata syscalls run in worker threads, so evicted descriptors must
-    # outlive the calls that may be using them (qosfs.fdcache.DeferredClose).
+    # outlive the calls that may be using them (qosfs.passthrough.fdcache.DeferredClose).
     figures = check_big_tree(tmp_tree, 20, 1000, 1024, "--io-mode", io_mode)
     # Descriptors held for inodes stay within the budget (a quarter of the limit).
     assert figures["peak_fds"] < 1024 // 4 + 128

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from qosfs.ctl import Client
-from qosfs.protocol import default_socket_path
+from qosfs.control.ctl import Client
+from qosfs.control.protocol import default_socket_path
 from tests.mounting import QosfsMount, as_user, is_mounted
 
 pytestmark = pytest.mark.mount

@@ -1,0 +1,337 @@
+"""``qosfs ctl``: the control socket's client, and how its replies are shown.
+
+Standard library only (no trio, no pyfuse3), so ``qosfs ctl`` starts fast and any
+Python can talk to a mount. Exit codes: 0 done; 6 (policy) the daemon rejected an invalid
+``set``/``reload`` and kept its policy; 7 (control) the socket is unreachable, the request
+was refused (permissions, ``--no-qos``) or malformed.
+
+Which socket: ``--socket PATH``; ``--socket MOUNTPOINT`` (a directory) means that mount's
+default socket; without it, the only socket in /run/qosfs (an error lists them if there
+are several).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import socket
+import sys
+from typing import Any
+
+from qosfs.control.protocol import (
+    ProtocolError,
+    parse_assignments,
+    parse_target,
+    socket_dirs,
+    socket_name,
+)
+from qosfs.core.errors import EXIT_CONTROL, EXIT_POLICY, QosfsError
+
+MAX_REPLY_BYTES = 64 << 20
+TIMEOUT = 10.0
+
+
+def resolve_socket(arg: str | None) -> str:
+    """The control socket path from ``--socket`` (a socket, a mountpoint, or nothing)."""
+    dirs = socket_dirs()
+    if arg is not None:
+        if not os.path.isdir(arg):
+            return arg
+        paths = [os.path.join(d, socket_name(arg)) for d in dirs]
+        return next((p for p in paths if os.path.exists(p)), paths[0])
+    found = []
+    for directory in dirs:
+        try:
+            found += sorted(os.path.join(directory, n) for n in os.listdir(directory)
+                            if n.endswith(".sock"))
+        except OSError:
+            pass
+    if len(found) == 1:
+        return found[0]
+    where = " or ".join(dirs)
+    if not found:
+        raise QosfsError(f"no qosfs control socket in {where} (is a mount running? "
+                         "pass --socket PATH or --socket MOUNTPOINT)", EXIT_CONTROL)
+    raise QosfsError(f"several qosfs mounts ({', '.join(found)}): pass --socket PATH or "
+                     "--socket MOUNTPOINT", EXIT_CONTROL)
+
+
+class Client:
+    """One connection to a control socket; :meth:`request` sends a line, reads a line."""
+
+    def __init__(self, path: str, timeout: float = TIMEOUT) -> None:
+        self.path = path
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self._sock.settimeout(timeout)
+        self._buf = b""
+        try:
+            self._sock.connect(path)
+        except OSError as exc:
+            self._sock.close()
+            raise QosfsError(_connect_error(path, exc), EXIT_CONTROL) from None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def request(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Send one request; return the reply (``ok`` true or false), or raise if the
+        daemon did not answer."""
+        try:
+            self._sock.sendall(json.dumps(body, separators=(",", ":")).encode() + b"\n")
+            while b"\n" not in self._buf:
+                data = self._sock.recv(1 << 16)
+                if not data:
+                    raise QosfsError(f"{self.path}: the daemon closed the connection",
+                                     EXIT_CONTROL)
+                self._buf += data
+                if len(self._buf) > MAX_REPLY_BYTES:
+                    raise QosfsError(f"{self.path}: reply too large", EXIT_CONTROL)
+        except OSError as exc:
+            raise QosfsError(f"{self.path}: {exc.strerror or exc}", EXIT_CONTROL) from None
+        line, _, self._buf = self._buf.partition(b"\n")
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            raise QosfsError(f"{self.path}: the daemon sent a malformed reply",
+                             EXIT_CONTROL) from None
+        if not isinstance(reply, dict):
+            raise QosfsError(f"{self.path}: the daemon sent a malformed reply", EXIT_CONTROL)
+        return reply
+
+
+def _connect_error(path: str, exc: OSError) -> str:
+    if exc.errno in (errno.ENOENT, errno.ECONNREFUSED):
+        return f"cannot reach the qosfs control socket {path}: is the mount running?"
+    if exc.errno == errno.EACCES:
+        return (f"permission denied on {path} (root or the policy's control.admin_group; "
+                "an administrator may chmod 0666 the socket to let everyone read status)")
+    return f"cannot connect to {path}: {exc.strerror or exc}"
+
+
+def checked(reply: dict[str, Any]) -> dict[str, Any]:
+    """The reply, or the daemon's error as a QosfsError with the matching exit code."""
+    if reply.get("ok") is True:
+        return reply
+    code = EXIT_POLICY if reply.get("code") == "policy" else EXIT_CONTROL
+    raise QosfsError(str(reply.get("error", "request failed")), code)
+
+
+def call(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One request on a fresh connection; raises on an error reply."""
+    with Client(path) as client:
+        return checked(client.request(body))
+
+
+# ----------------------------------------------------------------------- formatting
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def human_bytes(n: float, suffix: str = "") -> str:
+    """``419430400`` -> ``"400MiB"``; one decimal under 100 of a unit."""
+    value = float(n)
+    for unit in _UNITS:
+        if abs(value) < 1024 or unit == _UNITS[-1]:
+            text = f"{value:.0f}" if value >= 100 or unit == "B" else f"{value:.1f}"
+            return f"{text.removesuffix('.0')}{unit}{suffix}"
+        value /= 1024
+    raise AssertionError  # pragma: no cover
+
+
+def human_count(n: float) -> str:
+    """``2000`` -> ``"2k"``, ``1.5e6`` -> ``"1.5M"``."""
+    for limit, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= limit:
+            return f"{n / limit:.1f}".removesuffix(".0") + unit
+    return f"{n:.0f}" if n >= 10 or float(n).is_integer() else f"{n:.1f}"
+
+
+def human_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s == 0:
+        return "0s"
+    if s >= 100:
+        return f"{s:.0f}s"
+    if s >= 1:
+        return f"{s:.1f}s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g}ms"
+    return f"{s * 1e6:.3g}us"
+
+
+def format_limits(limits: dict[str, float]) -> str:
+    parts = []
+    for key, value in limits.items():
+        direction, _, kind = key.partition("_")
+        if kind == "bandwidth":
+            parts.append(f"{direction[0]}:{human_bytes(value, '/s')}")
+        else:
+            parts.append(f"{direction[0]}:{human_count(value)}op/s")
+    return " ".join(parts) or "-"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+            for r in [header, *rows]]
+
+
+def level_name(level: dict[str, Any]) -> str:
+    if level["level"] == "user":
+        return f"{level['name']}/uid={level['uid']}"
+    return str(level["name"])
+
+
+def format_levels(reply: dict[str, Any]) -> list[str]:
+    """The per-level table of ``status``/``top``: limits, current rates, queue, throttled."""
+    rows = []
+    for lv in reply.get("levels", []):
+        rates = lv["rates"]
+        ops = rates["read_ops"] + rates["write_ops"] + rates["meta_ops"]
+        limits = format_limits(lv["limits"])
+        if lv.get("auto_limits"):
+            limits += " (auto)"  # lowered by the latency controller
+        rows.append([lv["level"], level_name(lv), limits,
+                     human_bytes(rates["read_bytes"], "/s"),
+                     human_bytes(rates["write_bytes"], "/s"), human_count(ops),
+                     str(lv["queue_depth"]), human_seconds(lv["throttled_seconds"])])
+    if not rows:  # --no-qos: only the traffic counted
+        for acc in reply.get("accounts", []):
+            rates = acc["rates"]
+            rows.append(["flow", acc["class"], "-", human_bytes(rates["read_bytes"], "/s"),
+                         human_bytes(rates["write_bytes"], "/s"),
+                         human_count(rates["read_ops"] + rates["write_ops"]), "0",
+                         human_seconds(acc["throttled_seconds"])])
+    return _table(["LEVEL", "NAME", "LIMITS", "READ/s", "WRITE/s", "OPS/s", "QUEUE",
+                   "THROTTLED"], rows)
+
+
+def format_header(reply: dict[str, Any]) -> list[str]:
+    lines = [f"qosfs {reply.get('source', '?')} on {reply.get('mountpoint', '?')} "
+             f"(pid {reply.get('pid', '?')}, up {human_seconds(reply.get('uptime_seconds'))})"]
+    if reply.get("qos"):
+        applied = sum(c["count"] for c in reply.get("changes", []) if c["result"] == "applied")
+        rejected = sum(c["count"] for c in reply.get("changes", [])
+                       if c["result"] == "rejected")
+        last = "" if reply.get("last_reload_ok", True) else "; LAST RELOAD FAILED"
+        lines.append(f"policy {reply.get('policy_source')} generation {reply['generation']} "
+                     f"({applied} changes applied, {rejected} rejected{last})")
+    else:
+        lines.append(str(reply.get("message", "no policy")))
+    return lines
+
+
+def format_latency(reply: dict[str, Any]) -> list[str]:
+    """The latency controller's state, one line per protected and per capped class."""
+    lc = reply.get("latency_control")
+    if not lc or not lc.get("protected"):
+        return []
+    lines = [f"latency control: {lc['state']} (window {lc['window_seconds']:g}s, "
+             f"{lc['decisions']['decrease']} decreases, {lc['decisions']['increase']} "
+             f"increases, {lc['decisions']['release']} releases)"]
+    for p in lc["protected"]:
+        pct = f"p{p['percentile']:g}"
+        relative = "" if p.get("slowdown") is None else (
+            f" ({p['slowdown']:g}x baseline {human_seconds(p.get('baseline_seconds'))})")
+        lines.append(f"  {p['class']}: {pct} {p['measure']} "
+                     f"{human_seconds(p['latency_seconds'])} / target "
+                     f"{human_seconds(p['target_seconds'])}{relative}  {p['verdict']}")
+    for t in lc["throttled"]:
+        caps = {k: v for k, v in (("read_bandwidth", t["read_bandwidth"]),
+                                  ("write_bandwidth", t["write_bandwidth"])) if v is not None}
+        lines.append(f"  {t['class']}: capped {format_limits(caps)}")
+    return lines
+
+
+def format_status(reply: dict[str, Any]) -> str:
+    window = reply.get("window_seconds") or 0.0
+    note = f"rates over the last {window:.1f}s" if window else "rates: no sample yet"
+    latency = format_latency(reply)
+    return "\n".join([*format_header(reply), note, "", *format_levels(reply),
+                      *([""] + latency if latency else [])]) + "\n"
+
+
+def format_stats(reply: dict[str, Any]) -> str:
+    """Per account: totals, throttled time, request and backend latency quantiles."""
+    rows = []
+    for acc in reply.get("accounts", []):
+        lat = acc.get("latency", {})
+
+        def q(name: str, which: str, lat: dict[str, Any] = lat) -> str:
+            return human_seconds(lat.get(name, {}).get(which))
+
+        rows.append([acc["class"], acc["tenant"] or "-",
+                     "-" if acc["uid"] is None else str(acc["uid"]),
+                     human_bytes(acc["read_bytes"]), human_bytes(acc["write_bytes"]),
+                     human_count(acc["read_ops"]), human_count(acc["write_ops"]),
+                     human_count(acc["meta_ops"]), human_seconds(acc["throttled_seconds"]),
+                     q("read_latency", "p99"), q("read_backend", "p99"),
+                     q("write_latency", "p99"), q("write_backend", "p99")])
+    table = _table(["CLASS", "TENANT", "UID", "READ", "WRITTEN", "R-OPS", "W-OPS", "META",
+                    "THROTTLED", "R-p99", "R-BACKEND-p99", "W-p99", "W-BACKEND-p99"], rows)
+    return "\n".join([*format_header(reply), "", *table]) + "\n"
+
+
+# ----------------------------------------------------------------------- command line
+
+def add_parser(sub: Any) -> None:
+    """Add ``qosfs ctl`` to the main parser's subcommands."""
+    c = sub.add_parser("ctl", help="talk to a running mount: status, set, reload, stats")
+    c.add_argument("--socket", metavar="PATH",
+                   help="control socket, or a mountpoint (default: the only one in /run/qosfs)")
+    cs = c.add_subparsers(dest="ctl_command", required=True, metavar="COMMAND")
+    cs.add_parser("status", help="classes, tenants, limits, current rates, queues")
+    s = cs.add_parser("set", help="change settings live: set CLASS write_bandwidth=400MiB/s")
+    s.add_argument("target", help="CLASS, class:NAME, tenant:NAME or backend")
+    s.add_argument("settings", nargs="+", metavar="KEY=VALUE")
+    r = cs.add_parser("reload", help="replace the policy (default: re-read the mount's file)")
+    r.add_argument("file", nargs="?")
+    st = cs.add_parser("stats", help="traffic counters and latency per class/tenant/user")
+    st.add_argument("--json", action="store_true", help="the raw reply (all counters)")
+    c.set_defaults(func=run)
+
+
+def build_request(args: argparse.Namespace) -> dict[str, Any]:
+    """The request for parsed ``qosfs ctl`` arguments (reads a reload FILE here)."""
+    command = args.ctl_command
+    if command == "set":
+        try:
+            kind, name = parse_target(args.target)
+            changes = parse_assignments(args.settings)
+        except ProtocolError as exc:
+            raise QosfsError(str(exc), EXIT_CONTROL) from None
+        body: dict[str, Any] = {"cmd": "set", "target": kind, "changes": changes}
+        if name is not None:
+            body["name"] = name
+        return body
+    if command == "reload":
+        if args.file is None:
+            return {"cmd": "reload"}
+        from qosfs.policy.loading import read_policy_text  # the parser's imports cost ~20 ms
+
+        path = os.path.abspath(args.file)
+        return {"cmd": "reload", "text": read_policy_text(path), "source": path}
+    return {"cmd": command}
+
+
+def run(args: argparse.Namespace) -> int:
+    body = build_request(args)
+    reply = call(resolve_socket(args.socket), body)
+    out = sys.stdout
+    if args.ctl_command == "status":
+        out.write(format_status(reply))
+    elif args.ctl_command == "stats":
+        out.write(json.dumps(reply, indent=2) + "\n" if args.json else format_stats(reply))
+    else:
+        out.write(f"generation {reply['generation']} in force "
+                  f"(policy {reply['policy_source']})\n")
+    return 0

@@ -1,0 +1,206 @@
+"""``qosfs mount --metrics HOST:PORT``: serve ``/metrics`` over HTTP from the trio loop.
+
+Why not prometheus_client's ``start_http_server``: it scrapes from its own thread, which
+would iterate the engine's dicts while the loop changes them ("dictionary changed size
+during iteration") or see half of a policy swap. Here the snapshot is taken on the loop
+(consistent, a copy of plain numbers), and only the text formatting -- the expensive,
+pure part -- runs in a worker thread (one at a time). The listening socket is bound
+before mounting, so a busy port fails ``qosfs mount`` with one line.
+
+The server speaks just enough HTTP/1.1 for Prometheus, curl and browsers: ``GET`` or
+``HEAD`` of ``/metrics`` (any query string), one request per connection. Every read and
+write has a deadline and connections are capped, so a slow scraper costs nothing.
+
+Nobody can hold the endpoint shut with idle connections (a local user could, with 16 of
+them, for as long as they kept reconnecting): the request head must arrive within
+:data:`HEAD_TIMEOUT`, a remote address holds at most :data:`MAX_PER_ADDRESS` connections,
+and when all :data:`MAX_CONNECTIONS` are taken a new connection evicts the oldest one
+that has not sent its request yet -- a scraper sends it at once, so it is served.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable
+
+import trio
+
+from qosfs.control.metrics import CONTENT_TYPE, render
+from qosfs.control.snapshot import Snapshot
+from qosfs.core.errors import EXIT_CONTROL, EXIT_USAGE, QosfsError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+HEAD_LIMIT = 8192
+HEAD_TIMEOUT = 2.0  # seconds from accept to a complete request head
+TIMEOUT = 10.0  # seconds for the whole exchange
+MAX_CONNECTIONS = 64
+MAX_PER_ADDRESS = 8  # remote addresses; local users all connect from loopback
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``"9567"`` or ``":9567"`` -> loopback; ``"0.0.0.0:9567"``, ``"[::]:9567"``."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "", text
+    host = host.strip("[]") or DEFAULT_HOST
+    if not port.isdigit() or not 0 <= int(port) < 65536:  # 0: any free port (tests)
+        raise QosfsError(f"--metrics {text}: expected [HOST:]PORT, e.g. 9567 or "
+                         "0.0.0.0:9567", EXIT_USAGE)
+    return host, int(port)
+
+
+class MetricsServer:
+    """A bound HTTP listener; :meth:`serve` answers scrapes until cancelled."""
+
+    def __init__(self, address: str, snapshot: Callable[[], Snapshot]) -> None:
+        self.host, self.port = parse_address(address)
+        self._snapshot = snapshot
+        self._sock = _bind(self.host, self.port)
+        self.port = self._sock.getsockname()[1]  # the real one when asked for port 0
+        self._open = 0
+        self._render = trio.CapacityLimiter(1)
+        # Connections still waiting for their request head, oldest first (evictable).
+        self._waiting: dict[int, trio.CancelScope] = {}
+        self._by_address: dict[str, int] = {}
+        self._evicted: set[int] = set()
+        self.evicted = 0
+
+    def __repr__(self) -> str:
+        return f"<MetricsServer {self.host}:{self.port}>"
+
+    def close(self) -> None:
+        self._sock.close()
+
+    async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._sock.dup()))
+        async with listener, trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                try:
+                    stream = await listener.accept()
+                except OSError as exc:
+                    log.warning("metrics accept failed: %s", exc)
+                    await trio.sleep(0.1)
+                    continue
+                address = _remote_address(stream)
+                if address is not None and self._by_address.get(address, 0) >= MAX_PER_ADDRESS:
+                    await stream.aclose()
+                    continue
+                if self._open >= MAX_CONNECTIONS and not self._evict_oldest_waiting():
+                    await stream.aclose()
+                    continue
+                self._open += 1
+                if address is not None:
+                    self._by_address[address] = self._by_address.get(address, 0) + 1
+                nursery.start_soon(self._connection, stream, address)
+
+    def _evict_oldest_waiting(self) -> bool:
+        """Free a slot by closing the oldest connection that sent no request yet."""
+        for key, scope in self._waiting.items():
+            del self._waiting[key]
+            self._evicted.add(key)
+            scope.cancel()
+            self._open -= 1  # its slot is free now; its task only closes the stream
+            self.evicted += 1
+            return True
+        return False
+
+    async def _connection(self, stream: trio.SocketStream, address: str | None) -> None:
+        key = id(stream)
+        try:
+            async with stream:
+                with trio.move_on_after(TIMEOUT):
+                    head = None
+                    with trio.move_on_after(HEAD_TIMEOUT) as waiting:
+                        self._waiting[key] = waiting
+                        head = await _read_head(stream)
+                    self._waiting.pop(key, None)
+                    if head is not None:
+                        await self._exchange(stream, head)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except Exception:
+            log.exception("metrics request failed")
+        finally:
+            self._waiting.pop(key, None)
+            if key in self._evicted:
+                self._evicted.discard(key)
+            else:
+                self._open -= 1
+            if address is not None:
+                left = self._by_address[address] - 1
+                if left:
+                    self._by_address[address] = left
+                else:
+                    del self._by_address[address]
+
+    async def _exchange(self, stream: trio.SocketStream, head: bytes) -> None:
+        if len(head) > HEAD_LIMIT:
+            await _respond(stream, 431, b"request head too large\n")
+            return
+        method, _, rest = head.partition(b" ")
+        path = rest.partition(b" ")[0].partition(b"?")[0]
+        if method not in (b"GET", b"HEAD"):
+            await _respond(stream, 405, b"only GET and HEAD\n")
+        elif path == b"/metrics":
+            snap = self._snapshot()
+            body = await trio.to_thread.run_sync(render, snap, limiter=self._render)
+            await _respond(stream, 200, body, CONTENT_TYPE, head_only=method == b"HEAD")
+        elif path == b"/":
+            await _respond(stream, 200, b"qosfs exporter: see /metrics\n")
+        else:
+            await _respond(stream, 404, b"not found; see /metrics\n")
+
+
+async def _read_head(stream: trio.SocketStream) -> bytes | None:
+    """The request head (up to just past HEAD_LIMIT), or None if the peer closed first."""
+    head = bytearray()
+    while b"\r\n\r\n" not in head and b"\n\n" not in head and len(head) <= HEAD_LIMIT:
+        data = await stream.receive_some(4096)
+        if not data:
+            return None
+        head += data
+    return bytes(head)
+
+
+def _remote_address(stream: trio.SocketStream) -> str | None:
+    """The peer's address if it is another host (loopback peers are all local users)."""
+    try:
+        host = stream.socket.getpeername()[0]
+    except (OSError, IndexError):
+        return None
+    return None if host in ("127.0.0.1", "::1") or host.startswith("::ffff:127.") else host
+
+
+_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed",
+            431: "Request Header Fields Too Large"}
+
+
+async def _respond(stream: trio.SocketStream, status: int, body: bytes,
+                   content_type: str = "text/plain; charset=utf-8",
+                   head_only: bool = False) -> None:
+    header = (f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n"
+              f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    await stream.send_all(header if head_only else header + body)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise QosfsError(f"--metrics {host}:{port}: {exc.strerror}", EXIT_USAGE) from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind | socket.SOCK_CLOEXEC, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(64)
+    except OSError as exc:
+        sock.close()
+        raise QosfsError(f"cannot serve metrics on {host}:{port}: {exc.strerror}",
+                         EXIT_CONTROL) from None
+    return sock

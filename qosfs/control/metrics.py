@@ -1,0 +1,257 @@
+"""Prometheus metrics: a custom collector that publishes a :class:`~qosfs.control.snapshot.Snapshot`.
+
+The hot path never touches prometheus_client: ``Counter.labels().inc()`` takes a lock and
+a label lookup per call. Requests bump plain integers (:mod:`qosfs.qos.accounting`,
+:mod:`qosfs.qos.levels`); at scrape time the exporter takes a snapshot on the event loop and
+this collector turns it into metric families, in a worker thread.
+
+Families (label sets in braces; an empty label value means "not applicable"):
+
+Traffic, per account ``{class, tenant, uid}`` (uid only for ``per_user`` classes):
+``qosfs_read_bytes_total``, ``qosfs_write_bytes_total``, ``qosfs_ops_total{op}``
+(read, write, meta; meta ops are classified and counted only when some ``meta_iops`` cap
+exists), ``qosfs_throttled_seconds_total`` (time requests spent waiting for tokens),
+``qosfs_request_duration_seconds{op}`` (histogram of the whole request, throttle wait
+included) and ``qosfs_backend_duration_seconds{op}`` (the backing syscall alone).
+
+Enforcement, per level ``{level, name, uid}`` (level: class, user, tenant, backend):
+``qosfs_queue_depth`` (requests parked now), ``qosfs_level_throttled_seconds_total``,
+``qosfs_limit_bytes_per_second{direction}``, ``qosfs_limit_ops_per_second{op}`` (caps in
+force; unlimited ones are absent).
+
+Latency control (:mod:`qosfs.qos.latency_control`), when some class has a target:
+``qosfs_latency_target_seconds{class}``, ``qosfs_latency_observed_seconds{class}`` (the
+estimate of the last window; absent when not judged), ``qosfs_latency_target_met{class}``
+(1 met or idle, 0 missed), ``qosfs_latency_control_state{state}`` (1 for the current one
+of idle, watching, throttling, unreachable), ``qosfs_latency_auto_limit_bytes_per_second
+{class, direction}`` (automatic caps; the cap in force is in ``qosfs_limit_...``) and
+``qosfs_latency_control_decisions_total{action}`` (decrease, increase, release).
+
+Policy: ``qosfs_policy_generation``, ``qosfs_policy_changes_total{command, result}``
+(command: set, reload; result: applied, rejected), ``qosfs_policy_last_reload_success``.
+
+Resources (see ``_RESOURCES``): ``qosfs_inode_descriptors``, ``..._budget``,
+``qosfs_inodes``, ``qosfs_parked_requests``, ``qosfs_parked_bytes``,
+``qosfs_parking_refused_total``, ``qosfs_killed_callers_total``,
+``qosfs_open_refused_total``, ``qosfs_user_accounts``, ``qosfs_users_expired_total``.
+
+Per-uid series are bounded by the policy's ``[metrics]`` table (see
+:mod:`qosfs.qos.accounting`): at most ``user_series`` uids per class, idle ones folded away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+from qosfs.control.snapshot import Snapshot
+from qosfs.qos.accounting import HistogramSnapshot
+
+__all__ = ["CONTENT_TYPE", "SnapshotCollector", "render"]
+
+#: The classic text format every Prometheus version reads (what prometheus_client's own
+#: server answers when the scraper does not negotiate).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_ACCOUNT = ["class", "tenant", "uid"]
+_LEVEL = ["level", "name", "uid"]
+
+
+def _label(value: object) -> str:
+    return "" if value is None else str(value)
+
+
+def _buckets(h: HistogramSnapshot) -> list[tuple[str, float]]:
+    return [(floatToGoString(bound), float(n)) for bound, n in h.cumulative()]
+
+
+class SnapshotCollector:
+    """A prometheus_client collector over one snapshot (build one per scrape)."""
+
+    def __init__(self, snap: Snapshot) -> None:
+        self.snap = snap
+
+    def __repr__(self) -> str:
+        return f"<SnapshotCollector generation={self.snap.generation}>"
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._traffic()
+        yield from self._levels()
+        yield from self._latency()
+        yield from self._policy()
+        yield from self._resources()
+
+    def _traffic(self) -> Iterator[Metric]:
+        read = CounterMetricFamily("qosfs_read_bytes", "Bytes read through the mount.",
+                                   labels=_ACCOUNT, unit="bytes")
+        write = CounterMetricFamily("qosfs_write_bytes", "Bytes written through the mount.",
+                                    labels=_ACCOUNT, unit="bytes")
+        ops = CounterMetricFamily("qosfs_ops", "Requests served, by operation.",
+                                  labels=[*_ACCOUNT, "op"])
+        throttled = CounterMetricFamily(
+            "qosfs_throttled_seconds", "Time requests spent waiting for tokens.",
+            labels=_ACCOUNT, unit="seconds")
+        whole = HistogramMetricFamily(
+            "qosfs_request_duration_seconds",
+            "Read/write request duration: throttle wait plus backing syscall.",
+            labels=[*_ACCOUNT, "op"], unit="seconds")
+        backend = HistogramMetricFamily(
+            "qosfs_backend_duration_seconds",
+            "Duration of the backing store syscall of a read/write, without throttling.",
+            labels=[*_ACCOUNT, "op"], unit="seconds")
+        for (cls, tenant, uid), acc in self.snap.accounts:
+            labels = [cls, _label(tenant), _label(uid)]
+            read.add_metric(labels, acc.read_bytes)
+            write.add_metric(labels, acc.write_bytes)
+            ops.add_metric([*labels, "read"], acc.read_ops)
+            ops.add_metric([*labels, "write"], acc.write_ops)
+            ops.add_metric([*labels, "meta"], acc.meta_ops)
+            throttled.add_metric(labels, acc.throttled_seconds)
+            for op in ("read", "write"):
+                h = getattr(acc, f"{op}_latency")
+                whole.add_metric([*labels, op], _buckets(h), h.sum_seconds)
+                h = getattr(acc, f"{op}_backend")
+                backend.add_metric([*labels, op], _buckets(h), h.sum_seconds)
+        yield from (read, write, ops, throttled, whole, backend)
+
+    def _levels(self) -> Iterator[Metric]:
+        depth = GaugeMetricFamily("qosfs_queue_depth",
+                                  "Requests waiting for tokens at a level now.", labels=_LEVEL)
+        throttled = CounterMetricFamily(
+            "qosfs_level_throttled_seconds",
+            "Time requests spent waiting for tokens at this level.", labels=_LEVEL,
+            unit="seconds")
+        bandwidth = GaugeMetricFamily(
+            "qosfs_limit_bytes_per_second", "Bandwidth cap in force (absent: unlimited).",
+            labels=[*_LEVEL, "direction"])
+        iops = GaugeMetricFamily("qosfs_limit_ops_per_second",
+                                 "Operations-per-second cap in force (absent: unlimited).",
+                                 labels=[*_LEVEL, "op"])
+        # A user's level is exported only for uids with series of their own ([metrics]
+        # user_series bounds them; ctl status still lists every active user).
+        labelled = {(cls, uid) for (cls, _, uid), _ in self.snap.accounts if uid is not None}
+        for row in self.snap.levels:
+            if row.uid is not None and (row.name, row.uid) not in labelled:
+                continue
+            labels = [row.level, row.name, _label(row.uid)]
+            depth.add_metric(labels, row.queue_depth)
+            throttled.add_metric(labels, row.throttled_seconds)
+            for key, value in row.limits.items():
+                kind, _, unit = key.partition("_")
+                if unit == "bandwidth":
+                    bandwidth.add_metric([*labels, kind], value)
+                else:
+                    iops.add_metric([*labels, kind], value)
+        yield from (depth, throttled, bandwidth, iops)
+
+    def _latency(self) -> Iterator[Metric]:
+        lc = self.snap.latency
+        if not lc or not lc.get("protected"):
+            return
+        target = GaugeMetricFamily("qosfs_latency_target_seconds",
+                                   "Read latency target of a protected class.",
+                                   labels=["class"], unit="seconds")
+        observed = GaugeMetricFamily(
+            "qosfs_latency_observed_seconds",
+            "Estimated read latency percentile of a protected class over the last window.",
+            labels=["class"], unit="seconds")
+        met = GaugeMetricFamily("qosfs_latency_target_met",
+                                "1 if the last window met the target (or had no reads).",
+                                labels=["class"])
+        for p in lc["protected"]:
+            if p["target_seconds"] is not None:  # a relative target still learning: absent
+                target.add_metric([p["class"]], p["target_seconds"])
+            if p["latency_seconds"] is not None:
+                observed.add_metric([p["class"]], p["latency_seconds"])
+            met.add_metric([p["class"]], 0.0 if p["verdict"] == "missed" else 1.0)
+        state = GaugeMetricFamily("qosfs_latency_control_state",
+                                  "1 for the latency controller's current state.",
+                                  labels=["state"])
+        for name in ("idle", "watching", "throttling", "unreachable"):
+            state.add_metric([name], 1.0 if lc["state"] == name else 0.0)
+        auto = GaugeMetricFamily("qosfs_latency_auto_limit_bytes_per_second",
+                                 "Bandwidth cap set by the latency controller.",
+                                 labels=["class", "direction"])
+        for t in lc["throttled"]:
+            for direction in ("read", "write"):
+                if t[f"{direction}_bandwidth"] is not None:
+                    auto.add_metric([t["class"], direction], t[f"{direction}_bandwidth"])
+        decisions = CounterMetricFamily("qosfs_latency_control_decisions",
+                                        "Cap changes made by the latency controller.",
+                                        labels=["action"])
+        for action, n in lc["decisions"].items():
+            decisions.add_metric([action], n)
+        yield from (target, observed, met, state, auto, decisions)
+
+    def _policy(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("qosfs_policy_generation",
+                                "Policy generation in force (0: no policy, --no-qos).",
+                                value=self.snap.generation)
+        changes = CounterMetricFamily("qosfs_policy_changes",
+                                      "Policy changes asked for through ctl set/reload/SIGHUP.",
+                                      labels=["command", "result"])
+        for command in ("set", "reload"):
+            for result in ("applied", "rejected"):
+                changes.add_metric([command, result],
+                                   self.snap.changes.get((command, result), 0))
+        yield changes
+        yield GaugeMetricFamily("qosfs_policy_last_reload_success",
+                                "1 if the last reload was applied (or none was asked), else 0.",
+                                value=1.0 if self.snap.last_reload_ok else 0.0)
+
+
+    def _resources(self) -> Iterator[Metric]:
+        """What the daemon holds against its limits (``ctl status`` shows the same)."""
+        info = self.snap.info
+        for key, name, kind, text in _RESOURCES:
+            if key in info:
+                family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+                yield family(name, text, value=info[key])
+        if "streaming_moves" in info:
+            moves = CounterMetricFamily(
+                "qosfs_streaming_moves", "Writable opens moved to the streaming class after "
+                "writing a stream (detect_streaming_writes), by the class they left.",
+                labels=["class"])
+            for cls, n in sorted(info["streaming_moves"].items()):
+                moves.add_metric([cls], n)
+            yield moves
+
+
+# ctl status key -> metric: descriptors held for inodes (qosfs.passthrough.inodes), requests parked
+# for tokens and those refused past the parking lot's bounds (qosfs.qos.bounds), parked
+# requests answered because their caller was killed (qosfs.core.interrupts), and opens refused
+# past a uid's share of the daemon's descriptors (qosfs.passthrough.handles).
+_RESOURCES = (
+    ("inode_fds", "qosfs_inode_descriptors", "gauge",
+     "Descriptors the daemon holds for inodes the kernel knows."),
+    ("inode_fd_budget", "qosfs_inode_descriptors_budget", "gauge",
+     "How many inode descriptors the daemon caches at most."),
+    ("inodes", "qosfs_inodes", "gauge", "Inodes the kernel currently knows."),
+    ("parked_requests", "qosfs_parked_requests", "gauge",
+     "Requests waiting for tokens now, over every class."),
+    ("parked_bytes", "qosfs_parked_bytes", "gauge",
+     "Write data held by requests waiting for tokens."),
+    ("parking_refused", "qosfs_parking_refused", "counter",
+     "Requests answered EAGAIN because a parking bound was reached."),
+    ("killed_callers", "qosfs_killed_callers", "counter",
+     "Parked requests answered at once because their caller was killed."),
+    ("open_refused", "qosfs_open_refused", "counter",
+     "Opens answered ENFILE because the uid held its share of the daemon's descriptors."),
+    ("user_accounts", "qosfs_user_accounts", "gauge",
+     "uids with series of their own in per_user classes ([metrics] user_series)."),
+    ("users_expired", "qosfs_users_expired", "counter",
+     "uid accounts folded into their class's uid=\"\" series after going idle."),
+)
+
+
+def render(snap: Snapshot) -> bytes:
+    """The Prometheus text exposition of ``snap`` (safe to call from any thread)."""
+    return generate_latest(SnapshotCollector(snap))  # type: ignore[arg-type]

@@ -1,0 +1,269 @@
+"""The control protocol: JSON lines over a Unix socket, parsed and validated here.
+
+Pure functions and data, no I/O: the server (:mod:`qosfs.control.server`), the command logic
+(:mod:`qosfs.control.service`) and the client (:mod:`qosfs.control.ctl`) share them, and the unit tests
+cover every malformed input without a socket.
+
+Wire format, one request per line, one reply line per request, in order::
+
+    -> {"cmd": "status"}
+    <- {"ok": true, "qos": true, "generation": 3, "levels": [...], ...}
+    -> {"cmd": "stats"}
+    <- {"ok": true, "generation": 3, "levels": [...], "accounts": [...], ...}
+    -> {"cmd": "set", "target": "class", "name": "checkpoints",
+        "changes": {"write_bandwidth": "400MiB/s", "write_iops": "2000"}}
+    <- {"ok": true, "generation": 4, "policy_source": "/etc/qosfs/mlfs.toml"}
+    -> {"cmd": "reload"}                                     # re-read the mount's file
+    -> {"cmd": "reload", "text": "<TOML>", "source": "/abs/path/new.toml"}
+    <- {"ok": false, "code": "policy", "error": "/abs/path/new.toml:3: classes.x...: ..."}
+
+``target`` is ``"class"``, ``"tenant"`` (both need ``name``) or ``"backend"``; values are
+spelled as in the policy file (``"unlimited"`` removes a cap). A line is UTF-8 JSON, an
+object, at most :data:`MAX_REQUEST_BYTES` long; unknown commands or keys are refused.
+Error codes: ``protocol`` (malformed request), ``denied`` (the peer may not change the
+policy), ``policy`` (the change is invalid; nothing changed), ``unavailable`` (mounted with
+``--no-qos``), ``busy`` (too many connections), ``internal``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "MAX_REQUEST_BYTES",
+    "Peer",
+    "ProtocolError",
+    "ReloadRequest",
+    "Request",
+    "SetRequest",
+    "SimpleRequest",
+    "default_socket_path",
+    "encode",
+    "error_reply",
+    "parse_assignments",
+    "parse_request",
+    "parse_target",
+    "socket_dir",
+    "socket_dirs",
+    "socket_name",
+]
+
+MAX_REQUEST_BYTES = 64 * 1024  # a whole policy fits (reload); anything longer is refused
+MAX_CHANGES = 32
+MAX_NAME = 64
+MAX_SOURCE = 4096
+TARGETS = ("class", "tenant", "backend")
+_KEYS = {
+    "status": frozenset({"cmd"}),
+    "stats": frozenset({"cmd"}),
+    "set": frozenset({"cmd", "target", "name", "changes"}),
+    "reload": frozenset({"cmd", "text", "source"}),
+}
+
+
+class ProtocolError(ValueError):
+    """A request that is not well-formed; ``str()`` is the one-line reason."""
+
+    code = "protocol"
+
+
+@dataclass(frozen=True, slots=True)
+class SimpleRequest:
+    """``status`` or ``stats``: read-only, allowed to every peer that can connect."""
+
+    cmd: str
+
+
+@dataclass(frozen=True, slots=True)
+class SetRequest:
+    """Change settings of one class, tenant or the backend (``qosfs ctl set``)."""
+
+    target: str
+    name: str | None
+    changes: tuple[tuple[str, str | int | float], ...]
+    cmd: str = "set"
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadRequest:
+    """Replace the whole policy: ``text`` (sent by the client), or the mount's own file."""
+
+    text: str | None = None
+    source: str | None = None
+    cmd: str = "reload"
+
+
+Request = SimpleRequest | SetRequest | ReloadRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """Who is on the other end of a control connection (from ``SO_PEERCRED``)."""
+
+    pid: int
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+
+    def in_group(self, gid: int) -> bool:
+        return self.gid == gid or gid in self.groups
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+            type(None): "null"}.get(type(value), "a number")
+
+
+def _string(obj: dict[str, Any], key: str, limit: int, required: bool) -> str | None:
+    value = obj.get(key)
+    if value is None:
+        if required:
+            raise ProtocolError(f'"{key}" is required')
+        return None
+    if not isinstance(value, str):
+        raise ProtocolError(f'"{key}" must be a string, got {_type_name(value)}')
+    if len(value) > limit:
+        raise ProtocolError(f'"{key}" is longer than {limit} characters')
+    return value
+
+
+def parse_request(line: bytes) -> Request:
+    """Validate one request line (without its newline) and return what it asks for.
+
+    Raises:
+        ProtocolError: not UTF-8, not a JSON object, unknown command or key, wrong types.
+    """
+    if len(line) > MAX_REQUEST_BYTES:
+        raise ProtocolError(f"request longer than {MAX_REQUEST_BYTES} bytes")
+    try:
+        obj = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ProtocolError("request is not UTF-8") from None
+    except (ValueError, RecursionError):
+        raise ProtocolError("request is not valid JSON") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"request must be a JSON object, got {_type_name(obj)}")
+    cmd = obj.get("cmd")
+    if not isinstance(cmd, str) or cmd not in _KEYS:
+        known = ", ".join(_KEYS)
+        shown = json.dumps(cmd)[:40] if cmd is not None else "nothing"
+        raise ProtocolError(f'unknown command {shown} (expected "cmd" one of {known})')
+    extra = sorted(set(obj) - _KEYS[cmd])
+    if extra:
+        raise ProtocolError(f'unknown key {json.dumps(extra[0])[:70]} for "{cmd}"')
+    if cmd == "set":
+        return _parse_set(obj)
+    if cmd == "reload":
+        return ReloadRequest(_string(obj, "text", MAX_REQUEST_BYTES, False),
+                             _string(obj, "source", MAX_SOURCE, False))
+    return SimpleRequest(cmd)
+
+
+def _parse_set(obj: dict[str, Any]) -> SetRequest:
+    target = _string(obj, "target", 16, True)
+    if target not in TARGETS:
+        raise ProtocolError(f'"target" must be one of {", ".join(TARGETS)}')
+    name = _string(obj, "name", MAX_NAME, target != "backend")
+    if target == "backend" and name is not None:
+        raise ProtocolError('"name" is not used with target "backend"')
+    changes = obj.get("changes")
+    if not isinstance(changes, dict) or not changes:
+        raise ProtocolError('"changes" must be a non-empty object of setting: value')
+    if len(changes) > MAX_CHANGES:
+        raise ProtocolError(f'at most {MAX_CHANGES} changes per request')
+    pairs: list[tuple[str, str | int | float]] = []
+    for key, value in changes.items():
+        if len(key) > MAX_NAME:
+            raise ProtocolError(f"setting name longer than {MAX_NAME} characters")
+        if isinstance(value, bool) or not isinstance(value, str | int | float) or (
+                isinstance(value, float) and not math.isfinite(value)):
+            raise ProtocolError(f'value of "{key}" must be a string or a number')
+        if isinstance(value, str) and len(value) > MAX_NAME:
+            raise ProtocolError(f'value of "{key}" is longer than {MAX_NAME} characters')
+        pairs.append((key, value))
+    return SetRequest(target, name, tuple(pairs))
+
+
+def encode(reply: dict[str, Any]) -> bytes:
+    """One reply line. Non-finite floats (unlimited) must already be None."""
+    return json.dumps(reply, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+
+
+def error_reply(message: str, code: str) -> dict[str, Any]:
+    return {"ok": False, "code": code, "error": message}
+
+
+def parse_target(text: str) -> tuple[str, str | None]:
+    """``qosfs ctl set`` target syntax -> (kind, name).
+
+    ``backend`` is the backend; ``tenant:NAME`` a tenant; ``class:NAME`` or a bare
+    ``NAME`` a class (``class:backend`` reaches a class that happens to be called so).
+    """
+    if text == "backend":
+        return "backend", None
+    kind, sep, name = text.partition(":")
+    if sep:
+        if kind not in ("class", "tenant") or not name:
+            raise ProtocolError(f"bad target {text!r} (expected NAME, class:NAME, "
+                                "tenant:NAME or backend)")
+        return kind, name
+    return "class", text
+
+
+def parse_assignments(items: list[str]) -> dict[str, str]:
+    """``["write_bandwidth=400MiB/s", ...]`` -> ``{"write_bandwidth": "400MiB/s", ...}``."""
+    changes: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise ProtocolError(f"bad setting {item!r} (expected KEY=VALUE, e.g. "
+                                "write_bandwidth=400MiB/s)")
+        if key in changes:
+            raise ProtocolError(f"{key} is given twice")
+        changes[key] = value
+    if not changes:
+        raise ProtocolError("nothing to set (give KEY=VALUE, e.g. write_bandwidth=400MiB/s)")
+    return changes
+
+
+# --------------------------------------------------------------------- where the socket is
+
+SYSTEM_SOCKET_DIR = "/run/qosfs"
+
+
+def socket_dir() -> str:
+    """Where default control sockets live: /run/qosfs for root, else under the user's
+    ``$XDG_RUNTIME_DIR`` (a non-root daemon cannot create /run/qosfs)."""
+    if os.geteuid() == 0:
+        return SYSTEM_SOCKET_DIR
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return os.path.join(runtime, "qosfs") if runtime else SYSTEM_SOCKET_DIR
+
+
+def socket_dirs() -> list[str]:
+    """Where a client looks: its own default directory, then the system one (a user
+    reading the status of root's mount)."""
+    return list(dict.fromkeys([socket_dir(), SYSTEM_SOCKET_DIR]))
+
+
+def socket_name(mountpoint: str) -> str:
+    """``mnt-mlfs-1a2b3c4d.sock`` for /mnt/mlfs: readable (the path with "/" as "-"),
+    unambiguous (a hash of the whole path, so /a-b and /a/b differ) and short enough for
+    a Unix socket address (108 bytes)."""
+    import hashlib  # here: `qosfs ctl` without --socket MOUNTPOINT should not pay for it
+
+    path = os.path.realpath(mountpoint)
+    readable = re.sub(r"[^A-Za-z0-9_.-]", "_", path.strip("/").replace("/", "-"))[:48] or "root"
+    digest = hashlib.sha256(os.fsencode(path)).hexdigest()[:8]
+    return f"{readable}-{digest}.sock"
+
+
+def default_socket_path(mountpoint: str) -> str:
+    """The daemon's control socket for ``mountpoint``, e.g. /run/qosfs/mnt-mlfs-1a2b3c4d.sock."""
+    return os.path.join(socket_dir(), socket_name(mountpoint))

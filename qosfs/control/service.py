@@ -1,0 +1,214 @@
+"""What the daemon does for each control request: status, stats, set, reload, SIGHUP.
+
+A change is built and validated whole, off to the side (:func:`qosfs.policy.loading.with_changes`,
+:func:`qosfs.policy.loading.parse_policy`), and only a valid policy reaches the one synchronous
+:meth:`PolicyQos.swap <qosfs.qos.engine.PolicyQos.swap>`; a rejected change therefore leaves
+the running policy exactly as it was. The swap wakes every parked request, so a raised
+cap is in force for requests already waiting in the same instant.
+
+Who may do what: every peer that can connect may read ``status`` and ``stats``; changing
+anything needs uid 0 or membership (primary or supplementary, as the kernel reported at
+connect time) in the policy's ``[control] admin_group``. On a ``--no-qos`` mount there is
+no policy to change: ``set`` and ``reload`` are refused with code ``unavailable`` (turning
+QoS on would mean swapping the engine under open files; remount instead).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import trio
+
+from qosfs import __version__
+from qosfs.control.protocol import Peer, ReloadRequest, Request, SetRequest, error_reply
+from qosfs.control.snapshot import RateSampler, Snapshot, take_snapshot, to_json
+from qosfs.policy.loading import (
+    Policy,
+    PolicyError,
+    default_policy,
+    load_policy,
+    parse_policy,
+    with_changes,
+)
+
+log = logging.getLogger(__name__)
+
+SAMPLE_INTERVAL = 1.0  # seconds between rate samples ("current rates" cover this window)
+
+
+class Controller:
+    """The control commands of one mount, run on its event loop.
+
+    Args:
+        engine: a :class:`~qosfs.qos.engine.PolicyQos`, or a
+            :class:`~qosfs.qos.interface.PassThroughQos` for ``--no-qos``.
+        policy_path: the file the mount was started with (``reload`` without a file and
+            SIGHUP re-read it); None: the embedded default policy.
+        info: shown in status (source, mountpoint, socket...).
+        latency: the mount's :class:`~qosfs.qos.latency_control.LatencyControl` (status only).
+    """
+
+    def __init__(self, engine: Any, policy_path: str | None = None,
+                 info: dict[str, Any] | None = None, latency: Any = None) -> None:
+        self.engine = engine
+        self.latency = latency  # a qosfs.qos.latency_control.LatencyControl, shown in status
+        self.policy_path = policy_path
+        self.info = dict(info or {})
+        self.changes: Counter[tuple[str, str]] = Counter()
+        self.last_reload_ok = True
+        self.sampler = RateSampler()
+        self.on_swap: list[Callable[[Policy], None]] = []  # e.g. the socket's admin group
+        # Entered around every reload, accepted or not (systemd: RELOADING=1 ... READY=1).
+        self.reloading: Callable[[], AbstractContextManager[object]] = nullcontext
+        self._started: float | None = None  # set when run() starts
+        # More live figures for status (the filesystem's descriptors, the parking lot).
+        self.info_sources: list[Callable[[], dict[str, Any]]] = []
+
+    def __repr__(self) -> str:
+        return (f"<Controller generation={getattr(self.engine, 'generation', 0)} "
+                f"changes={dict(self.changes)}>")
+
+    @property
+    def has_policy(self) -> bool:
+        return hasattr(self.engine, "swap")
+
+    # ------------------------------------------------------------------ observation
+
+    def snapshot(self) -> Snapshot:
+        """A consistent copy of every counter (on the event loop's thread)."""
+        now = trio.current_time()
+        started = now if self._started is None else self._started
+        info = {**self.info, "pid": os.getpid(), "version": __version__,
+                "uptime_seconds": now - started}
+        for source in self.info_sources:
+            info.update(source())
+        return take_snapshot(self.engine, now, changes=dict(self.changes),
+                             last_reload_ok=self.last_reload_ok, info=info,
+                             latency=self.latency.status() if self.latency else None)
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Sample rates every second and reload on SIGHUP, until cancelled."""
+        self._started = trio.current_time()
+        with trio.open_signal_receiver(signal.SIGHUP) as signals:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._sample_rates)
+                task_status.started()
+                async for _ in signals:
+                    log.info("SIGHUP: reloading the policy")
+                    reply = await self.reload(ReloadRequest(), "SIGHUP")
+                    if not reply["ok"]:
+                        log.warning("SIGHUP reload rejected, policy unchanged: %s",
+                                    reply["error"])
+
+    async def _sample_rates(self) -> None:
+        expire = getattr(self.engine, "expire_idle_users", None)  # PolicyQos only
+        while True:
+            if expire is not None:  # idle uids leave the per-uid series (qosfs.qos.accounting)
+                expire(time.monotonic())
+            self.sampler.sample(self.snapshot())
+            await trio.sleep(SAMPLE_INTERVAL)
+
+    # ------------------------------------------------------------------ requests
+
+    def may_change(self, peer: Peer) -> bool:
+        """Root, or a member of the running policy's admin group."""
+        if peer.uid == 0:
+            return True
+        policy = getattr(self.engine, "policy", None)
+        gid = policy.control.admin_gid if policy is not None else None
+        return gid is not None and peer.in_group(gid)
+
+    async def handle(self, request: Request, peer: Peer) -> dict[str, Any]:
+        """The reply to one validated request from ``peer``."""
+        if request.cmd == "status":
+            return to_json(self.snapshot(), self.sampler, accounts=False)
+        if request.cmd == "stats":
+            return to_json(self.snapshot(), self.sampler, accounts=True)
+        if not self.may_change(peer):
+            log.info("refused %s from uid %d (pid %d): not root or admin group",
+                     request.cmd, peer.uid, peer.pid)
+            return error_reply(f"permission denied: uid {peer.uid} may not change the policy "
+                               "(root or the policy's control.admin_group only)", "denied")
+        who = f"uid {peer.uid} (pid {peer.pid})"
+        if isinstance(request, SetRequest):
+            return self.set(request, who)
+        if isinstance(request, ReloadRequest):
+            return await self.reload(request, who)
+        return error_reply(f"unknown command {request.cmd}", "protocol")  # pragma: no cover
+
+    def _unavailable(self, cmd: str) -> dict[str, Any] | None:
+        if self.has_policy:
+            return None
+        self.changes[(cmd, "rejected")] += 1
+        return error_reply("this mount has no policy (mounted with --no-qos); remount with a "
+                           "policy to change limits", "unavailable")
+
+    def set(self, request: SetRequest, who: str) -> dict[str, Any]:
+        """Apply ``ctl set``: one class/tenant/backend's settings, validated whole."""
+        refused = self._unavailable("set")
+        if refused is not None:
+            return refused
+        changes = dict(request.changes)
+        what = request.target if request.name is None else f"{request.target} {request.name}"
+        try:
+            policy = with_changes(self.engine.policy, request.target, request.name,
+                                  changes)  # type: ignore[arg-type]
+        except PolicyError as exc:
+            self.changes[("set", "rejected")] += 1
+            log.info("ctl set by %s rejected, policy unchanged: %s", who, exc)
+            return error_reply(str(exc), "policy")
+        shown = " ".join(f"{k}={v}" for k, v in changes.items())
+        log.info("ctl set by %s: %s %s", who, what, shown)
+        return self._swap(policy, "set")
+
+    async def reload(self, request: ReloadRequest, who: str) -> dict[str, Any]:
+        """Replace the whole policy: the text sent, or the mount's own file re-read."""
+        with self.reloading():
+            return await self._reload(request, who)
+
+    async def _reload(self, request: ReloadRequest, who: str) -> dict[str, Any]:
+        refused = self._unavailable("reload")
+        if refused is not None:
+            self.last_reload_ok = False
+            return refused
+        try:
+            if request.text is not None:
+                policy = parse_policy(request.text, request.source or "<ctl reload>")
+            elif self.policy_path is not None:
+                policy = await trio.to_thread.run_sync(load_policy, self.policy_path)
+            else:
+                policy = default_policy()
+        except PolicyError as exc:
+            self.changes[("reload", "rejected")] += 1
+            self.last_reload_ok = False
+            log.info("reload by %s rejected, policy unchanged: %s", who, exc)
+            return error_reply(str(exc), "policy")
+        log.info("reload by %s from %s", who, policy.source)
+        reply = self._swap(policy, "reload")
+        self.last_reload_ok = bool(reply["ok"])
+        return reply
+
+    def _swap(self, policy: Policy, cmd: str) -> dict[str, Any]:
+        try:
+            self.engine.swap(policy)
+        except Exception:  # a bug: the daemon must survive it and say so
+            log.exception("applying the policy failed")
+            self.changes[(cmd, "rejected")] += 1
+            return error_reply("internal error while applying the policy (see the daemon's "
+                               "log)", "internal")
+        self.changes[(cmd, "applied")] += 1
+        for hook in self.on_swap:
+            try:
+                hook(policy)
+            except Exception:
+                log.exception("post-swap hook %r failed", hook)
+        return {"ok": True, "generation": self.engine.generation,
+                "policy_source": policy.source}
+

@@ -1,0 +1,234 @@
+"""Command line: ``qosfs mount | check | policy | plan | ctl | top``.
+
+``main(argv) -> int`` never raises for a user mistake: it prints one line naming what is
+wrong and returns a distinct exit code (see :mod:`qosfs.core.errors`); ``--debug`` adds the
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from qosfs import __version__
+from qosfs.control import ctl, top
+from qosfs.core.errors import EXIT_DAEMON, QosfsError
+from qosfs.core.units import UnitError, parse_bandwidth, parse_interval
+from qosfs.daemon import tuning
+from qosfs.daemon.logsetup import setup_logging
+from qosfs.plan.planner import (
+    DEFAULT_EFFICIENCY,
+    DTYPE_BYTES,
+    OPTIMIZER_MOMENTS,
+    STATES,
+    PlanError,
+    PlanInputs,
+    make_plan,
+    parse_params,
+)
+
+log = logging.getLogger("qosfs")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="qosfs", description="FUSE pass-through filesystem with I/O quality of service")
+    parser.add_argument("--version", action="version", version=f"qosfs {__version__}")
+    parser.add_argument("--debug", action="store_true", help="verbose logs and tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    m = sub.add_parser("mount", help="mount SOURCE on MOUNTPOINT (in place if omitted)")
+    m.add_argument("source")
+    m.add_argument("mountpoint", nargs="?", help="defaults to SOURCE (mount in place)")
+    m.add_argument("--foreground", "-f", action="store_true", help="do not daemonize")
+    m.add_argument("-o", dest="options", action="append", default=[], metavar="OPT[,OPT...]",
+                   help="extra FUSE mount options")
+    m.add_argument("--io-mode", choices=["auto", "inline", "nowait", "threads"],
+                   default="auto", help="how backing syscalls are issued (default: by fs type)")
+    m.add_argument("--cache", choices=["auto", "always", "never"], default="auto",
+                   help="page cache: revalidate per open (auto), keep, or bypass")
+    m.add_argument("--attr-timeout", type=float, default=1.0, metavar="SECONDS")
+    m.add_argument("--max-background", type=int, default=tuning.DEFAULT_MAX_BACKGROUND,
+                   help="kernel FUSE background queue depth (0 keeps the kernel default)")
+    m.add_argument("--read-ahead-kb", type=int, default=tuning.DEFAULT_READ_AHEAD_KB)
+    m.add_argument("--log-file", help="log here instead of syslog when daemonized")
+    m.add_argument("--policy", metavar="FILE",
+                   help="policy file (default: the embedded policy, see 'qosfs policy default')")
+    m.add_argument("--no-qos", action="store_true",
+                   help="no policy at all: pure pass-through that only counts (a baseline)")
+    m.add_argument("--socket", metavar="PATH",
+                   help="control socket (default: derived from the mountpoint in /run/qosfs)")
+    m.add_argument("--metrics", metavar="[HOST:]PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics "
+                        "(HOST defaults to 127.0.0.1)")
+    m.set_defaults(func=_cmd_mount)
+
+    ctl.add_parser(sub)
+    top.add_parser(sub)
+
+    c = sub.add_parser("check", help="validate a policy file and print it resolved")
+    c.add_argument("file")
+    c.set_defaults(func=_cmd_check)
+
+    p = sub.add_parser("policy", help="print the embedded default policy")
+    p.add_argument("which", choices=["default"])
+    p.set_defaults(func=_cmd_policy)
+    _add_plan_parser(sub)
+    return parser
+
+
+def _add_plan_parser(sub: Any) -> None:
+    pl = sub.add_parser(
+        "plan", help="from model size and checkpoint interval to caps and a policy",
+        description="Checkpoint size, write times and the checkpoint cap for a training job, "
+        "with every assumption printed; --policy-out writes a policy with those caps. "
+        "Sizes and rates are decimal (1 GB = 10^9 bytes).")
+    pl.add_argument("--params", required=True, metavar="COUNT",
+                    help='parameter count: "70B", "1.5B", "175M", "1T"')
+    pl.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bf16",
+                    help="training dtype (default: bf16)")
+    pl.add_argument("--optimizer", choices=list(OPTIMIZER_MOMENTS), default="adamw",
+                    help="moments per parameter: adam(w) 2, sgd 1, none 0 (default: adamw)")
+    pl.add_argument("--state", choices=STATES, default="simple",
+                    help="simple: weights and moments in the dtype (6 bytes/param for bf16 "
+                    "AdamW); mixed: + fp32 master weights, fp32 moments (14)")
+    pl.add_argument("--bytes-per-param", type=float, metavar="X",
+                    help="override the checkpoint bytes per parameter")
+    pl.add_argument("--ranks", type=int, default=1, help="ranks writing shards (default: 1)")
+    pl.add_argument("--nodes", type=int, default=1,
+                    help="qosfs mounts sharing the storage; policy figures are per mount "
+                    "(default: 1)")
+    pl.add_argument("--replicas", type=int, default=1,
+                    help="copies of the checkpoint written (default: 1, sharded)")
+    pl.add_argument("--interval", default="30m", metavar="TIME",
+                    help="checkpoint start to next start (default: 30m)")
+    pl.add_argument("--backend-write", metavar="RATE", help='storage write bandwidth, "20GB/s"')
+    pl.add_argument("--backend-read", metavar="RATE",
+                    help="storage read bandwidth (default: reads share the write figure)")
+    pl.add_argument("--reserve-read", metavar="RATE",
+                    help="read bandwidth that dataset reads keep during a checkpoint")
+    pl.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY,
+                    help=f"fraction of bandwidth a checkpoint achieves ({DEFAULT_EFFICIENCY})")
+    pl.add_argument("--max-stall", metavar="TIME",
+                    help="longest tolerable synchronous stall, \"60s\"")
+    pl.add_argument("--async", dest="asynchronous", action="store_true",
+                    help="checkpoints drain in the background while training goes on")
+    pl.add_argument("--target-share", type=float, metavar="FRACTION",
+                    help="--async: finish within this share of the interval (default: 0.5)")
+    pl.add_argument("--policy-out", metavar="FILE", help="write a policy with the caps")
+    pl.set_defaults(func=_cmd_plan)
+
+
+def _cmd_mount(args: argparse.Namespace) -> int:
+    # Imported in the commands that need them: `qosfs ctl set` is timed from the shell
+    # (DESIGN 4.4), so it must not pay for pyfuse3, trio or the policy parser at start.
+    from qosfs.control.exporter import parse_address
+    from qosfs.daemon.mount import MountConfig, daemonize_and_mount, run_mount
+    from qosfs.passthrough.operations import FsOptions
+    from qosfs.policy.loading import load_policy
+
+    options = tuple(o.strip() for opt in args.options for o in opt.split(",") if o.strip())
+    cfg = MountConfig(
+        source=args.source,
+        mountpoint=args.mountpoint or args.source,
+        foreground=args.foreground,
+        fuse_options=options,
+        io_mode=args.io_mode,
+        fs_options=FsOptions(entry_timeout=args.attr_timeout, attr_timeout=args.attr_timeout,
+                             cache=args.cache),
+        max_background=args.max_background,
+        read_ahead_kb=args.read_ahead_kb,
+        policy_path=args.policy,
+        qos=not args.no_qos,
+        socket_path=os.path.abspath(args.socket) if args.socket else None,
+        metrics=args.metrics,
+    )
+    if args.policy:
+        load_policy(args.policy)  # a bad policy fails here, before anything is mounted
+    if args.metrics:
+        parse_address(args.metrics)  # likewise a malformed address
+    if args.foreground:
+        setup_logging(args.debug, daemon=False, log_file=args.log_file)
+        return run_mount(cfg)
+    setup_logging(args.debug, daemon=True, log_file=args.log_file)
+    return daemonize_and_mount(cfg)
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from qosfs.policy.loading import load_policy, policy_notes
+
+    policy = load_policy(args.file)
+    sys.stdout.write(policy.render())
+    for note in policy_notes(policy):  # TOML comments: the output stays a valid policy
+        sys.stdout.write(f"# note: {note}\n")
+    return 0
+
+
+def _cmd_policy(args: argparse.Namespace) -> int:
+    from qosfs.policy.loading import DEFAULT_POLICY_TEXT
+
+    sys.stdout.write(DEFAULT_POLICY_TEXT)
+    return 0
+
+
+def _plan_value(parse: Callable[[str], float], flag: str, text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        return parse(text)
+    except UnitError as exc:
+        raise PlanError(f"{flag}: {exc}") from None
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from qosfs.plan.text import plan_policy_text, render_plan  # needs the policy parser
+
+    inputs = PlanInputs(
+        params=parse_params(args.params), dtype=args.dtype, optimizer=args.optimizer,
+        state=args.state, bytes_per_param=args.bytes_per_param, ranks=args.ranks,
+        nodes=args.nodes, replicas=args.replicas,
+        interval=_plan_value(parse_interval, "--interval", args.interval) or 0.0,
+        backend_write=_plan_value(parse_bandwidth, "--backend-write", args.backend_write),
+        backend_read=_plan_value(parse_bandwidth, "--backend-read", args.backend_read),
+        reserve_read=_plan_value(parse_bandwidth, "--reserve-read", args.reserve_read),
+        efficiency=args.efficiency,
+        max_stall=_plan_value(parse_interval, "--max-stall", args.max_stall),
+        asynchronous=args.asynchronous, target_share=args.target_share)
+    plan = make_plan(inputs)
+    policy = plan_policy_text(plan) if args.policy_out else None
+    sys.stdout.write(render_plan(plan))
+    if policy is not None:
+        try:
+            with open(args.policy_out, "w", encoding="utf-8") as stream:
+                stream.write(policy)
+        except OSError as exc:
+            raise PlanError(f"--policy-out: cannot write {args.policy_out}: "
+                            f"{exc.strerror or exc}") from None
+        print(f"\npolicy written to {args.policy_out}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except QosfsError as exc:
+        if args.debug:
+            log.exception("failed")
+        print(f"qosfs: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # a bug: say so in one line unless asked for the traceback
+        if args.debug:
+            raise
+        # str() of some exceptions is empty (MemoryError): name the type then.
+        detail = str(exc) or type(exc).__name__
+        print(f"qosfs: internal error: {detail} (run with --debug for details)",
+              file=sys.stderr)
+        return EXIT_DAEMON

@@ -1,0 +1,391 @@
+"""Mount lifecycle: checks, daemonizing, the trio main loop, signals and clean unmount.
+
+Order matters and is deliberate:
+
+1. every check that can fail with a clear message runs before anything is mounted;
+2. the source directory is opened *before* mounting, so mounting in place over it works
+   (all later access goes through that descriptor);
+3. without ``--foreground`` the process forks; the parent waits on a pipe and exits 0 only
+   once the child's mount answers a ``stat`` (or prints the child's one-line error);
+4. the child runs pyfuse3 under trio; SIGTERM/SIGINT call ``pyfuse3.terminate()``, which
+   lets in-flight requests finish before ``main()`` returns, then the mount is removed.
+
+Under systemd (``Type=notify``, :mod:`qosfs.daemon.notify`) the daemon reports ``READY=1`` where
+step 3 reports to the parent, ``STOPPING=1`` as step 4 begins, and ``RELOADING=1`` ...
+``READY=1`` around every policy reload.
+
+The control socket and the metrics listener are bound in step 1 (a busy path or port is
+a clear error, not a half-started daemon) and served from the same trio loop as the
+filesystem (:mod:`qosfs.control.server`, :mod:`qosfs.control.exporter`); SIGHUP reloads the policy.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyfuse3
+import trio
+
+from qosfs.control.exporter import MetricsServer
+from qosfs.control.protocol import default_socket_path
+from qosfs.control.server import ControlSocket
+from qosfs.control.service import Controller
+from qosfs.core import interrupts
+from qosfs.core.errors import EXIT_FUSE, EXIT_MOUNTPOINT, EXIT_SOURCE, QosfsError
+from qosfs.daemon import tuning
+from qosfs.daemon.notify import notify, reloading
+from qosfs.daemon.privileges import shed_resource_privileges
+from qosfs.passthrough.backing_io import BackingIO, IoMode, backing_mount, choose_io_mode
+from qosfs.passthrough.operations import FsOptions, PassthroughOperations
+from qosfs.policy.loading import default_policy, load_policy
+from qosfs.qos.engine import PolicyQos
+from qosfs.qos.interface import PassThroughQos, QosEngine
+from qosfs.qos.latency_control import LatencyControl
+from qosfs.qos.latency_probe import LatencyProbe
+
+log = logging.getLogger(__name__)
+
+# pyfuse3 gives every request its own task, up to max_tasks, and stops reading
+# /dev/fuse when they are all busy. A request parked by QoS holds a task, so the limit
+# must exceed what may be parked at once (qosfs.qos.bounds bounds it at 3,072 in all) by a
+# reserve for requests that need no tokens; trio tasks are cheap, so be generous.
+MAX_TASKS = 4096
+MIN_TASKS = 4
+
+# SIGTERM: limits are lifted, parked requests are served (waiting at most DRAIN_DEADLINE,
+# well below the unit's TimeoutStopSec=60), then requests are served DRAIN_GRACE more so
+# that a write split in two requests, and the close after it, finish; then the mount goes.
+DRAIN_GRACE = 0.25
+DRAIN_DEADLINE = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class MountConfig:
+    """Everything ``qosfs mount`` was asked to do."""
+
+    source: str
+    mountpoint: str
+    foreground: bool = False
+    fuse_options: tuple[str, ...] = ()
+    io_mode: str = "auto"
+    fs_options: FsOptions = field(default_factory=FsOptions)
+    max_background: int = tuning.DEFAULT_MAX_BACKGROUND
+    read_ahead_kb: int = tuning.DEFAULT_READ_AHEAD_KB
+    policy_path: str | None = None  # None: the embedded default policy
+    qos: bool = True  # False: pure pass-through that only counts (benchmark baseline)
+    socket_path: str | None = None  # None: derived from the mountpoint under /run/qosfs
+    metrics: str | None = None  # "[HOST:]PORT" to serve /metrics; None: no exporter
+
+
+def check_mount_args(source: str, mountpoint: str) -> None:
+    """Fail early, with one line, on everything that would make the mount fail later."""
+    # A stale mount first: mounting in place after a crash, the source is that same dead
+    # mount, and would look missing ("does not exist") until it is cleaned.
+    if _statfs_errno(mountpoint) == errno.ENOTCONN:
+        clean_stale_mount(mountpoint)
+    if not os.path.exists(source):
+        raise QosfsError(f"source {source} does not exist", EXIT_SOURCE)
+    if not os.path.isdir(source):
+        raise QosfsError(f"source {source} is not a directory", EXIT_SOURCE)
+    try:
+        os.stat(mountpoint)
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            clean_stale_mount(mountpoint)
+        elif exc.errno == errno.ENOENT:
+            raise QosfsError(f"mountpoint {mountpoint} does not exist", EXIT_MOUNTPOINT) from None
+        else:
+            raise QosfsError(f"mountpoint {mountpoint}: {exc.strerror}", EXIT_MOUNTPOINT) from None
+    if not os.path.isdir(mountpoint):
+        raise QosfsError(f"mountpoint {mountpoint} is not a directory", EXIT_MOUNTPOINT)
+    if mount_type(os.path.realpath(mountpoint)) == "fuse.qosfs":
+        raise QosfsError(f"{mountpoint} is already mounted by qosfs", EXIT_MOUNTPOINT)
+    if not os.path.exists("/dev/fuse"):
+        raise QosfsError("/dev/fuse is missing (load the fuse module)", EXIT_FUSE)
+    if os.geteuid() != 0 and shutil.which("fusermount3") is None:
+        raise QosfsError("fusermount3 not found (install the fuse3 package)", EXIT_FUSE)
+
+
+def _statfs_errno(path: str) -> int:
+    """statfs, not stat: for up to --attr-timeout after its daemon died, a FUSE mount's
+    root attributes still come from the kernel's cache, so stat succeeds (and the dead
+    mount would look "already mounted by qosfs"); statfs always asks the daemon."""
+    try:
+        os.statvfs(path)
+    except OSError as exc:
+        return exc.errno or 0
+    return 0
+
+
+def mount_type(path: str) -> str | None:
+    """The filesystem type mounted exactly at *path*, or None if nothing is.
+
+    *path* must be absolute and already resolved: this function makes no system call on
+    it, because the daemon asks after its own loop stopped, when a stat() of its own
+    mountpoint would wait for ever for an answer nobody is left to give.
+    """
+    target = os.path.normpath(path)
+    found = None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                mnt = fields[4].encode().decode("unicode_escape")
+                if mnt == target and " - " in line:
+                    found = line.split(" - ", 1)[1].split()[0]  # the last one is on top
+    except OSError:
+        return None
+    return found
+
+
+def clean_stale_mount(mountpoint: str) -> None:
+    """Remove a mount whose daemon died ("Transport endpoint is not connected")."""
+    log.warning("%s is a stale mount (daemon gone); unmounting it", mountpoint)
+    for cmd in (["fusermount3", "-u", "-z", mountpoint], ["umount", "-l", mountpoint]):
+        if shutil.which(cmd[0]) and subprocess.run(cmd, capture_output=True).returncode == 0:
+            return
+    raise QosfsError(f"{mountpoint} is a stale mount and could not be unmounted",
+                     EXIT_MOUNTPOINT)
+
+
+def _raise_fd_limit() -> None:
+    """Every inode the kernel knows holds a descriptor: allow as many as the system does."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _fuse_options(cfg: MountConfig, backing_options: frozenset[str]) -> set[str]:
+    opts = set(pyfuse3.default_options)  # default_permissions: the kernel checks modes
+    opts.add(f"fsname={os.path.abspath(cfg.source)}")
+    opts.add("subtype=qosfs")
+    if os.geteuid() == 0:
+        opts.add("allow_other")  # a shared filesystem: every user sees it, as underneath
+        # FUSE mounts default to nosuid,nodev; mirror the backing mount instead, so setuid
+        # programs and device nodes behave exactly as they do underneath.
+        opts.add("nosuid" if "nosuid" in backing_options else "suid")
+        opts.add("nodev" if "nodev" in backing_options else "dev")
+    if "noexec" in backing_options:
+        opts.add("noexec")
+    opts.update(o for o in cfg.fuse_options if o)
+    return opts
+
+
+def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> int:
+    """Mount and serve until unmounted or signalled. Returns the exit code."""
+    check_mount_args(cfg.source, cfg.mountpoint)
+    policy = load_policy(cfg.policy_path) if cfg.policy_path else default_policy()
+    root_fd = os.open(cfg.source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fstype, backing_options = backing_mount(root_fd)
+    if cfg.io_mode == "auto":
+        mode = choose_io_mode(fstype)
+        log.info("backing filesystem %s: I/O mode %s", fstype or "unknown", mode.value)
+    else:
+        mode = IoMode(cfg.io_mode)
+    _raise_fd_limit()
+    # Last thing that could want CAP_SYS_RESOURCE: from here on root's resource
+    # privileges (quota limits, ext4's reserve) are not lent to users' writes.
+    write_as_caller = os.geteuid() == 0 and shed_resource_privileges(root_fd)
+    # The kernel applied the caller's umask already; ours must not mask again.
+    os.umask(0)
+    engine: QosEngine = PolicyQos(policy) if cfg.qos else PassThroughQos()
+    if cfg.qos:  # parked requests of killed callers are answered at once
+        interrupts.install()
+    ops = PassthroughOperations(root_fd, BackingIO(mode), engine, cfg.fs_options,
+                                write_as_caller)
+    mountpoint = os.path.realpath(cfg.mountpoint)  # resolved before we serve it
+    latency = (LatencyControl(engine, LatencyProbe(mountpoint, ops.probe_tids))
+               if isinstance(engine, PolicyQos) else None)
+    with ExitStack() as stack:
+        services = _open_services(cfg, mountpoint, engine, stack, latency, ops.resources)
+        try:
+            pyfuse3.init(ops, mountpoint, _fuse_options(cfg, backing_options))
+        except RuntimeError as exc:
+            raise QosfsError(f"mounting {mountpoint} failed: {exc}", EXIT_FUSE) from None
+        unmounted_by_us = False
+        try:
+            trio.run(_serve, cfg, mountpoint, engine, on_ready, services, latency)
+            unmounted_by_us = True
+        finally:
+            still_mounted = mount_type(mountpoint) == "fuse.qosfs"
+            pyfuse3.close(unmount=still_mounted)
+            ops.close_all()
+            log.info("unmounted %s (%s)", mountpoint,
+                     "clean" if unmounted_by_us else "after an error")
+    return 0
+
+
+Service = Callable[..., Awaitable[Any]]
+
+
+def _open_services(cfg: MountConfig, mountpoint: str, engine: Any, stack: ExitStack,
+                   latency: LatencyControl | None = None,
+                   resources: Callable[[], dict[str, Any]] | None = None) -> list[Service]:
+    """Bind the control socket (and metrics port) now; closed when ``stack`` unwinds."""
+    source = os.path.abspath(cfg.source)
+    path = os.path.abspath(cfg.socket_path or default_socket_path(mountpoint))
+    policy = getattr(engine, "policy", None)
+    control = ControlSocket(path, policy.control.admin_gid if policy is not None else None)
+    stack.callback(control.close)
+    controller = Controller(engine, cfg.policy_path,
+                            {"source": source, "mountpoint": mountpoint, "socket": path},
+                            latency=latency)
+    controller.on_swap.append(lambda p: control.set_admin_group(p.control.admin_gid))
+    controller.reloading = _notify_reloading
+    if resources is not None:
+        controller.info_sources.append(resources)
+    services: list[Service] = [controller.run, functools.partial(control.serve,
+                                                                 controller.handle)]
+    if latency is not None:
+        services.append(latency.run)
+    log.info("control socket %s", path)
+    if cfg.metrics is not None:
+        metrics = MetricsServer(cfg.metrics, controller.snapshot)
+        stack.callback(metrics.close)
+        services.append(metrics.serve)
+        log.info("serving metrics on http://%s:%d/metrics", metrics.host, metrics.port)
+    return services
+
+
+async def _serve(cfg: MountConfig, mountpoint: str, engine: QosEngine,
+                 on_ready: Callable[[], None] | None, services: Sequence[Service] = (),
+                 latency: LatencyControl | None = None) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_watch_signals, engine, latency)
+        for service in services:  # already bound: "started" means "answering"
+            await nursery.start(service)
+        nursery.start_soon(_become_ready, cfg, mountpoint, on_ready)
+        await pyfuse3.main(min_tasks=MIN_TASKS, max_tasks=MAX_TASKS)
+        _notify_stopping()  # the kernel ended the session (fusermount3 -u)
+        nursery.cancel_scope.cancel()
+
+
+async def _become_ready(cfg: MountConfig, mountpoint: str,
+                        on_ready: Callable[[], None] | None) -> None:
+    # stat() through our own mount needs the main loop running, so ask from a thread.
+    st = await trio.to_thread.run_sync(os.stat, mountpoint)
+    tuning.tune_connection(st.st_dev, cfg.max_background, cfg.read_ahead_kb)
+    log.info("qosfs serving %s on %s", cfg.source, mountpoint)
+    # The services were started (listening) before this task: all three now answer.
+    (on_ready or _notify_ready)()
+
+
+def _notify_ready() -> None:
+    """Tell systemd (Type=notify) the mount, the control socket and /metrics answer."""
+    notify("READY=1")
+
+
+@functools.cache  # once per process, whichever comes first: a signal or the kernel
+def _notify_stopping() -> bool:
+    return notify("STOPPING=1")
+
+
+@contextmanager
+def _notify_reloading() -> Iterator[None]:
+    """RELOADING=1 ... READY=1 around a policy reload (SIGHUP, ``ctl reload``), accepted
+    or not: either way the daemon serves again afterwards."""
+    notify(reloading())
+    try:
+        yield
+    finally:
+        notify("READY=1")
+
+
+async def _watch_signals(engine: QosEngine, latency: LatencyControl | None = None) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("received %s: finishing in-flight requests, then unmounting",
+                     signal.Signals(signum).name)
+            if latency is not None:  # its canary must not be left waiting on the mount
+                await latency.stop_probe()
+            _notify_stopping()
+            emptied = await _drain(engine)
+            log.info("%s; unmounting", "parked requests served" if emptied else
+                     f"requests still parked after {DRAIN_DEADLINE:g} s")
+            # No new request is read after terminate(); those already read are served.
+            pyfuse3.terminate()
+            return
+
+
+async def _drain(engine: QosEngine) -> bool:
+    """Lift every limit, wait until nothing is parked (at most DRAIN_DEADLINE), then serve
+    DRAIN_GRACE more; True if the lot emptied in time.
+
+    Parked requests then finish at once, and so does what directly follows them: an
+    unaligned 1 MiB O_DIRECT write reaches us as two requests, the second sent only once
+    the first is answered, and its caller's close() comes next; unmounting in between
+    left callers with a short write and ENOTCONN. New requests during the grace are
+    served too; those that arrive after it find the mount gone.
+    """
+    engine.drain()
+    parking = getattr(engine, "parking", None)
+    deadline = trio.current_time() + DRAIN_DEADLINE
+    emptied = True
+    while parking is not None and parking.requests:
+        if trio.current_time() >= deadline:
+            emptied = False
+            break
+        await trio.sleep(0.01)
+    await trio.sleep(DRAIN_GRACE)
+    return emptied
+
+
+def daemonize_and_mount(cfg: MountConfig) -> int:
+    """Fork; the parent returns 0 once the child's mount answers, or the child's error."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as pipe:
+            report = pipe.read().decode(errors="replace")
+        if report.startswith("OK"):
+            # Under Type=notify without --foreground: the daemon is the child, not us.
+            notify(f"MAINPID={pid}\nREADY=1")
+            return 0
+        _, waited = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(waited)
+        message = report.partition(" ")[2].strip() or f"the daemon exited with code {code}"
+        raise QosfsError(message, code if code > 0 else EXIT_FUSE)
+    # Child: detach from the terminal, report success or failure through the pipe.
+    os.close(read_end)
+    os.setsid()
+    pipe = os.fdopen(write_end, "wb", buffering=0)
+
+    def ready() -> None:
+        pipe.write(b"OK\n")
+        pipe.close()
+        _detach_stdio()
+
+    try:
+        code = run_mount(cfg, on_ready=ready)
+    except QosfsError as exc:
+        if not pipe.closed:
+            pipe.write(f"ERR {exc}\n".encode())
+        os._exit(exc.exit_code)
+    except BaseException as exc:  # noqa: BLE001 - report anything, then die
+        log.exception("daemon failed")
+        if not pipe.closed:
+            pipe.write(f"ERR daemon failed: {exc}\n".encode())
+        os._exit(8)
+    os._exit(code)
+
+
+def _detach_stdio() -> None:
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    sys.stderr = open(os.devnull, "w")  # noqa: SIM115

@@ -1,0 +1,95 @@
+"""Open files and directories: what a FUSE file handle stands for.
+
+Everything a read or write needs is resolved at open and kept here, so the hot path is a
+dict lookup and an attribute read: the backing descriptor (one per open, never shared,
+because the open's flags matter), whether it was opened ``O_DIRECT``, and the QoS flow
+the open was classified into.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from qosfs.passthrough.inodes import Inode
+
+
+@dataclass(slots=True, eq=False)
+class FileHandle:
+    """An open regular file. The FUSE ``fh`` is the backing descriptor number."""
+
+    fd: int
+    direct: bool  # backing fd has O_DIRECT: buffers must be aligned
+    flow: Any  # the QoS flow (class/tenant/user levels) chosen at open
+    inode: Inode
+    kill_priv: bool = False  # clear setuid/setgid on the first write (unprivileged writer)
+    fsuid: int = 0  # writes run with this fsuid when not 0 (see qosfs.daemon.privileges)
+    owner: int = -1  # the uid whose OpenQuota it counts against (-1: none)
+    # Streaming-write detection (PassthroughOperations._follow_stream): sequential bytes
+    # still to see before the open moves to the streaming class (0: not watched), the
+    # threshold, where the next sequential write would start, bytes written elsewhere.
+    stream_left: int = 0
+    stream_limit: int = 0
+    stream_off: int = -1
+    scattered: int = 0
+    # A write the kernel cut short at a page boundary (PassthroughOperations._split_tail):
+    # where its continuation would start (-1: none), and the bytes and ops of the caller's
+    # write so far.
+    split_end: int = -1
+    split_bytes: int = 0
+    split_ops: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class DirHandle:
+    """An open directory; the listing is a snapshot taken at offset 0 so offsets are stable."""
+
+    fd: int
+    inode: Inode
+    names: list[bytes] = field(default_factory=list)
+    listed: bool = False
+    owner: int = -1  # the uid whose OpenQuota it counts against (-1: none)
+
+
+class OpenQuota:
+    """How many files and directories one uid may hold open through the daemon.
+
+    Every open through the mount holds one of the daemon's descriptors. Without a share
+    per user, one user holding many files open (a careless job, or a hostile one with a
+    high ``ulimit -n``) would exhaust the daemon's limit and every other user's opens and
+    lookups would fail. Past its share a uid gets ``ENFILE`` ("too many open files in
+    system": the shared table is full for it), as from a full system file table. Root is
+    not counted (it could raise the daemon's limit anyway).
+    """
+
+    __slots__ = ("_by_uid", "per_uid", "refused")
+
+    def __init__(self, per_uid: int) -> None:
+        self.per_uid = per_uid
+        self.refused = 0
+        self._by_uid: dict[int, int] = {}
+
+    def claim(self, uid: int) -> int:
+        """Count one open for *uid*; returns the owner to record in the handle."""
+        if uid == 0:
+            return -1
+        held = self._by_uid.get(uid, 0)
+        if held >= self.per_uid:
+            self.refused += 1
+            raise OSError(errno.ENFILE, os.strerror(errno.ENFILE))
+        self._by_uid[uid] = held + 1
+        return uid
+
+    def release(self, owner: int) -> None:
+        if owner < 0:
+            return
+        held = self._by_uid[owner] - 1
+        if held:
+            self._by_uid[owner] = held
+        else:
+            del self._by_uid[owner]
+
+    def held(self, uid: int) -> int:
+        return self._by_uid.get(uid, 0)

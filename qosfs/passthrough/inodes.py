@@ -1,0 +1,407 @@
+"""The inode table: which backing object each FUSE node id stands for.
+
+Every operation is relative to a descriptor on the backing object instead of a path (as
+libfuse's passthrough_ll does), so
+
+* mounting in place over the source works (the paths are hidden by our own mount, the
+  descriptors are not), and
+* renames underneath do not confuse us.
+
+But the kernel may remember millions of inodes (a ``find`` over an ImageNet-sized tree),
+and one descriptor each would exhaust the daemon's limit and answer EMFILE to every user.
+So an inode is named by its *file handle* (``name_to_handle_at``, what NFS servers hand
+out: it survives renames and carries the inode's generation, so a recycled inode number
+is never mistaken for the old object), and its ``O_PATH`` descriptor is only *cached*:
+at most ``fd_budget`` are open at once (:mod:`qosfs.passthrough.fdcache`), and an evicted one is
+reopened with ``open_by_handle_at`` when next needed (~3 us). Where handles cannot be used
+(a filesystem that exports none, such as ramfs; an object on a submount; no
+CAP_DAC_READ_SEARCH), an evicted inode is reopened by the name the kernel last looked it up
+as, relative to its parent's descriptor, and must still be the same (device, inode
+number); if the name now holds something else (renamed or replaced underneath), the node
+id answers ESTALE and the kernel looks the name up again, as an NFS client does. Only an
+inode known by no name (the root) keeps its descriptor for good.
+
+Node ids are the backing ``st_ino`` for objects on the source's own device, so ``ls -i``
+shows the same numbers as the directory underneath and they stay stable for the life of
+the mount. Objects on other devices (submounts inside the source) or whose number would
+collide get a synthetic id from a high range.
+
+The table only holds inodes the kernel has looked up and not yet forgotten: memory is
+bounded by the kernel's inode cache, not by the size of the tree (about 300 bytes each).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import resource
+from typing import Any
+
+import pyfuse3
+
+from qosfs.core import syscalls
+from qosfs.passthrough.fdcache import DeferredClose, FdCache
+
+log = logging.getLogger(__name__)
+
+_SYNTHETIC_BASE = 1 << 62  # above any real st_ino we expect; collisions are checked anyway
+_LOOKUP_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+_REOPEN_FLAGS = os.O_PATH | os.O_CLOEXEC  # a handle names the object itself: no following
+# Bounds of the automatic inode descriptor budget (default_fd_budget): beyond 64k cached
+# descriptors the hit rate no longer pays for the kernel memory each one pins.
+MIN_FD_BUDGET = 64
+MAX_FD_BUDGET = 65536
+
+
+def _stale() -> OSError:
+    return OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+
+
+class Inode:
+    """A backing object the kernel currently knows.
+
+    ``fd`` is an ``O_PATH`` descriptor on it, valid until the next request handler
+    yields (it may be evicted from the cache and reopened later): read it where it is
+    used, never keep it across an ``await`` that runs other requests.
+    """
+
+    __slots__ = (
+        "_table",
+        "cache_stamp",
+        "cached_fd",
+        "entry",
+        "handle",
+        "key",
+        "lookups",
+        "nodeid",
+        "opens",
+        "path_memo",
+        "qos_memo",
+        "referenced",
+        "slot",
+        "stale",
+        "unnamed_bytes",
+        "unnamed_flow",
+    )
+
+    def __init__(self, table: InodeTable, nodeid: int, key: tuple[int, int], lookups: int,
+                 handle: bytes | None, fd: int) -> None:
+        self._table = table
+        self.nodeid = nodeid
+        self.key = key  # (st_dev, st_ino) of the backing object
+        self.lookups = lookups
+        self.opens = 0  # open file handles on it (an unlinked file must stay reachable)
+        self.handle = handle  # None: reopened by entry instead (or never evicted)
+        # Without a handle: (parent inode, name) it was last looked up as, to reopen it.
+        self.entry: tuple[Inode, bytes] | None = None
+        self.cached_fd = fd
+        self.referenced = True  # CLOCK bit (qosfs.passthrough.fdcache)
+        self.slot = -1  # ring slot in the fd cache, -1 if not there
+        self.stale = False  # let go of (unlinked, or gone): every use answers ESTALE
+        # Memos for classification, dropped with the inode: its path (qosfs.passthrough.paths) and how
+        # the QoS engine last classified a request on it (qosfs.qos.engine.PolicyQos).
+        self.path_memo: tuple[int, float, str] | None = None
+        # (size, mtime_ns, ctime_ns) of the backing file when the kernel's page cache of
+        # it was last known good (qosfs.passthrough.operations: keep_cache); None after a write through us.
+        self.cache_stamp: tuple[int, int, int] | None = None
+        self.qos_memo: Any = None
+        # Bytes written to it through an uncapped class (and that flow): a rename may show
+        # they were a checkpoint all along (safetensors writes ".tmpXXXXXX", then renames).
+        self.unnamed_bytes = 0
+        self.unnamed_flow: Any = None
+
+    @property
+    def fd(self) -> int:
+        """An ``O_PATH`` descriptor on the object (see the class docstring for its life)."""
+        fd = self.cached_fd
+        if fd >= 0:
+            self.referenced = True
+            return fd
+        return self._table.reopen(self)
+
+    @property
+    def proc_path(self) -> str:
+        """A path that reopens exactly this object (the /proc magic link does not re-resolve)."""
+        return f"/proc/self/fd/{self.fd}"
+
+    def __repr__(self) -> str:
+        return (f"<Inode {self.nodeid} lookups={self.lookups} opens={self.opens} "
+                f"fd={self.cached_fd}{' stale' if self.stale else ''}>")
+
+
+class InodeTable:
+    """Maps node ids to backing objects and counts the kernel's references.
+
+    Args:
+        root_fd: The backing root directory (held open for the life of the mount).
+        fd_budget: At most this many descriptors are held for inodes that have a handle.
+        deferred_close: Given when worker threads run syscalls on inode descriptors
+            (see :class:`qosfs.passthrough.fdcache.DeferredClose`); evicted descriptors close through it.
+    """
+
+    def __init__(self, root_fd: int, fd_budget: int = 4096,
+                 deferred_close: DeferredClose | None = None) -> None:
+        st = os.fstat(root_fd)
+        self.root_dev = st.st_dev
+        # open_by_handle_at wants a real (not O_PATH) descriptor on the filesystem.
+        self._mount_fd = os.open(f"/proc/self/fd/{root_fd}",
+                                 os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.root = Inode(self, pyfuse3.ROOT_INODE, (st.st_dev, st.st_ino), 1, None, root_fd)
+        self._by_id: dict[int, Inode] = {pyfuse3.ROOT_INODE: self.root}
+        self._by_key: dict[tuple[int, int], Inode] = {self.root.key: self.root}
+        self._next_synthetic = _SYNTHETIC_BASE
+        close = deferred_close.retire if deferred_close is not None else os.close
+        self._close = close
+        self.cache = FdCache(fd_budget, close)
+        self.pinned = 0  # descriptors held for inodes without a handle
+        self.reopens = 0  # descriptors reopened from a handle (cache misses)
+        self._root_mount_id, self.handles = _handles_usable(self._mount_fd)
+        if not self.handles:
+            log.warning("file handles unavailable on the source: one descriptor per inode "
+                        "the kernel knows (a large tree may exhaust the descriptor limit)")
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    @property
+    def fds_held(self) -> int:
+        """Descriptors held for inodes now (cached plus pinned, the root included)."""
+        return len(self.cache) + self.pinned + 2  # the root, and the mount descriptor
+
+    def get(self, nodeid: int) -> Inode:
+        """The inode for a node id the kernel gave us; ESTALE if it was let go.
+
+        Every request handler starts here, so this is where the descriptor cache is
+        trimmed (:meth:`trim`).
+        """
+        inode = self._by_id[nodeid]
+        if inode.stale:
+            raise _stale()
+        if self.cache.over:
+            self.cache.trim()
+        return inode
+
+    def trim(self) -> None:
+        """Evict cached descriptors down to the budget. Call only where a request starts,
+        before it has taken any inode descriptor (:meth:`get` does, for its caller)."""
+        if self.cache.over:
+            self.cache.trim()
+
+    @staticmethod
+    def resolve(parent_fd: int, name: bytes) -> tuple[int, os.stat_result]:
+        """Open *name* in the directory *parent_fd* as O_PATH and stat it.
+
+        Pure syscalls, safe to run in a worker thread; pass the result to :meth:`adopt` on
+        the event loop. Raises OSError from the backing store (ENOENT, EACCES, ...).
+        """
+        fd = os.open(name, _LOOKUP_FLAGS, dir_fd=parent_fd)
+        try:
+            return fd, os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            raise
+
+    def adopt(self, fd: int, st: os.stat_result,
+              entry: tuple[Inode, bytes] | None = None) -> Inode:
+        """Count one kernel reference to the object behind *fd*, taking ownership of *fd*.
+
+        If the object is already known (another name, a hard link), the known inode is
+        returned, so hard links share one node id; *fd* then refreshes its cached
+        descriptor or is closed. *entry* is the (parent, name) it was looked up as.
+        """
+        key = (st.st_dev, st.st_ino)
+        inode = self._by_key.get(key)
+        handle = None
+        if inode is not None and not inode.stale:
+            if inode.handle is None and entry is not None:
+                inode.entry = entry  # the name to reopen it by: the latest one
+            if inode.cached_fd >= 0 or inode.handle is None:
+                if inode.cached_fd >= 0:
+                    os.close(fd)
+                else:
+                    self.cache.put(inode, fd)
+                inode.lookups += 1
+                return inode
+            handle = self._handle_of(fd, st)
+            if handle == inode.handle:
+                self.cache.put(inode, fd)  # it will be used next: keep this descriptor
+                inode.lookups += 1
+                return inode
+            # Same inode number, another generation: the known object is gone underneath
+            # and its number was reused. The old node id answers ESTALE from now on.
+            inode.stale = True
+        elif self.handles:
+            handle = self._handle_of(fd, st)
+        nodeid = st.st_ino if st.st_dev == self.root_dev else 0
+        if nodeid <= pyfuse3.ROOT_INODE or nodeid in self._by_id:
+            nodeid = self._next_synthetic
+            self._next_synthetic += 1
+        inode = Inode(self, nodeid, key, 1, handle, -1)
+        self._by_id[nodeid] = inode
+        self._by_key[key] = inode
+        if handle is None and entry is None:
+            inode.cached_fd = fd  # no way to reopen it: held for as long as it is known
+            self.pinned += 1
+        else:
+            inode.entry = entry if handle is None else None
+            self.cache.put(inode, fd)
+        return inode
+
+    def _handle_of(self, fd: int, st: os.stat_result) -> bytes | None:
+        """The object's file handle, or None if it must keep its descriptor instead."""
+        if not self.handles or st.st_dev != self.root_dev:
+            return None  # a submount: its handles would need a descriptor on that mount
+        try:
+            handle, mount_id = syscalls.handle_of_fd(fd)
+        except OSError:
+            return None
+        return handle if mount_id == self._root_mount_id else None
+
+    def reopen(self, inode: Inode) -> int:
+        """Open an evicted inode's descriptor again, from its handle or its name (and
+        cache it); ESTALE if the object is gone or its name holds another now."""
+        if inode.stale:
+            raise _stale()
+        try:
+            if inode.handle is not None:
+                fd = syscalls.open_by_handle(self._mount_fd, inode.handle, _REOPEN_FLAGS)
+            elif inode.entry is not None:
+                fd = self._reopen_by_name(inode, *inode.entry)
+            else:
+                raise _stale()
+        except OSError as exc:
+            if exc.errno in (errno.ESTALE, errno.ENOENT):
+                inode.stale = True  # gone underneath, or moved where we cannot know
+                raise _stale() from None
+            raise
+        self.reopens += 1
+        self.cache.put(inode, fd)
+        return fd
+
+    @staticmethod
+    def _reopen_by_name(inode: Inode, parent: Inode, name: bytes) -> int:
+        fd = os.open(name, _LOOKUP_FLAGS, dir_fd=parent.fd)
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        if (st.st_dev, st.st_ino) != inode.key:
+            os.close(fd)
+            raise _stale()
+        return fd
+
+    def renamed(self, parent: Inode, name: bytes) -> None:
+        """*parent*'s entry *name* was just renamed to, through the mount: an inode
+        reopened by name must use that name from now on."""
+        if self.handles and parent.key[0] == self.root_dev:
+            return  # by handle: names do not matter (submounts aside, rarely renamed)
+        try:
+            st = os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
+        except OSError:
+            return
+        inode = self._by_key.get((st.st_dev, st.st_ino))
+        if inode is not None and inode.handle is None and inode.entry is not None:
+            inode.entry = (parent, name)
+
+    def relieve(self) -> bool:
+        """The daemon is short of descriptors: close half of the cached ones.
+
+        Returns whether any was closed (worth retrying the call that failed). Descriptors
+        the caller took from inodes before are invalid afterwards: take them again.
+        """
+        dropped = self.cache.shrink(len(self.cache) // 2)
+        if dropped:
+            log.warning("out of file descriptors: closed %d cached inode descriptors "
+                        "(%d left)", dropped, len(self.cache))
+        return dropped > 0
+
+    def nodeid_of(self, st: os.stat_result) -> int:
+        """The node id an object has or would get, without counting a reference."""
+        inode = self._by_key.get((st.st_dev, st.st_ino))
+        if inode is not None:
+            return inode.nodeid
+        return st.st_ino if st.st_dev == self.root_dev and st.st_ino > 1 else 0
+
+    def find(self, st: os.stat_result) -> Inode | None:
+        """The known inode for a backing object, if the kernel knows it."""
+        return self._by_key.get((st.st_dev, st.st_ino))
+
+    def release_unlinked(self, inode: Inode) -> None:
+        """Let go of a file whose last name is gone and that nobody has open.
+
+        Our O_PATH descriptor would otherwise keep its blocks allocated until the kernel
+        gets round to forgetting it, so ``rm`` would not free space as it does natively.
+        The node id stays valid (the kernel may still forget it); any later use of it
+        answers ESTALE.
+        """
+        if inode is self.root or inode.opens or inode.stale:
+            return
+        try:
+            if os.fstat(inode.fd).st_nlink:
+                return
+        except OSError as exc:
+            if exc.errno != errno.ESTALE:  # short of descriptors, say: try again later
+                return
+        if self._by_key.get(inode.key) is inode:
+            del self._by_key[inode.key]
+        inode.stale = True
+        self._let_go(inode)
+
+    def _let_go(self, inode: Inode) -> None:
+        if inode.slot >= 0:
+            self.cache.drop(inode)
+        elif inode.cached_fd >= 0:  # a pinned descriptor (no handle)
+            self._close(inode.cached_fd)
+            inode.cached_fd = -1
+            self.pinned -= 1
+
+    def forget(self, nodeid: int, count: int) -> None:
+        """Drop *count* kernel references; close the descriptor when none remain."""
+        inode = self._by_id.get(nodeid)
+        if inode is None:
+            log.warning("forget for unknown inode %d", nodeid)
+            return
+        inode.lookups -= count
+        if inode.lookups > 0 or inode is self.root:
+            return
+        del self._by_id[nodeid]
+        if self._by_key.get(inode.key) is inode:
+            del self._by_key[inode.key]
+        inode.stale = True
+        self._let_go(inode)
+
+    def close_all(self) -> None:
+        """Close every descriptor (after unmount, when the kernel will send no more forgets)."""
+        self.cache.close_all()
+        for inode in self._by_id.values():
+            if inode is not self.root and inode.cached_fd >= 0:
+                self._close(inode.cached_fd)
+                inode.cached_fd = -1
+        self.pinned = 0
+        if self._mount_fd >= 0:
+            os.close(self._mount_fd)
+            self._mount_fd = -1
+        self._by_id = {pyfuse3.ROOT_INODE: self.root}
+        self._by_key = {self.root.key: self.root}
+
+
+def default_fd_budget() -> int:
+    """How many inode descriptors to cache: a quarter of the descriptor limit, so that
+    open files, directory listings and sockets keep the other three quarters."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_FD_BUDGET
+    return max(MIN_FD_BUDGET, min(MAX_FD_BUDGET, soft // 4))
+
+
+def _handles_usable(mount_fd: int) -> tuple[int, bool]:
+    """The source's mount id, and whether its objects can be reopened from handles here."""
+    try:
+        handle, mount_id = syscalls.handle_of_fd(mount_fd)
+        os.close(syscalls.open_by_handle(mount_fd, handle, _REOPEN_FLAGS))
+    except OSError as exc:
+        log.info("file handles unusable on the source (%s)", exc.strerror)
+        return -1, False
+    return mount_id, True

@@ -1,0 +1,878 @@
+"""The FUSE operations: a faithful pass-through of a backing directory tree.
+
+This module only translates FUSE requests into syscalls on the backing store, relative to
+descriptors (see :mod:`qosfs.passthrough.inodes`). What a request is charged to and when it may
+proceed is asked of the QoS engine (``self.qos``): the class of a file is chosen at
+open, where pyfuse3 tells us the caller, and kept in the handle.
+
+Choices made here, each for a reason:
+
+* Writes are synchronous pass-through (no writeback cache): a write is acknowledged only
+  once the backing store has it, so a daemon crash loses nothing that was acknowledged,
+  and every byte is accounted when it really moves.
+* The page cache is used for reads unless the QoS class asks for ``direct_io`` (a capped
+  read class must not escape its cap through cached pages). With ``--cache auto`` an
+  open keeps the pages the kernel has (``keep_cache``) when the backing file's size,
+  mtime and ctime are those seen at the previous open and nothing was written through
+  the mount since, and drops them otherwise: NFS's close-to-open consistency. Dropping
+  them at every open halved a re-read (1.9 against 4.4 GB/s).
+* Entry and attribute timeouts default to 1 s, the same order as NFS's ``actimeo``:
+  repeated stats do not cost a round trip, and changes made under the mount by other
+  nodes become visible within a second.
+* Only ``FUSEError`` may leave a handler (anything else kills pyfuse3's main loop): a
+  backing-store ``OSError`` becomes its own errno; anything unexpected is logged and
+  answered with EIO.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import mmap
+import os
+import resource
+import stat
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pyfuse3
+import trio
+from pyfuse3 import FUSEError
+
+from qosfs.core import interrupts, syscalls
+from qosfs.passthrough.backing_io import BackingIO
+from qosfs.passthrough.fdcache import DeferredClose
+from qosfs.passthrough.handles import DirHandle, FileHandle, OpenQuota
+from qosfs.passthrough.inodes import Inode, InodeTable, default_fd_budget
+from qosfs.passthrough.paths import PathBook
+from qosfs.qos.interface import QosEngine
+from qosfs.qos.latency_probe import PROBE_XATTR
+
+log = logging.getLogger(__name__)
+
+_F = TypeVar("_F", bound=Callable[..., Awaitable[Any]])
+
+# Flags the kernel handles itself (or that make no sense when reopening an existing
+# object through its /proc magic link; O_NOFOLLOW would refuse the magic link).
+_OPEN_DROP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_NOFOLLOW
+_ACCMODE = os.O_RDONLY | os.O_WRONLY | os.O_RDWR
+_SUID_SGID = stat.S_ISUID | stat.S_ISGID
+_CAPABILITY_XATTR = b"security.capability"
+_FD_SHORTAGE = (errno.EMFILE, errno.ENFILE)
+# readdir lets other requests run every this many entries (~0.3 ms of work), see readdir.
+_READDIR_YIELD_MASK = 15
+_now_ns = time.perf_counter_ns
+# The largest write request: libfuse 3.14 caps max_write at its buffer of 256 pages, and
+# the kernel pins at most 256 pages per direct_io request. A request a page offset
+# shorter than that was cut at a page boundary (PassthroughOperations._split_tail).
+MAX_WRITE = 256 * mmap.PAGESIZE
+_SPLIT_MIN = MAX_WRITE - mmap.PAGESIZE
+
+
+def fuse_handler(fn: _F) -> _F:
+    """Turn every failure of a metadata handler into a ``FUSEError`` the kernel understands."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: Any) -> Any:
+        try:
+            return await fn(*args)
+        except FUSEError:
+            raise
+        except OSError as exc:
+            raise FUSEError(exc.errno or errno.EIO) from None
+        except Exception:
+            log.exception("unexpected failure in %s; answering EIO", fn.__name__)
+            raise FUSEError(errno.EIO) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, slots=True)
+class FsOptions:
+    """Mount-wide knobs of the pass-through (see the module docstring for the defaults)."""
+
+    entry_timeout: float = 1.0
+    attr_timeout: float = 1.0
+    cache: str = "auto"  # "auto": page cache, revalidated per open; "always"; "never"
+    fd_budget: int = 0  # inode descriptors kept open (qosfs.passthrough.inodes); 0: from RLIMIT_NOFILE
+
+
+class PassthroughOperations(pyfuse3.Operations):
+    """pyfuse3 operations that forward everything to a backing directory."""
+
+    supports_dot_lookup = True
+    enable_writeback_cache = False  # see module docstring: acknowledged means written
+    enable_acl = False
+
+    def __init__(self, root_fd: int, io: BackingIO, qos: QosEngine, options: FsOptions,
+                 write_as_caller: bool = False) -> None:
+        super().__init__()
+        # Non-root openers' writes run with their fsuid (root's reserve: qosfs.daemon.privileges).
+        self._write_as_caller = write_as_caller
+        # Evicted inode descriptors are closed only once no worker thread can still be
+        # using them (network backing stores run metadata syscalls in threads).
+        guard = DeferredClose()
+        io.fd_guard = guard
+        budget = options.fd_budget or default_fd_budget()
+        self.inodes = InodeTable(root_fd, budget, guard)
+        # Each uid may hold half of the descriptors the inode cache leaves (qosfs.passthrough.handles).
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            soft = 1 << 20
+        self.open_quota = OpenQuota(max(64, (soft - budget) // 2))
+        self.io = io
+        self.qos = qos
+        self.options = options
+        self.files: dict[int, FileHandle] = {}
+        self.dirs: dict[int, DirHandle] = {}
+        self._as_root = os.geteuid() == 0
+        # Paths for the QoS engine's classification (it asks paths.relpath_until(inode)).
+        self.paths = PathBook(root_fd, self.inodes.root)
+        self._learn_paths = qos.needs_paths
+        self._meta_limiter = qos.meta_limiter
+        # Pids of the latency canary process (qosfs.qos.latency_probe), filled by it.
+        self.probe_tids: set[int] = set()
+
+    # ----------------------------------------------------------------- helpers
+
+    def _entry(self, inode: Inode, st: os.stat_result) -> pyfuse3.EntryAttributes:
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = inode.nodeid
+        e.generation = 0
+        e.entry_timeout = self.options.entry_timeout
+        e.attr_timeout = self.options.attr_timeout
+        by_path = self.qos.cache_timeouts  # by the classes' paths, if the policy says
+        if by_path is not None:
+            entry, attr = by_path(self.paths.relpath(inode))
+            if entry is not None:
+                e.entry_timeout = entry
+            if attr is not None:
+                e.attr_timeout = attr
+        e.st_mode = st.st_mode
+        e.st_nlink = st.st_nlink
+        e.st_uid = st.st_uid
+        e.st_gid = st.st_gid
+        e.st_rdev = st.st_rdev
+        e.st_size = st.st_size
+        e.st_blksize = st.st_blksize
+        e.st_blocks = st.st_blocks
+        e.st_atime_ns = st.st_atime_ns
+        e.st_mtime_ns = st.st_mtime_ns
+        e.st_ctime_ns = st.st_ctime_ns
+        return e
+
+    async def _meta(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self.io.meta(self._meta_limiter, fn, *args)
+
+    async def _meta_opening(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """:meth:`_meta` for a call that opens a descriptor; an :class:`Inode` among *args*
+        is passed as its descriptor, taken just before the call.
+
+        If the daemon is out of descriptors, cached inode descriptors are shed and the call
+        is tried once more (with descriptors taken afresh, since shedding may have closed
+        the first ones): a caller must never see EMFILE because of the daemon's own
+        bookkeeping.
+        """
+        try:
+            return await self.io.meta(self._meta_limiter, fn, *_fds(args))
+        except OSError as exc:
+            if exc.errno not in _FD_SHORTAGE or not self.inodes.relieve():
+                raise
+        return await self.io.meta(self._meta_limiter, fn, *_fds(args))
+
+    async def _admit_meta(self, inode: Inode, ctx: pyfuse3.RequestContext) -> None:
+        if self.qos.meta_limited:
+            await self.qos.admit_meta(self.paths, inode, ctx)
+
+    def _adopt(self, parent: Inode, name: bytes, fd: int, st: os.stat_result) -> Inode:
+        """The inode for *parent*'s entry *name* (opened as *fd*), its path noted for the
+        QoS engine so that the open which usually follows need not read it from /proc."""
+        inode = self.inodes.adopt(fd, st, (parent, name))
+        if self._learn_paths:
+            self.paths.note_child(parent, name, inode)
+        return inode
+
+    async def _adopt_new(self, parent: Inode, name: bytes) -> pyfuse3.EntryAttributes:
+        fd, st = await self._meta_opening(self.inodes.resolve, parent, name)
+        return self._entry(self._adopt(parent, name, fd, st), st)
+
+    def _give_to_caller(self, parent: Inode, name: bytes, ctx: pyfuse3.RequestContext,
+                        mode: int) -> None:
+        """Make a freshly created object owned by the caller, as if they had created it.
+
+        The daemon runs as root, so the backing store made it root's. The group follows
+        the caller unless the parent directory is setgid (then the backing store already
+        gave it the directory's group). chown clears setuid/setgid bits, so they are put
+        back when the caller asked for them.
+        """
+        if not self._as_root:
+            return
+        parent_mode = os.fstat(parent.fd).st_mode
+        gid = -1 if parent_mode & stat.S_ISGID else ctx.gid
+        os.chown(name, ctx.uid, gid, dir_fd=parent.fd, follow_symlinks=False)
+        if mode & _SUID_SGID and not stat.S_ISLNK(mode):
+            os.chmod(name, stat.S_IMODE(mode), dir_fd=parent.fd)
+
+    # ----------------------------------------------------------------- lookups
+
+    @fuse_handler
+    async def lookup(self, parent_inode: int, name: bytes,
+                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        parent = self.inodes.get(parent_inode)
+        await self._admit_meta(parent, ctx)
+        if name == b"." or (name == b".." and parent is self.inodes.root):
+            # Never leave the source tree through '..' of the mount root.
+            parent.lookups += 1
+            return self._entry(parent, await self._meta(os.fstat, parent.fd))
+        try:
+            fd, st = await self._meta_opening(self.inodes.resolve, parent, name)
+        except FileNotFoundError:
+            # A negative entry the kernel may cache for entry_timeout (st_ino 0).
+            e = pyfuse3.EntryAttributes()
+            e.st_ino = 0
+            e.entry_timeout = self.options.entry_timeout
+            return e
+        return self._entry(self._adopt(parent, name, fd, st), st)
+
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        for nodeid, count in inode_list:
+            try:
+                self.inodes.forget(nodeid, count)
+            except Exception:  # forget must not raise: no request to answer
+                log.exception("forget(%d, %d) failed", nodeid, count)
+
+    @fuse_handler
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        node = self.inodes.get(inode)
+        await self._admit_meta(node, ctx)
+        return self._entry(node, await self._meta(os.fstat, node.fd))
+
+    @fuse_handler
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes,
+                      fields: pyfuse3.SetattrFields, fh: int | None,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        node = self.inodes.get(inode)
+        await self._admit_meta(node, ctx)
+        handle = self.files.get(fh) if fh is not None else None
+        await self._meta(self._apply_setattr, node, handle, attr, fields, ctx.uid)
+        return self._entry(node, await self._meta(os.fstat, node.fd))
+
+    def _apply_setattr(self, node: Inode, handle: FileHandle | None,
+                       attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                       caller_uid: int) -> None:
+        if not (fields.update_size or fields.update_mode or fields.update_uid
+                or fields.update_gid or fields.update_atime or fields.update_mtime):
+            # chown(-1, -1) (and lchown, fchown): the kernel sends a setattr with nothing
+            # to change, yet natively the call updates ctime. The same no-op chown on the
+            # backing object does exactly what it does there. (update_ctime alone comes
+            # only with the writeback cache, which is off.)
+            syscalls.chown_fd(node.fd, -1, -1)
+            return
+        if fields.update_size:
+            node.cache_stamp = None  # cached pages past the new size are gone: re-read
+            if handle is not None:
+                os.ftruncate(handle.fd, attr.st_size)
+            else:
+                os.truncate(node.proc_path, attr.st_size)
+            if caller_uid != 0:
+                self._kill_priv(node.fd)
+        if fields.update_mode:
+            mode = stat.S_IMODE(attr.st_mode)
+            if handle is not None:
+                os.fchmod(handle.fd, mode)
+            else:
+                os.chmod(node.proc_path, mode)
+        if fields.update_uid or fields.update_gid:
+            uid = attr.st_uid if fields.update_uid else -1
+            gid = attr.st_gid if fields.update_gid else -1
+            syscalls.chown_fd(node.fd, uid, gid)
+        if fields.update_atime or fields.update_mtime:
+            syscalls.utimens_fd(
+                node.fd,
+                attr.st_atime_ns if fields.update_atime else None,
+                attr.st_mtime_ns if fields.update_mtime else None,
+            )
+
+    @staticmethod
+    def _kill_priv(fd: int) -> None:
+        """Clear setuid (and group-exec setgid) as the kernel does when a non-root user writes.
+
+        The daemon writes as root, which keeps those bits, so it clears them itself.
+        """
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            return
+        kill = stat.S_ISUID | (stat.S_ISGID if mode & stat.S_IXGRP else 0)
+        if mode & kill:
+            os.chmod(f"/proc/self/fd/{fd}", stat.S_IMODE(mode) & ~kill)
+
+    @fuse_handler
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        node = self.inodes.get(inode)
+        await self._admit_meta(node, ctx)
+        return await self._meta(functools.partial(os.readlink, b"", dir_fd=node.fd))
+
+    # ----------------------------------------------------------------- namespace changes
+
+    @fuse_handler
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        parent = self.inodes.get(parent_inode)
+        await self._admit_meta(parent, ctx)
+        await self._meta(self._mknod, parent, name, mode, rdev, ctx)
+        return await self._adopt_new(parent, name)
+
+    def _mknod(self, parent: Inode, name: bytes, mode: int, rdev: int,
+               ctx: pyfuse3.RequestContext) -> None:
+        os.mknod(name, mode, rdev, dir_fd=parent.fd)
+        self._give_to_caller(parent, name, ctx, mode)
+
+    @fuse_handler
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        parent = self.inodes.get(parent_inode)
+        await self._admit_meta(parent, ctx)
+        await self._meta(self._mkdir, parent, name, mode, ctx)
+        return await self._adopt_new(parent, name)
+
+    def _mkdir(self, parent: Inode, name: bytes, mode: int, ctx: pyfuse3.RequestContext) -> None:
+        os.mkdir(name, stat.S_IMODE(mode), dir_fd=parent.fd)
+        # chown keeps a directory's setgid bit, so no mode fix-up is needed here.
+        self._give_to_caller(parent, name, ctx, mode & ~_SUID_SGID)
+
+    @fuse_handler
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        parent = self.inodes.get(parent_inode)
+        await self._admit_meta(parent, ctx)
+        await self._meta(self._symlink, parent, name, target, ctx)
+        return await self._adopt_new(parent, name)
+
+    def _symlink(self, parent: Inode, name: bytes, target: bytes,
+                 ctx: pyfuse3.RequestContext) -> None:
+        os.symlink(target, name, dir_fd=parent.fd)
+        self._give_to_caller(parent, name, ctx, stat.S_IFLNK)
+
+    @fuse_handler
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+                   ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        node = self.inodes.get(inode)
+        parent = self.inodes.get(new_parent_inode)
+        await self._admit_meta(parent, ctx)
+        await self._meta(syscalls.link_fd, node.fd, parent.fd, new_name)
+        return await self._adopt_new(parent, new_name)
+
+    @fuse_handler
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        parent = self.inodes.get(parent_inode)
+        await self._admit_meta(parent, ctx)
+        st = await self._meta(self._unlink, parent.fd, name)
+        inode = self.inodes.find(st)
+        if inode is not None and st.st_nlink <= 1:
+            # The last name is gone: let go of the blocks now, as a native unlink does.
+            self.inodes.release_unlinked(inode)
+
+    @fuse_handler
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        parent = self.inodes.get(parent_inode)
+        await self._admit_meta(parent, ctx)
+        await self._meta(self._rmdir, parent.fd, name)
+
+    def _looked_up(self, parent_fd: int, name: bytes) -> os.stat_result:
+        """The object under *name*, which must be one the kernel looked up (ESTALE if not).
+
+        The kernel checked permissions (a sticky directory, say) on the object it looked
+        up under this name. If the name holds something else now (changed underneath),
+        acting on it as root would skip that check; ESTALE makes the VFS look the name up
+        again and check what is really there.
+        """
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+        if self.inodes.find(st) is None:
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+        return st
+
+    def _unlink(self, parent_fd: int, name: bytes) -> os.stat_result:
+        st = self._looked_up(parent_fd, name)
+        os.unlink(name, dir_fd=parent_fd)
+        return st
+
+    def _rmdir(self, parent_fd: int, name: bytes) -> None:
+        self._looked_up(parent_fd, name)
+        os.rmdir(name, dir_fd=parent_fd)
+
+    def _rename(self, old_fd: int, name_old: bytes, new_fd: int, name_new: bytes,
+                flags: int) -> None:
+        self._looked_up(old_fd, name_old)
+        if flags & syscalls.RENAME_EXCHANGE:
+            self._looked_up(new_fd, name_new)
+        syscalls.renameat2(old_fd, name_old, new_fd, name_new, flags)
+
+    @fuse_handler
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
+                     name_new: bytes, flags: int, ctx: pyfuse3.RequestContext) -> None:
+        old = self.inodes.get(parent_inode_old)
+        new = self.inodes.get(parent_inode_new)
+        await self._admit_meta(old, ctx)
+        try:
+            await self._meta(self._rename, old.fd, name_old, new.fd, name_new, flags)
+            self.inodes.renamed(new, name_new)
+            if flags & syscalls.RENAME_EXCHANGE:
+                self.inodes.renamed(old, name_old)
+        finally:
+            # Paths below the renamed name changed: every memoized path (and the engine's
+            # classifications from them) is stale. After the call, so that one read while
+            # the rename ran is dropped too.
+            self.paths.renamed()
+        await self._charge_renamed(new, name_new, ctx)
+
+    async def _charge_renamed(self, parent: Inode, name: bytes,
+                              ctx: pyfuse3.RequestContext) -> None:
+        """An atomic save just got its final name: bytes it wrote while its name put it in
+        an uncapped class are charged to the class of the final name (as debt, paid by
+        that class's next writes), so a cap holds over successive saves even for writers
+        whose temporary name says nothing (safetensors' ".tmpXXXXXX")."""
+        try:
+            st = await self._meta(functools.partial(os.stat, dir_fd=parent.fd,
+                                                    follow_symlinks=False), name)
+        except OSError:
+            return  # gone already (renamed again, unlinked): nothing to charge
+        inode = self.inodes.find(st)
+        if inode is None or not inode.unnamed_bytes:
+            return
+        nbytes, charged = inode.unnamed_bytes, inode.unnamed_flow
+        inode.unnamed_bytes, inode.unnamed_flow = 0, None
+        flow = self.qos.charge_renamed(self.paths, inode, ctx, charged, nbytes)
+        if flow is None or not inode.opens:
+            return
+        # Still open (written, renamed, written on): its remaining writes go where the
+        # final name belongs.
+        for handle in self.files.values():
+            if handle.inode is inode and handle.stream_limit and handle.flow is not flow:
+                handle.flow.release()
+                flow.open_files += 1
+                handle.flow = flow
+                handle.stream_limit = handle.stream_left = 0
+    # ----------------------------------------------------------------- files
+
+    @staticmethod
+    def _open_backing(flags: int, opener: Callable[..., int], *args: Any) -> tuple[int, bool]:
+        """``opener(*args, flags)`` with the caller's flags; fall back to buffered I/O if
+        O_DIRECT is refused."""
+        flags |= os.O_CLOEXEC
+        try:
+            return opener(*args, flags), bool(flags & os.O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or not flags & os.O_DIRECT:
+                raise
+        # A create's first attempt made the file before O_DIRECT was refused: reopen it.
+        return opener(*args, flags & ~(os.O_DIRECT | os.O_EXCL)), False
+
+    def _file_info(self, fd: int, direct: bool, flow: Any, flags: int,
+                   node: Inode, ctx: pyfuse3.RequestContext, owner: int) -> pyfuse3.FileInfo:
+        accmode = flags & _ACCMODE
+        kill_priv = False
+        if accmode != os.O_RDONLY and ctx.uid != 0:
+            kill_priv = bool(os.fstat(node.fd).st_mode & _SUID_SGID)
+        node.opens += 1
+        fsuid = ctx.uid if self._write_as_caller else 0
+        handle = self.files[fd] = FileHandle(fd, direct, flow, node, kill_priv, fsuid, owner)
+        if accmode != os.O_RDONLY:
+            handle.stream_left = handle.stream_limit = self.qos.stream_threshold(flow)
+        cache = self.options.cache
+        bypass = flow.direct_io_for(accmode)  # per class and access mode (PolicyFlow)
+        if bypass or cache == "never":
+            return pyfuse3.FileInfo(fh=fd, direct_io=True, keep_cache=False)
+        return pyfuse3.FileInfo(fh=fd, direct_io=False,
+                                keep_cache=cache == "always" or self._unchanged(node, fd))
+
+    @staticmethod
+    def _unchanged(node: Inode, fd: int) -> bool:
+        """Whether the kernel's cached pages of *node* still hold the backing file: same
+        size, mtime and ctime as at the last open, and no write through the mount since
+        (a write clears the stamp). Records the stamp for the next open either way.
+
+        The stamp is taken at open, as NFS's close-to-open does: a change made underneath
+        is seen by the next open, not by reads of an open that is already open. Kernels
+        from 6.13 give a change right after a stat a fine-grained ctime (multigrain
+        timestamps), so a same-size rewrite within one clock tick is seen too.
+        """
+        st = os.fstat(fd)
+        stamp = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        kept = stamp == node.cache_stamp
+        node.cache_stamp = stamp
+        return kept
+
+    @fuse_handler
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        node = self.inodes.get(inode)
+        owner = self.open_quota.claim(ctx.uid)
+        try:
+            fd, direct = await self._meta_opening(
+                self._open_backing, flags & ~_OPEN_DROP, _reopen, node
+            )
+        except BaseException:
+            self.open_quota.release(owner)
+            raise
+        writing = (flags & _ACCMODE) != os.O_RDONLY
+        flow = self.qos.open_flow(self.paths, node, ctx, writing)
+        return self._file_info(fd, direct, flow, flags, node, ctx, owner)
+
+    @fuse_handler
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        parent = self.inodes.get(parent_inode)
+        await self._admit_meta(parent, ctx)
+        owner = self.open_quota.claim(ctx.uid)
+        try:
+            return await self._create(parent, name, mode, flags, ctx, owner)
+        except BaseException:
+            self.open_quota.release(owner)
+            raise
+
+    async def _create(self, parent: Inode, name: bytes, mode: int, flags: int,
+                      ctx: pyfuse3.RequestContext,
+                      owner: int) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        # The kernel sends CREATE when it believes the name does not exist (a negative
+        # entry, cached for entry_timeout). If something appeared underneath since (another
+        # node, another path), a plain O_CREAT would open it as root -- another user's file,
+        # or the target of a symlink outside the tree -- and hand it to the caller. O_EXCL
+        # creates only what is new and never follows a symlink.
+        try:
+            fd, direct = await self._meta_opening(
+                self._open_backing,
+                (flags & ~(os.O_NOCTTY | os.O_NOFOLLOW)) | os.O_CREAT | os.O_EXCL,
+                _create_in, parent, name, stat.S_IMODE(mode),
+            )
+        except FileExistsError:
+            if flags & os.O_EXCL:
+                raise
+            # ESTALE makes the VFS redo the open with a fresh lookup: the kernel then
+            # opens the existing object itself, checking permissions as the caller.
+            raise FUSEError(errno.ESTALE) from None
+        try:
+            await self._meta(self._give_to_caller, parent, name, ctx, mode)
+            opath = await self._meta_opening(os.open, f"/proc/self/fd/{fd}",
+                                             os.O_PATH | os.O_CLOEXEC)
+            st = os.fstat(opath)
+        except BaseException:
+            os.close(fd)
+            raise
+        node = self._adopt(parent, name, opath, st)
+        flow = self.qos.open_flow(self.paths, node, ctx, True)
+        return self._file_info(fd, direct, flow, flags, node, ctx, owner), self._entry(node, st)
+
+    async def read(self, fh: int, off: int, size: int) -> Any:
+        # Hot path: no decorator frame, no logging, everything resolved at open. The only
+        # accounting is one perf_counter_ns() pair around the backing syscall and one
+        # call bumping plain integers (see qosfs.qos.accounting for what it costs).
+        handle = self.files[fh]
+        flow = handle.flow
+        try:
+            # Admission may refuse (EAGAIN: too many parked) or give up (EINTR: killed).
+            waited = await flow.admit_read(size) if flow.limited else 0.0
+            start = _now_ns()
+            data = await self.io.read(handle.fd, off, size, handle.direct, flow.limiter)
+            took = _now_ns() - start
+        except OSError as exc:
+            raise FUSEError(exc.errno or errno.EIO) from None
+        n = len(data)
+        if n < size and flow.limited:
+            flow.refund_read(size - n)  # EOF: readahead of a small file is not charged
+        flow.stats.record_read(n, waited, took)
+        return data
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        handle = self.files[fh]
+        flow = handle.flow
+        try:
+            waited = await flow.admit_write(len(buf)) if flow.limited else 0.0
+            if handle.kill_priv:
+                handle.kill_priv = False
+                self._kill_priv(handle.fd)
+            start = _now_ns()
+            n = await self.io.write(handle.fd, off, buf, handle.direct, flow.limiter,
+                                    flow.throttled_writes, handle.fsuid)
+            took = _now_ns() - start
+        except OSError as exc:
+            raise FUSEError(exc.errno or errno.EIO) from None
+        flow.stats.record_write(n, waited, took)
+        handle.inode.cache_stamp = None  # the next open drops cached pages (keep_cache)
+        if off == handle.split_end or _SPLIT_MIN < n < MAX_WRITE:
+            self._split_tail(handle, flow, off, n)
+        if handle.stream_limit:  # an uncapped writer that may turn out to be a checkpoint
+            node = handle.inode
+            node.unnamed_bytes += n
+            node.unnamed_flow = flow
+            if handle.stream_left:
+                self._follow_stream(handle, off, n)
+        return n
+
+    @staticmethod
+    def _split_tail(handle: FileHandle, flow: Any, off: int, n: int) -> None:
+        """Charge a caller's write as the requests it would take from an aligned buffer.
+
+        Under direct_io the kernel sends a write straight from the caller's pages: one
+        request holds at most 256 pages, so a 1 MiB write from a buffer that starts 48
+        bytes into a page (a Python bytes object's data does) arrives as 1 MiB - 48 and
+        then 48 bytes. Two write ops for one write doubled what a ``write_iops`` cap
+        charged (1,024 ops for 512 MiB of 1 MiB writes). A request that starts where
+        such a short one ended is part of the same write; its op is given back unless the
+        write needs it (``ceil(bytes / MAX_WRITE)``). Runs only on those two kinds of
+        request: one integer comparison on every other write.
+        """
+        if off == handle.split_end:
+            total = handle.split_bytes + n
+            ops = -(-total // MAX_WRITE)
+            if ops == handle.split_ops:
+                flow.refund_write_op()
+                flow.stats.write_ops -= 1
+            handle.split_bytes, handle.split_ops = total, ops
+            # A full request means the write goes on: its tail may follow.
+            handle.split_end = off + n if n == MAX_WRITE else -1
+        else:  # 1 MiB less a page offset: a write cut short at a page boundary
+            handle.split_end, handle.split_bytes, handle.split_ops = off + n, n, 1
+
+    def _follow_stream(self, handle: FileHandle, off: int, n: int) -> None:
+        """Count a write of a watched open; once ``stream_limit`` bytes came in sequence
+        (with at most a quarter as much elsewhere), move the open to the streaming class
+        for the rest of its life. A writer that scatters as much as the limit is left
+        alone for good. Called after the write: the move applies from the next one."""
+        if off == handle.stream_off or handle.stream_off < 0:
+            handle.stream_left -= n
+        else:
+            handle.scattered += n
+        handle.stream_off = off + n
+        if handle.stream_left <= 0:
+            handle.stream_left = 0  # decided either way: stop watching
+            if handle.scattered * 4 <= handle.stream_limit:
+                old = handle.flow
+                new = self.qos.moved_to_streaming(old)
+                if new is not old:
+                    old.release()
+                    new.open_files += 1
+                    handle.flow = new
+                    handle.stream_limit = 0  # charged where it belongs from now on
+        elif handle.scattered >= handle.stream_limit:
+            handle.stream_left = 0  # a random writer, not a stream
+
+    @fuse_handler
+    async def flush(self, fh: int) -> None:
+        # Writes are already on the backing store. On a network filesystem, closing a
+        # duplicate descriptor makes the client flush and report deferred write errors
+        # (NFS reports them at close), so the caller's close() sees them.
+        if self.io.mode.value == "threads":
+            handle = self.files[fh]
+            await self.io.blocking(handle.flow.limiter, _close_dup, handle.fd)
+            return
+        # On local filesystems a flush has nothing to do. ENOSYS makes the kernel stop
+        # sending FLUSH for the rest of the mount (close() still returns 0), which saves a
+        # round trip per close: create+close went from 5 to 4 requests (bench/overhead).
+        raise FUSEError(errno.ENOSYS)
+
+    @fuse_handler
+    async def release(self, fh: int) -> None:
+        handle = self.files.pop(fh)
+        self.open_quota.release(handle.owner)
+        handle.flow.release()
+        handle.inode.opens -= 1
+        await self.io.blocking(handle.flow.limiter, os.close, handle.fd)
+        if handle.inode.opens == 0 and handle.inode.lookups > 0:
+            self.inodes.release_unlinked(handle.inode)
+
+    @fuse_handler
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        handle = self.files[fh]
+        await self.io.blocking(handle.flow.limiter, os.fdatasync if datasync else os.fsync,
+                               handle.fd)
+
+    # ----------------------------------------------------------------- directories
+
+    @fuse_handler
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        node = self.inodes.get(inode)
+        await self._admit_meta(node, ctx)
+        owner = self.open_quota.claim(ctx.uid)
+        try:
+            fd = await self._meta_opening(_reopen, node,
+                                          os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except BaseException:
+            self.open_quota.release(owner)
+            raise
+        self.dirs[fd] = DirHandle(fd, node, owner=owner)
+        return fd
+
+    @fuse_handler
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        handle = self.dirs[fh]
+        if start_id == 0 or not handle.listed:
+            # A snapshot per pass keeps offsets stable while entries come and go.
+            handle.names = await self._meta(_list_names, handle.fd)
+            handle.listed = True
+        names = handle.names
+        resolve = self.inodes.resolve
+        for index in range(start_id, len(names)):
+            name = names[index]
+            if index < 2:  # "." and "..": listed like the backing store, never counted
+                if not pyfuse3.readdir_reply(token, name, self._dot_entry(handle, name),
+                                             index + 1):
+                    break
+                continue
+            try:
+                fd, st = await self._meta_opening(resolve, handle.fd, name)
+            except OSError as exc:
+                if exc.errno in _FD_SHORTAGE:
+                    raise  # not an entry that went away: the listing must not skip it
+                continue  # removed since the snapshot
+            # A batch may hold a thousand entries (the kernel's readdir buffer is up to
+            # max_pages): ~15 ms of work that would stall every other class's requests,
+            # so let them run every few entries, and trim the descriptor cache as we go.
+            # Both are safe: this loop holds no inode descriptor across entries.
+            if index & _READDIR_YIELD_MASK == 0:
+                await trio.lowlevel.checkpoint()
+            self.inodes.trim()
+            inode = self.inodes.adopt(fd, st, (handle.inode, name))
+            if not pyfuse3.readdir_reply(token, name, self._entry(inode, st), index + 1):
+                self.inodes.forget(inode.nodeid, 1)  # not sent: the kernel holds no reference
+                break
+
+    def _dot_entry(self, handle: DirHandle, name: bytes) -> pyfuse3.EntryAttributes:
+        node = handle.inode
+        if name == b".." and node is not self.inodes.root:
+            st = os.stat(b"..", dir_fd=node.fd, follow_symlinks=False)
+            nodeid = self.inodes.nodeid_of(st)
+        else:
+            st = os.fstat(node.fd)
+            nodeid = node.nodeid
+        entry = self._entry(node, st)
+        entry.st_ino = nodeid
+        return entry
+
+    @fuse_handler
+    async def releasedir(self, fh: int) -> None:
+        handle = self.dirs.pop(fh)
+        self.open_quota.release(handle.owner)
+        os.close(handle.fd)
+
+    @fuse_handler
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        handle = self.dirs[fh]
+        await self.io.blocking(self._meta_limiter, os.fsync, handle.fd)
+
+    # ----------------------------------------------------------------- filesystem-wide
+
+    @fuse_handler
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        sv = await self._meta(os.fstatvfs, self.inodes.root.fd)
+        out = pyfuse3.StatvfsData()
+        out.f_bsize = sv.f_bsize
+        out.f_frsize = sv.f_frsize
+        out.f_blocks = sv.f_blocks
+        out.f_bfree = sv.f_bfree
+        out.f_bavail = sv.f_bavail
+        out.f_files = sv.f_files
+        out.f_ffree = sv.f_ffree
+        out.f_favail = sv.f_favail
+        out.f_namemax = sv.f_namemax
+        return out
+
+    # ----------------------------------------------------------------- xattrs
+
+    @fuse_handler
+    async def setxattr(self, inode: int, name: bytes, value: bytes,
+                       ctx: pyfuse3.RequestContext) -> None:
+        node = self.inodes.get(inode)
+        await self._admit_meta(node, ctx)
+        await self._meta(os.setxattr, node.proc_path, name, value)
+
+    @fuse_handler
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        if name == PROBE_XATTR and ctx.pid in self.probe_tids:
+            raise FUSEError(errno.ENODATA)  # our own canary: only its round trip matters
+        node = self.inodes.get(inode)
+        # The kernel itself asks for security.capability before every write (to know
+        # whether the write must drop file capabilities). That is not the caller's
+        # metadata operation, so it is not charged: otherwise a meta_iops cap would
+        # throttle a class's writes.
+        if name != _CAPABILITY_XATTR:
+            await self._admit_meta(node, ctx)
+        return await self._meta(os.getxattr, node.proc_path, name)
+
+    @fuse_handler
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        node = self.inodes.get(inode)
+        await self._admit_meta(node, ctx)
+        names = await self._meta(os.listxattr, node.proc_path)
+        return [os.fsencode(n) for n in names]
+
+    @fuse_handler
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        node = self.inodes.get(inode)
+        await self._admit_meta(node, ctx)
+        await self._meta(os.removexattr, node.proc_path, name)
+
+    # ----------------------------------------------------------------- observation
+
+    def resources(self) -> dict[str, Any]:
+        """What the daemon holds now, for ``ctl status`` (descriptors, parked requests)."""
+        inodes = self.inodes
+        out: dict[str, Any] = {
+            "inodes": len(inodes), "inode_fds": inodes.fds_held,
+            "inode_fd_budget": inodes.cache.capacity, "inode_fd_reopens": inodes.reopens,
+            "file_handles": len(self.files), "dir_handles": len(self.dirs),
+            "open_per_uid_limit": self.open_quota.per_uid,
+            "open_refused": self.open_quota.refused,
+            "killed_callers": interrupts.killed_callers,
+        }
+        moves = getattr(self.qos, "stream_moves", None)
+        if moves is not None:  # opens moved as streaming writers, by the class they left
+            out["streaming_moves"] = dict(moves)
+            out["rename_charged_bytes"] = dict(getattr(self.qos, "rename_charges", {}))
+            accounts = getattr(self.qos, "accounts", None)
+            if accounts is not None:  # per-uid series (qosfs.qos.accounting, [metrics])
+                out["user_accounts"] = accounts.uid_keys
+                out["users_expired"] = getattr(self.qos, "users_expired", 0)
+        parking = getattr(self.qos, "parking", None)
+        if parking is not None:
+            out.update(parked_requests=parking.requests, parked_bytes=parking.bytes,
+                       parking_refused=parking.refused)
+        return out
+
+    # ----------------------------------------------------------------- shutdown
+
+    def close_all(self) -> None:
+        """Close every backing descriptor once the kernel connection is gone."""
+        for fd in list(self.files) + list(self.dirs):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.files.clear()
+        self.dirs.clear()
+        self.inodes.close_all()
+        self.io.fd_guard.close_all()
+
+
+def _fds(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """*args* with each :class:`Inode` replaced by its descriptor, taken now."""
+    return tuple([arg.fd if arg.__class__ is Inode else arg for arg in args])
+
+
+def _reopen(fd: int, flags: int) -> int:
+    """Open the object behind an O_PATH descriptor for I/O (the /proc magic link does not
+    re-resolve a path)."""
+    return os.open(f"/proc/self/fd/{fd}", flags)
+
+
+def _create_in(dir_fd: int, name: bytes, mode: int, flags: int) -> int:
+    return os.open(name, flags, mode, dir_fd=dir_fd)
+
+
+def _close_dup(fd: int) -> None:
+    os.close(os.dup(fd))
+
+
+def _list_names(fd: int) -> list[bytes]:
+    return [b".", b".."] + [os.fsencode(name) for name in os.listdir(fd)]

@@ -1,0 +1,89 @@
+"""Where an inode is in the tree, for classification by path -- cheaply.
+
+The QoS engine classifies opens and metadata requests by the object's path relative to the
+mount root. The authoritative answer is the inode's O_PATH descriptor's /proc link, which
+follows renames made anywhere, but reading it costs ~4 us: as much as the whole rest of
+the QoS machinery on a create (bench: metadata). So each inode memoizes its path:
+
+* read from /proc when nothing fresher is known;
+* derived from the parent's memoized path plus the name when the kernel looks up or
+  creates a child (the name the caller used: for a hard-linked file, the link opened);
+* trusted for at most :data:`PATH_MEMO_SECONDS` after it was read from /proc (a derived
+  path inherits its parent's deadline), and until the next rename through the mount,
+  which may move whole subtrees and so bumps :attr:`PathBook.epoch` for all of them.
+
+A rename made directly on the backing store is therefore seen within a second, the
+staleness the kernel's own entry cache (entry_timeout 1 s) already has.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from qosfs.passthrough.inodes import Inode
+
+# How long a path read from /proc is trusted: the kernel's default entry_timeout.
+PATH_MEMO_SECONDS = 1.0
+_DELETED = " (deleted)"
+_FS_ENCODING = sys.getfilesystemencoding()
+_monotonic = time.monotonic
+_INF = float("inf")
+
+
+class PathBook:
+    """Paths of inodes relative to the mount root, memoized per inode (``Inode.path_memo``).
+
+    Args:
+        root_fd: The descriptor of the backing root directory.
+        root: The root inode (its path is "").
+    """
+
+    def __init__(self, root_fd: int, root: Inode) -> None:
+        self.root = root
+        self._prefix = os.readlink(f"/proc/self/fd/{root_fd}").rstrip("/") + "/"
+        self.epoch = 0  # bumped by renames through the mount: every memo before is stale
+
+    def renamed(self) -> None:
+        """A rename through the mount happened (or may have): forget every memoized path."""
+        self.epoch += 1
+
+    def relpath(self, inode: Inode) -> str:
+        """The object's current path relative to the mount root ("" for the root)."""
+        return self.relpath_until(inode)[0]
+
+    def relpath_until(self, inode: Inode) -> tuple[str, float]:
+        """The object's path and the ``time.monotonic()`` until which it is trusted (the
+        root's, for ever); what is derived from it (a child's path, the QoS engine's
+        classification) is trusted no longer."""
+        if inode is self.root:
+            return "", _INF
+        memo = inode.path_memo
+        now = _monotonic()
+        if memo is not None and memo[0] == self.epoch and now < memo[1]:
+            return memo[2], memo[1]
+        path, deadline = self._read(inode), now + PATH_MEMO_SECONDS
+        inode.path_memo = (self.epoch, deadline, path)
+        return path, deadline
+
+    def note_child(self, parent: Inode, name: bytes, child: Inode) -> None:
+        """*child* is *parent*'s entry *name*: derive its path from the parent's.
+
+        Called at every lookup and create (when the engine classifies), so that the open
+        which usually follows does not read /proc; the parent's path is read from /proc
+        at most once per directory per second.
+        """
+        base, deadline = self.relpath_until(parent)
+        if parent is self.root:
+            deadline = _monotonic() + PATH_MEMO_SECONDS
+        leaf = name.decode(_FS_ENCODING, "surrogateescape")  # os.fsdecode, inlined
+        child.path_memo = (self.epoch, deadline, f"{base}/{leaf}" if base else leaf)
+
+    def _read(self, inode: Inode) -> str:
+        try:
+            path = os.readlink(inode.proc_path)
+        except OSError:
+            return ""
+        path = path.removesuffix(_DELETED)
+        return path[len(self._prefix):] if path.startswith(self._prefix) else ""

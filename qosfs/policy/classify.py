@@ -1,0 +1,434 @@
+"""Decide which class and tenant a request belongs to: pure, precompiled, cached.
+
+Why at open time: FUSE gives ``read``/``write`` no caller context, so ``fs.py`` classifies
+once in ``open``/``create`` (where uid, gid and pid are known) and keeps the class in the
+handle; metadata requests are classified per request with ``op="meta"``. Only the primary
+(fs)gid is visible through FUSE, so ``gids`` criteria see that one group, not supplementary
+groups.
+
+Globs (``compile_glob``) are path-aware, unlike :mod:`fnmatch` whose ``*`` crosses ``/``:
+
+- ``**`` as a whole component matches any number of components, including zero, so
+  ``data/**`` matches ``data`` itself and everything below it;
+- ``*`` and ``?`` match within one component; ``[a-z]``, ``[!0-9]``/``[^0-9]`` are classes;
+- everything else, backslash included, is literal.
+
+Example:
+    >>> compile_glob("**/*.pt").fullmatch("a/b/x.pt") is not None
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # policy.py imports this module for glob validation: no runtime cycle
+    from qosfs.policy.loading import ClassRule, IdRange, Policy, Tenant
+
+__all__ = [
+    "Classifier", "GlobError", "JobCache", "JobInfo", "compile_cgroup_glob", "compile_glob",
+    "compile_path_globs", "compile_value_glob", "read_job_info",
+]
+
+
+class GlobError(ValueError):
+    """A glob pattern that could never match what it looks like it should."""
+
+
+def _q(text: str) -> str:
+    """Quote for a one-line message (a newline in a pattern must not break the line)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _translate_component(text: str, pattern: str, *, slash_ok: bool) -> str:
+    """Regex source for one glob component (or a whole value when ``slash_ok``)."""
+    any_char = "." if slash_ok else "[^/]"
+    out: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        ch = text[i]
+        i += 1
+        if ch == "*":
+            out.append(any_char + "*")
+        elif ch == "?":
+            out.append(any_char)
+        elif ch == "[":
+            negate = i < n and text[i] in "!^"
+            j = i + 1 if negate else i
+            end = text.find("]", j + 1) if j < n and text[j] == "]" else text.find("]", j)
+            if end < 0:
+                raise GlobError(f'invalid glob {_q(pattern)}: unbalanced "["')
+            items = _class_items(text[j:end], pattern)
+            if negate:
+                out.append(f"[^{items}]" if slash_ok else f"[^/{items}]")
+            else:
+                out.append(f"[{items}]" if slash_ok else f"(?!/)[{items}]")
+            i = end + 1
+        else:
+            out.append(re.escape(ch))
+    return "".join(out)
+
+
+def _class_items(body: str, pattern: str) -> str:
+    """Escape every member of a ``[...]`` body, keeping ``a-z`` ranges (no regex set quirks)."""
+    out: list[str] = []
+    i = 0
+    while i < len(body):
+        if i + 2 < len(body) and body[i + 1] == "-":
+            lo, hi = body[i], body[i + 2]
+            if lo > hi:
+                backwards = _q(f"{lo}-{hi}")
+                raise GlobError(f"invalid glob {_q(pattern)}: range {backwards} is backwards")
+            out.append(f"{re.escape(lo)}-{re.escape(hi)}")
+            i += 3
+        else:
+            out.append(re.escape(body[i]))
+            i += 1
+    return "".join(out)
+
+
+def compile_glob(pattern: str) -> re.Pattern[str]:
+    """Compile a path glob relative to the mount root; use ``fullmatch`` on relative paths.
+
+    Raises:
+        GlobError: empty, absolute, ``.``/``..`` or empty components, ``**`` inside a
+            component, or an unbalanced ``[``.
+    """
+    if pattern.startswith("/"):
+        raise GlobError(f'invalid glob {_q(pattern)}: must be relative to the mount root '
+                        '(no leading "/")')
+    return _compile_path(pattern, pattern)
+
+
+def compile_cgroup_glob(pattern: str) -> re.Pattern[str]:
+    """Compile an absolute cgroup glob (``"/slurm/job_*/**"``); match it against the cgroup
+    path without its leading ``/``."""
+    if not pattern.startswith("/"):
+        raise GlobError(f'invalid glob {_q(pattern)}: cgroup paths are absolute '
+                        '(start with "/")')
+    return _compile_path(pattern[1:], pattern)
+
+
+def _compile_path(body: str, pattern: str) -> re.Pattern[str]:
+    if not body:
+        raise GlobError(f'invalid glob {_q(pattern)}: empty pattern')
+    source: list[str] = []
+    need_sep = False  # a literal component was emitted: the next one needs a "/"
+    parts = body.split("/")
+    for index, part in enumerate(parts):
+        if part in ("", ".", ".."):
+            raise GlobError(f'invalid glob {_q(pattern)}: "{part}" component never matches '
+                            '(paths are normalized)' if part else
+                            f'invalid glob {_q(pattern)}: empty path component')
+        if part == "**":
+            if index > 0 and parts[index - 1] == "**":
+                continue
+            if all(p == "**" for p in parts[index:]):
+                source.append("(?:/.*)?" if need_sep else ".*")
+            else:
+                source.append("(?:/.*)?/" if need_sep else "(?:.*/)?")
+            need_sep = False
+            continue
+        if "**" in part:
+            raise GlobError(f'invalid glob {_q(pattern)}: "**" must be a whole path component, '
+                            'like "data/**" or "**/*.pt"')
+        if need_sep:
+            source.append("/")
+        source.append(_translate_component(part, pattern, slash_ok=False))
+        need_sep = True
+    return re.compile("".join(source), re.DOTALL)
+
+
+def compile_value_glob(pattern: str) -> re.Pattern[str]:
+    """Compile a glob over a plain value (a job id): ``*`` matches anything, ``/`` included."""
+    if not pattern:
+        raise GlobError("invalid glob \"\": empty pattern")
+    return re.compile(_translate_component(pattern, pattern, slash_ok=True), re.DOTALL)
+
+
+def _any_of(patterns: tuple[str, ...], compile_one: Callable[[str], re.Pattern[str]]
+            ) -> re.Pattern[str] | None:
+    """One alternation regex for a list of globs (one ``fullmatch`` instead of N)."""
+    if not patterns:
+        return None
+    return re.compile("|".join(f"(?:{compile_one(p).pattern})" for p in patterns), re.DOTALL)
+
+
+def compile_path_globs(patterns: tuple[str, ...]) -> re.Pattern[str] | None:
+    """One regex matching a relative path any of the path globs *patterns* matches (None
+    for no patterns); ``fullmatch`` it."""
+    return _any_of(patterns, compile_glob)
+
+
+def _in_ranges(value: int, ranges: tuple[IdRange, ...]) -> bool:
+    return any(r.lo <= value <= r.hi for r in ranges)
+
+
+@dataclass(frozen=True, slots=True)
+class JobInfo:
+    """What ``/proc`` says about the calling process; ``None``/empty where it could not be
+    read. Hashable: classification results are memoized on it."""
+
+    # (name, value) of each environment variable the policy matches on that the caller
+    # had set to a non-empty value at exec (SLURM_JOB_ID, a pod's POD_NAMESPACE, ...).
+    env: tuple[tuple[str, str], ...] = ()
+    cgroup: str | None = None  # the cgroup v2 path (the "0::" line)
+    # The distinct cgroup v1 paths other than "/" (v1 and hybrid hierarchies, where
+    # Slurm's cgroup plugin puts a job under /slurm/uid_U/job_J/... per controller).
+    v1_cgroups: tuple[str, ...] = ()
+
+    def value(self, name: str) -> str | None:
+        """The caller's value of environment variable *name*, or None if unset or empty."""
+        for key, value in self.env:
+            if key == name:
+                return value
+        return None
+
+
+def _read_env(pid: int, names: tuple[str, ...], proc_root: str) -> tuple[tuple[str, str], ...]:
+    try:
+        with open(f"{proc_root}/{pid}/environ", "rb") as stream:
+            data = stream.read()
+    except OSError:
+        return ()
+    wanted = {name.encode(): name for name in names}
+    found: dict[str, str] = {}
+    for item in data.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        name = wanted.get(key)
+        if sep and name is not None and value and name not in found:
+            found[name] = value.decode("utf-8", "surrogateescape")
+    return tuple((name, found[name]) for name in names if name in found)
+
+
+def read_job_info(pid: int, env_vars: tuple[str, ...], *,
+                  proc_root: str = "/proc") -> JobInfo:
+    """Read the caller's values of *env_vars* (from ``/proc/PID/environ``) and its cgroup
+    paths (the v2 one, and the v1 ones of a v1 or hybrid hierarchy).
+
+    ``environ`` is the environment at exec time, which is where schedulers put job ids and
+    Kubernetes puts what the pod spec sets. A process that exited, or whose environ we may
+    not read, yields empty fields instead of an error: classification must not fail a
+    request. An empty value counts as unset.
+    """
+    if pid <= 0:  # the kernel's own requests (writeback) carry pid 0
+        return JobInfo()
+    env = _read_env(pid, env_vars, proc_root) if env_vars else ()
+    cgroup = None
+    try:
+        with open(f"{proc_root}/{pid}/cgroup", encoding="utf-8", errors="surrogateescape") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    v1: list[str] = []
+    for line in lines:
+        if line.startswith("0::"):
+            cgroup = line[3:]
+            continue
+        path = line.split(":", 2)[-1] if line.count(":") >= 2 else ""
+        if path.startswith("/") and path != "/" and path not in v1:
+            v1.append(path)
+    return JobInfo(env, cgroup, tuple(v1))
+
+
+class JobCache:
+    """A bounded LRU of :class:`JobInfo` per (pid, env_vars), with a TTL since pids recycle.
+
+    Lookups happen at open time only, and many opens come from the same rank, so most hit.
+    """
+
+    def __init__(self, *, maxsize: int = 4096, ttl: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 reader: Callable[[int, tuple[str, ...]], JobInfo] = read_job_info) -> None:
+        self.maxsize = maxsize
+        self.ttl = ttl
+        self._clock = clock
+        self._reader = reader
+        self._entries: OrderedDict[tuple[int, tuple[str, ...]], tuple[float, JobInfo]] = (
+            OrderedDict())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"JobCache(entries={len(self._entries)}, maxsize={self.maxsize}, ttl={self.ttl})"
+
+    def get(self, pid: int, env_vars: tuple[str, ...]) -> JobInfo:
+        """The (possibly cached) job info of ``pid``; reads ``/proc`` on a miss or expiry."""
+        key = (pid, env_vars)
+        now = self._clock()
+        hit = self._entries.get(key)
+        if hit is not None and now - hit[0] < self.ttl:
+            self._entries.move_to_end(key)
+            return hit[1]
+        info = self._reader(pid, env_vars)
+        self._entries[key] = (now, info)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.maxsize:
+            self._entries.popitem(last=False)
+        return info
+
+    def clear(self) -> None:
+        """Forget everything (e.g. after a policy reload changed ``job_env``)."""
+        self._entries.clear()
+
+
+# Temporary names of atomic saves, and what they become: "model.pt.tmp" / "model.pt.tmp42"
+# -> "model.pt", ".metadata.tmp" -> ".metadata" (torch.distributed.checkpoint), and a
+# directory "ckpt_100.orbax-checkpoint-tmp-1234" -> "ckpt_100" (renamed when complete).
+_TMP_LEAF = re.compile(r"(?<=[^/])\.tmp[^/]*$")
+_TMP_DIR = re.compile(r"(?:\.[^/.]*)?-tmp-[0-9]+(?=/|$)")
+
+
+def final_name(path: str) -> str | None:
+    """The path an atomic save will rename *path* to, or None if it does not look like a
+    temporary name. A leaf that is only a temporary name (safetensors' ``.tmpXXXXXX``)
+    has no final name to read: streaming-write detection catches those."""
+    final = _TMP_DIR.sub("", _TMP_LEAF.sub("", path))
+    return final if final != path else None
+
+
+class _Rule:
+    """One class with its criteria precompiled; ``None``/empty means "not a criterion"."""
+
+    __slots__ = (
+        "cgroups",
+        "gids",
+        "job_env",
+        "jobs",
+        "ops",
+        "paths",
+        "rule",
+        "tenants",
+        "uids",
+    )
+
+    def __init__(self, rule: ClassRule) -> None:
+        self.rule = rule
+        self.ops = rule.ops
+        self.paths = _any_of(rule.paths, compile_glob)
+        self.uids = rule.uids
+        self.gids = rule.gids
+        self.tenants = frozenset(rule.tenants)
+        self.job_env = rule.job_env
+        self.jobs = _any_of(rule.jobs, compile_value_glob)
+        self.cgroups = _any_of(rule.cgroups, compile_cgroup_glob)
+
+
+class _Member:
+    __slots__ = ("cgroups", "gids", "job_env", "jobs", "paths", "tenant", "uids")
+
+    def __init__(self, tenant: Tenant) -> None:
+        self.tenant = tenant
+        self.uids = tenant.uids
+        self.gids = tenant.gids
+        self.paths = _any_of(tenant.paths, compile_glob)
+        self.cgroups = _any_of(tenant.cgroups, compile_cgroup_glob)
+        self.job_env = tenant.job_env
+        self.jobs = _any_of(tenant.jobs, compile_value_glob)
+
+
+def _in_jobs(job_env: str, jobs: re.Pattern[str] | None, job: JobInfo | None) -> bool:
+    """Whether the caller set *job_env* (to a value one of the *jobs* globs matches)."""
+    value = job.value(job_env) if job is not None else None
+    return value is not None and (jobs is None or jobs.fullmatch(value) is not None)
+
+
+def _in_cgroups(pattern: re.Pattern[str], job: JobInfo) -> bool:
+    """Whether the v2 cgroup, or any v1 one, of the caller matches a cgroup glob."""
+    if job.cgroup is not None and pattern.fullmatch(job.cgroup.lstrip("/")) is not None:
+        return True
+    return any(pattern.fullmatch(path.lstrip("/")) is not None for path in job.v1_cgroups)
+
+
+class Classifier:
+    """Maps (path, uid, gid, op, job) to a class of one policy; build a new one per policy.
+
+    Results are memoized in a bounded LRU keyed by all inputs, so repeated opens of the same
+    file by the same user cost one dict lookup.
+    """
+
+    def __init__(self, policy: Policy, *, cache_size: int = 8192) -> None:
+        self.policy = policy
+        self._rules = tuple(_Rule(rule) for rule in policy.classes)
+        self._members = tuple(_Member(tenant) for tenant in policy.tenants)
+        self._uses_tenants = any(r.tenants for r in self._rules)
+        self._classify = functools.lru_cache(maxsize=cache_size)(self._classify_uncached)
+        self._tenant_of = functools.lru_cache(maxsize=cache_size)(self._tenant_of_uncached)
+
+    def __repr__(self) -> str:
+        names = ", ".join(r.rule.name for r in self._rules)
+        return f"Classifier(classes=[{names}], tenants={len(self._members)})"
+
+    def classify(self, path: str, uid: int, gid: int, op: str,
+                 job: JobInfo | None = None) -> ClassRule:
+        """The first class, in policy order, whose every criterion matches.
+
+        Args:
+            path: relative to the mount root, no leading ``/``; ``""`` is the root.
+            uid, gid: the caller's (fs)uid and (fs)gid.
+            op: ``"read"``, ``"write"`` or ``"meta"``.
+            job: the caller's :class:`JobInfo`, needed only if ``policy.needs_job_lookup``;
+                with ``None`` no job or cgroup criterion matches.
+        """
+        return self._classify(path, uid, gid, op, job)
+
+    def tenant_of(self, uid: int, gid: int, path: str,
+                  job: JobInfo | None = None) -> Tenant | None:
+        """The first tenant in policy order with uid in uids OR gid in gids, AND the path in
+        its paths, AND the caller in its cgroups, AND its job_env value in its jobs (each if
+        it has any): a tenant without uids/gids is defined by the other keys alone."""
+        return self._tenant_of(uid, gid, path, job)
+
+    def _tenant_of_uncached(self, uid: int, gid: int, path: str,
+                            job: JobInfo | None) -> Tenant | None:
+        for m in self._members:
+            if (m.uids or m.gids) and not (_in_ranges(uid, m.uids) or _in_ranges(gid, m.gids)):
+                continue
+            if m.paths is not None and m.paths.fullmatch(path) is None:
+                continue
+            if m.cgroups is not None and (job is None or not _in_cgroups(m.cgroups, job)):
+                continue
+            if m.job_env is not None and not _in_jobs(m.job_env, m.jobs, job):
+                continue
+            return m.tenant
+        return None
+
+    def _classify_uncached(self, path: str, uid: int, gid: int, op: str,
+                           job: JobInfo | None) -> ClassRule:
+        rule = self._first_match(path, uid, gid, op, job)
+        if rule is self.policy.classes[-1]:
+            # Only the default matched: a temporary name of an atomic save takes the class
+            # of the name it will be renamed to (written before the rename, or never).
+            final = final_name(path)
+            if final is not None:
+                return self._first_match(final, uid, gid, op, job)
+        return rule
+
+    def _first_match(self, path: str, uid: int, gid: int, op: str,
+                     job: JobInfo | None) -> ClassRule:
+        tenant = self.tenant_of(uid, gid, path, job) if self._uses_tenants else None
+        for r in self._rules:
+            if r.ops and op not in r.ops:
+                continue
+            if r.paths is not None and r.paths.fullmatch(path) is None:
+                continue
+            if r.uids and not _in_ranges(uid, r.uids):
+                continue
+            if r.gids and not _in_ranges(gid, r.gids):
+                continue
+            if r.tenants and (tenant is None or tenant.name not in r.tenants):
+                continue
+            if r.job_env is not None and not _in_jobs(r.job_env, r.jobs, job):
+                continue
+            if r.cgroups is not None and (job is None or not _in_cgroups(r.cgroups, job)):
+                continue
+            return r.rule
+        return self.policy.classes[-1]  # "default" has no criteria; kept for type safety

@@ -1,0 +1,229 @@
+"""The policy model: frozen dataclasses, the key vocabulary, and :class:`PolicyError`.
+
+Everything the scheduler and the classifier read of a policy is defined here; parsing and
+validation live in :mod:`qosfs.policy.build`, TOML text in :mod:`qosfs.policy.text`, and
+:mod:`qosfs.policy.loading` is the public face (import from there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from qosfs.core.errors import EXIT_POLICY, QosfsError
+
+CAP_KEYS = ("read_bandwidth", "write_bandwidth", "read_iops", "write_iops", "meta_iops")
+LIMIT_KEYS = (*CAP_KEYS, "burst", "burst_iops")
+MATCH_KEYS = ("paths", "uids", "gids", "tenants", "ops", "job_env", "jobs", "cgroups")
+CLASS_SETTINGS = ("priority", "min_read_bandwidth", "min_write_bandwidth", "per_user", "cache",
+                  "target_read_latency", "target_read_slowdown", "latency_percentile",
+                  "latency_measure", "detect_streaming_writes", "entry_timeout",
+                  "attr_timeout")
+CLASS_KEYS = (*MATCH_KEYS, *CLASS_SETTINGS, *LIMIT_KEYS)
+TENANT_KEYS = ("uids", "gids", "paths", "cgroups", "job_env", "jobs", *LIMIT_KEYS)
+SETTABLE = {"backend": LIMIT_KEYS, "tenant": LIMIT_KEYS,
+            "class": (*LIMIT_KEYS, "min_read_bandwidth", "min_write_bandwidth", "priority",
+                      "per_user", "cache", "target_read_latency", "target_read_slowdown",
+                      "latency_percentile",
+                      "latency_measure", "detect_streaming_writes", "entry_timeout",
+                      "attr_timeout")}
+PRIORITY_WEIGHTS = {"low": 1, "normal": 10, "high": 100}
+OPS = ("read", "write", "meta")
+CACHE_MODES = ("auto", "keep", "direct", "direct-writes")
+LATENCY_MEASURES = ("request", "backend")
+BURST_SECONDS = 0.1
+MIN_BURST_BYTES = 2**20
+MIN_BURST_OPS = 8.0
+MAX_ID = 2**32 - 1
+
+
+
+class PolicyError(QosfsError):
+    """An invalid policy; ``str()`` is one line: ``source:line: key: reason``."""
+
+    exit_code = EXIT_POLICY
+
+    def __init__(self, reason: str, *, source: str = "<string>", line: int | None = None,
+                 key: str | None = None) -> None:
+        self.reason, self.source, self.line, self.key = reason, source, line, key
+        where = source if line is None else f"{source}:{line}"
+        super().__init__(f"{where}: {reason}" if key is None else f"{where}: {key}: {reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Caps in bytes/s and ops/s (``None``: no cap) and bucket depths (``None``: default)."""
+
+    read_bandwidth: float | None = None
+    write_bandwidth: float | None = None
+    read_iops: float | None = None
+    write_iops: float | None = None
+    meta_iops: float | None = None
+    burst: int | None = None
+    burst_iops: float | None = None
+
+    @property
+    def is_unlimited(self) -> bool:
+        """True when no cap is set (bursts alone limit nothing)."""
+        return all(getattr(self, key) is None for key in CAP_KEYS)
+
+    def bandwidth_burst(self, cap: float) -> float:
+        """Bucket depth in bytes for a bandwidth cap: ``burst``, else 100 ms of it, >= 1 MiB.
+
+        Kept derived rather than stored so a live change of the cap moves the default too.
+        """
+        return float(self.burst) if self.burst is not None else max(cap * BURST_SECONDS,
+                                                                     MIN_BURST_BYTES)
+
+    def iops_burst(self, cap: float) -> float:
+        """Bucket depth in ops for an IOPS cap: ``burst_iops``, else 100 ms of it, >= 8."""
+        return self.burst_iops if self.burst_iops is not None else max(cap * BURST_SECONDS,
+                                                                        MIN_BURST_OPS)
+
+
+@dataclass(frozen=True, slots=True)
+class IdRange:
+    """An inclusive range of uids or gids."""
+
+    lo: int
+    hi: int
+
+    def __contains__(self, value: object) -> bool:
+        return isinstance(value, int) and self.lo <= value <= self.hi
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """What the storage delivers in total; the denominators of guarantees and priorities."""
+
+    limits: Limits
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """Who: a group of users (and optionally paths) with caps over all of its traffic."""
+
+    name: str
+    uids: tuple[IdRange, ...] = ()
+    gids: tuple[IdRange, ...] = ()
+    paths: tuple[str, ...] = ()
+    limits: Limits = Limits()
+    # The callers' cgroup (a scheduler's job, a Kubernetes pod): who cannot forge it.
+    cgroups: tuple[str, ...] = ()
+    # An environment variable the caller's (exec-time) environment sets, e.g. a pod's
+    # namespace or Run:ai project from the downward API, and globs its value must match
+    # (none: set at all). Advisory: the caller controls its environment.
+    job_env: str | None = None
+    jobs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ClassRule:
+    """What: match criteria (empty: not a criterion) and the treatment of matching traffic."""
+
+    name: str
+    paths: tuple[str, ...] = ()
+    uids: tuple[IdRange, ...] = ()
+    gids: tuple[IdRange, ...] = ()
+    tenants: tuple[str, ...] = ()
+    ops: frozenset[str] = frozenset()  # empty: every op
+    job_env: str | None = None
+    jobs: tuple[str, ...] = ()
+    cgroups: tuple[str, ...] = ()
+    priority_weight: int = PRIORITY_WEIGHTS["normal"]
+    priority_name: str = "normal"
+    min_read_bandwidth: float | None = None
+    min_write_bandwidth: float | None = None
+    limits: Limits = Limits()
+    per_user: bool = False
+    cache: str = "auto"
+    # How long the kernel may trust names (entry) and attributes (attr) of objects under
+    # this class's paths; None: the mount's --attr-timeout. Decided by path alone: the
+    # kernel caches an inode for every caller (qosfs.passthrough.operations, PolicyQos.cache_timeouts).
+    entry_timeout: float | None = None
+    attr_timeout: float | None = None
+    target_read_latency: float | None = None
+    # A target relative to the class itself: its read latency may be at most this many
+    # times what it is while the classes below it are quiet (qosfs.qos.latency_control).
+    target_read_slowdown: float | None = None
+    latency_percentile: float = 99.0
+    latency_measure: str = "request"
+    # Bytes of (mostly) sequential writes after which a writable open of an uncapped class
+    # moves into this class (qosfs.streaming); None: this class takes no streams.
+    detect_streaming_writes: int | None = None
+
+    @property
+    def latency_protected(self) -> bool:
+        """Whether a latency target (absolute or relative) protects this class's reads."""
+        return self.target_read_latency is not None or self.target_read_slowdown is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Control:
+    """Who may change the running policy through the control socket besides root."""
+
+    admin_gid: int | None = None
+
+
+DEFAULT_USER_SERIES = 100
+DEFAULT_USER_SERIES_IDLE = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Exported:
+    """How much per-uid detail ``/metrics`` carries (``[metrics]``): each uid of a
+    ``per_user`` class costs about 120 series, and clusters have thousands of users."""
+
+    # At most this many uids of one class have series of their own; traffic of the
+    # others is counted in the class's uid="" series (0: per-uid series off).
+    user_series: int = DEFAULT_USER_SERIES
+    # A uid with no traffic and no open file this long leaves the exported series; its
+    # totals fold into the class's uid="" series, so class sums stay monotonic.
+    user_series_idle: float = DEFAULT_USER_SERIES_IDLE
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """A whole validated policy; ``classes[-1]`` is always ``default``."""
+
+    source: str = field(compare=False)
+    classes: tuple[ClassRule, ...]
+    tenants: tuple[Tenant, ...] = ()
+    backend: Backend | None = None
+    control: Control = Control()
+    exported: Exported = Exported()
+
+    def class_by_name(self, name: str) -> ClassRule | None:
+        """The class called ``name``, or None."""
+        return next((c for c in self.classes if c.name == name), None)
+
+    def tenant_by_name(self, name: str) -> Tenant | None:
+        """The tenant called ``name``, or None."""
+        return next((t for t in self.tenants if t.name == name), None)
+
+    @property
+    def streaming_target(self) -> ClassRule | None:
+        """The class that takes streaming writers (at most one has
+        ``detect_streaming_writes``), or None."""
+        return next((c for c in self.classes if c.detect_streaming_writes is not None), None)
+
+    @property
+    def needs_job_lookup(self) -> bool:
+        """Whether classification needs :func:`qosfs.policy.classify.read_job_info` at open."""
+        return any(c.job_env is not None or c.cgroups for c in self.classes) or any(
+            t.job_env is not None or t.cgroups for t in self.tenants)
+
+    @property
+    def job_envs(self) -> tuple[str, ...]:
+        """The environment variables classes and tenants match on, each once, in order."""
+        names = [r.job_env for r in (*self.tenants, *self.classes) if r.job_env is not None]
+        return tuple(dict.fromkeys(names))
+
+    def render(self) -> str:
+        """The resolved policy as TOML that parses back to an equal :class:`Policy`."""
+        # Imported here: rendering needs the model, the model needs nothing else.
+        from qosfs.policy.build import policy_to_raw
+        from qosfs.policy.text import dump_toml
+
+        return dump_toml(policy_to_raw(self), self.source)
+
+

@@ -1,0 +1,176 @@
+"""The interface between the filesystem and the QoS engine.
+
+``fs.py`` knows nothing about policies: at open it asks the engine for a *flow* (the set
+of rate levels a file's traffic is charged to), and on every read/write it asks the flow
+to admit the request. Keeping this seam small lets the engine change (local token
+buckets today, a cluster-wide shared backend later) without touching ``fs.py``.
+
+:class:`PassThroughQos` is the engine without a policy: every request is counted in one
+flow and nothing waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import trio
+
+from qosfs.qos.accounting import Accounts, FlowStats
+
+if TYPE_CHECKING:
+    import pyfuse3
+
+# Threads one flow may occupy at once for blocking backing-store calls (fsync, network
+# filesystems). Bounded per flow so that a class whose calls hang cannot take them all.
+THREADS_PER_FLOW = 16
+
+
+class Classified(Protocol):
+    """A filesystem object (an inode) the engine keeps its last classification on.
+
+    The engine owns the value; the filesystem only stores it (None: nothing memoized).
+    """
+
+    qos_memo: Any
+
+
+class PathSource(Protocol):
+    """Where an engine that classifies by path learns an object's path
+    (:class:`qosfs.passthrough.paths.PathBook`)."""
+
+    @property
+    def epoch(self) -> int:
+        """Bumped by every rename through the mount: classifications before it are stale."""
+
+    def relpath_until(self, node: Any, /) -> tuple[str, float]:
+        """*node*'s path relative to the mount root, and until when (monotonic) it is
+        trusted without asking the kernel again."""
+
+
+class Flow(Protocol):
+    """What an open file's traffic is charged to; chosen once at open."""
+
+    limited: bool  # False: admit_* would never wait, so the hot path skips the call
+    limiter: trio.CapacityLimiter  # worker threads this flow may use
+    throttled_writes: bool  # a cap bounds its writes now (their large ones use a thread)
+    stats: FlowStats  # traffic counters and latency histograms (qosfs.qos.accounting)
+
+    def direct_io_for(self, accmode: int) -> bool: ...  # bypass the page cache for an open
+
+    async def admit_read(self, nbytes: int) -> float: ...  # returns seconds waited
+
+    async def admit_write(self, nbytes: int) -> float: ...
+
+    def refund_read(self, nbytes: int) -> None: ...
+
+    def refund_write_op(self) -> None: ...  # a write the kernel split off a caller's write
+
+    def release(self) -> None: ...
+
+
+class QosEngine(Protocol):
+    """What the filesystem asks of the QoS machinery.
+
+    ``paths`` is where an engine that classifies by path reads it (a
+    :class:`PathSource`); the filesystem keeps it informed of the names it sees (lookup,
+    create) only when ``needs_paths`` is set. ``node`` is the object asked about.
+    """
+
+    needs_paths: bool
+
+    meta_limited: bool
+    meta_limiter: trio.CapacityLimiter
+    accounts: Accounts  # every flow's FlowStats, for status and metrics
+    # (entry_timeout, attr_timeout) for an object's path, None where the mount's options
+    # apply; the attribute is None when nothing depends on the path.
+    cache_timeouts: Callable[[str], tuple[float | None, float | None]] | None
+
+    def open_flow(self, paths: PathSource, node: Classified, ctx: pyfuse3.RequestContext,
+                  writing: bool) -> Flow: ...
+
+    async def admit_meta(self, paths: PathSource, node: Classified, ctx: pyfuse3.RequestContext) -> None: ...
+
+    def stream_threshold(self, flow: Any) -> int:
+        """Sequential bytes after which a writable open of *flow* moves (0: never)."""
+
+    def moved_to_streaming(self, flow: Any) -> Any:
+        """The flow a streaming writer of *flow* continues in."""
+
+    def charge_renamed(self, paths: PathSource, node: Classified, ctx: pyfuse3.RequestContext,
+                       charged: Any, nbytes: int) -> Any:
+        """Bytes written under a name that said nothing: charge them to the final name's
+        class; returns its flow (None: nothing moved)."""
+
+    def drain(self) -> None:
+        """Shutdown: let every parked request through now (they are delayed, never dropped)."""
+
+
+class CountingFlow:
+    """A flow that never waits and only counts (the traffic of a mount without policy)."""
+
+    __slots__ = ("name", "limited", "limiter", "stats", "open_files")
+
+    throttled_writes = False  # nothing is ever capped without a policy
+
+    def __init__(self, name: str, stats: FlowStats | None = None) -> None:
+        self.name = name
+        self.limited = False
+        self.limiter = trio.CapacityLimiter(THREADS_PER_FLOW)
+        self.stats = stats if stats is not None else FlowStats()
+        self.open_files = 0
+
+    def __repr__(self) -> str:
+        return f"CountingFlow({self.name!r}, {self.stats!r}, open={self.open_files})"
+
+    def direct_io_for(self, accmode: int) -> bool:
+        return False
+
+    async def admit_read(self, nbytes: int) -> float:
+        return 0.0
+
+    async def admit_write(self, nbytes: int) -> float:
+        return 0.0
+
+    def refund_read(self, nbytes: int) -> None:
+        return None
+
+    def refund_write_op(self) -> None:
+        return None
+
+    def release(self) -> None:
+        self.open_files -= 1
+
+
+class PassThroughQos:
+    """The engine without a policy: one counting flow, no waiting anywhere."""
+
+    meta_limited = False
+    needs_paths = False  # nothing is classified
+    cache_timeouts = None  # the mount's --attr-timeout for everything
+
+    def __init__(self) -> None:
+        self.accounts = Accounts()
+        self.flow = CountingFlow("default", self.accounts.get("default", None, None))
+        self.meta_limiter = trio.CapacityLimiter(THREADS_PER_FLOW)
+
+    def open_flow(self, paths: PathSource, node: Classified, ctx: pyfuse3.RequestContext,
+                  writing: bool) -> CountingFlow:
+        self.flow.open_files += 1
+        return self.flow
+
+    async def admit_meta(self, paths: PathSource, node: Classified, ctx: pyfuse3.RequestContext) -> None:
+        return None
+
+    def stream_threshold(self, flow: Any) -> int:
+        return 0  # nothing is classified, so nothing moves
+
+    def moved_to_streaming(self, flow: Any) -> Any:
+        return flow
+
+    def charge_renamed(self, paths: PathSource, node: Classified, ctx: pyfuse3.RequestContext,
+                       charged: Any, nbytes: int) -> Any:
+        return None
+
+    def drain(self) -> None:
+        return None

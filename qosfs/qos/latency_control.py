@@ -1,0 +1,556 @@
+"""Latency targets: cap lower-priority classes automatically while a protected class is slow.
+
+A class with ``target_read_latency = "5ms"`` (on ``latency_percentile``, default p99) is
+*protected*. Every window (:data:`WINDOW`, 0.5 s) the controller estimates that
+percentile of the class's read latency over the window and adjusts the automatic
+bandwidth caps of the *lower* classes: those whose priority weight is below a protected
+class's and that have no target themselves.
+
+* **Missed** (the estimate of some protected class above it is over its target): a low
+  class's cap is multiplied by :data:`DECREASE` (0.7), or by ``target / latency`` when the
+  miss is worse than that, but never by less than :data:`DEEPEST` (0.25): a storm that
+  makes the reader 16x slower is cut to a quarter at once instead of in four windows. A
+  class not yet capped starts from what it moved over the last window (bytes/s, per
+  direction, bounded by its configured cap); a direction it did not use (under the floor)
+  is left alone. A cap that did not bind decreases from what the class really moved.
+* **Met** (every protected class above it meets its target): the cap grows by a share
+  of itself per window that depends on the headroom: ``(1 - latency / target) / 2``,
+  between :data:`INCREASE` (5 %, close to the target) and :data:`CLIMB` (25 %, at half the
+  target or below). A step that is a fixed fraction of the rate the storm
+  started from (additive increase proper) is too coarse: a storm of 4 GiB/s that the
+  target holds at 200 MiB/s would climb 200 MiB/s per window, twice the equilibrium in one
+  step. With 5 % steps and 0.7 cuts the sawtooth around the equilibrium spans a factor of
+  at most 1.05/0.7 = 1.5, and a window over the target overshoots by one 5 % step.
+* **Idle** (no protected class above it read anything in the window): the cap doubles per
+  window; nothing needs protecting, but a reader pausing between epochs should not come
+  back into a full storm.
+* **Released** (automatic cap removed): when it is back at the rate it started from or at
+  the configured cap, or when it has not bound for :data:`RELEASE_WINDOWS` windows (the
+  class moved under 90 % of it and nothing waited at its level) -- after a storm, within
+  three windows, even while a target is still missed (then it was not the storm).
+* **Floor**: never below the class's ``min_*_bandwidth``, nor below :data:`FLOOR`
+  (1 MiB/s). A target that is missed while every low class is at its floor (or there is
+  none) is reported as ``unreachable``: the storm is not what makes the class slow (on a
+  2-CPU machine, the daemon's own CPU can be), and the low classes keep their floor rather
+  than being starved for ever.
+* Windows in which a protected class read something but has fewer than
+  :data:`MIN_SAMPLES` latency samples change nothing (``few-samples``).
+
+Caps are applied through :meth:`qosfs.qos.engine.PolicyQos.set_auto_caps`: the level's
+``set_limits`` wakes parked requests, the policy is never mutated, and the configured cap
+still bounds the automatic one, so a ``ctl set`` of a cap bounds the controller from then
+on; a swap re-applies the automatic caps at once. Only bandwidth is controlled (not IOPS).
+One decision per class per window, each logged at DEBUG.
+
+What latency (``latency_measure``):
+
+``backend``
+    the backing syscall time of the class's reads, as the issue puts it: what storage
+    contention shows up in (NFS, Lustre, disks).
+``request`` (default)
+    what a caller waits for: the time a request waits before the daemon's handler runs
+    (the kernel's FUSE queue and the daemon's loop, behind the other classes' requests)
+    plus the backing syscall. The first part cannot be seen from inside a handler, so it
+    is measured by a canary (:mod:`qosfs.qos.latency_probe`): a zero-cost request sent through
+    the mount every 2 ms while a protected class has files open. The estimate is the
+    percentile of the canary's round trips plus the percentile of the class's backend
+    times (an upper bound). On a memory-backed source the backend time hardly moves under
+    a checkpoint storm while the readers' latency grows tenfold (bench/latency_target.py
+    measures both), which is why this is the default.
+
+Latencies come from :class:`qosfs.qos.accounting.FineHistogram` (8 buckets per octave, upper
+bounds, so estimates are at most 12.5 % high), differenced per window.
+
+:class:`LatencyController` is the decision logic, pure (no trio, time passed in);
+:class:`LatencyControl` is the daemon task that measures, decides and applies.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+
+from qosfs.policy.loading import ClassRule, Policy
+from qosfs.qos.accounting import AccountKey, FineHistogram
+from qosfs.qos.engine import NO_AUTO_CAPS, AutoCaps, PolicyQos
+from qosfs.qos.latency_probe import INTERVAL as PROBE_INTERVAL
+from qosfs.qos.latency_probe import QUIET_INTERVAL as PROBE_QUIET_INTERVAL
+
+__all__ = ["LatencyControl", "LatencyController", "ProtectedSample", "ClassSample"]
+
+log = logging.getLogger(__name__)
+
+WINDOW = 0.5  # seconds per decision
+DECREASE = 0.7  # cap factor per missed window (at most)
+DEEPEST = 0.25  # cap factor per missed window (at least), for a large miss
+INCREASE = 0.05  # of the cap, added per met window at least
+CLIMB = 0.25  # ... at most, when the latency is at half the target or below
+RELEASE_WINDOWS = 3  # windows without binding before a cap is removed
+FLOOR = float(1 << 20)  # bytes/s: the lowest automatic cap (above min_*_bandwidth)
+MIN_SAMPLES = 10  # latency samples a window needs to be judged
+PROBE_CHECK = 0.05  # seconds between checks whether the canary should run
+BASELINE_WINDOWS = 20  # quiet windows a relative target's baseline is the median of
+QUIET = 1.1  # a low class moving at most this times FLOOR is quiet (a floored storm too)
+_DIRECTIONS = ("read", "write")
+
+
+@dataclass(frozen=True, slots=True)
+class ProtectedSample:
+    """One window of a protected class: its latency estimate (None: not judged)."""
+
+    name: str
+    latency: float | None
+    reads: int
+    samples: int = 0
+    queue: float | None = None  # the canary's part of a "request" estimate
+    backend: float | None = None  # the backend syscall part
+
+
+@dataclass(frozen=True, slots=True)
+class ClassSample:
+    """One window of a class: what it moved (bytes/s) and whether a request waited."""
+
+    name: str
+    read_rate: float
+    write_rate: float
+    waited: bool = False
+
+
+@dataclass(slots=True)
+class _Throttle:
+    cap: float
+    start: float  # the rate it was moving when first capped: the release point
+    since: float
+    slack: int = 0
+
+
+@dataclass(slots=True)
+class _LowClass:
+    throttles: dict[str, _Throttle] = field(default_factory=dict)
+
+    def caps(self) -> AutoCaps:
+        r, w = self.throttles.get("read"), self.throttles.get("write")
+        return AutoCaps(r.cap if r else None, w.cap if w else None)
+
+
+def _cap_of(rule: ClassRule, direction: str) -> float:
+    value = getattr(rule.limits, f"{direction}_bandwidth")
+    return math.inf if value is None else float(value)
+
+
+def _floor_of(rule: ClassRule, direction: str) -> float:
+    minimum = getattr(rule, f"min_{direction}_bandwidth") or 0.0
+    return min(max(FLOOR, minimum), _cap_of(rule, direction))
+
+
+def protected_classes(policy: Policy) -> list[ClassRule]:
+    return [c for c in policy.classes if c.latency_protected]
+
+
+def low_classes(policy: Policy) -> dict[str, list[ClassRule]]:
+    """Each class that may be capped, with the protected classes it yields to."""
+    guards = protected_classes(policy)
+    out = {}
+    for rule in policy.classes:
+        if not rule.latency_protected:
+            above = [g for g in guards if g.priority_weight > rule.priority_weight]
+            if above:
+                out[rule.name] = above
+    return out
+
+
+class LatencyController:
+    """The decisions, one window at a time; no I/O, the time is passed in.
+
+    Args:
+        policy: The policy in force; call :meth:`set_policy` after every swap.
+    """
+
+    def __init__(self, policy: Policy) -> None:
+        self.low: dict[str, _LowClass] = {}
+        self.verdicts: dict[str, str] = {}
+        # Relative targets: the latency of each protected class in recent windows when the
+        # classes below it were quiet, and the target each window was judged on.
+        self.baselines: dict[str, deque[float]] = {}
+        self.targets: dict[str, float | None] = {}
+        self.quiet = False  # every class below a protected one moved nothing last window
+        self.state = "idle"
+        self.decisions = {"decrease": 0, "increase": 0, "release": 0}
+        self.set_policy(policy)
+
+    def __repr__(self) -> str:
+        return f"<LatencyController {self.state} capped={sorted(self.low)}>"
+
+    def set_policy(self, policy: Policy) -> None:
+        """Roles follow the policy; classes that are no longer low lose their caps."""
+        self.policy = policy
+        self.roles = low_classes(policy)
+        self.rules = {c.name: c for c in policy.classes}
+        for name in [n for n in self.low if n not in self.roles]:
+            del self.low[name]
+        guarded = {c.name for c in protected_classes(policy)}
+        self.baselines = {k: v for k, v in self.baselines.items() if k in guarded}
+        if not protected_classes(policy):
+            self.state = "idle"
+
+    def caps(self) -> dict[str, AutoCaps]:
+        """The automatic caps of every class the policy has that may be capped."""
+        return {name: (self.low[name].caps() if name in self.low else NO_AUTO_CAPS)
+                for name in self.roles}
+
+    def step(self, now: float, protected: Sequence[ProtectedSample],
+             classes: Sequence[ClassSample]) -> dict[str, AutoCaps]:
+        """Judge one window and return the caps that changed, by class."""
+        verdicts = {}
+        rates = {c.name: c for c in classes}
+        self.quiet = all(self._quiet_below(g.name, rates)
+                         for g in protected_classes(self.policy))
+        for rule in protected_classes(self.policy):
+            sample = next((p for p in protected if p.name == rule.name), None)
+            judged = not (sample is None or sample.reads == 0 or sample.latency is None
+                          or sample.samples < MIN_SAMPLES)
+            if judged and rule.target_read_slowdown is not None and self._quiet_below(
+                    rule.name, rates):
+                assert sample is not None and sample.latency is not None
+                self.baselines.setdefault(rule.name, deque(maxlen=BASELINE_WINDOWS)).append(
+                    sample.latency)
+            target = self.targets[rule.name] = self.target_of(rule)
+            if sample is None or sample.reads == 0:
+                verdicts[rule.name] = "idle"
+            elif not judged:
+                verdicts[rule.name] = "few-samples"
+            elif target is None:
+                verdicts[rule.name] = "learning"  # no quiet window seen yet: no baseline
+            elif sample.latency > target:  # type: ignore[operator]
+                verdicts[rule.name] = "missed"
+            else:
+                verdicts[rule.name] = "met"
+        self.verdicts = verdicts
+        changed = {}
+        floored = []  # per class decreased: is it at its floor (or has nothing to give)?
+        for name, above in self.roles.items():
+            seen = [verdicts.get(g.name, "idle") for g in above]
+            before = self.low[name].caps() if name in self.low else NO_AUTO_CAPS
+            sample = rates.get(name, ClassSample(name, 0.0, 0.0))
+            if "missed" in seen:
+                factor = DECREASE
+                for g in above:
+                    p = next((x for x in protected if x.name == g.name), None)
+                    target = self.targets.get(g.name)
+                    if verdicts.get(g.name) == "missed" and p and p.latency and target:
+                        factor = min(factor, target / p.latency)
+                floored.append(self._decrease(name, sample, now, max(DEEPEST, factor)))
+            elif "few-samples" not in seen and "learning" not in seen and name in self.low:
+                if all(v == "idle" for v in seen):
+                    growth = 1.0  # double: nothing to protect
+                else:
+                    growth = CLIMB
+                    for g in above:  # the least headroom of the guards decides
+                        p = next((x for x in protected if x.name == g.name), None)
+                        target = self.targets.get(g.name)
+                        if p is not None and p.latency is not None and target:
+                            headroom = 1.0 - p.latency / target
+                            growth = min(growth, max(INCREASE, headroom / 2))
+                self._increase(name, sample, growth)
+            after = self.low[name].caps() if name in self.low else NO_AUTO_CAPS
+            if after != before:
+                changed[name] = after
+        missed = any(v == "missed" for v in verdicts.values())
+        unreachable = all(floored)  # also when no class could be capped at all
+        if not verdicts:
+            self.state = "idle"
+        elif missed and unreachable:
+            self.state = "unreachable"
+        elif self.low:
+            self.state = "throttling"
+        else:
+            self.state = "watching"
+        return changed
+
+    def _quiet_below(self, guard: str, rates: dict[str, ClassSample]) -> bool:
+        """Whether every class that yields to *guard* moved next to nothing this window
+        (at most its floor, where a cap may hold it): a window to learn from."""
+        for name, above in self.roles.items():
+            if any(g.name == guard for g in above):
+                sample = rates.get(name)
+                if sample is not None and max(sample.read_rate, sample.write_rate) > (
+                        QUIET * FLOOR):
+                    return False
+        return True
+
+    def target_of(self, rule: ClassRule) -> float | None:
+        """The latency *rule*'s reads are judged on now: its absolute target, its slowdown
+        times its baseline (the median latency of recent quiet windows), or the lower of
+        the two; None while a relative target has no baseline (and no absolute one)."""
+        target = rule.target_read_latency
+        seen = self.baselines.get(rule.name)
+        if rule.target_read_slowdown is not None and seen:
+            relative = rule.target_read_slowdown * statistics.median(seen)
+            target = relative if target is None else min(target, relative)
+        return target
+
+    def baseline(self, name: str) -> float | None:
+        """The baseline latency of protected class *name* (None: none learned)."""
+        seen = self.baselines.get(name)
+        return statistics.median(seen) if seen else None
+
+    def _decrease(self, name: str, sample: ClassSample, now: float, factor: float) -> bool:
+        """Multiplicative decrease; returns whether every capped direction is at its floor."""
+        rule = self.rules[name]
+        state = self.low.setdefault(name, _LowClass())
+        for direction in _DIRECTIONS:
+            rate = getattr(sample, f"{direction}_rate")
+            floor = _floor_of(rule, direction)
+            thr = state.throttles.get(direction)
+            if thr is None:
+                start = min(rate, _cap_of(rule, direction))
+                if start <= floor:
+                    continue  # not moving enough in this direction to be the cause
+                thr = state.throttles[direction] = _Throttle(start, start, now)
+            binding = sample.waited or rate >= 0.9 * thr.cap
+            thr.slack = 0 if binding else thr.slack + 1
+            if thr.slack >= RELEASE_WINDOWS:  # not moving: it is not what hurts
+                log.debug("latency: %s %s cap released (idle under it)", name, direction)
+                self.decisions["release"] += 1
+                del state.throttles[direction]
+                continue
+            base = min(thr.cap, rate) if rate > 0 else thr.cap
+            cap = max(floor, base * factor)
+            if cap != thr.cap:
+                log.debug("latency: %s %s cap %.0f -> %.0f B/s (target missed)", name,
+                          direction, thr.cap, cap)
+                self.decisions["decrease"] += 1
+                thr.cap = cap
+        if not state.throttles:
+            del self.low[name]
+            return True  # nothing of this class to throttle
+        return all(t.cap <= _floor_of(rule, d) for d, t in state.throttles.items())
+
+    def _increase(self, name: str, sample: ClassSample, growth: float) -> None:
+        """Grow the caps by ``growth`` of themselves; release once they no longer matter."""
+        rule = self.rules[name]
+        state = self.low[name]
+        for direction, thr in list(state.throttles.items()):
+            rate = getattr(sample, f"{direction}_rate")
+            binding = sample.waited or rate >= 0.9 * thr.cap
+            thr.slack = 0 if binding else thr.slack + 1
+            cap = thr.cap * (1.0 + growth)
+            if cap >= min(thr.start, _cap_of(rule, direction)) or thr.slack >= RELEASE_WINDOWS:
+                log.debug("latency: %s %s cap released (target met; was %.0f B/s)", name,
+                          direction, thr.cap)
+                self.decisions["release"] += 1
+                del state.throttles[direction]
+            else:
+                log.debug("latency: %s %s cap %.0f -> %.0f B/s (target met or idle)", name,
+                          direction, thr.cap, cap)
+                self.decisions["increase"] += 1
+                thr.cap = cap
+        if not state.throttles:
+            del self.low[name]
+
+
+class QueueSource(Protocol):
+    """What the controller reads of the canary (:class:`qosfs.qos.latency_probe.LatencyProbe`)."""
+
+    @property
+    def running(self) -> bool: ...
+
+    def snapshot(self) -> tuple[int, ...]: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class LatencyControl:
+    """The daemon task: every window, measure the protected classes, decide, apply.
+
+    Args:
+        engine: The running :class:`~qosfs.qos.engine.PolicyQos`.
+        probe: The canary for ``latency_measure = "request"``; None: backend times only.
+        window: Seconds per decision.
+    """
+
+    def __init__(self, engine: PolicyQos, probe: QueueSource | None = None,
+                 window: float = WINDOW) -> None:
+        self.engine = engine
+        self.probe = probe
+        self.window = window
+        self.controller = LatencyController(engine.policy)
+        self._generation = -1
+        self._fine: dict[str, dict[AccountKey, tuple[int, ...]]] = {}
+        self._probe_prev: tuple[int, ...] | None = None
+        self._levels: dict[str, tuple[int, int, int]] = {}
+        self._last: float | None = None
+        self.samples: list[ProtectedSample] = []
+        self.windows = 0
+        self.on_window: list[Callable[[float, LatencyControl], None]] = []  # for tests
+
+    def __repr__(self) -> str:
+        return f"<LatencyControl {self.controller!r} windows={self.windows}>"
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Decide every window until cancelled; the canary runs only when needed."""
+        self._sync_policy()
+        self._last = trio.current_time()
+        self._sample_levels()
+        task_status.started()
+        try:
+            next_tick = self._last + self.window
+            while True:
+                await trio.sleep(min(PROBE_CHECK, max(0.0, next_tick - trio.current_time())))
+                self._sync_policy()
+                self._steer_probe()
+                now = trio.current_time()
+                if now >= next_tick:
+                    self.tick(now)
+                    next_tick = max(next_tick + self.window, now + self.window / 2)
+        finally:
+            if self.probe is not None:
+                self.probe.stop()
+
+    async def stop_probe(self, timeout: float = 1.0) -> None:
+        """Stop the canary and wait until its last request is answered (call before the
+        loop stops serving, so no request of ours is pending when the mount goes)."""
+        probe = self.probe
+        if probe is None:
+            return
+        self.probe = None
+        probe.stop()
+        with trio.move_on_after(timeout):
+            while probe.running:
+                await trio.sleep(0.005)
+
+    # -- measuring ------------------------------------------------------------------
+
+    def _sync_policy(self) -> None:
+        if self.engine.generation == self._generation:
+            return
+        self._generation = self.engine.generation
+        self.controller.set_policy(self.engine.policy)
+        guarded = frozenset(c.name for c in protected_classes(self.engine.policy))
+        self.engine.accounts.set_fine_classes(guarded)
+        self._fine = {k: v for k, v in self._fine.items() if k in guarded}
+        self._apply(self.controller.caps())
+
+    def _wants_probe(self) -> bool:
+        """A protected class measured as "request" has files open."""
+        names = {c.name for c in protected_classes(self.engine.policy)
+                 if c.latency_measure == "request"}
+        return bool(names) and any(
+            f.open_files > 0 and f.cls.rule.name in names
+            for f in list(self.engine._all_flows))
+
+    def _steer_probe(self) -> None:
+        if self.probe is None or self.engine.draining:
+            return
+        wanted = self._wants_probe()
+        if wanted and not self.probe.running:
+            self.probe.start()
+        elif not wanted and self.probe.running:
+            self.probe.stop()
+        # Full rate only while something below a protected class moves (or is capped):
+        # a quiet window only feeds a baseline, for which fewer samples do.
+        set_interval = getattr(self.probe, "set_interval", None)
+        if set_interval is not None:
+            busy = self.controller.low or not self.controller.quiet
+            set_interval(PROBE_INTERVAL if busy else PROBE_QUIET_INTERVAL)
+
+    def _sample_levels(self) -> dict[str, ClassSample]:
+        now = trio.current_time()
+        dt = now - self._last if self._last is not None else 0.0
+        out = {}
+        levels = {}
+        for name, state in self.engine.classes.items():
+            lv = state.level
+            cur = (lv.bytes_read, lv.bytes_written, lv.waits)
+            levels[name] = cur
+            prev = self._levels.get(name)
+            if prev is not None and dt > 0:
+                out[name] = ClassSample(name, max(0, cur[0] - prev[0]) / dt,
+                                        max(0, cur[1] - prev[1]) / dt,
+                                        cur[2] > prev[2] or lv.queue_depth > 0)
+        self._levels = levels
+        return out
+
+    def _measure(self) -> list[ProtectedSample]:
+        accounts = self.engine.accounts
+        queue_counts: tuple[int, ...] | None = None
+        if self.probe is not None and self.probe.running:
+            snap = self.probe.snapshot()
+            queue_counts = FineHistogram.window(snap, self._probe_prev)
+            self._probe_prev = snap
+        else:
+            self._probe_prev = None
+        samples = []
+        for rule in protected_classes(self.engine.policy):
+            now = accounts.fine_by_key(rule.name)
+            before = self._fine.get(rule.name, {})
+            self._fine[rule.name] = now
+            window: tuple[int, ...] | None = None
+            for key, counts in now.items():
+                d = FineHistogram.window(counts, before.get(key))
+                window = d if window is None else tuple(a + b for a, b in zip(window, d,
+                                                                                strict=True))
+            reads = sum(window) if window is not None else 0
+            q = rule.latency_percentile / 100.0
+            backend = FineHistogram.quantile(window, q) if window is not None else None
+            latency, samples_n, queue = backend, reads, None
+            if rule.latency_measure == "request" and queue_counts is not None and reads:
+                queue = FineHistogram.quantile(queue_counts, q)
+                if queue is not None and backend is not None:
+                    latency = queue + backend
+                    samples_n = sum(queue_counts)
+            samples.append(ProtectedSample(rule.name, latency, reads, samples_n, queue,
+                                           backend))
+        return samples
+
+    # -- deciding and applying --------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """One window: measure, decide, apply."""
+        classes = self._sample_levels()
+        self._last = now
+        self.samples = self._measure()
+        changed = self.controller.step(now, self.samples, list(classes.values()))
+        self._apply(changed)
+        self.windows += 1
+        for hook in self.on_window:
+            hook(now, self)
+
+    def _apply(self, caps: dict[str, AutoCaps]) -> None:
+        for name, value in caps.items():
+            self.engine.set_auto_caps(name, value)
+
+    def status(self) -> dict[str, Any]:
+        """What ``ctl status``, ``top`` and ``/metrics`` show (plain JSON data)."""
+        c = self.controller
+        protected = []
+        by_name = {s.name: s for s in self.samples}
+        for rule in protected_classes(c.policy):
+            s = by_name.get(rule.name)
+            protected.append({
+                "class": rule.name, "target_seconds": c.target_of(rule),
+                "slowdown": rule.target_read_slowdown,
+                "baseline_seconds": c.baseline(rule.name),
+                "percentile": rule.latency_percentile, "measure": rule.latency_measure,
+                "latency_seconds": s.latency if s else None,
+                "queue_seconds": s.queue if s else None,
+                "backend_seconds": s.backend if s else None,
+                "reads": s.reads if s else 0, "verdict": c.verdicts.get(rule.name, "idle")})
+        throttled = []
+        for name, low in sorted(c.low.items()):
+            caps = low.caps()
+            throttled.append({"class": name, "read_bandwidth": caps.read_bandwidth,
+                              "write_bandwidth": caps.write_bandwidth})
+        return {"state": c.state, "window_seconds": self.window, "windows": self.windows,
+                "decisions": dict(c.decisions),
+                "probe_running": bool(self.probe is not None and self.probe.running),
+                "protected": protected, "throttled": throttled}

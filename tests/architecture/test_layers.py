@@ -1,0 +1,72 @@
+"""The package layout is the architecture: each folder is a layer, and a layer imports
+only the layers below it (docs/architecture.md). Checked from the source, imports under
+``TYPE_CHECKING`` included, so a cycle cannot creep in behind a type hint."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "qosfs"
+
+# Bottom to top. Layers on the same rank are siblings and must not import each other.
+LAYERS: dict[str, int] = {
+    "core": 0,
+    "policy": 1,
+    "qos": 2,
+    "passthrough": 3,
+    "control": 3,
+    "plan": 3,
+    "daemon": 4,
+}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "qosfs" or len(parts) < 2:
+        return None
+    return parts[1] if parts[1] in LAYERS else None
+
+
+def _imports(path: Path) -> set[str]:
+    """The qosfs modules *path* imports (absolute names)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                name = f"{base}.{node.module}" if node.module else base
+            else:
+                name = node.module or ""
+            found.add(name)
+            found.update(f"{name}.{alias.name}" for alias in node.names)
+    return {name for name in found if name.startswith("qosfs")}
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_every_module_lives_in_a_layer() -> None:
+    loose = [p.name for p in PACKAGE.glob("*.py")
+             if p.name not in ("__init__.py", "__main__.py")]
+    assert not loose, f"modules outside a layer folder: {loose}"
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert folders == set(LAYERS), folders ^ set(LAYERS)
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_a_layer_imports_only_layers_below_it(path: Path) -> None:
+    own = _layer(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
+    if own is None:
+        return  # qosfs/__init__.py and __main__.py sit above every layer
+    upward = sorted({name for name in _imports(path)
+                     if (other := _layer(name)) is not None and other != own
+                     and LAYERS[other] >= LAYERS[own]})
+    assert not upward, f"{path.relative_to(PACKAGE)} ({own}) imports {upward}"

@@ -1,0 +1,107 @@
+"""The ctl/top client side without a daemon: socket discovery, requests, formatting."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from qosfs.control import ctl, top
+from qosfs.control.protocol import socket_name
+from qosfs.core.errors import EXIT_CONTROL, EXIT_POLICY, QosfsError
+
+MiB = 1 << 20
+REPLY = {
+    "ok": True, "qos": True, "generation": 4, "policy_source": "/etc/qosfs/p.toml",
+    "source": "/srv", "mountpoint": "/mnt", "pid": 7, "uptime_seconds": 65.0,
+    "changes": [{"command": "set", "result": "applied", "count": 3}],
+    "last_reload_ok": True, "window_seconds": 1.0,
+    "levels": [
+        {"level": "class", "name": "ckpt", "uid": None,
+         "limits": {"write_bandwidth": 400 * MiB, "write_iops": 2000},
+         "queue_depth": 12, "throttled_seconds": 34.25,
+         "rates": {"read_bytes": 0.0, "write_bytes": 398 * MiB, "read_ops": 0.0,
+                   "write_ops": 398.0, "meta_ops": 0.0, "throttled_seconds": 11.0}},
+        {"level": "user", "name": "ckpt", "uid": 1000, "limits": {}, "queue_depth": 0,
+         "throttled_seconds": 0.0,
+         "rates": {"read_bytes": 5 * MiB, "write_bytes": 0.0, "read_ops": 5.0,
+                   "write_ops": 0.0, "meta_ops": 0.0, "throttled_seconds": 0.0}},
+    ],
+    "accounts": [],
+}
+
+
+def test_human_units() -> None:
+    assert ctl.human_bytes(400 * MiB, "/s") == "400MiB/s"
+    assert ctl.human_bytes(1.5 * MiB) == "1.5MiB"
+    assert ctl.human_bytes(0) == "0B"
+    assert ctl.human_count(2000) == "2k" and ctl.human_count(1.5e6) == "1.5M"
+    assert ctl.human_seconds(0.0042) == "4.2ms" and ctl.human_seconds(0) == "0s"
+    assert ctl.human_seconds(None) == "-"
+
+
+def test_status_table() -> None:
+    text = ctl.format_status(REPLY)
+    lines = text.splitlines()
+    assert lines[0] == "qosfs /srv on /mnt (pid 7, up 65.0s)"
+    assert lines[1] == "policy /etc/qosfs/p.toml generation 4 (3 changes applied, 0 rejected)"
+    assert lines[-2].split() == ["class", "ckpt", "w:400MiB/s", "w:2kop/s", "0B/s",
+                                 "398MiB/s", "398", "12", "34.2s"]
+    assert lines[-1].split() == ["user", "ckpt/uid=1000", "-", "5MiB/s", "0B/s", "5", "0",
+                                 "0s"]
+
+
+def test_top_frame_has_no_escape_codes_and_fits() -> None:
+    frame = top.render_frame(REPLY, width=40)
+    assert "\x1b" not in frame
+    assert all(len(line) <= 40 for line in frame.splitlines())
+
+
+def test_errors_map_to_exit_codes() -> None:
+    with pytest.raises(QosfsError) as policy:
+        ctl.checked({"ok": False, "code": "policy", "error": "bad"})
+    assert policy.value.exit_code == EXIT_POLICY and str(policy.value) == "bad"
+    with pytest.raises(QosfsError) as denied:
+        ctl.checked({"ok": False, "code": "denied", "error": "no"})
+    assert denied.value.exit_code == EXIT_CONTROL
+
+
+def test_unreachable_socket_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(QosfsError, match="is the mount running") as err:
+        ctl.Client(str(tmp_path / "none.sock"))
+    assert err.value.exit_code == EXIT_CONTROL
+
+
+def test_requests_from_arguments(tmp_path: Path) -> None:
+    ns = argparse.Namespace
+    assert ctl.build_request(ns(ctl_command="set", target="tenant:a",
+                                settings=["write_bandwidth=1GiB/s"])) == {
+        "cmd": "set", "target": "tenant", "name": "a",
+        "changes": {"write_bandwidth": "1GiB/s"}}
+    assert ctl.build_request(ns(ctl_command="set", target="backend",
+                                settings=["read_iops=2k"]))["target"] == "backend"
+    policy = tmp_path / "p.toml"
+    policy.write_text("[classes.default]\n")
+    assert ctl.build_request(ns(ctl_command="reload", file=str(policy))) == {
+        "cmd": "reload", "text": "[classes.default]\n", "source": str(policy)}
+    with pytest.raises(QosfsError, match="expected KEY=VALUE"):
+        ctl.build_request(ns(ctl_command="set", target="x", settings=["oops"]))
+
+
+def test_socket_discovery(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mine, system = tmp_path / "mine", tmp_path / "system"
+    mine.mkdir()
+    system.mkdir()
+    monkeypatch.setattr(ctl, "socket_dirs", lambda: [str(mine), str(system)])
+    with pytest.raises(QosfsError, match="no qosfs control socket"):
+        ctl.resolve_socket(None)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    (system / socket_name(str(mnt))).touch()
+    assert ctl.resolve_socket(None) == str(system / socket_name(str(mnt)))
+    assert ctl.resolve_socket(str(mnt)) == str(system / socket_name(str(mnt)))
+    assert ctl.resolve_socket("/some/where.sock") == "/some/where.sock"
+    (mine / "other.sock").touch()
+    with pytest.raises(QosfsError, match="several qosfs mounts"):
+        ctl.resolve_socket(None)

@@ -1,0 +1,180 @@
+"""Control commands on a real engine, on trio's mock clock: set, reload, permissions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qosfs.control.protocol import Peer, ReloadRequest, SetRequest, SimpleRequest, encode
+from qosfs.control.service import Controller
+from qosfs.policy.loading import Policy, parse_policy
+from qosfs.qos.engine import PolicyFlow, PolicyQos
+from qosfs.qos.interface import PassThroughQos
+from tests.mock_clock import mock_clock
+from tests.unit.policy.test_policy import hostile_policy
+
+MiB = 1 << 20
+ROOT = Peer(pid=1, uid=0, gid=0)
+USER = Peer(pid=2, uid=4242, gid=4242)
+ADMIN = Peer(pid=3, uid=4243, gid=100, groups=(100, 777))
+TEXT = """
+[control]
+admin_group = 777
+[classes.ckpt]
+paths = ["ckpt/**"]
+write_bandwidth = "1MiB/s"
+burst = "1MiB"
+"""
+
+
+def make(policy_path: str | None = None) -> tuple[Controller, PolicyQos]:
+    engine = PolicyQos(parse_policy(TEXT, "test.toml"))
+    return Controller(engine, policy_path), engine
+
+
+def set_req(name: str, **changes: Any) -> SetRequest:
+    return SetRequest("class", name, tuple(changes.items()))
+
+
+def limits(engine: PolicyQos) -> dict[str, Any]:
+    return {lv.name: lv.limits for lv in engine.statistics().classes.values()}
+
+
+@mock_clock
+async def test_set_applies_and_counts() -> None:
+    ctl, engine = make()
+    reply = await ctl.handle(set_req("ckpt", write_bandwidth="400MiB/s", write_iops="2k"), ROOT)
+    assert reply == {"ok": True, "generation": 2, "policy_source": "test.toml"}
+    rule = engine.policy.class_by_name("ckpt")
+    assert rule is not None and rule.limits.write_bandwidth == 400 * MiB
+    assert rule.limits.write_iops == 2000
+    assert ctl.changes[("set", "applied")] == 1
+
+
+@pytest.mark.parametrize(("request_", "message"), [
+    (set_req("ckpt", write_bandwidth="-4MiB/s"), "ctl: classes.ckpt.write_bandwidth: expected"),
+    (set_req("nope", write_bandwidth="4MiB/s"), 'ctl: no class named "nope" (classes: ckpt'),
+    (set_req("ckpt", colour="red"), 'ctl: classes.ckpt.colour: unknown key "colour"'),
+    (SetRequest("tenant", "ghost", (("write_bandwidth", "1MiB/s"),)), 'ctl: no tenant named'),
+    (ReloadRequest("[classes.x]\npaths = 3\n", "/tmp/new.toml"), "/tmp/new.toml:2: classes.x"),
+    (ReloadRequest("not toml [", "/tmp/new.toml"), "/tmp/new.toml:1: invalid TOML"),
+])
+def test_rejected_changes_leave_the_policy_exactly_as_it_was(request_: Any,
+                                                             message: str) -> None:
+    async def main() -> None:
+        ctl, engine = make()
+        before: Policy = engine.policy
+        before_limits = limits(engine)
+        reply = await ctl.handle(request_, ROOT)
+        assert reply["ok"] is False and reply["code"] == "policy"
+        assert reply["error"].startswith(message), reply["error"]
+        assert engine.policy is before and engine.generation == 1
+        assert limits(engine) == before_limits
+        assert ctl.changes[(request_.cmd, "rejected")] == 1
+
+    trio.run(main)
+
+
+@mock_clock
+async def test_only_root_and_the_admin_group_may_change() -> None:
+    ctl, engine = make()
+    status = await ctl.handle(SimpleRequest("status"), USER)
+    assert status["ok"] is True and status["generation"] == 1
+    denied = await ctl.handle(set_req("ckpt", write_bandwidth="2MiB/s"), USER)
+    assert denied["ok"] is False and denied["code"] == "denied"
+    assert "uid 4242 may not change the policy" in denied["error"]
+    assert (await ctl.handle(ReloadRequest(), USER))["code"] == "denied"
+    assert engine.generation == 1
+    assert (await ctl.handle(set_req("ckpt", write_bandwidth="2MiB/s"), ADMIN))["ok"] is True
+
+
+def test_reload_rereads_the_mounts_file(tmp_path: Path) -> None:
+    path = tmp_path / "policy.toml"
+    path.write_text(TEXT.replace("1MiB/s", "3MiB/s"))
+
+    async def main() -> None:
+        ctl, engine = make(str(path))
+        hooked: list[Policy] = []
+        ctl.on_swap.append(hooked.append)
+        reply = await ctl.handle(ReloadRequest(), ROOT)
+        assert reply["ok"] is True and reply["generation"] == 2
+        rule = engine.policy.class_by_name("ckpt")
+        assert rule is not None and rule.limits.write_bandwidth == 3 * MiB
+        assert hooked == [engine.policy]
+        path.write_text("[classes.ckpt]\nwrite_bandwidth = 5\n")
+        bad = await ctl.handle(ReloadRequest(), ROOT)
+        assert bad["code"] == "policy" and bad["error"].startswith(f"{path}:2: ")
+        assert ctl.last_reload_ok is False and engine.generation == 2
+
+    trio.run(main)
+
+
+@mock_clock
+async def test_no_qos_mount_reports_no_policy_and_refuses_changes() -> None:
+    ctl = Controller(PassThroughQos())
+    status = await ctl.handle(SimpleRequest("status"), ROOT)
+    assert status["qos"] is False and status["levels"] == []
+    for request in (set_req("default", write_bandwidth="1MiB/s"), ReloadRequest()):
+        reply = await ctl.handle(request, ROOT)
+        assert reply["code"] == "unavailable" and "--no-qos" in reply["error"]
+
+
+@mock_clock
+async def test_a_raised_cap_releases_a_parked_writer_at_once() -> None:
+    ctl, engine = make()
+    writer = PolicyFlow(engine.classes["ckpt"], None, None, 0)
+    await writer.admit_write(MiB)  # the burst
+    done: list[float] = []
+
+    async def write() -> None:
+        await writer.admit_write(8 * MiB)  # 8 s at 1 MiB/s
+        done.append(trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(write)
+        await trio.sleep(0.5)
+        assert not done
+        await ctl.handle(set_req("ckpt", write_bandwidth="1GiB/s", burst="64MiB"), ROOT)
+        changed_at = trio.current_time()
+    assert done and done[0] - changed_at < 0.01
+
+
+_SET_VALUES = st.one_of(st.sampled_from(["1MiB/s", "unlimited", "high", "fair", "keep", "-1",
+                                         "nan", "", "9" * 400 + "KiB", "1e400"]),
+                        st.integers(), st.floats(allow_nan=False, allow_infinity=False))
+_SETS = st.builds(
+    lambda target, name, changes: SetRequest(target, name, tuple(changes.items())),
+    st.sampled_from(["class", "tenant", "backend"]), st.sampled_from(["ckpt", "default", "x",
+                                                                       None]),
+    st.dictionaries(st.sampled_from(["write_bandwidth", "read_iops", "burst", "priority",
+                                     "per_user", "cache", "min_read_bandwidth", "paths"]),
+                    _SET_VALUES, min_size=1, max_size=3))
+_RELOADS = st.builds(ReloadRequest, hostile_policy(), st.just("/tmp/new.toml"))
+
+
+@settings(derandomize=True, max_examples=200, deadline=None)
+@given(st.one_of(_SETS, _RELOADS), st.sampled_from([ROOT, USER, ADMIN]))
+def test_any_change_is_applied_whole_or_leaves_everything_as_it_was(request_: Any,
+                                                                    peer: Peer) -> None:
+    async def main() -> None:
+        ctl, engine = make()
+        before, before_limits, rendered = engine.policy, limits(engine), engine.policy.render()
+        reply = await ctl.handle(request_, peer)
+        assert json.loads(encode(reply)) == reply
+        if reply["ok"]:
+            assert peer is not USER and engine.generation == 2
+            assert parse_policy(engine.policy.render()) == engine.policy
+        else:
+            assert reply["code"] == ("denied" if peer is USER else "policy"), reply
+            assert "\n" not in reply["error"]
+            assert engine.policy is before and engine.generation == 1
+            assert limits(engine) == before_limits and before.render() == rendered
+
+    trio.run(main)
