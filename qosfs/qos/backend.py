@@ -31,9 +31,11 @@ request that reaches the backend is already within its class's caps.
 Minimums and priorities only mean something when the declared backend capacity is the
 real bottleneck; when qosfs's demand stays under it, nothing parks here at all.
 
-:class:`ClassPort` is a class's entrance to the backend: it has the same private surface
-as :class:`qosfs.qos.levels.RateLevel` (``_limited``, ``_queues``, ``_try_pass``, ``_wait``,
-``_charge``-side counters), so :func:`qosfs.qos.levels.admit` charges it like any level.
+:class:`ClassPort` is a class's entrance to the backend: it is a
+:class:`qosfs.qos.levels.Stage`, so :func:`qosfs.qos.levels.admit` charges it like any
+level. Waiting uses the same primitive as every level (:mod:`qosfs.qos.waiting`): one
+:class:`~qosfs.qos.waiting.Turn` per kind, handed on by :meth:`BackendLevel._select`
+rather than in arrival order.
 """
 
 from __future__ import annotations
@@ -45,12 +47,12 @@ from dataclasses import dataclass
 import trio
 
 from qosfs.qos.bucket import NO_LIMITS, LevelLimits
-from qosfs.qos.levels import Kind, LevelStatistics, RateLevel
+from qosfs.qos.levels import Kind, LevelFactory, LevelStatistics, local_level
+from qosfs.qos.waiting import Ticket, Turn, until_covered
 
 __all__ = ["BackendLevel", "ClassPort", "Share"]
 
 _INF = math.inf
-_EPSILON = 1e-9  # as in qosfs.qos.levels: a shortfall this small is admitted
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,17 +70,6 @@ class Share:
             raise ValueError("minimum bandwidths must be >= 0")
 
 
-class _Waiter:
-    """One request parked at the backend; ``event`` is set when it is handed the turn."""
-
-    __slots__ = ("event", "nbytes", "port")
-
-    def __init__(self, port: ClassPort, nbytes: int) -> None:
-        self.port = port
-        self.nbytes = nbytes
-        self.event = trio.Event()
-
-
 class ClassPort:
     """A class's entrance to the backend level, charged by :func:`qosfs.qos.levels.admit`."""
 
@@ -87,7 +78,9 @@ class ClassPort:
     def __init__(self, backend: BackendLevel, name: str, share: Share) -> None:
         self.backend = backend
         self.name = name
-        self.queues: tuple[deque[_Waiter], ...] = (deque(), deque(), deque())
+        # This class's parked requests per kind, in arrival order (the backend's Turn
+        # holds every class's): a dispatch picks the head of one of these.
+        self.queues: tuple[deque[Ticket], ...] = (deque(), deque(), deque())
         self.reserve_tag = [-_INF, -_INF, -_INF]
         self.weight_tag = [0.0, 0.0, 0.0]
         self.set_share(share)
@@ -101,35 +94,35 @@ class ClassPort:
         return (f"<ClassPort {self.name!r} weight={self.weight:g} "
                 f"parked={sum(map(len, self.queues))}>")
 
-    # -- the level surface admit() uses -----------------------------------------------
+    # -- the Stage interface admit() uses ----------------------------------------------
 
     @property
-    def _limited(self) -> tuple[bool, ...]:
-        return self.backend.level._limited
+    def limited(self) -> tuple[bool, ...]:
+        return self.backend.level.limited
 
     @property
-    def _queues(self) -> tuple[dict[_Waiter, None], ...]:
-        return self.backend._waiting
+    def parked(self) -> tuple[Turn, Turn, Turn]:
+        return self.backend.parked
 
-    def _try_pass(self, kind: Kind, nbytes: int, now: float) -> bool:
+    def try_pass(self, kind: Kind, nbytes: int, now: float) -> bool:
         backend = self.backend
-        if backend._waiting[kind] or not backend.level._try_pass(kind, nbytes, now):
+        if backend.parked[kind] or not backend.level.try_pass(kind, nbytes, now):
             return False
         backend._served(self, kind, nbytes, now)
         return True
 
-    def _count(self, kind: Kind, nbytes: int, ops: int) -> None:
-        self.backend.level._count(kind, nbytes, ops)
+    def count(self, kind: Kind, nbytes: int, ops: int) -> None:
+        self.backend.level.count(kind, nbytes, ops)
 
-    def _refund(self, kind: Kind, nbytes: int, ops: int) -> None:
+    def refund(self, kind: Kind, nbytes: int, ops: int) -> None:
         # The tags are not rolled back: a cancelled request costs its class a little
         # priority, never capacity, and cancellation is rare (an interrupted caller).
-        self.backend.level._refund(kind, nbytes, ops)
+        self.backend.level.refund(kind, nbytes, ops)
 
-    async def _wait(self, kind: Kind, nbytes: int) -> float:
+    async def wait(self, kind: Kind, nbytes: int) -> float:
         return await self.backend._wait(self, kind, nbytes)
 
-    def charge_share(self, kind: Kind, nbytes: int) -> None:
+    def charge_bytes(self, kind: Kind, nbytes: int) -> None:
         """Count bytes another class's port already passed as this class's use of the
         backend (a rename moved them here): its tags advance, so it yields to the other
         classes as if it had sent them; the backend's buckets, which saw them, stay."""
@@ -141,17 +134,18 @@ class BackendLevel:
 
     Args:
         limits: What the storage delivers (``[backend]``); unlimited kinds never park.
+        factory: Builds the level holding the backend's buckets (the engine's factory).
     """
 
-    def __init__(self, limits: LevelLimits = NO_LIMITS) -> None:
-        self.level = RateLevel("backend", limits)
+    def __init__(self, limits: LevelLimits = NO_LIMITS,
+                 factory: LevelFactory = local_level) -> None:
+        self.level = factory("backend", limits)
         self.ports: dict[str, ClassPort] = {}
-        # All parked requests per kind, in arrival order (a dict is an ordered set with
-        # O(1) removal); truthy when anything waits, which is what admit() checks.
-        self._waiting: tuple[dict[_Waiter, None], ...] = ({}, {}, {})
+        # All parked requests per kind, in arrival order; truthy when anything waits,
+        # which is what admit() checks. One of them holds the turn.
+        self.parked: tuple[Turn, Turn, Turn] = (Turn(), Turn(), Turn())
         # Classes with a request parked, per kind: what a dispatch decision scans.
         self._backlogged: tuple[dict[ClassPort, None], ...] = ({}, {}, {})
-        self._turn: list[_Waiter | None] = [None, None, None]
         self._vtime = [0.0, 0.0, 0.0]
         self._index_costs()
 
@@ -210,7 +204,7 @@ class BackendLevel:
             tag = port.reserve_tag[kind]
             port.reserve_tag[kind] = (tag if tag > arrived else arrived) + nbytes / min_rate  # noqa: FURB136
 
-    def _select(self, kind: Kind, now: float) -> _Waiter:
+    def _select(self, kind: Kind, now: float) -> Ticket:
         """The parked request that should go next (see the module docstring)."""
         backlogged = self._backlogged[kind]
         best: ClassPort | None = None
@@ -231,62 +225,43 @@ class BackendLevel:
         assert best is not None, "select() called with nothing parked"
         return best.queues[kind][0]
 
-    def _give_turn(self, kind: Kind, waiter: _Waiter) -> None:
-        self._turn[kind] = waiter
-        waiter.event.set()
-
     async def _wait(self, port: ClassPort, kind: Kind, nbytes: int) -> float:
         """Park until this request is both chosen and covered by the buckets; charge it.
 
-        One request per kind holds the *turn*: it sleeps until the buckets cover it (or
-        the limits change), then asks :meth:`_select` who should go. If that is someone
-        else, it hands the turn over and parks again; otherwise it is charged and leaves,
-        handing the turn to the next choice. So there is one timer per kind, and every
-        decision is taken at the instant capacity is there, with the tags as they are.
+        One request per kind holds the turn (:class:`qosfs.qos.waiting.Turn`): it sleeps
+        until the buckets cover it (or the limits change), then asks :meth:`_select` who
+        should go. If that is someone else, it hands the turn over and parks again;
+        otherwise it is charged and leaves, handing the turn to the next choice. So there
+        is one timer per kind, and every decision is taken at the instant capacity is
+        there, with the tags as they are.
         """
-        waiter = _Waiter(port, nbytes)
+        ticket = Ticket(port)
         queue = port.queues[kind]
         if not queue:
             self._backlogged[kind][port] = None
-        queue.append(waiter)
-        waiting = self._waiting[kind]
-        waiting[waiter] = None
+        queue.append(ticket)
+        turn = self.parked[kind]
+        turn.park(ticket)
         level = self.level
         level.queue_depth += 1
         level.waits += 1
         start = trio.current_time()
-        if self._turn[kind] is None:
-            self._turn[kind] = waiter
         try:
             while True:
-                if self._turn[kind] is not waiter:
-                    await waiter.event.wait()
-                    waiter.event = trio.Event()
-                    continue
-                now = trio.current_time()
-                delay = level._delay(kind, nbytes, now)
-                if delay > _EPSILON:
-                    changed = level._changed
-                    with trio.move_on_at(now + delay):
-                        await changed.wait()
-                    continue
+                await turn.wait_for_turn(ticket)
+                now = await until_covered(level, kind, nbytes)
                 chosen = self._select(kind, now)
-                if chosen is not waiter:
-                    self._give_turn(kind, chosen)
-                    continue
-                break
-            level._charge(kind, nbytes, now)
+                if chosen is ticket:
+                    break
+                turn.hand_to(chosen)
+            level.charge(kind, nbytes, now)
             self._served(port, kind, nbytes, start)
         finally:
             waited = trio.current_time() - start
             level.throttled_seconds += waited
             level.queue_depth -= 1
-            del waiting[waiter]
-            queue.remove(waiter)  # the head when admitted, anywhere when cancelled
+            queue.remove(ticket)  # the head when admitted, anywhere when cancelled
             if not queue:
                 del self._backlogged[kind][port]
-            if self._turn[kind] is waiter:
-                self._turn[kind] = None
-                if waiting:
-                    self._give_turn(kind, self._select(kind, trio.current_time()))
+            turn.leave(ticket, lambda: self._select(kind, trio.current_time()))
         return waited

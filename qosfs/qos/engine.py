@@ -1,7 +1,7 @@
 """The QoS engine of a policy: classes, tenants, users and the backend as rate levels.
 
 At open, a file is classified (path, uid, gid, op, job) into a class and a tenant, and
-bound to a :class:`PolicyFlow`: the chain of :class:`~qosfs.qos.levels.RateLevel` it is
+bound to a :class:`PolicyFlow`: the chain of :class:`~qosfs.qos.levels.Level` it is
 charged to, most specific first (user, class, tenant, backend). Every read/write waits in
 :func:`qosfs.qos.levels.admit` until every level of its chain admits it.
 
@@ -16,7 +16,8 @@ lower of its configured cap and its automatic one, so a swap or ``ctl set`` re-a
 automatic cap at once, bounded by the new configured cap, and the policy stays what the
 administrator wrote.
 
-The token-bucket state lives in :mod:`qosfs.qos.levels` behind ``RateLevel``; a shared
+Every level is built through one :data:`~qosfs.qos.levels.LevelFactory` (the
+``level_factory`` argument; in-process token buckets by default); a shared
 (cluster-wide) backend would replace how a level's buckets are charged, not this module
 or ``fs.py``.
 """
@@ -47,7 +48,9 @@ from qosfs.qos.levels import (
     FairShareGroup,
     Kind,
     LevelStatistics,
-    RateLevel,
+    Level,
+    LevelFactory,
+    local_level,
     admit_rest,
     refund_bytes,
     try_admit,
@@ -163,16 +166,18 @@ def _cache_timeouts(policy: Policy) -> Callable[[str], tuple[float | None, float
 class ClassState:
     """The live state of one class: its level (or per-user group) and its thread pool."""
 
-    def __init__(self, rule: ClassRule, auto: AutoCaps = NO_AUTO_CAPS) -> None:
+    def __init__(self, rule: ClassRule, auto: AutoCaps = NO_AUTO_CAPS,
+                 factory: LevelFactory = local_level) -> None:
         self.rule = rule
         self.auto = auto
         limits = class_limits(rule.limits, auto)
         self.group: FairShareGroup | None = None
+        self.level: Level
         if rule.per_user:
-            self.group = FairShareGroup(rule.name, limits)
+            self.group = FairShareGroup(rule.name, limits, factory=factory)
             self.level = self.group.parent
         else:
-            self.level = RateLevel(rule.name, limits)
+            self.level = factory(rule.name, limits)
         # Threads for blocking calls are per class: a class whose backend calls hang
         # cannot take the threads another class needs.
         self.limiter = trio.CapacityLimiter(THREADS_PER_FLOW)
@@ -216,7 +221,7 @@ class PolicyFlow:
         "uid",
     )
 
-    def __init__(self, cls: ClassState, tenant: RateLevel | None, backend: BackendLevel | None,
+    def __init__(self, cls: ClassState, tenant: Level | None, backend: BackendLevel | None,
                  uid: int, tenant_name: str | None = None,
                  accounts: Accounts | None = None, parking: ParkingLot | None = None) -> None:
         self.uid = uid
@@ -238,14 +243,14 @@ class PolicyFlow:
         # Traffic counters (qosfs.qos.accounting): per uid only where the class is per-user.
         self.stats = self._accounts.get(cls.rule.name, self.tenant_name,
                                         self.uid if cls.rule.per_user else None)
-        chain: list[RateLevel | ClassPort] = [cls.level]
+        chain: list[Level | ClassPort] = [cls.level]
         if self.tenant is not None:
             chain.append(self.tenant)
         if self.backend is not None:
             chain.append(self.backend.port(cls.rule.name, backend_share(cls.rule)))
         self._chain = chain
 
-    def _levels(self) -> list[RateLevel | ClassPort]:
+    def _levels(self) -> list[Level | ClassPort]:
         group = self.cls.group
         if group is None:
             return self._chain
@@ -283,7 +288,7 @@ class PolicyFlow:
             await self._park(levels, start, _META, 0, None)
         self.stats.meta_ops += 1
 
-    async def _park(self, levels: list[RateLevel | ClassPort], start: int, kind: Kind,
+    async def _park(self, levels: list[Level | ClassPort], start: int, kind: Kind,
                     nbytes: int, caller: Caller | None) -> float:
         """Wait at ``levels[start:]`` (try_admit charged the levels before), within the
         parking lot's bounds and for as long as the caller lives."""
@@ -293,7 +298,7 @@ class PolicyFlow:
         lot = self.parking
         if not lot.enter(uid, cls, held):
             for level in levels[:start]:
-                level._refund(kind, nbytes, 1)
+                level.refund(kind, nbytes, 1)
             raise OSError(errno.EAGAIN, "too many requests waiting for tokens")
         try:
             with cancelled_if_killed(caller):
@@ -311,7 +316,7 @@ class PolicyFlow:
         kernel split at a page boundary (qosfs.passthrough.operations: ``_split_tail``); its bytes stay
         charged."""
         for level in self._levels():
-            level._refund(Kind.WRITE, 0, 1)
+            level.refund(Kind.WRITE, 0, 1)
 
     @property
     def throttled_writes(self) -> bool:
@@ -321,8 +326,8 @@ class PolicyFlow:
         the latency controller.
         """
         tenant = self.tenant
-        return self.cls.level._limited[Kind.WRITE] or (
-            tenant is not None and tenant._limited[Kind.WRITE])
+        return self.cls.level.limited[Kind.WRITE] or (
+            tenant is not None and tenant.limited[Kind.WRITE])
 
     def direct_io_for(self, accmode: int) -> bool:
         """Whether a file of this flow opened now with *accmode* bypasses the page cache.
@@ -368,10 +373,11 @@ class PolicyQos:
 
     needs_paths = True  # classes and tenants match path globs
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, level_factory: LevelFactory = local_level) -> None:
+        self.level_factory = level_factory  # builds every class, user, tenant, backend level
         self.meta_limiter = trio.CapacityLimiter(THREADS_PER_FLOW)
         self.classes: dict[str, ClassState] = {}
-        self.tenants: dict[str, RateLevel] = {}
+        self.tenants: dict[str, Level] = {}
         self.backend: BackendLevel | None = None
         self._flows: dict[tuple[str, str | None, int], PolicyFlow] = {}
         self._all_flows: weakref.WeakSet[PolicyFlow] = weakref.WeakSet()
@@ -400,12 +406,13 @@ class PolicyQos:
                 old.update(rule, auto)
                 classes[rule.name] = old
             else:
-                classes[rule.name] = ClassState(rule, auto)
-        tenants: dict[str, RateLevel] = {}
+                classes[rule.name] = ClassState(rule, auto, self.level_factory)
+        tenants: dict[str, Level] = {}
         for tenant in policy.tenants:
             level = self.tenants.get(tenant.name)
             if level is None:
-                level = RateLevel(f"tenant:{tenant.name}", level_limits(tenant.limits))
+                level = self.level_factory(f"tenant:{tenant.name}",
+                                           level_limits(tenant.limits))
             else:
                 level.set_limits(level_limits(tenant.limits))
             tenants[tenant.name] = level
@@ -416,7 +423,7 @@ class PolicyQos:
         else:
             limits = level_limits(policy.backend.limits)
             if self.backend is None:  # built with its limits: the first swap runs before trio
-                backend = BackendLevel(limits)
+                backend = BackendLevel(limits, self.level_factory)
             else:
                 backend = self.backend
                 backend.set_limits(limits)
@@ -443,7 +450,7 @@ class PolicyQos:
                  self.generation, len(classes), len(tenants), policy.source)
 
     def _rebind(self, old_classes: dict[str, ClassState],
-                old_tenants: dict[str, RateLevel]) -> None:
+                old_tenants: dict[str, Level]) -> None:
         default = self.classes["default"]
         for flow in list(self._all_flows):
             cls = self.classes.get(flow.cls.rule.name)
@@ -595,13 +602,10 @@ class PolicyQos:
         # Class, user and tenant levels move the bytes; the backend saw them already, so
         # only its share of them moves (the new class's dispatch tags advance).
         for level in flow._levels():
-            if isinstance(level, ClassPort):
-                level.charge_share(Kind.WRITE, nbytes)
-            else:
-                level.charge_bytes(Kind.WRITE, nbytes)
+            level.charge_bytes(Kind.WRITE, nbytes)  # a backend port moves its share only
         for level in charged._levels():
             if not isinstance(level, ClassPort):
-                level._refund(Kind.WRITE, nbytes, 0)
+                level.refund(Kind.WRITE, nbytes, 0)
         name = flow.cls.rule.name
         self.rename_charges[name] = self.rename_charges.get(name, 0) + nbytes
         return flow

@@ -36,8 +36,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -52,6 +51,7 @@ from qosfs.qos.bucket import (
     Limit,
     TokenBucket,
 )
+from qosfs.qos.waiting import Ticket, Turn, until_covered
 
 __all__ = [  # the limit values are re-exported from qosfs.qos.bucket for convenience
     "DEFAULT_BURST_SECONDS",
@@ -59,6 +59,8 @@ __all__ = [  # the limit values are re-exported from qosfs.qos.bucket for conven
     "UNLIMITED",
     "FairShareGroup",
     "Kind",
+    "Level",
+    "LevelFactory",
     "LevelLimits",
     "LevelStatistics",
     "Limit",
@@ -67,13 +69,9 @@ __all__ = [  # the limit values are re-exported from qosfs.qos.bucket for conven
     "admit",
     "admit_rest",
     "refund_bytes",
+    "local_level",
     "try_admit",
 ]
-
-# A head whose buckets are short by less than this much time is admitted (the shortfall is
-# kept as debt, so nothing drifts). Without it, float rounding could leave a delay so small
-# that ``now + delay == now`` and the head would spin without the clock advancing.
-_EPSILON = 1e-9
 
 _INF = math.inf
 
@@ -107,22 +105,75 @@ class LevelStatistics:
 
 
 class Stage(Protocol):
-    """What :func:`admit` needs of a level: :class:`RateLevel`, or a class's port to the
-    backend (:class:`qosfs.qos.backend.ClassPort`), which dispatches by priority."""
+    """What :func:`admit` charges: every :class:`Level`, and a class's port to the
+    backend (:class:`qosfs.qos.backend.ClassPort`), which dispatches by priority.
+
+    ``limited`` and ``parked`` are indexed by :class:`Kind` and read on the fast path:
+    a stage that neither limits a kind nor has a request of that kind parked is only
+    counted.
+    """
 
     @property
-    def _limited(self) -> tuple[bool, ...]: ...
+    def limited(self) -> Sequence[bool]:
+        """Per kind: whether some bucket bounds it (False: admission only counts)."""
 
     @property
-    def _queues(self) -> Sequence[object]: ...
+    def parked(self) -> Sequence[Turn]:
+        """Per kind: the requests parked here (truthy when any is)."""
 
-    def _try_pass(self, kind: Kind, nbytes: int, now: float) -> bool: ...
+    def try_pass(self, kind: Kind, nbytes: int, now: float) -> bool:
+        """The fast path, synchronous: charge and count the request if nothing is parked
+        and the buckets cover it now; otherwise change nothing and return False."""
 
-    def _count(self, kind: Kind, nbytes: int, ops: int) -> None: ...
+    def count(self, kind: Kind, nbytes: int, ops: int) -> None:
+        """Count traffic that passed without being charged (the stage limits nothing)."""
 
-    def _refund(self, kind: Kind, nbytes: int, ops: int) -> None: ...
+    def refund(self, kind: Kind, nbytes: int, ops: int) -> None:
+        """Give back what was charged for work that did not happen."""
 
-    async def _wait(self, kind: Kind, nbytes: int) -> float: ...
+    def charge_bytes(self, kind: Kind, nbytes: int) -> None:
+        """Charge bytes already moved (no op, no waiting): the debt delays later requests."""
+
+    async def wait(self, kind: Kind, nbytes: int) -> float:
+        """Park until this stage admits the request, then charge it; returns the seconds
+        waited. On cancellation nothing has been charged here."""
+
+
+class Level(Stage, Protocol):
+    """A named set of token buckets: a class, a user in a fair-share class, a tenant, the
+    backend's capacity -- and, behind a :data:`LevelFactory`, any other token store.
+
+    Built only through a :data:`LevelFactory`, so a different store (a cluster-wide one)
+    plugs in at one place. The local implementation is :class:`RateLevel`.
+    """
+
+    name: str
+    limits: LevelLimits
+    queue_depth: int
+    waits: int
+    throttled_seconds: float
+
+    @property
+    def changed(self) -> trio.Event:
+        """Set (and replaced) by every :meth:`set_limits`: the turn holders re-check."""
+
+    def delay(self, kind: Kind, nbytes: int, now: float) -> float:
+        """Seconds until the buckets cover the request (0.0: now); charges nothing."""
+
+    def charge(self, kind: Kind, nbytes: int, now: float) -> None:
+        """Charge and count an admitted request (the turn holder, once covered)."""
+
+    def set_limits(self, limits: LevelLimits) -> None:
+        """New limits in force now; wakes whatever is parked so it re-checks."""
+
+    def statistics(self) -> LevelStatistics:
+        """A frozen snapshot of the counters and limits."""
+
+
+#: Builds a level from its name and limits. The engine builds every class, user, tenant
+#: and backend level through one of these (:class:`qosfs.qos.engine.PolicyQos`'s
+#: ``level_factory``); :func:`local_level` is the in-process one.
+LevelFactory = Callable[[str, LevelLimits], Level]
 
 
 def _number(x: float) -> str:
@@ -145,18 +196,18 @@ class RateLevel:
 
     __slots__ = (
         "_bytes_by_kind",
-        "_changed",
-        "_limited",
         "_ops_by_kind",
-        "_queues",
         "buckets",
         "bytes_read",
         "bytes_written",
+        "changed",
+        "limited",
         "limits",
         "name",
         "ops_meta",
         "ops_read",
         "ops_write",
+        "parked",
         "queue_depth",
         "throttled_seconds",
         "waits",
@@ -174,8 +225,8 @@ class RateLevel:
         self.ops_read = self.ops_write = self.ops_meta = 0
         self.throttled_seconds = 0.0
         self.queue_depth = self.waits = 0
-        self._queues: tuple[deque[trio.Event], ...] = (deque(), deque(), deque())
-        self._changed = trio.Event()  # set and replaced by every set_limits()
+        self.parked: tuple[Turn, Turn, Turn] = (Turn(), Turn(), Turn())
+        self.changed = trio.Event()  # set and replaced by every set_limits()
         self._index_buckets()
 
     def _index_buckets(self) -> None:
@@ -183,7 +234,7 @@ class RateLevel:
         b = {key: (None if bucket.unlimited else bucket) for key, bucket in self.buckets.items()}
         self._bytes_by_kind = (b["read_bytes"], b["write_bytes"], None)
         self._ops_by_kind = (b["read_ops"], b["write_ops"], b["meta_ops"])
-        self._limited = tuple(
+        self.limited: tuple[bool, ...] = tuple(
             x is not None or y is not None
             for x, y in zip(self._bytes_by_kind, self._ops_by_kind, strict=True)
         )
@@ -204,8 +255,8 @@ class RateLevel:
             bucket.set_rate(limit.rate, limit.effective_burst, now)
         self.limits = limits
         self._index_buckets()
-        self._changed.set()
-        self._changed = trio.Event()
+        self.changed.set()
+        self.changed = trio.Event()
 
     def statistics(self) -> LevelStatistics:
         """A frozen snapshot of the counters and current limits."""
@@ -234,9 +285,9 @@ class RateLevel:
             f"queue_depth={self.queue_depth} waits={self.waits}>"
         )
 
-    # -- internals used by admit(); all synchronous, so never interrupted halfway ---------
+    # -- the Level interface; all synchronous but wait(), so never interrupted halfway --
 
-    def _count(self, kind: Kind, nbytes: int, ops: int) -> None:
+    def count(self, kind: Kind, nbytes: int, ops: int) -> None:
         if kind is _READ:
             self.bytes_read += nbytes
             self.ops_read += ops
@@ -246,9 +297,9 @@ class RateLevel:
         else:
             self.ops_meta += ops
 
-    def _try_pass(self, kind: Kind, nbytes: int, now: float) -> bool:
-        """Charge and count the request if nobody is queued and every bucket covers it."""
-        if self._queues[kind]:
+    def try_pass(self, kind: Kind, nbytes: int, now: float) -> bool:
+        """Charge and count the request if nobody is parked and every bucket covers it."""
+        if self.parked[kind]:
             return False
         b = self._bytes_by_kind[kind]
         if b is not None and not b.try_take(nbytes, now):
@@ -258,23 +309,23 @@ class RateLevel:
             if b is not None:
                 b.refund(nbytes)
             return False
-        self._count(kind, nbytes, 1)
+        self.count(kind, nbytes, 1)
         return True
 
-    def _delay(self, kind: Kind, nbytes: int, now: float) -> float:
+    def delay(self, kind: Kind, nbytes: int, now: float) -> float:
         b = self._bytes_by_kind[kind]
         o = self._ops_by_kind[kind]
         delay = 0.0 if b is None else b.delay_for(nbytes, now)
         return delay if o is None else max(delay, o.delay_for(1, now))
 
-    def _charge(self, kind: Kind, nbytes: int, now: float) -> None:
+    def charge(self, kind: Kind, nbytes: int, now: float) -> None:
         b = self._bytes_by_kind[kind]
         if b is not None:
             b.take(nbytes, now)
         o = self._ops_by_kind[kind]
         if o is not None:
             o.take(1, now)
-        self._count(kind, nbytes, 1)
+        self.count(kind, nbytes, 1)
 
     def charge_bytes(self, kind: Kind, nbytes: int) -> None:
         """Charge bytes already moved (no op, no waiting): the bucket goes into debt,
@@ -283,51 +334,42 @@ class RateLevel:
         b = self._bytes_by_kind[kind]
         if b is not None:
             b.take(nbytes, trio.current_time())
-        self._count(kind, nbytes, 0)
+        self.count(kind, nbytes, 0)
 
-    def _refund(self, kind: Kind, nbytes: int, ops: int) -> None:
+    def refund(self, kind: Kind, nbytes: int, ops: int) -> None:
         b = self._bytes_by_kind[kind]
         if b is not None:
             b.refund(nbytes)
         o = self._ops_by_kind[kind]
         if o is not None and ops:
             o.refund(ops)
-        self._count(kind, -nbytes, -ops)
+        self.count(kind, -nbytes, -ops)
 
-    async def _wait(self, kind: Kind, nbytes: int) -> float:
+    async def wait(self, kind: Kind, nbytes: int) -> float:
         """Park FIFO until this level admits the request, then charge it.
 
         Returns the seconds spent parked. On cancellation nothing has been charged here.
         """
-        queue = self._queues[kind]
-        turn = trio.Event()  # set by the predecessor when this waiter becomes head
-        queue.append(turn)
+        line = self.parked[kind]
+        ticket = Ticket()
+        line.park(ticket)
         self.queue_depth += 1
         self.waits += 1
         start = trio.current_time()
         try:
-            if queue[0] is not turn:
-                await turn.wait()
-            while True:
-                now = trio.current_time()
-                delay = self._delay(kind, nbytes, now)
-                if delay <= _EPSILON:
-                    break
-                changed = self._changed  # only the head sleeps, so one timer per queue
-                with trio.move_on_at(now + delay):
-                    await changed.wait()
-            self._charge(kind, nbytes, now)
+            await line.wait_for_turn(ticket)
+            self.charge(kind, nbytes, await until_covered(self, kind, nbytes))
         finally:
             waited = trio.current_time() - start
             self.throttled_seconds += waited
             self.queue_depth -= 1
-            if queue[0] is turn:
-                queue.popleft()
-                if queue:
-                    queue[0].set()
-            else:  # cancelled while not yet head
-                queue.remove(turn)
+            line.leave(ticket)  # the turn goes to the next in arrival order
         return waited
+
+
+def local_level(name: str, limits: LevelLimits = NO_LIMITS) -> RateLevel:
+    """The in-process :data:`LevelFactory`: token buckets in this daemon's memory."""
+    return RateLevel(name, limits)
 
 
 async def admit(levels: Sequence[Stage], kind: Kind, nbytes: int) -> float:
@@ -361,13 +403,13 @@ def try_admit(levels: Sequence[Stage], kind: Kind, nbytes: int) -> int:
     """
     now = -_INF
     for index, level in enumerate(levels):
-        if level._limited[kind] or level._queues[kind]:
+        if level.limited[kind] or level.parked[kind]:
             if now == -_INF:
                 now = trio.current_time()
-            if not level._try_pass(kind, nbytes, now):
+            if not level.try_pass(kind, nbytes, now):
                 return index
         else:
-            level._count(kind, nbytes, 1)
+            level.count(kind, nbytes, 1)
     return -1
 
 
@@ -379,12 +421,12 @@ async def admit_rest(levels: Sequence[Stage], start: int, kind: Kind, nbytes: in
     try:
         for index in range(start, len(levels)):
             level = levels[index]
-            if index == start or not level._try_pass(kind, nbytes, trio.current_time()):
-                waited += await level._wait(kind, nbytes)
+            if index == start or not level.try_pass(kind, nbytes, trio.current_time()):
+                waited += await level.wait(kind, nbytes)
             passed = index + 1
     except BaseException:
         for level in levels[:passed]:
-            level._refund(kind, nbytes, 1)
+            level.refund(kind, nbytes, 1)
         raise
     return waited
 
@@ -397,7 +439,7 @@ def refund_bytes(levels: Sequence[Stage], kind: Kind, nbytes: int) -> None:
     """
     if nbytes > 0:
         for level in levels:
-            level._refund(kind, nbytes, 0)
+            level.refund(kind, nbytes, 0)
 
 
 class FairShareGroup:
@@ -418,21 +460,23 @@ class FairShareGroup:
     Charge a request at ``[group.level_for(uid), group.parent, <tenant>, <backend>]``.
     """
 
-    __slots__ = ("_children", "_next_expiry", "_seen", "idle_after", "parent")
+    __slots__ = ("_children", "_factory", "_next_expiry", "_seen", "idle_after", "parent")
 
     def __init__(
-        self, name: str, limits: LevelLimits = NO_LIMITS, *, idle_after: float = 2.0
+        self, name: str, limits: LevelLimits = NO_LIMITS, *, idle_after: float = 2.0,
+        factory: LevelFactory = local_level,
     ) -> None:
         if not idle_after > 0.0:
             raise ValueError(f"idle_after must be > 0, got {idle_after!r}")
-        self.parent = RateLevel(name, limits)
+        self._factory = factory
+        self.parent = factory(name, limits)
         self.idle_after = idle_after
-        self._children: dict[int, RateLevel] = {}
+        self._children: dict[int, Level] = {}
         self._seen: dict[int, float] = {}
         self._next_expiry = _INF
 
     @property
-    def children(self) -> dict[int, RateLevel]:
+    def children(self) -> dict[int, Level]:
         """The active users' levels by uid (a copy)."""
         return dict(self._children)
 
@@ -441,7 +485,7 @@ class FairShareGroup:
         self.parent.set_limits(limits)
         self._resplit()
 
-    def level_for(self, uid: int) -> RateLevel:
+    def level_for(self, uid: int) -> Level:
         """The level of ``uid``, created (and shares re-split) if the user was idle.
 
         Call it once per request: it also records the user's activity.
@@ -452,7 +496,7 @@ class FairShareGroup:
         child = self._children.get(uid)
         if child is None:
             share = self.parent.limits.scaled(1.0 / (len(self._children) + 1))
-            child = RateLevel(f"{self.parent.name}/uid={uid}", share)
+            child = self._factory(f"{self.parent.name}/uid={uid}", share)
             self._children[uid] = child
             self._resplit()
             self._next_expiry = min(self._next_expiry, now + self.idle_after)

@@ -142,11 +142,11 @@ async def test_cancelled_waiters_pass_the_turn_on() -> None:
         for name in scopes:
             nursery.start_soon(request, name)
             await trio.testing.wait_all_tasks_blocked()
-        assert b._turn[Kind.WRITE] is not None
+        assert b.parked[Kind.WRITE].holder is not None
         scopes["turn"].cancel()  # the one holding the turn (it parked first)
         scopes["third"].cancel()  # one parked behind it
     assert done == ["second", "fourth"]
-    assert b.level.queue_depth == 0 and not b._waiting[Kind.WRITE]
+    assert b.level.queue_depth == 0 and not b.parked[Kind.WRITE]
     assert b.level.bytes_written == 12 * MiB  # nothing charged for the cancelled ones
 
 
@@ -207,7 +207,7 @@ async def test_bytes_moved_to_a_class_by_a_rename_count_as_its_share() -> None:
     b = backend()
     a, other = port(b, "a"), port(b, "b")
     before = b.level.statistics().bytes_written
-    a.charge_share(Kind.WRITE, 200 * MiB)
+    a.charge_bytes(Kind.WRITE, 200 * MiB)
     assert b.level.statistics().bytes_written == before
     rates = await race({"a": [a], "b": [other]})
     assert 98 <= rates["a"] + rates["b"] <= 102

@@ -1,0 +1,120 @@
+"""The one way a request waits for tokens: a turn, and sleeping until the buckets cover it.
+
+Every level that can park a request (a class, user, tenant or the backend) uses the same
+two pieces, the way trio builds its Lock, Semaphore and CapacityLimiter on one
+``ParkingLot``:
+
+* :class:`Turn` -- the requests parked at one (level, request kind), in arrival order.
+  One of them holds the *turn*: only it has a timer and looks at the buckets; the others
+  sleep on their own event until the turn is handed to them. A rate level hands the turn
+  on in arrival order (FIFO); the backend's dispatcher hands it to the request its tags
+  choose (:mod:`qosfs.qos.backend`). Either way there is one timer per queue, not one per
+  parked request, and a request that leaves (admitted or cancelled) passes the turn on so
+  nothing is stranded.
+* :func:`until_covered` -- the turn holder's sleep: until the level's buckets cover the
+  request, or its limits change (a ``ctl set`` wakes it at once).
+
+Truthiness of a :class:`Turn` is what the fast path checks ("is anyone parked here?"), so
+a new request never overtakes parked ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import trio
+
+__all__ = ["EPSILON", "Covering", "Ticket", "Turn", "until_covered"]
+
+#: A shortfall smaller than this many seconds is admitted (the remainder stays as debt, so
+#: nothing drifts). Without it, float rounding could leave a delay so small that
+#: ``now + delay == now`` and the turn holder would spin without the clock advancing.
+EPSILON = 1e-9
+
+
+class Ticket:
+    """One parked request's place in a :class:`Turn`.
+
+    ``payload`` is whatever the level needs to decide who goes next (the backend keeps its
+    class port and size there); a FIFO level leaves it None.
+    """
+
+    __slots__ = ("event", "payload")
+
+    def __init__(self, payload: object = None) -> None:
+        self.event = trio.Event()  # set when the turn is handed to this ticket
+        self.payload = payload
+
+
+class Turn:
+    """The requests parked at one (level, kind), in arrival order; one holds the turn."""
+
+    __slots__ = ("_parked", "holder")
+
+    def __init__(self) -> None:
+        # A dict is an ordered set with O(1) removal: arrival order, cheap cancellation.
+        self._parked: dict[Ticket, None] = {}
+        self.holder: Ticket | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self._parked)
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+    def __iter__(self) -> Iterator[Ticket]:
+        return iter(self._parked)
+
+    def park(self, ticket: Ticket) -> None:
+        """Join the line; the first to arrive at an empty line holds the turn at once."""
+        self._parked[ticket] = None
+        if self.holder is None:
+            self.holder = ticket
+
+    async def wait_for_turn(self, ticket: Ticket) -> None:
+        """Return once *ticket* holds the turn (at once if it already does)."""
+        while self.holder is not ticket:
+            await ticket.event.wait()
+            ticket.event = trio.Event()
+
+    def hand_to(self, ticket: Ticket) -> None:
+        """Give the turn to *ticket* (a parked one) and wake it."""
+        self.holder = ticket
+        ticket.event.set()
+
+    def leave(self, ticket: Ticket, choose: Callable[[], Ticket] | None = None) -> None:
+        """*ticket* stops waiting (admitted or cancelled). If it held the turn, the turn
+        goes to ``choose()`` -- the level's pick -- or, without one, to the oldest."""
+        del self._parked[ticket]
+        if self.holder is ticket:
+            self.holder = None
+            if self._parked:
+                self.hand_to(choose() if choose is not None else next(iter(self._parked)))
+
+
+class Covering(Protocol):
+    """What :func:`until_covered` needs of a level's buckets."""
+
+    @property
+    def changed(self) -> trio.Event:
+        """Set (and replaced) whenever the level's limits change."""
+
+    def delay(self, kind: int, nbytes: int, now: float) -> float:
+        """Seconds until the buckets cover a request of *nbytes* of *kind* (0: now)."""
+
+
+async def until_covered(level: Covering, kind: int, nbytes: int) -> float:
+    """Sleep until *level*'s buckets cover the request, waking early when its limits
+    change; return the time at which they do (charge the request at that time).
+
+    Only the turn holder calls this, so a queue has one timer however long it is.
+    """
+    while True:
+        now = trio.current_time()
+        delay = level.delay(kind, nbytes, now)
+        if delay <= EPSILON:
+            return now
+        changed = level.changed
+        with trio.move_on_at(now + delay):
+            await changed.wait()
