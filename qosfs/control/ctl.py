@@ -28,6 +28,7 @@ from qosfs.control.protocol import (
     socket_name,
 )
 from qosfs.core.errors import EXIT_CONTROL, EXIT_POLICY, QosfsError
+from qosfs.core.limit_kinds import BY_KEY
 
 MAX_REPLY_BYTES = 64 << 20
 TIMEOUT = 10.0
@@ -171,11 +172,13 @@ def human_seconds(s: float | None) -> str:
 def format_limits(limits: dict[str, float]) -> str:
     parts = []
     for key, value in limits.items():
-        direction, _, kind = key.partition("_")
-        if kind == "bandwidth":
-            parts.append(f"{direction[0]}:{human_bytes(value, '/s')}")
+        kind = BY_KEY.get(key)
+        if kind is None:  # a daemon newer than this client: show it as it came
+            parts.append(f"{key}:{value:g}")
+        elif kind.per_byte:
+            parts.append(f"{kind.label[0]}:{human_bytes(value, '/s')}")
         else:
-            parts.append(f"{direction[0]}:{human_count(value)}op/s")
+            parts.append(f"{kind.label[0]}:{human_count(value)}op/s")
     return " ".join(parts) or "-"
 
 

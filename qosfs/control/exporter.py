@@ -30,7 +30,7 @@ from qosfs.control.metrics import CONTENT_TYPE, render
 from qosfs.control.snapshot import Snapshot
 from qosfs.core.errors import EXIT_CONTROL, EXIT_USAGE, QosfsError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("qosfs.exporter")  # what journald shows: kept across moves
 
 DEFAULT_HOST = "127.0.0.1"
 HEAD_LIMIT = 8192

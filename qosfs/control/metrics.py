@@ -53,6 +53,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.utils import floatToGoString
 
 from qosfs.control.snapshot import Snapshot
+from qosfs.core.limit_kinds import BY_KEY
 from qosfs.qos.accounting import HistogramSnapshot
 
 __all__ = ["CONTENT_TYPE", "SnapshotCollector", "render"]
@@ -145,11 +146,9 @@ class SnapshotCollector:
             depth.add_metric(labels, row.queue_depth)
             throttled.add_metric(labels, row.throttled_seconds)
             for key, value in row.limits.items():
-                kind, _, unit = key.partition("_")
-                if unit == "bandwidth":
-                    bandwidth.add_metric([*labels, kind], value)
-                else:
-                    iops.add_metric([*labels, kind], value)
+                kind = BY_KEY[key]
+                family = bandwidth if kind.per_byte else iops
+                family.add_metric([*labels, kind.label], value)
         yield from (depth, throttled, bandwidth, iops)
 
     def _latency(self) -> Iterator[Metric]:

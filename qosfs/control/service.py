@@ -38,7 +38,7 @@ from qosfs.policy.loading import (
     with_changes,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("qosfs.controller")  # what journald shows: kept across moves
 
 SAMPLE_INTERVAL = 1.0  # seconds between rate samples ("current rates" cover this window)
 

@@ -20,16 +20,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from qosfs.core.limit_kinds import LIMIT_KINDS
 from qosfs.qos.accounting import BUCKET_BOUNDS_SECONDS, AccountKey, FlowSnapshot, HistogramSnapshot
 from qosfs.qos.bucket import LevelLimits
 from qosfs.qos.levels import LevelStatistics
 
 __all__ = ["LevelRow", "RateSampler", "Snapshot", "take_snapshot", "to_json"]
 
-#: Policy limit key -> LevelLimits field, in the order status shows them.
-LIMIT_FIELDS = (("read_bandwidth", "read_bytes"), ("write_bandwidth", "write_bytes"),
-                ("read_iops", "read_ops"), ("write_iops", "write_ops"),
-                ("meta_iops", "meta_ops"))
+#: Policy limit key -> LevelLimits field, in the order status shows them (the table).
+LIMIT_FIELDS = tuple((kind.key, kind.bucket) for kind in LIMIT_KINDS)
 #: Counters that have a rate.
 RATE_FIELDS = ("read_bytes", "write_bytes", "read_ops", "write_ops", "meta_ops",
                "throttled_seconds")
@@ -81,7 +80,7 @@ def limits_in_force(limits: LevelLimits) -> dict[str, float]:
     """The finite caps of a level, keyed like the policy file (bytes/s, ops/s)."""
     out = {}
     for key, attr in LIMIT_FIELDS:
-        rate = getattr(limits, attr).rate
+        rate = limits.get(attr).rate
         if rate != math.inf:
             out[key] = rate
     return out

@@ -36,7 +36,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("qosfs.interrupts")  # what journald shows: kept across moves
 
 # pyfuse3 3.x ``_Container`` (handlers.pxi): PyObject_HEAD, dev_t rdev, fuse_file_info fi
 # (40 bytes), fuse_ino_t ino, fuse_ino_t parent, fuse_req_t req, int flags, mode_t mode,

@@ -55,7 +55,7 @@ from qosfs.qos.interface import PassThroughQos, QosEngine
 from qosfs.qos.latency_control import LatencyControl
 from qosfs.qos.latency_probe import LatencyProbe
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("qosfs.mount")  # what journald shows: kept across moves
 
 # pyfuse3 gives every request its own task, up to max_tasks, and stops reading
 # /dev/fuse when they are all busy. A request parked by QoS holds a task, so the limit

@@ -40,7 +40,7 @@ import trio
 from qosfs.core.syscalls import setfsuid
 from qosfs.passthrough.fdcache import DeferredClose
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("qosfs.backing_io")  # what journald shows: kept across moves
 
 MAX_REQUEST = 1 << 20  # FUSE sends at most max_pages (256) * 4 KiB per read/write
 

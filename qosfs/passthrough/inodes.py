@@ -43,7 +43,7 @@ import pyfuse3
 from qosfs.core import syscalls
 from qosfs.passthrough.fdcache import DeferredClose, FdCache
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("qosfs.inodes")  # what journald shows: kept across moves
 
 _SYNTHETIC_BASE = 1 << 62  # above any real st_ino we expect; collisions are checked anyway
 _LOOKUP_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC

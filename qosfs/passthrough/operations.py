@@ -51,7 +51,7 @@ from qosfs.passthrough.paths import PathBook
 from qosfs.qos.interface import QosEngine
 from qosfs.qos.latency_probe import PROBE_XATTR
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("qosfs.fs")  # what journald shows: kept across moves
 
 _F = TypeVar("_F", bound=Callable[..., Awaitable[Any]])
 

@@ -12,17 +12,16 @@ import grp
 import re
 from typing import Any
 
+from qosfs.core.limit_kinds import BURST_KEYS, LIMIT_KINDS
 from qosfs.core.units import (
     UnitError,
     format_bandwidth,
     format_duration,
     format_interval,
-    format_iops,
     format_size,
     parse_bandwidth,
     parse_duration,
     parse_interval,
-    parse_iops,
     parse_size,
     show_value,
 )
@@ -52,10 +51,9 @@ from qosfs.policy.model import (
 )
 from qosfs.policy.text import quote_key
 
-_PARSE = {"burst": parse_size, "burst_iops": parse_iops,
-          **{k: parse_bandwidth if k.endswith("bandwidth") else parse_iops for k in CAP_KEYS}}
-_FORMAT = {"burst": format_size, "burst_iops": format_iops,
-           **{k: format_bandwidth if k.endswith("bandwidth") else format_iops for k in CAP_KEYS}}
+# How each limit key is read from and written to policy text: from the table of kinds.
+_PARSE = {**{k.key: k.parse for k in LIMIT_KINDS}, **{k: v[0] for k, v in BURST_KEYS.items()}}
+_FORMAT = {**{k.key: k.show for k in LIMIT_KINDS}, **{k: v[1] for k, v in BURST_KEYS.items()}}
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ID_RANGE = re.compile(r"\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?")
@@ -411,7 +409,7 @@ def _check_minimums(classes: list[ClassRule], backend: Limits, direction: str) -
 # ---------------------------------------------------------------------- rendering
 
 def _limits_raw(limits: Limits) -> dict[str, Any]:
-    return {k: _FORMAT[k](v) for k in LIMIT_KEYS if (v := getattr(limits, k)) is not None}
+    return {k: _FORMAT[k](v) for k in LIMIT_KEYS if (v := limits.get(k)) is not None}
 
 
 def _ids_raw(ranges: tuple[IdRange, ...]) -> list[int | str]:

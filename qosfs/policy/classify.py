@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:  # policy.py imports this module for glob validation: no runtime cycle
     from qosfs.policy.loading import ClassRule, IdRange, Policy, Tenant
@@ -348,8 +348,26 @@ def _in_cgroups(pattern: re.Pattern[str], job: JobInfo) -> bool:
     return any(pattern.fullmatch(path.lstrip("/")) is not None for path in job.v1_cgroups)
 
 
+class CallerKey(NamedTuple):
+    """Everything classification reads of a request besides its path: what it does and who
+    asks. A new classification key is a field here, read where the rules match.
+
+    The engine memoizes an object's classification under this key (with the policy
+    generation and the path epoch), and the classifier's caches are keyed on it too, so a
+    field added here can never leave a classification stale.
+    """
+
+    op: str  # "read", "write" or "meta"
+    uid: int  # the caller's fsuid
+    gid: int  # the caller's fsgid
+    # The caller's pid when the policy reads jobs (environment, cgroups), else 0: with a
+    # pid in the key every process would classify afresh for nothing.
+    pid: int
+
+
 class Classifier:
-    """Maps (path, uid, gid, op, job) to a class of one policy; build a new one per policy.
+    """Maps (path, :class:`CallerKey`, job) to a class and a tenant of one policy; build a
+    new one per policy.
 
     Results are memoized in a bounded LRU keyed by all inputs, so repeated opens of the same
     file by the same user cost one dict lookup.
@@ -378,17 +396,23 @@ class Classifier:
             job: the caller's :class:`JobInfo`, needed only if ``policy.needs_job_lookup``;
                 with ``None`` no job or cgroup criterion matches.
         """
-        return self._classify(path, uid, gid, op, job)
+        return self._classify(path, CallerKey(op, uid, gid, 0), job)
 
     def tenant_of(self, uid: int, gid: int, path: str,
                   job: JobInfo | None = None) -> Tenant | None:
         """The first tenant in policy order with uid in uids OR gid in gids, AND the path in
         its paths, AND the caller in its cgroups, AND its job_env value in its jobs (each if
         it has any): a tenant without uids/gids is defined by the other keys alone."""
-        return self._tenant_of(uid, gid, path, job)
+        return self._tenant_of(path, CallerKey("", uid, gid, 0), job)
 
-    def _tenant_of_uncached(self, uid: int, gid: int, path: str,
+    def resolve(self, path: str, caller: CallerKey,
+                job: JobInfo | None = None) -> tuple[ClassRule, Tenant | None]:
+        """The class and the tenant of *caller* acting on *path* (what the engine asks)."""
+        return self._classify(path, caller, job), self._tenant_of(path, caller, job)
+
+    def _tenant_of_uncached(self, path: str, caller: CallerKey,
                             job: JobInfo | None) -> Tenant | None:
+        uid, gid = caller.uid, caller.gid
         for m in self._members:
             if (m.uids or m.gids) and not (_in_ranges(uid, m.uids) or _in_ranges(gid, m.gids)):
                 continue
@@ -401,20 +425,20 @@ class Classifier:
             return m.tenant
         return None
 
-    def _classify_uncached(self, path: str, uid: int, gid: int, op: str,
+    def _classify_uncached(self, path: str, caller: CallerKey,
                            job: JobInfo | None) -> ClassRule:
-        rule = self._first_match(path, uid, gid, op, job)
+        rule = self._first_match(path, caller, job)
         if rule is self.policy.classes[-1]:
             # Only the default matched: a temporary name of an atomic save takes the class
             # of the name it will be renamed to (written before the rename, or never).
             final = final_name(path)
             if final is not None:
-                return self._first_match(final, uid, gid, op, job)
+                return self._first_match(final, caller, job)
         return rule
 
-    def _first_match(self, path: str, uid: int, gid: int, op: str,
-                     job: JobInfo | None) -> ClassRule:
-        tenant = self.tenant_of(uid, gid, path, job) if self._uses_tenants else None
+    def _first_match(self, path: str, caller: CallerKey, job: JobInfo | None) -> ClassRule:
+        op, uid, gid = caller.op, caller.uid, caller.gid
+        tenant = self._tenant_of(path, caller, job) if self._uses_tenants else None
         for r in self._rules:
             if r.ops and op not in r.ops:
                 continue

@@ -8,11 +8,20 @@ validation live in :mod:`qosfs.policy.build`, TOML text in :mod:`qosfs.policy.te
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from qosfs.core.errors import EXIT_POLICY, QosfsError
+from qosfs.core.limit_kinds import (
+    BURST_KEYS,
+    BY_KEY,
+    CAP_KEYS,
+    KeyedValues,
+    LimitKind,
+    default_burst,
+)
 
-CAP_KEYS = ("read_bandwidth", "write_bandwidth", "read_iops", "write_iops", "meta_iops")
-LIMIT_KEYS = (*CAP_KEYS, "burst", "burst_iops")
+#: Every key of a limits table: the caps of the table of limit kinds, then their bursts.
+LIMIT_KEYS = (*CAP_KEYS, *BURST_KEYS)
 MATCH_KEYS = ("paths", "uids", "gids", "tenants", "ops", "job_env", "jobs", "cgroups")
 CLASS_SETTINGS = ("priority", "min_read_bandwidth", "min_write_bandwidth", "per_user", "cache",
                   "target_read_latency", "target_read_slowdown", "latency_percentile",
@@ -30,9 +39,6 @@ PRIORITY_WEIGHTS = {"low": 1, "normal": 10, "high": 100}
 OPS = ("read", "write", "meta")
 CACHE_MODES = ("auto", "keep", "direct", "direct-writes")
 LATENCY_MEASURES = ("request", "backend")
-BURST_SECONDS = 0.1
-MIN_BURST_BYTES = 2**20
-MIN_BURST_OPS = 8.0
 MAX_ID = 2**32 - 1
 
 
@@ -49,35 +55,39 @@ class PolicyError(QosfsError):
         super().__init__(f"{where}: {reason}" if key is None else f"{where}: {key}: {reason}")
 
 
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """Caps in bytes/s and ops/s (``None``: no cap) and bucket depths (``None``: default)."""
+class Limits(KeyedValues["float | None"]):
+    """Caps in bytes/s and ops/s (``None``: no cap) and bucket depths (``None``: default),
+    keyed like the policy file: one cap per row of
+    :data:`qosfs.core.limit_kinds.LIMIT_KINDS`, plus ``burst`` (bytes) and ``burst_iops``.
 
-    read_bandwidth: float | None = None
-    write_bandwidth: float | None = None
-    read_iops: float | None = None
-    write_iops: float | None = None
-    meta_iops: float | None = None
-    burst: int | None = None
-    burst_iops: float | None = None
+    Example:
+        >>> Limits(write_bandwidth=4e8).write_bandwidth
+        400000000.0
+    """
+
+    __slots__ = ()
+    KEYS: ClassVar[tuple[str, ...]] = LIMIT_KEYS
+    DEFAULT: ClassVar[None] = None
 
     @property
     def is_unlimited(self) -> bool:
         """True when no cap is set (bursts alone limit nothing)."""
-        return all(getattr(self, key) is None for key in CAP_KEYS)
+        return all(self.get(key) is None for key in CAP_KEYS)
+
+    def burst_of(self, kind: LimitKind, cap: float) -> float:
+        """Bucket depth for a cap of *kind*: its burst key if set, else the default
+        (100 ms of the cap, at least 1 MiB or 8 ops). Derived rather than stored so a
+        live change of the cap moves the default too."""
+        burst = self.get(kind.burst_key)
+        return float(burst) if burst is not None else default_burst(kind, cap)
 
     def bandwidth_burst(self, cap: float) -> float:
-        """Bucket depth in bytes for a bandwidth cap: ``burst``, else 100 ms of it, >= 1 MiB.
-
-        Kept derived rather than stored so a live change of the cap moves the default too.
-        """
-        return float(self.burst) if self.burst is not None else max(cap * BURST_SECONDS,
-                                                                     MIN_BURST_BYTES)
+        """Bucket depth in bytes for a bandwidth cap (see :meth:`burst_of`)."""
+        return self.burst_of(BY_KEY["read_bandwidth"], cap)
 
     def iops_burst(self, cap: float) -> float:
-        """Bucket depth in ops for an IOPS cap: ``burst_iops``, else 100 ms of it, >= 8."""
-        return self.burst_iops if self.burst_iops is not None else max(cap * BURST_SECONDS,
-                                                                        MIN_BURST_OPS)
+        """Bucket depth in ops for an IOPS cap (see :meth:`burst_of`)."""
+        return self.burst_of(BY_KEY["read_iops"], cap)
 
 
 @dataclass(frozen=True, slots=True)

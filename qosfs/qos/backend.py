@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import trio
 
+from qosfs.core.limit_kinds import LIMIT_KINDS
 from qosfs.qos.bucket import NO_LIMITS, LevelLimits
 from qosfs.qos.levels import Kind, LevelFactory, LevelStatistics, local_level
 from qosfs.qos.waiting import Ticket, Turn, until_covered
@@ -179,10 +180,14 @@ class BackendLevel:
 
     def _index_costs(self) -> None:
         """Seconds of backend capacity per byte and per op, by kind (0 when unlimited)."""
-        lim = self.level.limits
-        self._byte_cost = (1.0 / lim.read_bytes.rate, 1.0 / lim.write_bytes.rate, 0.0)
-        self._op_cost = (1.0 / lim.read_ops.rate, 1.0 / lim.write_ops.rate,
-                         1.0 / lim.meta_ops.rate)
+        byte_cost = [0.0] * len(Kind)
+        op_cost = [0.0] * len(Kind)
+        for kind in LIMIT_KINDS:
+            cost = 1.0 / self.level.limits.get(kind.bucket).rate
+            costs = byte_cost if kind.per_byte else op_cost
+            costs[kind.charges] = max(costs[kind.charges], cost)
+        self._byte_cost = tuple(byte_cost)
+        self._op_cost = tuple(op_cost)
 
     def _served(self, port: ClassPort, kind: Kind, nbytes: int, arrived: float) -> None:
         """Advance *port*'s tags for a request that arrived at *arrived*, admitted now."""

@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
+
+from qosfs.core.limit_kinds import BUCKETS, DEFAULT_BURST_SECONDS, KeyedValues
 
 __all__ = [
     "DEFAULT_BURST_SECONDS",
@@ -36,12 +39,8 @@ __all__ = [
 
 _INF = math.inf
 
-#: A limit without an explicit burst may accumulate this many seconds of its rate. 0.1 s
-#: keeps the burst within the 10 % tolerance of the 1 s cap-accuracy guarantee.
-DEFAULT_BURST_SECONDS = 0.1
-
-#: The buckets of a level, in :class:`LevelLimits` field order.
-LIMIT_NAMES = ("read_bytes", "write_bytes", "read_ops", "write_ops", "meta_ops")
+#: The buckets of a level, in table order (qosfs.core.limit_kinds).
+LIMIT_NAMES = BUCKETS
 
 
 def _check(rate: float, burst: float) -> None:
@@ -230,19 +229,22 @@ class Limit:
 UNLIMITED = Limit()
 
 
-@dataclass(frozen=True, slots=True)
-class LevelLimits:
-    """The five limits of a level; fields left out are unlimited."""
+class LevelLimits(KeyedValues[Limit]):
+    """A level's limits, one per bucket of :data:`qosfs.core.limit_kinds.LIMIT_KINDS`
+    (``read_bytes``, ``write_ops``, ...); buckets left out are unlimited.
 
-    read_bytes: Limit = UNLIMITED
-    write_bytes: Limit = UNLIMITED
-    read_ops: Limit = UNLIMITED
-    write_ops: Limit = UNLIMITED
-    meta_ops: Limit = UNLIMITED
+    Example:
+        >>> LevelLimits(write_bytes=Limit(1e6)).write_bytes.rate
+        1000000.0
+    """
+
+    __slots__ = ()
+    KEYS: ClassVar[tuple[str, ...]] = BUCKETS
+    DEFAULT: ClassVar[Limit] = UNLIMITED
 
     def scaled(self, factor: float) -> LevelLimits:
         """Every limit times ``factor``; unlimited stays unlimited."""
-        return LevelLimits(*(getattr(self, name).scaled(factor) for name in LIMIT_NAMES))
+        return LevelLimits(**{name: limit.scaled(factor) for name, limit in self.items()})
 
 
 NO_LIMITS = LevelLimits()

@@ -32,26 +32,27 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
 from qosfs.core.interrupts import Caller, cancelled_if_killed, current_caller
-from qosfs.policy.classify import Classifier, JobCache, JobInfo, compile_path_globs
+from qosfs.core.limit_kinds import BY_KEY, LIMIT_KINDS, default_burst
+from qosfs.policy.classify import CallerKey, Classifier, JobCache, compile_path_globs
 from qosfs.policy.loading import ClassRule, Limits, Policy
 from qosfs.qos.accounting import AccountKey, Accounts
 from qosfs.qos.backend import BackendLevel, ClassPort, Share
 from qosfs.qos.bounds import ParkingLot
-from qosfs.qos.bucket import UNLIMITED, LevelLimits, Limit
+from qosfs.qos.bucket import LevelLimits, Limit
 from qosfs.qos.interface import THREADS_PER_FLOW, Classified, PathSource
 from qosfs.qos.levels import (
     FairShareGroup,
     Kind,
-    LevelStatistics,
     Level,
     LevelFactory,
-    local_level,
+    LevelStatistics,
     admit_rest,
+    local_level,
     refund_bytes,
     try_admit,
 )
@@ -59,25 +60,18 @@ from qosfs.qos.levels import (
 if TYPE_CHECKING:
     import pyfuse3
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("qosfs.scheduler")  # what journald shows: kept across moves
 
 
 def level_limits(limits: Limits) -> LevelLimits:
-    """The bucket limits of a policy :class:`~qosfs.policy.loading.Limits` (bursts resolved)."""
-
-    def bandwidth(cap: float | None) -> Limit:
-        return UNLIMITED if cap is None else Limit(cap, limits.bandwidth_burst(cap))
-
-    def iops(cap: float | None) -> Limit:
-        return UNLIMITED if cap is None else Limit(cap, limits.iops_burst(cap))
-
-    return LevelLimits(
-        read_bytes=bandwidth(limits.read_bandwidth),
-        write_bytes=bandwidth(limits.write_bandwidth),
-        read_ops=iops(limits.read_iops),
-        write_ops=iops(limits.write_iops),
-        meta_ops=iops(limits.meta_iops),
-    )
+    """The bucket limits of a policy :class:`~qosfs.policy.model.Limits` (bursts resolved),
+    one bucket per row of the table of limit kinds."""
+    buckets = {}
+    for kind in LIMIT_KINDS:
+        cap = limits.get(kind.key)
+        if cap is not None:
+            buckets[kind.bucket] = Limit(cap, limits.burst_of(kind, cap))
+    return LevelLimits(**buckets)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +83,6 @@ class AutoCaps:
 
 
 NO_AUTO_CAPS = AutoCaps()
-AUTO_BURST_SECONDS = 0.1  # an automatic cap's bucket holds 100 ms of it (at least 1 MiB)
-AUTO_MIN_BURST = float(1 << 20)
 _READ, _WRITE, _META = Kind.READ, Kind.WRITE, Kind.META
 _monotonic = time.monotonic
 
@@ -105,21 +97,18 @@ def class_limits(limits: Limits, auto: AutoCaps = NO_AUTO_CAPS) -> LevelLimits:
     base = level_limits(limits)
     if auto == NO_AUTO_CAPS:
         return base
-    out = {}
-    for key, attr in (("read_bandwidth", "read_bytes"), ("write_bandwidth", "write_bytes")):
+    buckets = dict(base.set_items())
+    for key in ("read_bandwidth", "write_bandwidth"):
+        kind = BY_KEY[key]
         cap: float | None = getattr(auto, key)
-        configured: float | None = getattr(limits, key)
+        configured = limits.get(key)
         if cap is not None and (configured is None or cap < configured):
-            burst = max(cap * AUTO_BURST_SECONDS, AUTO_MIN_BURST)
-            if limits.burst is not None:
-                burst = min(burst, float(limits.burst))
-            out[attr] = Limit(cap, burst)
-    if not out:
-        return base
-    return LevelLimits(read_bytes=out.get("read_bytes", base.read_bytes),
-                       write_bytes=out.get("write_bytes", base.write_bytes),
-                       read_ops=base.read_ops, write_ops=base.write_ops,
-                       meta_ops=base.meta_ops)
+            burst = default_burst(kind, cap)
+            configured_burst = limits.get(kind.burst_key)
+            if configured_burst is not None:
+                burst = min(burst, float(configured_burst))
+            buckets[kind.bucket] = Limit(cap, burst)
+    return LevelLimits(**buckets)
 
 
 def backend_share(rule: ClassRule) -> Share:
@@ -543,17 +532,17 @@ class PolicyQos:
 
     # ------------------------------------------------------------------ QosEngine
 
-    def _job(self, pid: int) -> JobInfo | None:
-        if not self._needs_job:
-            return None
-        return self._jobs.get(pid, self._job_envs)
+    def caller_key(self, ctx: pyfuse3.RequestContext, op: str) -> CallerKey:
+        """What classification reads of this request besides the path (the memo's key)."""
+        return CallerKey(op, ctx.uid, ctx.gid, ctx.pid if self._needs_job else 0)
 
     def _flow_for(self, path: str, ctx: pyfuse3.RequestContext, op: str) -> PolicyFlow:
-        uid, gid = ctx.uid, ctx.gid
-        job = self._job(ctx.pid)
-        rule = self.classifier.classify(path, uid, gid, op, job)
-        tenant = self.classifier.tenant_of(uid, gid, path, job)
-        return self._flow(rule.name, tenant.name if tenant is not None else None, uid)
+        return self._classified(path, self.caller_key(ctx, op))
+
+    def _classified(self, path: str, caller: CallerKey) -> PolicyFlow:
+        job = self._jobs.get(caller.pid, self._job_envs) if self._needs_job else None
+        rule, tenant = self.classifier.resolve(path, caller, job)
+        return self._flow(rule.name, tenant.name if tenant is not None else None, caller.uid)
 
     def _flow(self, cls: str, tname: str | None, uid: int) -> PolicyFlow:
         key = (cls, tname, uid)
@@ -618,18 +607,19 @@ class PolicyQos:
         under a ``meta_iops`` cap and at every open. Requests come in runs on the same
         object (every lookup in a directory is charged at that directory), so one memo per
         inode, of its last classification, answers most of them. It is valid for the same
-        op, uid, gid (and pid when the policy reads job ids), under the same policy
+        :class:`~qosfs.policy.classify.CallerKey` (op, uid, gid, and pid when the policy
+        reads jobs), under the same policy
         generation and path epoch (see :mod:`qosfs.passthrough.paths`), and for as long as the path
         it was made from is trusted.
         """
-        pid = ctx.pid if self._needs_job else 0
-        key = (op, ctx.uid, ctx.gid, pid, self.generation, paths.epoch)
+        caller = self.caller_key(ctx, op)
+        key = (caller, self.generation, paths.epoch)
         memo = node.qos_memo
         now = _monotonic()
         if memo is not None and memo[0] == key and now < memo[1]:
             return memo[2]
         path, deadline = paths.relpath_until(node)
-        flow = self._flow_for(path, ctx, op)
+        flow = self._classified(path, caller)
         node.qos_memo = (key, deadline, flow)
         return flow
 

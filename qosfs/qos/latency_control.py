@@ -85,7 +85,7 @@ from qosfs.qos.latency_probe import QUIET_INTERVAL as PROBE_QUIET_INTERVAL
 
 __all__ = ["LatencyControl", "LatencyController", "ProtectedSample", "ClassSample"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("qosfs.latency_control")  # what journald shows: kept across moves
 
 WINDOW = 0.5  # seconds per decision
 DECREASE = 0.7  # cap factor per missed window (at most)

@@ -41,7 +41,7 @@ from qosfs.qos.accounting import FineHistogram
 
 __all__ = ["INTERVAL", "PROBE_XATTR", "LatencyProbe"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("qosfs.latency_probe")  # what journald shows: kept across moves
 
 PROBE_XATTR = b"user.qosfs.latency-probe"
 INTERVAL = 0.002  # seconds between the end of one canary request and the next

@@ -34,7 +34,6 @@ Design, and why:
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,9 +41,9 @@ from typing import Protocol
 
 import trio
 
+from qosfs.core.limit_kinds import LIMIT_KINDS, Kind
 from qosfs.qos.bucket import (
     DEFAULT_BURST_SECONDS,
-    LIMIT_NAMES,
     NO_LIMITS,
     UNLIMITED,
     LevelLimits,
@@ -74,14 +73,6 @@ __all__ = [  # the limit values are re-exported from qosfs.qos.bucket for conven
 ]
 
 _INF = math.inf
-
-
-class Kind(enum.IntEnum):
-    """What a request consumes: READ/WRITE charge bytes and ops, META charges meta ops."""
-
-    READ = 0
-    WRITE = 1
-    META = 2
 
 
 _READ = Kind.READ
@@ -217,9 +208,7 @@ class RateLevel:
         self.name = name
         self.limits = limits
         self.buckets: dict[str, TokenBucket] = {
-            key: TokenBucket(limit.rate, limit.effective_burst)
-            for key in LIMIT_NAMES
-            for limit in (getattr(limits, key),)
+            key: TokenBucket(limit.rate, limit.effective_burst) for key, limit in limits.items()
         }
         self.bytes_read = self.bytes_written = 0
         self.ops_read = self.ops_write = self.ops_meta = 0
@@ -230,10 +219,16 @@ class RateLevel:
         self._index_buckets()
 
     def _index_buckets(self) -> None:
-        """Precompute, per kind, the limited buckets involved (None = unlimited)."""
-        b = {key: (None if bucket.unlimited else bucket) for key, bucket in self.buckets.items()}
-        self._bytes_by_kind = (b["read_bytes"], b["write_bytes"], None)
-        self._ops_by_kind = (b["read_ops"], b["write_ops"], b["meta_ops"])
+        """Precompute, per request kind, its limited per-byte and per-op buckets (None =
+        unlimited), from the table of limit kinds: what try_pass reads per request."""
+        by_bytes: list[TokenBucket | None] = [None] * len(Kind)
+        by_ops: list[TokenBucket | None] = [None] * len(Kind)
+        for kind in LIMIT_KINDS:
+            bucket = self.buckets[kind.bucket]
+            if not bucket.unlimited:
+                (by_bytes if kind.per_byte else by_ops)[kind.charges] = bucket
+        self._bytes_by_kind = tuple(by_bytes)
+        self._ops_by_kind = tuple(by_ops)
         self.limited: tuple[bool, ...] = tuple(
             x is not None or y is not None
             for x, y in zip(self._bytes_by_kind, self._ops_by_kind, strict=True)
@@ -251,7 +246,7 @@ class RateLevel:
         """
         now = trio.current_time()
         for key, bucket in self.buckets.items():
-            limit: Limit = getattr(limits, key)
+            limit = limits.get(key)
             bucket.set_rate(limit.rate, limit.effective_burst, now)
         self.limits = limits
         self._index_buckets()
@@ -275,10 +270,7 @@ class RateLevel:
 
     def __repr__(self) -> str:
         limited = " ".join(
-            f"{key}={_number(limit.rate)}/s"
-            for key in LIMIT_NAMES
-            for limit in (getattr(self.limits, key),)
-            if limit.rate != _INF
+            f"{key}={_number(limit.rate)}/s" for key, limit in self.limits.set_items()
         )
         return (
             f"<RateLevel {self.name!r} {limited or 'unlimited'} "

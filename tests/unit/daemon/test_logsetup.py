@@ -30,10 +30,10 @@ def test_journal_lines_carry_priorities_even_in_tracebacks() -> None:
         raise ValueError("boom")
     except ValueError:
         exc_info = sys.exc_info()
-    record = logging.LogRecord("qosfs.daemon.mount", logging.ERROR, __file__, 1, "failed %s", ("x",),
+    record = logging.LogRecord("qosfs.mount", logging.ERROR, __file__, 1, "failed %s", ("x",),
                                exc_info)
     lines = logsetup._JournalFormatter().format(record).split("\n")
-    assert lines[0] == "<3>qosfs.daemon.mount: failed x"
+    assert lines[0] == "<3>qosfs.mount: failed x"
     assert len(lines) > 3 and all(line.startswith("<3>") for line in lines)
     assert lines[-1] == "<3>ValueError: boom"
     warning = logging.LogRecord("qosfs", logging.WARNING, __file__, 1, "careful", (), None)
