@@ -41,7 +41,7 @@ Per-uid series are bounded by the policy's ``[metrics]`` table (see
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import (
@@ -55,6 +55,9 @@ from prometheus_client.utils import floatToGoString
 from qosfs.control.snapshot import Snapshot
 from qosfs.core.limit_kinds import BY_KEY
 from qosfs.qos.accounting import HistogramSnapshot
+
+# prometheus_client's formatter of bucket bounds, untyped there: typed here once.
+_go_float: Callable[[float], str] = floatToGoString
 
 __all__ = ["CONTENT_TYPE", "SnapshotCollector", "render"]
 
@@ -71,7 +74,7 @@ def _label(value: object) -> str:
 
 
 def _buckets(h: HistogramSnapshot) -> list[tuple[str, float]]:
-    return [(floatToGoString(bound), float(n)) for bound, n in h.cumulative()]
+    return [(_go_float(bound), float(n)) for bound, n in h.cumulative()]
 
 
 class SnapshotCollector:
@@ -253,4 +256,4 @@ _RESOURCES = (
 
 def render(snap: Snapshot) -> bytes:
     """The Prometheus text exposition of ``snap`` (safe to call from any thread)."""
-    return generate_latest(SnapshotCollector(snap))  # type: ignore[arg-type]
+    return generate_latest(SnapshotCollector(snap))

@@ -205,7 +205,7 @@ def to_json(snap: Snapshot, sampler: RateSampler | None, *, accounts: bool) -> d
     rows = []
     for key, acc in snap.accounts:
         cls, tenant, uid = key
-        row: dict[str, Any] = {
+        account: dict[str, Any] = {
             "class": cls, "tenant": tenant, "uid": uid,
             "read_bytes": acc.read_bytes, "write_bytes": acc.write_bytes,
             "read_ops": acc.read_ops, "write_ops": acc.write_ops, "meta_ops": acc.meta_ops,
@@ -213,12 +213,14 @@ def to_json(snap: Snapshot, sampler: RateSampler | None, *, accounts: bool) -> d
             "rates": account_rates.get(key, zero),
         }
         if accounts:
-            row["latency"] = {name: _histogram_json(getattr(acc, name)) for name in HISTOGRAMS}
-        rows.append(row)
+            account["latency"] = {name: _histogram_json(getattr(acc, name))
+                                  for name in HISTOGRAMS}
+        rows.append(account)
     body["accounts"] = rows
     if accounts:
         body["bucket_bounds_seconds"] = list(BUCKET_BOUNDS_SECONDS)
-    return _finite(body)
+    finite: dict[str, Any] = _finite(body)
+    return finite
 
 
 def _finite(value: Any) -> Any:

@@ -11,9 +11,8 @@ from __future__ import annotations
 import errno
 import os
 from dataclasses import dataclass, field
-from typing import Any
-
 from qosfs.passthrough.inodes import Inode
+from qosfs.qos.interface import Flow
 
 
 @dataclass(slots=True, eq=False)
@@ -22,7 +21,7 @@ class FileHandle:
 
     fd: int
     direct: bool  # backing fd has O_DIRECT: buffers must be aligned
-    flow: Any  # the QoS flow (class/tenant/user levels) chosen at open
+    flow: Flow  # the QoS flow (class/tenant/user levels) chosen at open
     inode: Inode
     kill_priv: bool = False  # clear setuid/setgid on the first write (unprivileged writer)
     fsuid: int = 0  # writes run with this fsuid when not 0 (see qosfs.daemon.privileges)

@@ -54,6 +54,7 @@ from qosfs.qos.latency_probe import PROBE_XATTR
 log = logging.getLogger("qosfs.fs")  # what journald shows: kept across moves
 
 _F = TypeVar("_F", bound=Callable[..., Awaitable[Any]])
+_T = TypeVar("_T")
 
 # Flags the kernel handles itself (or that make no sense when reopening an existing
 # object through its /proc magic link; O_NOFOLLOW would refuse the magic link).
@@ -164,10 +165,11 @@ class PassthroughOperations(pyfuse3.Operations):
         e.st_ctime_ns = st.st_ctime_ns
         return e
 
-    async def _meta(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await self.io.meta(self._meta_limiter, fn, *args)
+    async def _meta(self, fn: Callable[..., _T], *args: Any) -> _T:
+        result: _T = await self.io.meta(self._meta_limiter, fn, *args)
+        return result
 
-    async def _meta_opening(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _meta_opening(self, fn: Callable[..., _T], *args: Any) -> _T:
         """:meth:`_meta` for a call that opens a descriptor; an :class:`Inode` among *args*
         is passed as its descriptor, taken just before the call.
 
@@ -176,12 +178,15 @@ class PassthroughOperations(pyfuse3.Operations):
         the first ones): a caller must never see EMFILE because of the daemon's own
         bookkeeping.
         """
+        result: _T
         try:
-            return await self.io.meta(self._meta_limiter, fn, *_fds(args))
+            result = await self.io.meta(self._meta_limiter, fn, *_fds(args))
+            return result
         except OSError as exc:
             if exc.errno not in _FD_SHORTAGE or not self.inodes.relieve():
                 raise
-        return await self.io.meta(self._meta_limiter, fn, *_fds(args))
+        result = await self.io.meta(self._meta_limiter, fn, *_fds(args))
+        return result
 
     async def _admit_meta(self, inode: Inode, ctx: pyfuse3.RequestContext) -> None:
         if self.qos.meta_limited:

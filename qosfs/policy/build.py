@@ -12,7 +12,7 @@ import grp
 import re
 from typing import Any
 
-from qosfs.core.limit_kinds import BURST_KEYS, LIMIT_KINDS
+from qosfs.core.limit_kinds import BURST_KEYS, CAP_KEYS, LIMIT_KINDS
 from qosfs.core.units import (
     UnitError,
     format_bandwidth,
@@ -28,7 +28,6 @@ from qosfs.core.units import (
 from qosfs.policy.classify import GlobError, compile_cgroup_glob, compile_glob, compile_value_glob
 from qosfs.policy.model import (
     CACHE_MODES,
-    CAP_KEYS,
     CLASS_KEYS,
     DEFAULT_USER_SERIES,
     DEFAULT_USER_SERIES_IDLE,

@@ -66,11 +66,11 @@ import stat
 import tomllib
 from os import PathLike
 
+from qosfs.core.limit_kinds import CAP_KEYS
 from qosfs.core.units import show_value
 from qosfs.policy.build import build_policy, policy_to_raw, unknown_key
 from qosfs.policy.model import (
     CACHE_MODES,
-    CAP_KEYS,
     CLASS_KEYS,
     CLASS_SETTINGS,
     LATENCY_MEASURES,

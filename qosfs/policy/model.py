@@ -225,7 +225,8 @@ class Policy:
     @property
     def job_envs(self) -> tuple[str, ...]:
         """The environment variables classes and tenants match on, each once, in order."""
-        names = [r.job_env for r in (*self.tenants, *self.classes) if r.job_env is not None]
+        rules: tuple[Tenant | ClassRule, ...] = (*self.tenants, *self.classes)
+        names = [r.job_env for r in rules if r.job_env is not None]
         return tuple(dict.fromkeys(names))
 
     def render(self) -> str:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import trio
@@ -98,7 +99,7 @@ class ClassPort:
     # -- the Stage interface admit() uses ----------------------------------------------
 
     @property
-    def limited(self) -> tuple[bool, ...]:
+    def limited(self) -> Sequence[bool]:
         return self.backend.level.limited
 
     @property

@@ -44,7 +44,7 @@ from qosfs.qos.accounting import AccountKey, Accounts
 from qosfs.qos.backend import BackendLevel, ClassPort, Share
 from qosfs.qos.bounds import ParkingLot
 from qosfs.qos.bucket import LevelLimits, Limit
-from qosfs.qos.interface import THREADS_PER_FLOW, Classified, PathSource
+from qosfs.qos.interface import THREADS_PER_FLOW, Classified, Flow, PathSource
 from qosfs.qos.levels import (
     FairShareGroup,
     Kind,
@@ -556,10 +556,11 @@ class PolicyQos:
 
     # ------------------------------------------------------------------ streaming writers
 
-    def stream_threshold(self, flow: PolicyFlow) -> int:
+    def stream_threshold(self, flow: Flow) -> int:
         """Bytes of mostly sequential writes after which a writable open of *flow* moves
         to the streaming class (qosfs.streaming); 0: never (no such class, or *flow*'s
         class caps writes itself or is that class)."""
+        assert isinstance(flow, PolicyFlow)  # this engine's open_flow made it
         target = self._streaming
         if target is None:
             return 0
@@ -569,9 +570,10 @@ class PolicyQos:
             return 0
         return target.detect_streaming_writes or 0
 
-    def moved_to_streaming(self, flow: PolicyFlow) -> PolicyFlow:
+    def moved_to_streaming(self, flow: Flow) -> PolicyFlow:
         """The flow an open of *flow* continues in once it is seen streaming (same tenant
         and uid, the streaming class); counts the move by the class it leaves."""
+        assert isinstance(flow, PolicyFlow)
         target = self._streaming
         if target is None or target.name not in self.classes:
             return flow
@@ -580,11 +582,12 @@ class PolicyQos:
         return self._flow(target.name, flow.tenant_name, flow.uid)
 
     def charge_renamed(self, paths: PathSource, node: Classified, ctx: pyfuse3.RequestContext,
-                       charged: PolicyFlow, nbytes: int) -> PolicyFlow | None:
+                       charged: Flow, nbytes: int) -> PolicyFlow | None:
         """*node* was renamed; *nbytes* were written to it through *charged* (an uncapped
         class). If writes under its new name belong to a capped class, move the charge
         there now: that class goes into debt, which its next writes pay, and *charged*
         gets the bytes back. Returns that flow (for the file's open handles), or None."""
+        assert isinstance(charged, PolicyFlow)
         flow = self._memo_flow(paths, node, ctx, "write")
         if flow.cls is charged.cls or not flow.throttled_writes:
             return None
@@ -617,7 +620,8 @@ class PolicyQos:
         memo = node.qos_memo
         now = _monotonic()
         if memo is not None and memo[0] == key and now < memo[1]:
-            return memo[2]
+            memoized: PolicyFlow = memo[2]
+            return memoized
         path, deadline = paths.relpath_until(node)
         flow = self._classified(path, caller)
         node.qos_memo = (key, deadline, flow)

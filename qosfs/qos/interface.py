@@ -53,8 +53,12 @@ class Flow(Protocol):
 
     limited: bool  # False: admit_* would never wait, so the hot path skips the call
     limiter: trio.CapacityLimiter  # worker threads this flow may use
-    throttled_writes: bool  # a cap bounds its writes now (their large ones use a thread)
     stats: FlowStats  # traffic counters and latency histograms (qosfs.qos.accounting)
+    open_files: int  # files open through it now (the engine forgets flows at 0)
+
+    @property
+    def throttled_writes(self) -> bool:
+        """Whether a cap bounds its writes now (their large ones then use a thread)."""
 
     def direct_io_for(self, accmode: int) -> bool: ...  # bypass the page cache for an open
 
@@ -91,14 +95,14 @@ class QosEngine(Protocol):
 
     async def admit_meta(self, paths: PathSource, node: Classified, ctx: pyfuse3.RequestContext) -> None: ...
 
-    def stream_threshold(self, flow: Any) -> int:
+    def stream_threshold(self, flow: Flow) -> int:
         """Sequential bytes after which a writable open of *flow* moves (0: never)."""
 
-    def moved_to_streaming(self, flow: Any) -> Any:
+    def moved_to_streaming(self, flow: Flow) -> Flow:
         """The flow a streaming writer of *flow* continues in."""
 
     def charge_renamed(self, paths: PathSource, node: Classified, ctx: pyfuse3.RequestContext,
-                       charged: Any, nbytes: int) -> Any:
+                       charged: Flow, nbytes: int) -> Flow | None:
         """Bytes written under a name that said nothing: charge them to the final name's
         class; returns its flow (None: nothing moved)."""
 
@@ -147,7 +151,8 @@ class PassThroughQos:
 
     meta_limited = False
     needs_paths = False  # nothing is classified
-    cache_timeouts = None  # the mount's --attr-timeout for everything
+    # the mount's --attr-timeout for everything
+    cache_timeouts: Callable[[str], tuple[float | None, float | None]] | None = None
 
     def __init__(self) -> None:
         self.accounts = Accounts()
@@ -162,14 +167,14 @@ class PassThroughQos:
     async def admit_meta(self, paths: PathSource, node: Classified, ctx: pyfuse3.RequestContext) -> None:
         return None
 
-    def stream_threshold(self, flow: Any) -> int:
+    def stream_threshold(self, flow: Flow) -> int:
         return 0  # nothing is classified, so nothing moves
 
-    def moved_to_streaming(self, flow: Any) -> Any:
+    def moved_to_streaming(self, flow: Flow) -> Flow:
         return flow
 
     def charge_renamed(self, paths: PathSource, node: Classified, ctx: pyfuse3.RequestContext,
-                       charged: Any, nbytes: int) -> Any:
+                       charged: Flow, nbytes: int) -> Flow | None:
         return None
 
     def drain(self) -> None:

@@ -238,7 +238,7 @@ class LatencyController:
         for name, above in self.roles.items():
             seen = [verdicts.get(g.name, "idle") for g in above]
             before = self.low[name].caps() if name in self.low else NO_AUTO_CAPS
-            sample = rates.get(name, ClassSample(name, 0.0, 0.0))
+            traffic = rates.get(name, ClassSample(name, 0.0, 0.0))
             if "missed" in seen:
                 factor = DECREASE
                 for g in above:
@@ -246,7 +246,7 @@ class LatencyController:
                     target = self.targets.get(g.name)
                     if verdicts.get(g.name) == "missed" and p and p.latency and target:
                         factor = min(factor, target / p.latency)
-                floored.append(self._decrease(name, sample, now, max(DEEPEST, factor)))
+                floored.append(self._decrease(name, traffic, now, max(DEEPEST, factor)))
             elif "few-samples" not in seen and "learning" not in seen and name in self.low:
                 if all(v == "idle" for v in seen):
                     growth = 1.0  # double: nothing to protect
@@ -258,7 +258,7 @@ class LatencyController:
                         if p is not None and p.latency is not None and target:
                             headroom = 1.0 - p.latency / target
                             growth = min(growth, max(INCREASE, headroom / 2))
-                self._increase(name, sample, growth)
+                self._increase(name, traffic, growth)
             after = self.low[name].caps() if name in self.low else NO_AUTO_CAPS
             if after != before:
                 changed[name] = after

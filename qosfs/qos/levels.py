@@ -140,9 +140,16 @@ class Level(Stage, Protocol):
 
     name: str
     limits: LevelLimits
-    queue_depth: int
-    waits: int
-    throttled_seconds: float
+    # Admitted traffic (refunds subtract), read by status, metrics and the latency
+    # controller; plain attributes so the hot path bumps them without a call.
+    bytes_read: int
+    bytes_written: int
+    ops_read: int
+    ops_write: int
+    ops_meta: int
+    queue_depth: int  # requests parked here now
+    waits: int  # requests that ever parked here
+    throttled_seconds: float  # time requests spent parked here
 
     @property
     def changed(self) -> trio.Event:

@@ -25,6 +25,8 @@ from typing import Protocol
 
 import trio
 
+from qosfs.core.limit_kinds import Kind
+
 __all__ = ["EPSILON", "Covering", "Ticket", "Turn", "until_covered"]
 
 #: A shortfall smaller than this many seconds is admitted (the remainder stays as debt, so
@@ -100,11 +102,11 @@ class Covering(Protocol):
     def changed(self) -> trio.Event:
         """Set (and replaced) whenever the level's limits change."""
 
-    def delay(self, kind: int, nbytes: int, now: float) -> float:
+    def delay(self, kind: Kind, nbytes: int, now: float) -> float:
         """Seconds until the buckets cover a request of *nbytes* of *kind* (0: now)."""
 
 
-async def until_covered(level: Covering, kind: int, nbytes: int) -> float:
+async def until_covered(level: Covering, kind: Kind, nbytes: int) -> float:
     """Sleep until *level*'s buckets cover the request, waking early when its limits
     change; return the time at which they do (charge the request at that time).
 
