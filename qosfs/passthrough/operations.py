@@ -579,7 +579,7 @@ class PassthroughOperations(pyfuse3.Operations):
             # Admission may refuse (EAGAIN: too many parked) or give up (EINTR: killed).
             waited = await flow.admit_read(size) if flow.limited else 0.0
             start = _now_ns()
-            data = await self.io.read(handle.fd, off, size, handle.direct, flow.limiter)
+            data = await self.io.read(handle.fd, off, size, handle.direct, flow.threads)
             took = _now_ns() - start
         except OSError as exc:
             raise FUSEError(exc.errno or errno.EIO) from None
@@ -598,7 +598,7 @@ class PassthroughOperations(pyfuse3.Operations):
                 handle.kill_priv = False
                 self._kill_priv(handle.fd)
             start = _now_ns()
-            n = await self.io.write(handle.fd, off, buf, handle.direct, flow.limiter,
+            n = await self.io.write(handle.fd, off, buf, handle.direct, flow.threads,
                                     flow.throttled_writes, handle.fsuid)
             took = _now_ns() - start
         except OSError as exc:
@@ -670,7 +670,7 @@ class PassthroughOperations(pyfuse3.Operations):
         # (NFS reports them at close), so the caller's close() sees them.
         if self.io.mode.value == "threads":
             handle = self.files[fh]
-            await self.io.blocking(handle.flow.limiter, _close_dup, handle.fd)
+            await self.io.blocking(handle.flow.threads, _close_dup, handle.fd)
             return
         # On local filesystems a flush has nothing to do. ENOSYS makes the kernel stop
         # sending FLUSH for the rest of the mount (close() still returns 0), which saves a
@@ -683,14 +683,14 @@ class PassthroughOperations(pyfuse3.Operations):
         self.open_quota.release(handle.owner)
         handle.flow.release()
         handle.inode.opens -= 1
-        await self.io.blocking(handle.flow.limiter, os.close, handle.fd)
+        await self.io.blocking(handle.flow.threads, os.close, handle.fd)
         if handle.inode.opens == 0 and handle.inode.lookups > 0:
             self.inodes.release_unlinked(handle.inode)
 
     @fuse_handler
     async def fsync(self, fh: int, datasync: bool) -> None:
         handle = self.files[fh]
-        await self.io.blocking(handle.flow.limiter, os.fdatasync if datasync else os.fsync,
+        await self.io.blocking(handle.flow.threads, os.fdatasync if datasync else os.fsync,
                                handle.fd)
 
     # ----------------------------------------------------------------- directories

@@ -169,7 +169,7 @@ class ClassState:
             self.level = factory(rule.name, limits)
         # Threads for blocking calls are per class: a class whose backend calls hang
         # cannot take the threads another class needs.
-        self.limiter = trio.CapacityLimiter(THREADS_PER_FLOW)
+        self.threads = trio.CapacityLimiter(THREADS_PER_FLOW)
 
     def update(self, rule: ClassRule, auto: AutoCaps = NO_AUTO_CAPS) -> None:
         self.rule = rule
@@ -201,12 +201,12 @@ class PolicyFlow:
         "cls",
         "direct_io",
         "limited",
-        "limiter",
         "open_files",
         "parking",
         "stats",
         "tenant",
         "tenant_name",
+        "threads",
         "uid",
     )
 
@@ -228,7 +228,7 @@ class PolicyFlow:
         self.cls = cls
         cache = cls.rule.cache
         self.direct_io = cache == "direct" or (cache == "auto" and cls.read_capped)
-        self.limiter = cls.limiter
+        self.threads = cls.threads
         # Traffic counters (qosfs.qos.accounting): per uid only where the class is per-user.
         self.stats = self._accounts.get(cls.rule.name, self.tenant_name,
                                         self.uid if cls.rule.per_user else None)

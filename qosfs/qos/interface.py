@@ -52,7 +52,7 @@ class Flow(Protocol):
     """What an open file's traffic is charged to; chosen once at open."""
 
     limited: bool  # False: admit_* would never wait, so the hot path skips the call
-    limiter: trio.CapacityLimiter  # worker threads this flow may use
+    threads: trio.CapacityLimiter  # worker threads this flow may use for blocking calls
     stats: FlowStats  # traffic counters and latency histograms (qosfs.qos.accounting)
     open_files: int  # files open through it now (the engine forgets flows at 0)
 
@@ -113,14 +113,14 @@ class QosEngine(Protocol):
 class CountingFlow:
     """A flow that never waits and only counts (the traffic of a mount without policy)."""
 
-    __slots__ = ("name", "limited", "limiter", "stats", "open_files")
+    __slots__ = ("limited", "name", "open_files", "stats", "threads")
 
     throttled_writes = False  # nothing is ever capped without a policy
 
     def __init__(self, name: str, stats: FlowStats | None = None) -> None:
         self.name = name
         self.limited = False
-        self.limiter = trio.CapacityLimiter(THREADS_PER_FLOW)
+        self.threads = trio.CapacityLimiter(THREADS_PER_FLOW)
         self.stats = stats if stats is not None else FlowStats()
         self.open_files = 0
 
