@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 from dataclasses import dataclass, field
+
 from qosfs.passthrough.inodes import Inode
 from qosfs.qos.interface import Flow
 

@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-if TYPE_CHECKING:  # policy.py imports this module for glob validation: no runtime cycle
-    from qosfs.policy.loading import ClassRule, IdRange, Policy, Tenant
+if TYPE_CHECKING:  # the types only: qosfs.policy.build imports this module
+    from qosfs.policy.model import ClassRule, IdRange, Policy, Tenant
 
 __all__ = [
     "Classifier", "GlobError", "JobCache", "JobInfo", "compile_cgroup_glob", "compile_glob",

@@ -68,7 +68,7 @@ from os import PathLike
 
 from qosfs.core.limit_kinds import CAP_KEYS
 from qosfs.core.units import show_value
-from qosfs.policy.build import build_policy, policy_to_raw, unknown_key
+from qosfs.policy.build import build_policy, unknown_key
 from qosfs.policy.model import (
     CACHE_MODES,
     CLASS_KEYS,
@@ -89,6 +89,7 @@ from qosfs.policy.model import (
     Policy,
     PolicyError,
     Tenant,
+    policy_to_raw,
 )
 from qosfs.policy.text import DEFAULT_POLICY_TEXT, locate_key, quote_key
 

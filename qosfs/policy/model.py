@@ -8,17 +8,20 @@ validation live in :mod:`qosfs.policy.build`, TOML text in :mod:`qosfs.policy.te
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from qosfs.core.errors import EXIT_POLICY, QosfsError
 from qosfs.core.limit_kinds import (
     BURST_KEYS,
     BY_KEY,
     CAP_KEYS,
+    LIMIT_KINDS,
     KeyedValues,
     LimitKind,
     default_burst,
 )
+from qosfs.core.units import format_bandwidth, format_duration, format_interval, format_size
+from qosfs.policy.text import dump_toml
 
 #: Every key of a limits table: the caps of the table of limit kinds, then their bursts.
 LIMIT_KEYS = (*CAP_KEYS, *BURST_KEYS)
@@ -231,10 +234,69 @@ class Policy:
 
     def render(self) -> str:
         """The resolved policy as TOML that parses back to an equal :class:`Policy`."""
-        # Imported here: rendering needs the model, the model needs nothing else.
-        from qosfs.policy.build import policy_to_raw
-        from qosfs.policy.text import dump_toml
-
         return dump_toml(policy_to_raw(self), self.source)
+
+
+# ---------------------------------------------------------------------- back to text
+# The model's inverse of qosfs.policy.build: kept here so that Policy.render() needs
+# nothing above the model.
+
+_FORMAT = {**{k.key: k.show for k in LIMIT_KINDS}, **{k: v[1] for k, v in BURST_KEYS.items()}}
+
+
+def _limits_raw(limits: Limits) -> dict[str, Any]:
+    return {k: _FORMAT[k](v) for k in LIMIT_KEYS if (v := limits.get(k)) is not None}
+
+
+def _ids_raw(ranges: tuple[IdRange, ...]) -> list[int | str]:
+    return [r.lo if r.lo == r.hi else f"{r.lo}-{r.hi}" for r in ranges]
+
+
+def _class_raw(c: ClassRule) -> dict[str, Any]:
+    out: dict[str, Any] = {"paths": list(c.paths), "uids": _ids_raw(c.uids),
+                           "gids": _ids_raw(c.gids), "tenants": list(c.tenants),
+                           "ops": [op for op in OPS if op in c.ops], "job_env": c.job_env,
+                           "jobs": list(c.jobs), "cgroups": list(c.cgroups)}
+    named = PRIORITY_WEIGHTS.get(c.priority_name) == c.priority_weight
+    out["priority"] = c.priority_name if named else c.priority_weight
+    for key in ("min_read_bandwidth", "min_write_bandwidth"):
+        out[key] = None if getattr(c, key) is None else format_bandwidth(getattr(c, key))
+    out.update(per_user="fair" if c.per_user else "none", cache=c.cache,
+               latency_percentile=c.latency_percentile, latency_measure=c.latency_measure,
+               **_limits_raw(c.limits))
+    if c.target_read_latency is not None:
+        out["target_read_latency"] = format_duration(c.target_read_latency)
+    if c.target_read_slowdown is not None:
+        out["target_read_slowdown"] = c.target_read_slowdown
+    if c.detect_streaming_writes is not None:
+        out["detect_streaming_writes"] = format_size(c.detect_streaming_writes)
+    for key in ("entry_timeout", "attr_timeout"):
+        seconds = getattr(c, key)
+        if seconds is not None:
+            out[key] = format_duration(seconds) if seconds else "0s"
+    return {k: v for k, v in out.items() if v not in (None, [])}
+
+
+def policy_to_raw(policy: Policy) -> dict[str, Any]:
+    """The policy as the dict tomllib would produce from its rendering."""
+    raw: dict[str, Any] = {}
+    if policy.backend is not None:
+        raw["backend"] = _limits_raw(policy.backend.limits)
+    if policy.control.admin_gid is not None:
+        raw["control"] = {"admin_group": policy.control.admin_gid}
+    if policy.exported != Exported():
+        raw["metrics"] = {"user_series": policy.exported.user_series,
+                          "user_series_idle": format_interval(policy.exported.user_series_idle)}
+    raw["tenants"] = {t.name: {"uids": _ids_raw(t.uids), "gids": _ids_raw(t.gids),
+                               "paths": list(t.paths), "cgroups": list(t.cgroups),
+                               "job_env": t.job_env, "jobs": list(t.jobs),
+                               **_limits_raw(t.limits)}
+                      for t in policy.tenants}
+    for table in raw["tenants"].values():
+        for key in ("uids", "gids", "paths", "cgroups", "job_env", "jobs"):
+            if not table[key]:
+                del table[key]
+    raw["classes"] = {c.name: _class_raw(c) for c in policy.classes}
+    return raw
 
 

@@ -70,3 +70,35 @@ def test_a_layer_imports_only_layers_below_it(path: Path) -> None:
                      if (other := _layer(name)) is not None and other != own
                      and LAYERS[other] >= LAYERS[own]})
     assert not upward, f"{path.relative_to(PACKAGE)} ({own}) imports {upward}"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_two_modules_import_each_other_even_through_a_chain() -> None:
+    """Within a layer too: a cycle means neither module can be understood first."""
+    modules = {_module_name(p): p for p in _modules()}
+    graph = {name: {m for m in _imports(path) if m in modules and m != name
+                    and not modules[m].name == "__init__.py"}
+             for name, path in modules.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    trail: list[str] = []
+
+    def visit(name: str) -> list[str] | None:
+        state[name] = 1
+        trail.append(name)
+        for nxt in sorted(graph[name]):
+            if state.get(nxt) == 1:
+                return [*trail[trail.index(nxt):], nxt]
+            if nxt not in state and (cycle := visit(nxt)) is not None:
+                return cycle
+        trail.pop()
+        state[name] = 2
+        return None
+
+    for name in sorted(graph):
+        if name not in state:
+            cycle = visit(name)
+            assert cycle is None, " -> ".join(cycle)

@@ -361,12 +361,12 @@ def test_metrics_after_traffic(ctl_mount: Mounted) -> None:
     assert value(f"qosfs_read_bytes_total{{{capped}}}") >= 3 * MiB
     assert value('qosfs_ops_total{class="capped",op="write",tenant="",uid=""}') >= 3
     assert 0.8 <= value(f"qosfs_throttled_seconds_total{{{capped}}}") < 5  # 2 MiB over the burst
-    assert value(f'qosfs_request_duration_seconds_count{{class="capped",op="write",'
-                 f'tenant="",uid=""}}') >= 3
-    assert value(f'qosfs_request_duration_seconds_sum{{class="capped",op="write",'
-                 f'tenant="",uid=""}}') >= 0.8
-    assert value(f'qosfs_backend_duration_seconds_sum{{class="capped",op="write",'
-                 f'tenant="",uid=""}}') < 1.0
+    assert value('qosfs_request_duration_seconds_count{class="capped",op="write",'
+                 'tenant="",uid=""}') >= 3
+    assert value('qosfs_request_duration_seconds_sum{class="capped",op="write",'
+                 'tenant="",uid=""}') >= 0.8
+    assert value('qosfs_backend_duration_seconds_sum{class="capped",op="write",'
+                 'tenant="",uid=""}') < 1.0
     assert value('qosfs_queue_depth{level="class",name="capped",uid=""}') == 0
     assert value('qosfs_limit_bytes_per_second{direction="write",level="class",'
                  'name="capped",uid=""}') == 2 * MiB
