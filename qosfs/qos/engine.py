@@ -85,6 +85,7 @@ class AutoCaps:
 NO_AUTO_CAPS = AutoCaps()
 _READ, _WRITE, _META = Kind.READ, Kind.WRITE, Kind.META
 _monotonic = time.monotonic
+_CALLER_FIELDS = len(CallerKey._fields)
 
 
 def class_limits(limits: Limits, auto: AutoCaps = NO_AUTO_CAPS) -> LevelLimits:
@@ -615,15 +616,19 @@ class PolicyQos:
         generation and path epoch (see :mod:`qosfs.passthrough.paths`), and for as long as the path
         it was made from is trusted.
         """
-        caller = self.caller_key(ctx, op)
-        key = (caller, self.generation, paths.epoch)
+        # The key is the CallerKey's fields, then the policy generation and path epoch.
+        # A flat tuple, and the CallerKey built from it only on a miss: building one per
+        # request cost 150 ns (bench/machinery.py); _make() refuses a key that lacks a
+        # field CallerKey gained, so the two cannot drift apart.
+        key = (op, ctx.uid, ctx.gid, ctx.pid if self._needs_job else 0, self.generation,
+               paths.epoch)
         memo = node.qos_memo
         now = _monotonic()
         if memo is not None and memo[0] == key and now < memo[1]:
             memoized: PolicyFlow = memo[2]
             return memoized
         path, deadline = paths.relpath_until(node)
-        flow = self._classified(path, caller)
+        flow = self._classified(path, CallerKey._make(key[:_CALLER_FIELDS]))
         node.qos_memo = (key, deadline, flow)
         return flow
 
