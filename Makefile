@@ -1,6 +1,7 @@
 # qosfs: everything a fresh machine needs is installed by these targets.
 #   make demo   install, mount a demo tree with the default policy, run a short workload
-#   make test   install, run the test suite (what .ci/run runs)
+#   make test   install, check (make lint: ruff, mypy --strict), run the test suite
+#               (what .ci/run runs)
 #   make bench  install, run every benchmark suite, write bench/results/REPORT.md (~20 min;
 #               make bench-quick: ~8 min, noisier)
 #   make install          qosfs in its own virtualenv, /usr/local/bin/qosfs, the systemd
@@ -23,7 +24,7 @@ UNITDIR := $(PREFIX)/lib/systemd/system
 DOCDIR  := $(PREFIX)/share/doc/qosfs
 CONFDIR := /etc/qosfs
 
-.PHONY: deps system-deps venv demo test bench-deps bench bench-quick clean \
+.PHONY: deps system-deps venv demo test lint bench-deps bench bench-quick clean \
 	install install-python install-files uninstall
 
 deps: system-deps venv
@@ -48,8 +49,14 @@ venv: $(PY)
 demo: deps
 	$(PY) -m bench demo
 
-test: deps
+# The tests run after the static checks: a lint failure is cheaper to learn first.
+test: lint
 	$(PY) -m pytest -q
+
+# ruff (rule set in pyproject.toml) over everything; mypy --strict over the package.
+lint: deps
+	$(PY) -m ruff check qosfs tests bench
+	$(PY) -m mypy
 
 # matplotlib draws the report's plots; if it cannot be installed the report says so.
 bench-deps: deps

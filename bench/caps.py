@@ -103,7 +103,7 @@ class Caps:
         self.runtime = int(run.pick(13, 5))
 
     def set_caps(self, key: str, level: str) -> None:
-        changes = {k: "unlimited" for k in LIMIT_KEYS}
+        changes = dict.fromkeys(LIMIT_KEYS, "unlimited")
         changes[key] = level
         call(self.m.socket, {"cmd": "set", "target": "class", "name": "capped",
                              "changes": changes})

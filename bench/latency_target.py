@@ -149,7 +149,7 @@ class Storm:
                 self.result, _, _ = run_job(
                     fio, JOBS / "checkpoint-storm.fio", str(mnt / "checkpoints"),
                     {"RUNTIME": str(int(runtime)), "SIZE": "128m", "NUMJOBS": "4"})
-            except Exception as exc:  # noqa: BLE001 - reported by join()
+            except Exception as exc:
                 self.error = exc
 
         self._thread = threading.Thread(target=go, daemon=True)
@@ -198,7 +198,7 @@ def run(out_dir: Path, quick: bool = False) -> int:
     try:
         require_root("bench latency-target")
         fio = find_fio()
-    except (BenchError, Exception) as exc:  # noqa: BLE001 - one line, then exit
+    except (BenchError, Exception) as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
     solo_s, mixed_s, steady_s = (3, 5, 6) if quick else (5, 8, 10)

@@ -203,20 +203,20 @@ def measure_step(run: Run) -> dict[str, Any]:
     phase = run.pick(3.0, 2.0)
     stop = run.work / "live-step.stop"
     sends: list[float] = []
-    with run.mount(src, POLICY.format(cap=STEP_CAPS[0], burst="1MiB")) as m:
-        with _writer(m.path / "capped" / "f", stop, STEP_BLOCK) as done:
-            start = time.monotonic()
-            for cap in STEP_CAPS[1:]:
-                time.sleep(max(0.0, start + phase * (len(sends) + 1) - time.monotonic()))
-                body = _set_body(cap, "1MiB")
-                with Client(m.socket) as client:
-                    sends.append(time.monotonic())
-                    checked(client.request(body))
-            time.sleep(phase)
-            end = time.monotonic()
+    with run.mount(src, POLICY.format(cap=STEP_CAPS[0], burst="1MiB")) as m, \
+            _writer(m.path / "capped" / "f", stop, STEP_BLOCK) as done:
+        start = time.monotonic()
+        for cap in STEP_CAPS[1:]:
+            time.sleep(max(0.0, start + phase * (len(sends) + 1) - time.monotonic()))
+            body = _set_body(cap, "1MiB")
+            with Client(m.socket) as client:
+                sends.append(time.monotonic())
+                checked(client.request(body))
+        time.sleep(phase)
+        end = time.monotonic()
     origin = sends[0]
     changes = []
-    for i, (sent, cap) in enumerate(zip(sends, STEP_CAPS[1:])):
+    for i, (sent, cap) in enumerate(zip(sends, STEP_CAPS[1:], strict=False)):
         until = sends[i + 1] if i + 1 < len(sends) else end
         delay = settle_delay(done, STEP_BLOCK, sent, until, parse_bandwidth(cap))
         changes.append({"at_s": round(sent - origin, 3), "from": STEP_CAPS[i], "to": cap,

@@ -58,7 +58,7 @@ class MetaRunner(Runner):
             # native side and copy them over the empty ones create made (the mounts forget
             # the old ones when caches drop and SETTLE passes).
             self.layout("meta.fio", group.env, dirs["native"], sub, ("--section=stat",))
-            for row, section in zip(rest, SECTIONS[1:]):
+            for row, section in zip(rest, SECTIONS[1:], strict=False):
                 for side, top in sides:
                     self.record(group, row, side, self.measure(
                         "meta.fio", os.path.join(top, sub), group.env,

@@ -253,7 +253,8 @@ class Runner:
     def _kind_seqread(self, group: Group, dirs: dict[str, str]) -> None:
         self.layout("seqread.fio", {**group.env, "DIRECT": "0"}, dirs["native"])
         self._run_rows(group, "seqread.fio", dirs, [
-            (row, {**group.env, "DIRECT": direct}) for row, direct in zip(group.rows, "01")])
+            (row, {**group.env, "DIRECT": direct})
+            for row, direct in zip(group.rows, "01", strict=False)])
 
     def _kind_checkpoint(self, group: Group, dirs: dict[str, str]) -> None:
         self._run_rows(group, "checkpoint.fio", dirs, [(group.rows[0], group.env)])

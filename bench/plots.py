@@ -87,7 +87,7 @@ def isolation(plt: Any, r: dict[str, Any], out: Path, name: str) -> str:
 def isolation_burst(plt: Any, r: dict[str, Any], out: Path, name: str) -> str:
     fig, axes = plt.subplots(len(r["bursts"]), 1, figsize=(9, 3 * len(r["bursts"])),
                              sharex=True, squeeze=False)
-    for ax, b in zip(axes[:, 0], r["bursts"]):
+    for ax, b in zip(axes[:, 0], r["bursts"], strict=False):
         for cls, style in (("datasets", "-"), ("checkpoints", "--")):
             pts = b["series"][cls]
             ax.plot([t for t, _ in pts], [v / MiB for _, v in pts], style, label=cls)
@@ -172,7 +172,7 @@ def draw(doc: Doc, out: Path, prefix: str = "") -> tuple[dict[str, str], list[st
         for name, fn in PLOTS.get(suite, ()):
             try:
                 files[name] = fn(plt, result, out, prefix + name)
-            except Exception as exc:  # noqa: BLE001 - a plot is never worth losing the report
+            except Exception as exc:
                 errors.append(f"{name}: {type(exc).__name__}: {exc}")
                 plt.close("all")
     return files, errors

@@ -14,6 +14,7 @@ the suite, and they count what the limiter admitted, which is what a cap promise
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass
@@ -111,7 +112,7 @@ def windows(samples: list[Sample], key: LevelKey, counter: str) -> list[Window]:
     """Rates of *counter* at level *key* between consecutive samples; a sample where the
     level does not exist (yet) counts as zero."""
     out = []
-    for a, b in zip(samples, samples[1:]):
+    for a, b in itertools.pairwise(samples):
         dt = b.t - a.t
         if dt <= 0:
             continue

@@ -109,7 +109,7 @@ class Soak:
     def guard(self, name: str, fn: Any, *args: Any) -> None:
         try:
             fn(*args)
-        except Exception as exc:  # noqa: BLE001 - a worker's failure is a finding
+        except Exception as exc:
             self.fail(f"{name}: {type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------------ workers

@@ -66,9 +66,8 @@ def tmpfs_area(size: str, subdirs: Sequence[str]) -> Iterator[Path]:
             (top / sub).mkdir()
         yield top
     finally:
-        if mounted:
-            if _run(["umount", str(top)], check=False).returncode != 0:
-                _run(["umount", "-l", str(top)], check=False)
+        if mounted and _run(["umount", str(top)], check=False).returncode != 0:
+            _run(["umount", "-l", str(top)], check=False)
         try:
             top.rmdir()
         except OSError:
@@ -282,13 +281,13 @@ def _version_of(module: str) -> str:
     try:
         from importlib.metadata import version
         return version(module)
-    except Exception:  # noqa: BLE001 - informative only
+    except Exception:
         return "unknown"
 
 
 def machine_info(fio_version: str) -> dict[str, Any]:
     return {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "hostname": platform.node(),
         "kernel": platform.release(),
         "cpu_model": _first("/proc/cpuinfo", "model name"),

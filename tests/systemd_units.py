@@ -49,7 +49,7 @@ def escape_path(path: str) -> str:
     for i, ch in enumerate("/".join(parts)):
         if ch == "/":
             out.append("-")
-        elif ch.isascii() and (ch.isalnum() or ch in ":_") or (ch == "." and i > 0):
+        elif (ch.isascii() and (ch.isalnum() or ch in ":_")) or (ch == "." and i > 0):
             out.append(ch)
         else:
             out.extend(f"\\x{b:02x}" for b in ch.encode())

@@ -260,7 +260,7 @@ def format_status(reply: dict[str, Any]) -> str:
     note = f"rates over the last {window:.1f}s" if window else "rates: no sample yet"
     latency = format_latency(reply)
     return "\n".join([*format_header(reply), note, "", *format_levels(reply),
-                      *([""] + latency if latency else [])]) + "\n"
+                      *(["", *latency] if latency else [])]) + "\n"
 
 
 def format_stats(reply: dict[str, Any]) -> str:

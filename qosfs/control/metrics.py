@@ -1,4 +1,5 @@
-"""Prometheus metrics: a custom collector that publishes a :class:`~qosfs.control.snapshot.Snapshot`.
+"""Prometheus metrics: a custom collector that publishes a
+:class:`~qosfs.control.snapshot.Snapshot`.
 
 The hot path never touches prometheus_client: ``Counter.labels().inc()`` takes a lock and
 a label lookup per call. Requests bump plain integers (:mod:`qosfs.qos.accounting`,

@@ -1,8 +1,8 @@
 """The control protocol: JSON lines over a Unix socket, parsed and validated here.
 
-Pure functions and data, no I/O: the server (:mod:`qosfs.control.server`), the command logic
-(:mod:`qosfs.control.service`) and the client (:mod:`qosfs.control.ctl`) share them, and the unit tests
-cover every malformed input without a socket.
+Pure functions and data, no I/O: the server (:mod:`qosfs.control.server`), the command
+logic (:mod:`qosfs.control.service`) and the client (:mod:`qosfs.control.ctl`) share them,
+and the unit tests cover every malformed input without a socket.
 
 Wire format, one request per line, one reply line per request, in order::
 

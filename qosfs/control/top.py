@@ -57,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
     path = resolve_socket(args.socket)
     out = sys.stdout
     if args.once:
-        with Client(path) as client:
-            out.write(render_frame(checked(client.request({"cmd": "stats"}))))
+        with Client(path) as once:
+            out.write(render_frame(checked(once.request({"cmd": "stats"}))))
         return 0
     interval = max(0.1, args.interval)
     client: Client | None = None

@@ -67,7 +67,7 @@ killed_callers = 0  # parked requests answered EINTR because their caller was ki
 
 def install() -> bool:
     """Hook pyfuse3's read/write entry points (idempotent). False: unsupported here."""
-    global _installed, _libfuse, _on_interrupt_c
+    global _installed, _libfuse, _on_interrupt_c  # noqa: PLW0603 (the hook's per-process state)
     if _installed:
         return True
     container = getattr(pyfuse3, "_Container", None)
@@ -98,7 +98,7 @@ def install() -> bool:
 
 def _noting(original: Any) -> Any:
     def start(c: Any, *args: Any) -> Any:
-        global _current, _current_size
+        global _current, _current_size  # noqa: PLW0603 (the hook's per-process state)
         _current = c
         _current_size = len(args[0]) if args else -1  # a write's buffer
         return original(c, *args)  # pyfuse3's own coroutine, awaited by its worker
@@ -143,7 +143,7 @@ def current_caller(size: int) -> Caller | None:
 @contextmanager
 def cancelled_if_killed(caller: Caller | None) -> Iterator[trio.CancelScope]:
     """A cancel scope that FUSE INTERRUPT cancels when *caller* is being killed."""
-    global _next_key
+    global _next_key  # noqa: PLW0603 (the hook's per-process state)
     with trio.CancelScope() as scope:
         if caller is None:
             yield scope
@@ -163,7 +163,7 @@ def cancelled_if_killed(caller: Caller | None) -> Iterator[trio.CancelScope]:
 def _on_interrupt(req: int, data: int | None) -> None:
     """libfuse's interrupt callback (on the event loop's thread, inside pyfuse3's request
     processing): cancel the parked wait if its caller is dying. Must not raise."""
-    global killed_callers
+    global killed_callers  # noqa: PLW0603 (the hook's per-process state)
     try:
         scope = _waiters.get(data or 0)
         if scope is None:

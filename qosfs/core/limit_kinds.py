@@ -41,8 +41,8 @@ __all__ = [
     "LIMIT_KINDS",
     "MIN_BURST_BYTES",
     "MIN_BURST_OPS",
-    "Kind",
     "KeyedValues",
+    "Kind",
     "LimitKind",
     "default_burst",
 ]
@@ -133,6 +133,7 @@ class KeyedValues(Generic[V]):
     """
 
     __slots__ = ("_values",)
+    _values: dict[str, V]
     KEYS: ClassVar[tuple[str, ...]] = ()
     DEFAULT: ClassVar[Any] = None
 
@@ -173,7 +174,8 @@ class KeyedValues(Generic[V]):
         if type(other) is not type(self):
             return NotImplemented
         assert isinstance(other, KeyedValues)
-        return self._values == other._values
+        same: bool = self._values == other._values
+        return same
 
     def __hash__(self) -> int:
         return hash((type(self), frozenset(self._values.items())))

@@ -50,8 +50,8 @@ def under_systemd() -> bool:
 def setup_logging(debug: bool, daemon: bool = False, log_file: str | None = None) -> None:
     """Configure the root logger once per process."""
     root = logging.getLogger()
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
+    for old in list(root.handlers):
+        root.removeHandler(old)
     root.setLevel(logging.DEBUG if debug else logging.INFO)
     handler: logging.Handler
     if log_file:

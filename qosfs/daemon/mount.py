@@ -361,23 +361,23 @@ def daemonize_and_mount(cfg: MountConfig) -> int:
     # Child: detach from the terminal, report success or failure through the pipe.
     os.close(read_end)
     os.setsid()
-    pipe = os.fdopen(write_end, "wb", buffering=0)
+    to_parent = os.fdopen(write_end, "wb", buffering=0)
 
     def ready() -> None:
-        pipe.write(b"OK\n")
-        pipe.close()
+        to_parent.write(b"OK\n")
+        to_parent.close()
         _detach_stdio()
 
     try:
         code = run_mount(cfg, on_ready=ready)
     except QosfsError as exc:
-        if not pipe.closed:
-            pipe.write(f"ERR {exc}\n".encode())
+        if not to_parent.closed:
+            to_parent.write(f"ERR {exc}\n".encode())
         os._exit(exc.exit_code)
-    except BaseException as exc:  # noqa: BLE001 - report anything, then die
+    except BaseException as exc:
         log.exception("daemon failed")
-        if not pipe.closed:
-            pipe.write(f"ERR daemon failed: {exc}\n".encode())
+        if not to_parent.closed:
+            to_parent.write(f"ERR daemon failed: {exc}\n".encode())
         os._exit(8)
     os._exit(code)
 

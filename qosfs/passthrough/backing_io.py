@@ -104,7 +104,7 @@ def choose_io_mode(fstype: str) -> IoMode:
 class _Pool:
     """Free list of request-sized buffers; ``aligned`` ones are mmap pages for O_DIRECT."""
 
-    __slots__ = ("_free", "_aligned")
+    __slots__ = ("_aligned", "_free")
 
     def __init__(self, aligned: bool) -> None:
         self._free: list[Any] = []

@@ -99,11 +99,13 @@ class Inode:
         self.referenced = True  # CLOCK bit (qosfs.passthrough.fdcache)
         self.slot = -1  # ring slot in the fd cache, -1 if not there
         self.stale = False  # let go of (unlinked, or gone): every use answers ESTALE
-        # Memos for classification, dropped with the inode: its path (qosfs.passthrough.paths) and how
+        # Memos for classification, dropped with the inode: its path
+        # (qosfs.passthrough.paths) and how
         # the QoS engine last classified a request on it (qosfs.qos.engine.PolicyQos).
         self.path_memo: tuple[int, float, str] | None = None
         # (size, mtime_ns, ctime_ns) of the backing file when the kernel's page cache of
-        # it was last known good (qosfs.passthrough.operations: keep_cache); None after a write through us.
+        # it was last known good (qosfs.passthrough.operations: keep_cache); None after a
+        # write through us.
         self.cache_stamp: tuple[int, int, int] | None = None
         self.qos_memo: Any = None
         # Bytes written to it through an uncapped class (and that flow): a rename may show
@@ -137,7 +139,8 @@ class InodeTable:
         root_fd: The backing root directory (held open for the life of the mount).
         fd_budget: At most this many descriptors are held for inodes that have a handle.
         deferred_close: Given when worker threads run syscalls on inode descriptors
-            (see :class:`qosfs.passthrough.fdcache.DeferredClose`); evicted descriptors close through it.
+            (see :class:`qosfs.passthrough.fdcache.DeferredClose`); evicted descriptors
+            close through it.
     """
 
     def __init__(self, root_fd: int, fd_budget: int = 4096,

@@ -98,7 +98,8 @@ class FsOptions:
     entry_timeout: float = 1.0
     attr_timeout: float = 1.0
     cache: str = "auto"  # "auto": page cache, revalidated per open; "always"; "never"
-    fd_budget: int = 0  # inode descriptors kept open (qosfs.passthrough.inodes); 0: from RLIMIT_NOFILE
+    # inode descriptors kept open (qosfs.passthrough.inodes); 0: from RLIMIT_NOFILE
+    fd_budget: int = 0
 
 
 class PassthroughOperations(pyfuse3.Operations):
@@ -119,7 +120,8 @@ class PassthroughOperations(pyfuse3.Operations):
         io.fd_guard = guard
         budget = options.fd_budget or default_fd_budget()
         self.inodes = InodeTable(root_fd, budget, guard)
-        # Each uid may hold half of the descriptors the inode cache leaves (qosfs.passthrough.handles).
+        # Each uid may hold half of the descriptors the inode cache leaves
+        # (qosfs.passthrough.handles).
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         if soft == resource.RLIM_INFINITY:
             soft = 1 << 20
@@ -527,7 +529,8 @@ class PassthroughOperations(pyfuse3.Operations):
 
     @fuse_handler
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
-                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+                     ctx: pyfuse3.RequestContext,
+                     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         parent = self.inodes.get(parent_inode)
         await self._admit_meta(parent, ctx)
         owner = self.open_quota.claim(ctx.uid)

@@ -172,11 +172,12 @@ def _validate(i: PlanInputs) -> None:
     if not i.asynchronous and i.target_share is not None:
         raise PlanError("--target-share applies to asynchronous checkpoints (add --async)")
     if i.backend_write is None:
-        for flag, value in (("--backend-read", i.backend_read), ("--reserve-read",
-                                                                 i.reserve_read),
-                            ("--max-stall", i.max_stall)):
-            if value is not None:
-                raise PlanError(f"{flag} needs --backend-write: every time and cap starts "
+        needs_write: tuple[tuple[str, float | None], ...] = (
+            ("--backend-read", i.backend_read), ("--reserve-read", i.reserve_read),
+            ("--max-stall", i.max_stall))
+        for option, given in needs_write:
+            if given is not None:
+                raise PlanError(f"{option} needs --backend-write: every time and cap starts "
                                 "from the storage's write bandwidth")
 
 

@@ -218,7 +218,8 @@ def with_changes(policy: Policy, target_kind: str, name: str | None,
     Values are spelled as in the file (``"800MiB/s"``, ``"2k"``, ``"high"``); ``"unlimited"``
     removes the key (no cap, or back to the default), and so does ``target_read_latency=none``
     (or ``target_read_slowdown=none``).
-    Unknown targets or keys, bad values and broken constraints raise :class:`PolicyError` with source ``"ctl"``.
+    Unknown targets or keys, bad values and broken constraints raise :class:`PolicyError`
+    with source ``"ctl"``.
     """
     raw = policy_to_raw(policy)
     if target_kind == "backend":

@@ -93,6 +93,10 @@ class Limits(KeyedValues["float | None"]):
         return self.burst_of(BY_KEY["read_iops"], cap)
 
 
+#: The limits of a tenant, class or backend that sets none (immutable, so shared).
+NO_CAPS = Limits()
+
+
 @dataclass(frozen=True, slots=True)
 class IdRange:
     """An inclusive range of uids or gids."""
@@ -119,7 +123,7 @@ class Tenant:
     uids: tuple[IdRange, ...] = ()
     gids: tuple[IdRange, ...] = ()
     paths: tuple[str, ...] = ()
-    limits: Limits = Limits()
+    limits: Limits = NO_CAPS
     # The callers' cgroup (a scheduler's job, a Kubernetes pod): who cannot forge it.
     cgroups: tuple[str, ...] = ()
     # An environment variable the caller's (exec-time) environment sets, e.g. a pod's
@@ -146,12 +150,13 @@ class ClassRule:
     priority_name: str = "normal"
     min_read_bandwidth: float | None = None
     min_write_bandwidth: float | None = None
-    limits: Limits = Limits()
+    limits: Limits = NO_CAPS
     per_user: bool = False
     cache: str = "auto"
     # How long the kernel may trust names (entry) and attributes (attr) of objects under
     # this class's paths; None: the mount's --attr-timeout. Decided by path alone: the
-    # kernel caches an inode for every caller (qosfs.passthrough.operations, PolicyQos.cache_timeouts).
+    # kernel caches an inode for every caller (qosfs.passthrough.operations,
+    # PolicyQos.cache_timeouts).
     entry_timeout: float | None = None
     attr_timeout: float | None = None
     target_read_latency: float | None = None

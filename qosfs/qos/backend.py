@@ -196,12 +196,12 @@ class BackendLevel:
         # backend is declared, and a max() call costs about 60 ns (see qosfs.qos.bucket).
         cost = nbytes * self._byte_cost[kind]
         op_cost = self._op_cost[kind]
-        if op_cost > cost:  # noqa: PLR1730
+        if op_cost > cost:
             cost = op_cost
         if cost > 0.0:
             start = port.weight_tag[kind]
             vtime = self._vtime[kind]
-            if start < vtime:  # noqa: PLR1730
+            if start < vtime:
                 start = vtime
             port.weight_tag[kind] = start + cost / port.weight
             self._vtime[kind] = start
@@ -223,7 +223,7 @@ class BackendLevel:
             vtime = self._vtime[kind]
             for port in backlogged:
                 tag = port.weight_tag[kind]
-                if tag < vtime:  # noqa: PLR1730
+                if tag < vtime:
                     tag = vtime
                 if tag < best_tag or (best is not None and tag == best_tag
                                       and port.weight > best.weight):

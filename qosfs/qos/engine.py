@@ -303,7 +303,8 @@ class PolicyFlow:
 
     def refund_write_op(self) -> None:
         """Give back the write op of a request that only finishes a caller's write the
-        kernel split at a page boundary (qosfs.passthrough.operations: ``_split_tail``); its bytes stay
+        kernel split at a page boundary (qosfs.passthrough.operations: ``_split_tail``);
+        its bytes stay
         charged."""
         for level in self._levels():
             level.refund(Kind.WRITE, 0, 1)
@@ -638,7 +639,8 @@ class PolicyQos:
         flow.open_files += 1
         return flow
 
-    async def admit_meta(self, paths: PathSource, node: Classified, ctx: pyfuse3.RequestContext) -> None:
+    async def admit_meta(self, paths: PathSource, node: Classified,
+                         ctx: pyfuse3.RequestContext) -> None:
         await self._memo_flow(paths, node, ctx, "meta").admit_meta()
 
     # ------------------------------------------------------------------ observation

@@ -93,7 +93,8 @@ class QosEngine(Protocol):
     def open_flow(self, paths: PathSource, node: Classified, ctx: pyfuse3.RequestContext,
                   writing: bool) -> Flow: ...
 
-    async def admit_meta(self, paths: PathSource, node: Classified, ctx: pyfuse3.RequestContext) -> None: ...
+    async def admit_meta(self, paths: PathSource, node: Classified,
+                         ctx: pyfuse3.RequestContext) -> None: ...
 
     def stream_threshold(self, flow: Flow) -> int:
         """Sequential bytes after which a writable open of *flow* moves (0: never)."""
@@ -164,7 +165,8 @@ class PassThroughQos:
         self.flow.open_files += 1
         return self.flow
 
-    async def admit_meta(self, paths: PathSource, node: Classified, ctx: pyfuse3.RequestContext) -> None:
+    async def admit_meta(self, paths: PathSource, node: Classified,
+                         ctx: pyfuse3.RequestContext) -> None:
         return None
 
     def stream_threshold(self, flow: Flow) -> int:

@@ -83,7 +83,7 @@ from qosfs.qos.engine import NO_AUTO_CAPS, AutoCaps, PolicyQos
 from qosfs.qos.latency_probe import INTERVAL as PROBE_INTERVAL
 from qosfs.qos.latency_probe import QUIET_INTERVAL as PROBE_QUIET_INTERVAL
 
-__all__ = ["LatencyControl", "LatencyController", "ProtectedSample", "ClassSample"]
+__all__ = ["ClassSample", "LatencyControl", "LatencyController", "ProtectedSample"]
 
 log = logging.getLogger("qosfs.latency_control")  # what journald shows: kept across moves
 

@@ -67,8 +67,8 @@ __all__ = [  # the limit values are re-exported from qosfs.qos.bucket for conven
     "Stage",
     "admit",
     "admit_rest",
-    "refund_bytes",
     "local_level",
+    "refund_bytes",
     "try_admit",
 ]
 

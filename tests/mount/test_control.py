@@ -96,7 +96,7 @@ def test_status_set_and_stats(ctl_mount: Mounted, capsys: pytest.CaptureFixture[
     assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
     code, out, _ = ctl(capsys, sock, "status")
     assert code == 0
-    assert re.search(r"^class\s+capped\s+w:2MiB/s\s", out, re.M), out
+    assert re.search(r"^class\s+capped\s+w:2MiB/s\s", out, re.MULTILINE), out
     assert "generation 1" in out
 
     code, out, _ = ctl(capsys, sock, "set", "capped", "write_bandwidth=400MiB/s",
@@ -118,13 +118,14 @@ def test_status_set_and_stats(ctl_mount: Mounted, capsys: pytest.CaptureFixture[
     capped = next(a for a in stats["accounts"] if a["class"] == "capped")
     assert capped["write_bytes"] == 3 * MiB and capped["write_ops"] >= 3
     # Histograms count requests; write_ops counts the caller's writes: one 3 MiB write
-    # from an unaligned buffer arrives as 4 requests, charged 3 ops (qosfs.passthrough.operations._split_tail).
+    # from an unaligned buffer arrives as 4 requests, charged 3 ops
+    # (qosfs.passthrough.operations._split_tail).
     requests = capped["latency"]["write_backend"]["count"]
     assert capped["write_ops"] <= requests <= capped["write_ops"] + 1
     code, out, _ = ctl(capsys, sock, "stats")
-    assert code == 0 and re.search(r"^capped\s+-\s+-\s+\S+\s+3MiB", out, re.M), out
+    assert code == 0 and re.search(r"^capped\s+-\s+-\s+\S+\s+3MiB", out, re.MULTILINE), out
     code, out, _ = ctl(capsys, sock, "status")
-    assert re.search(r"^backend\s+backend\s+r:4GiB/s", out, re.M), out
+    assert re.search(r"^backend\s+backend\s+r:4GiB/s", out, re.MULTILINE), out
 
 
 def test_rejected_set_and_reload_leave_the_policy_unchanged(
@@ -349,7 +350,7 @@ def test_metrics_after_traffic(ctl_mount: Mounted) -> None:
         text = response.read().decode()
 
     def value(pattern: str) -> float:
-        found = re.search(r"^" + pattern + r" (\S+)$", text, re.M)
+        found = re.search(r"^" + pattern + r" (\S+)$", text, re.MULTILINE)
         assert found, pattern
         return float(found[1])
 
@@ -381,8 +382,8 @@ def test_top_once(ctl_mount: Mounted, capsys: pytest.CaptureFixture[str]) -> Non
     assert cli.main(["top", "--socket", str(ctl_mount.sock), "--once"]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out
-    assert re.search(r"^LEVEL\s+NAME\s+LIMITS\s+READ/s\s+WRITE/s", out, re.M), out
-    assert re.search(r"^class\s+capped\s+w:2MiB/s", out, re.M), out
+    assert re.search(r"^LEVEL\s+NAME\s+LIMITS\s+READ/s\s+WRITE/s", out, re.MULTILINE), out
+    assert re.search(r"^class\s+capped\s+w:2MiB/s", out, re.MULTILINE), out
 
 
 def test_no_qos_mount_has_status_but_nothing_to_change(
@@ -613,7 +614,7 @@ def _class_total(url: str, metric: str, cls: str) -> float:
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
     return sum(float(m[1]) for m in re.finditer(
-        rf'^{metric}\{{class="{cls}"[^}}]*\}} (\S+)$', text, re.M))
+        rf'^{metric}\{{class="{cls}"[^}}]*\}} (\S+)$', text, re.MULTILINE))
 
 
 def test_a_per_user_toggle_keeps_the_class_totals(ctl_mount: Mounted) -> None:

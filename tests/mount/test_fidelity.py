@@ -58,7 +58,8 @@ def _run_as_user(root: str, scenario: str, scratch: Path) -> list:
 
     out = subprocess.run(
         [python, str(script), root, scenario],
-        cwd="/", capture_output=True, text=True, preexec_fn=as_user(TEST_UID, TEST_GID), check=False,
+        cwd="/", capture_output=True, text=True, preexec_fn=as_user(TEST_UID, TEST_GID),
+        check=False,
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)

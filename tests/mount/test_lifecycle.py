@@ -183,11 +183,10 @@ def test_enospc_from_a_small_source_reaches_the_caller(tmp_tree: Path) -> None:
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(src)], check=True)
     try:
         with QosfsMount(src, mnt):
-            with pytest.raises(OSError) as info:
-                with open(mnt / "big", "wb") as f:
-                    for _ in range(8):
-                        f.write(b"x" * (1 << 20))
-                        f.flush()
+            with pytest.raises(OSError) as info, open(mnt / "big", "wb") as f:
+                for _ in range(8):
+                    f.write(b"x" * (1 << 20))
+                    f.flush()
             assert info.value.errno == errno.ENOSPC
             os.unlink(mnt / "big")
             (mnt / "small").write_text("still works")

@@ -464,7 +464,7 @@ def test_a_write_iops_cap_counts_callers_writes_not_kernel_splits(tmp_tree: Path
     policy = tmp_tree / "policy.toml"
     policy.write_text('[classes.ckpt]\npaths = ["ckpt"]\nwrite_iops = 40\nburst_iops = 1\n')
     unaligned = memoryview(bytearray(MiB + 4096))[48:48 + MiB]
-    with QosfsMount(src, mnt, "--policy", str(policy)):
+    with QosfsMount(src, mnt, "--policy", str(policy)):  # noqa: SIM117
         with open(mnt / "ckpt", "wb", buffering=0) as f:
             start = time.monotonic()
             for _ in range(80):

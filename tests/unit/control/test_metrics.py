@@ -12,7 +12,7 @@ from qosfs.control.metrics import render
 from qosfs.control.snapshot import RateSampler, take_snapshot, to_json
 from qosfs.policy.loading import parse_policy
 from qosfs.qos.accounting import Accounts
-from qosfs.qos.bucket import LevelLimits, Limit
+from qosfs.qos.bucket import NO_LIMITS, LevelLimits, Limit
 from qosfs.qos.engine import EngineStatistics
 from qosfs.qos.interface import PassThroughQos
 from qosfs.qos.levels import LevelStatistics
@@ -31,9 +31,9 @@ per_user = "fair"
 """, "fake.toml")
 
 
-def level(name: str, limits: LevelLimits = LevelLimits(), **counters: Any) -> LevelStatistics:
-    base = dict(bytes_read=0, bytes_written=0, ops_read=0, ops_write=0, ops_meta=0,
-                throttled_seconds=0.0, queue_depth=0, waits=0)
+def level(name: str, limits: LevelLimits = NO_LIMITS, **counters: Any) -> LevelStatistics:
+    base = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_write": 0, "ops_meta": 0,
+            "throttled_seconds": 0.0, "queue_depth": 0, "waits": 0}
     return LevelStatistics(name, limits, **{**base, **counters})
 
 

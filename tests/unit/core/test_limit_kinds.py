@@ -33,8 +33,8 @@ def test_keys_are_unique_and_every_kind_is_named_everywhere() -> None:
     assert len({k.key for k in LIMIT_KINDS}) == len({k.bucket for k in LIMIT_KINDS}) \
         == len(LIMIT_KINDS)
     assert Limits.KEYS == LIMIT_KEYS == (*(k.key for k in LIMIT_KINDS), *BURST_KEYS)
-    assert LevelLimits.KEYS == tuple(k.bucket for k in LIMIT_KINDS)
-    assert LIMIT_FIELDS == tuple((k.key, k.bucket) for k in LIMIT_KINDS)
+    assert tuple(k.bucket for k in LIMIT_KINDS) == LevelLimits.KEYS
+    assert tuple((k.key, k.bucket) for k in LIMIT_KINDS) == LIMIT_FIELDS
     assert all(k.burst_key in BURST_KEYS for k in LIMIT_KINDS)
 
 

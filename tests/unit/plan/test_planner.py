@@ -236,7 +236,7 @@ def test_bad_inputs(changes: dict[str, object], message: str) -> None:
 
 
 def test_policy_needs_a_backend() -> None:
-    with pytest.raises(PlanError, match="^--policy-out needs --backend-write: the caps start "
+    with pytest.raises(PlanError, match="^--policy-out needs --backend-write: the caps start "  # noqa: RUF043
                                         "from it$"):
         plan_policy_text(make_plan(PlanInputs(params=7e9)))
 

@@ -244,7 +244,7 @@ SEMANTIC_ERRORS = [
     ('[classes.x]\nper_user = "yes"\n',
      'mlfs.toml:2: classes.x.per_user: expected one of "none", "fair", got "yes"'),
     ('[classes.x]\ncache = "off"\n',
-     'mlfs.toml:2: classes.x.cache: expected one of "auto", "keep", "direct", "direct-writes", got "off"'),
+     'mlfs.toml:2: classes.x.cache: expected one of "auto", "keep", "direct", "direct-writes", got "off"'),  # noqa: E501
     ('[classes.x]\njobs = ["1"]\n',
      ('mlfs.toml:2: classes.x.jobs: jobs needs job_env, the variable holding the value (e.g. '
       '"SLURM_JOB_ID")')),
@@ -486,7 +486,7 @@ _HOSTILE_VALUES = st.one_of(
                      "{}", '{ write_iops = -1 }', '"5-1"', '["[a"]', '["/abs"]',
                      '["a/../b"]', '[""]', '["0-4294967296"]', '[-1]', "[]", '["rd"]',
                      '"urgent"', '"A-B"', '[true]', '[[1]]', '"no-such-group-qosfs"']),
-    st.integers().map(str), st.floats().map(lambda f: _toml(f)))
+    st.integers().map(str), st.floats().map(_toml))
 
 
 def _keys_of(table: str) -> tuple[str, ...]:
