@@ -322,7 +322,7 @@ def _report(out: Path, info: dict[str, Any], phases: dict[str, dict[str, Any]],
         f" first window meeting the target {fmt(conv['first_met_s'])}; "
         f"{decisions} controller decisions (cap changes) over the run.",
         "",
-        "Controller windows from 1 s before the storm (t = 0: storm start; estimate = "
+        "ControlService windows from 1 s before the storm (t = 0: storm start; estimate = "
         "canary queue p99 + read-backend p99):",
         "",
         "| t (s) | state | verdict | estimate (ms) | queue (ms) | backend (ms) "

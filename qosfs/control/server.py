@@ -24,7 +24,7 @@ shares that loop:
 
 File mode 0600 (root only), or 0660 with the policy's ``[control] admin_group`` as group,
 set at bind. The mode is a first gate only: every change is checked against
-``SO_PEERCRED`` by :class:`qosfs.control.service.Controller`. To let every user read status
+``SO_PEERCRED`` by :class:`qosfs.control.service.ControlService`. To let every user read status
 (``qosfs top``), ``chmod 0666`` the socket; changes stay limited to root and the admin
 group, and the daemon keeps the mode the administrator chose (a policy change only
 adjusts the group, and the group bits, when ``admin_group`` itself changes). It never acts

@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -37,13 +37,18 @@ from qosfs.policy.loading import (
     parse_policy,
     with_changes,
 )
+from qosfs.qos.engine import PolicyQos
+from qosfs.qos.interface import PassThroughQos
+
+if TYPE_CHECKING:
+    from qosfs.qos.latency_control import LatencyLoop
 
 log = logging.getLogger("qosfs.controller")  # what journald shows: kept across moves
 
 SAMPLE_INTERVAL = 1.0  # seconds between rate samples ("current rates" cover this window)
 
 
-class Controller:
+class ControlService:
     """The control commands of one mount, run on its event loop.
 
     Args:
@@ -52,13 +57,16 @@ class Controller:
         policy_path: the file the mount was started with (``reload`` without a file and
             SIGHUP re-read it); None: the embedded default policy.
         info: shown in status (source, mountpoint, socket...).
-        latency: the mount's :class:`~qosfs.qos.latency_control.LatencyControl` (status only).
+        latency: the mount's :class:`~qosfs.qos.latency_control.LatencyLoop` (status only).
     """
 
-    def __init__(self, engine: Any, policy_path: str | None = None,
-                 info: dict[str, Any] | None = None, latency: Any = None) -> None:
+    def __init__(self, engine: PolicyQos | PassThroughQos, policy_path: str | None = None,
+                 info: dict[str, Any] | None = None, latency: LatencyLoop | None = None,
+                 ) -> None:
         self.engine = engine
-        self.latency = latency  # a qosfs.qos.latency_control.LatencyControl, shown in status
+        # The engine when it enforces a policy (what set, reload and expiry act on).
+        self.policy_engine = engine if isinstance(engine, PolicyQos) else None
+        self.latency = latency  # shown in status
         self.policy_path = policy_path
         self.info = dict(info or {})
         self.changes: Counter[tuple[str, str]] = Counter()
@@ -72,12 +80,13 @@ class Controller:
         self.info_sources: list[Callable[[], dict[str, Any]]] = []
 
     def __repr__(self) -> str:
-        return (f"<Controller generation={getattr(self.engine, 'generation', 0)} "
+        generation = self.policy_engine.generation if self.policy_engine is not None else 0
+        return (f"<ControlService generation={generation} "
                 f"changes={dict(self.changes)}>")
 
     @property
     def has_policy(self) -> bool:
-        return hasattr(self.engine, "swap")
+        return self.policy_engine is not None
 
     # ------------------------------------------------------------------ observation
 
@@ -108,10 +117,10 @@ class Controller:
                                     reply["error"])
 
     async def _sample_rates(self) -> None:
-        expire = getattr(self.engine, "expire_idle_users", None)  # PolicyQos only
+        engine = self.policy_engine
         while True:
-            if expire is not None:  # idle uids leave the per-uid series (qosfs.qos.accounting)
-                expire(time.monotonic())
+            if engine is not None:  # idle uids leave the per-uid series (qosfs.qos.accounting)
+                engine.expire_idle_users(time.monotonic())
             self.sampler.sample(self.snapshot())
             await trio.sleep(SAMPLE_INTERVAL)
 
@@ -121,8 +130,8 @@ class Controller:
         """Root, or a member of the running policy's admin group."""
         if peer.uid == 0:
             return True
-        policy = getattr(self.engine, "policy", None)
-        gid = policy.control.admin_gid if policy is not None else None
+        engine = self.policy_engine
+        gid = engine.policy.control.admin_gid if engine is not None else None
         return gid is not None and peer.in_group(gid)
 
     async def handle(self, request: Request, peer: Peer) -> dict[str, Any]:
@@ -155,10 +164,12 @@ class Controller:
         refused = self._unavailable("set")
         if refused is not None:
             return refused
+        engine = self.policy_engine
+        assert engine is not None  # _unavailable() said so
         changes = dict(request.changes)
         what = request.target if request.name is None else f"{request.target} {request.name}"
         try:
-            policy = with_changes(self.engine.policy, request.target, request.name,
+            policy = with_changes(engine.policy, request.target, request.name,
                                   changes)  # type: ignore[arg-type]
         except PolicyError as exc:
             self.changes[("set", "rejected")] += 1
@@ -196,8 +207,10 @@ class Controller:
         return reply
 
     def _swap(self, policy: Policy, cmd: str) -> dict[str, Any]:
+        engine = self.policy_engine
+        assert engine is not None  # _unavailable() said so
         try:
-            self.engine.swap(policy)
+            engine.swap(policy)
         except Exception:  # a bug: the daemon must survive it and say so
             log.exception("applying the policy failed")
             self.changes[(cmd, "rejected")] += 1
@@ -209,6 +222,6 @@ class Controller:
                 hook(policy)
             except Exception:
                 log.exception("post-swap hook %r failed", hook)
-        return {"ok": True, "generation": self.engine.generation,
+        return {"ok": True, "generation": engine.generation,
                 "policy_source": policy.source}
 

@@ -18,12 +18,35 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from qosfs.core.limit_kinds import LIMIT_KINDS
 from qosfs.qos.accounting import BUCKET_BOUNDS_SECONDS, AccountKey, FlowSnapshot, HistogramSnapshot
 from qosfs.qos.bucket import LevelLimits
 from qosfs.qos.levels import LevelStatistics
+
+if TYPE_CHECKING:
+    from qosfs.policy.model import Policy
+    from qosfs.qos.accounting import Accounts
+    from qosfs.qos.engine import EngineStatistics
+
+
+class Counted(Protocol):
+    """What every engine shows: the traffic it counted (a mount without policy too)."""
+
+    @property
+    def accounts(self) -> Accounts: ...
+
+
+@runtime_checkable
+class Enforcing(Counted, Protocol):
+    """An engine that enforces a policy (:class:`~qosfs.qos.engine.PolicyQos`): its
+    policy and its levels' statistics too."""
+
+    @property
+    def policy(self) -> Policy: ...
+
+    def statistics(self) -> EngineStatistics: ...
 
 __all__ = ["LevelRow", "RateSampler", "Snapshot", "take_snapshot", "to_json"]
 
@@ -73,7 +96,7 @@ class Snapshot:
     changes: dict[tuple[str, str], int] = field(default_factory=dict)  # (cmd, result) -> n
     last_reload_ok: bool = True
     info: dict[str, Any] = field(default_factory=dict)  # source, mountpoint, uptime...
-    latency: dict[str, Any] | None = None  # LatencyControl.status(); None: no controller
+    latency: dict[str, Any] | None = None  # LatencyLoop.status(); None: no controller
 
 
 def limits_in_force(limits: LevelLimits) -> dict[str, float]:
@@ -93,18 +116,19 @@ def _row(level: str, name: str, uid: int | None, st: LevelStatistics,
                     st.throttled_seconds, st.queue_depth, st.waits, settings or {})
 
 
-def take_snapshot(engine: Any, now: float, *, changes: dict[tuple[str, str], int] | None = None,
+def take_snapshot(engine: Counted, now: float, *,
+                  changes: dict[tuple[str, str], int] | None = None,
                   last_reload_ok: bool = True, info: dict[str, Any] | None = None,
                   latency: dict[str, Any] | None = None) -> Snapshot:
-    """Copy the counters of ``engine`` (a PolicyQos, or anything with ``accounts`` only).
+    """Copy the counters of ``engine`` (an :class:`Enforcing` one, or with accounts only).
 
     Must run on the event loop's thread: it iterates the engine's live dicts.
     """
     accounts = tuple(sorted(engine.accounts.snapshot().items(), key=_account_order))
-    policy = getattr(engine, "policy", None)
-    if policy is None:
+    if not isinstance(engine, Enforcing):
         return Snapshot(now, False, 0, None, (), accounts, dict(changes or {}), last_reload_ok,
                         dict(info or {}))
+    policy = engine.policy
     stats = engine.statistics()
     rows: list[LevelRow] = []
     for rule in policy.classes:

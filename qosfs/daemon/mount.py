@@ -41,9 +41,10 @@ import trio
 from qosfs.control.exporter import MetricsServer
 from qosfs.control.protocol import default_socket_path
 from qosfs.control.server import ControlSocket
-from qosfs.control.service import Controller
+from qosfs.control.service import ControlService
 from qosfs.core import interrupts
 from qosfs.core.errors import EXIT_FUSE, EXIT_MOUNTPOINT, EXIT_SOURCE, QosfsError
+from qosfs.core.mountinfo import mounts
 from qosfs.daemon import tuning
 from qosfs.daemon.notify import notify, reloading
 from qosfs.daemon.privileges import shed_resource_privileges
@@ -52,7 +53,7 @@ from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import default_policy, load_policy
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.interface import PassThroughQos, QosEngine
-from qosfs.qos.latency_control import LatencyControl
+from qosfs.qos.latency_control import LatencyLoop
 from qosfs.qos.latency_probe import LatencyProbe
 
 log = logging.getLogger("qosfs.mount")  # what journald shows: kept across moves
@@ -138,15 +139,9 @@ def mount_type(path: str) -> str | None:
     """
     target = os.path.normpath(path)
     found = None
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                fields = line.split()
-                mnt = fields[4].encode().decode("unicode_escape")
-                if mnt == target and " - " in line:
-                    found = line.split(" - ", 1)[1].split()[0]  # the last one is on top
-    except OSError:
-        return None
+    for entry in mounts():
+        if entry.mountpoint == target:
+            found = entry.fstype  # the last one is on top
     return found
 
 
@@ -200,13 +195,13 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
     write_as_caller = os.geteuid() == 0 and shed_resource_privileges(root_fd)
     # The kernel applied the caller's umask already; ours must not mask again.
     os.umask(0)
-    engine: QosEngine = PolicyQos(policy) if cfg.qos else PassThroughQos()
+    engine: PolicyQos | PassThroughQos = PolicyQos(policy) if cfg.qos else PassThroughQos()
     if cfg.qos:  # parked requests of killed callers are answered at once
         interrupts.install()
     ops = PassthroughOperations(root_fd, BackingIO(mode), engine, cfg.fs_options,
                                 write_as_caller)
     mountpoint = os.path.realpath(cfg.mountpoint)  # resolved before we serve it
-    latency = (LatencyControl(engine, LatencyProbe(mountpoint, ops.probe_tids))
+    latency = (LatencyLoop(engine, LatencyProbe(mountpoint, ops.probe_tids))
                if isinstance(engine, PolicyQos) else None)
     with ExitStack() as stack:
         services = _open_services(cfg, mountpoint, engine, stack, latency, ops.resources)
@@ -230,18 +225,19 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
 Service = Callable[..., Awaitable[Any]]
 
 
-def _open_services(cfg: MountConfig, mountpoint: str, engine: Any, stack: ExitStack,
-                   latency: LatencyControl | None = None,
+def _open_services(cfg: MountConfig, mountpoint: str, engine: PolicyQos | PassThroughQos,
+                   stack: ExitStack,
+                   latency: LatencyLoop | None = None,
                    resources: Callable[[], dict[str, Any]] | None = None) -> list[Service]:
     """Bind the control socket (and metrics port) now; closed when ``stack`` unwinds."""
     source = os.path.abspath(cfg.source)
     path = os.path.abspath(cfg.socket_path or default_socket_path(mountpoint))
-    policy = getattr(engine, "policy", None)
-    control = ControlSocket(path, policy.control.admin_gid if policy is not None else None)
+    admin_gid = engine.policy.control.admin_gid if isinstance(engine, PolicyQos) else None
+    control = ControlSocket(path, admin_gid)
     stack.callback(control.close)
-    controller = Controller(engine, cfg.policy_path,
-                            {"source": source, "mountpoint": mountpoint, "socket": path},
-                            latency=latency)
+    controller = ControlService(engine, cfg.policy_path,
+                                {"source": source, "mountpoint": mountpoint, "socket": path},
+                                latency=latency)
     controller.on_swap.append(lambda p: control.set_admin_group(p.control.admin_gid))
     controller.reloading = _notify_reloading
     if resources is not None:
@@ -261,7 +257,7 @@ def _open_services(cfg: MountConfig, mountpoint: str, engine: Any, stack: ExitSt
 
 async def _serve(cfg: MountConfig, mountpoint: str, engine: QosEngine,
                  on_ready: Callable[[], None] | None, services: Sequence[Service] = (),
-                 latency: LatencyControl | None = None) -> None:
+                 latency: LatencyLoop | None = None) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_watch_signals, engine, latency)
         for service in services:  # already bound: "started" means "answering"
@@ -303,7 +299,7 @@ def _notify_reloading() -> Iterator[None]:
         notify("READY=1")
 
 
-async def _watch_signals(engine: QosEngine, latency: LatencyControl | None = None) -> None:
+async def _watch_signals(engine: QosEngine, latency: LatencyLoop | None = None) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             log.info("received %s: finishing in-flight requests, then unmounting",

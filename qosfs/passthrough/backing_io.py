@@ -37,6 +37,7 @@ from typing import Any
 
 import trio
 
+from qosfs.core.mountinfo import mounts
 from qosfs.core.syscalls import setfsuid
 from qosfs.passthrough.fdcache import DeferredClose
 
@@ -78,18 +79,10 @@ def backing_mount(fd: int) -> tuple[str, frozenset[str]]:
     """
     st = os.fstat(fd)
     dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-    found: tuple[str, frozenset[str]] = ("", frozenset())
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) > 5 and fields[2] == dev and " - " in line:
-                    fstype = line.split(" - ", 1)[1].split()[0]
-                    found = (fstype, frozenset(fields[5].split(",")))
-                    break
-    except OSError:
-        pass
-    return found
+    for entry in mounts():
+        if entry.dev == dev:
+            return entry.fstype, entry.options
+    return "", frozenset()
 
 
 def choose_io_mode(fstype: str) -> IoMode:

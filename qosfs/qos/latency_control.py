@@ -61,8 +61,8 @@ What latency (``latency_measure``):
 Latencies come from :class:`qosfs.qos.accounting.FineHistogram` (8 buckets per octave, upper
 bounds, so estimates are at most 12.5 % high), differenced per window.
 
-:class:`LatencyController` is the decision logic, pure (no trio, time passed in);
-:class:`LatencyControl` is the daemon task that measures, decides and applies.
+:class:`LatencyDecider` is the decision logic, pure (no trio, time passed in);
+:class:`LatencyLoop` is the daemon task that measures, decides and applies.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ from qosfs.qos.engine import NO_AUTO_CAPS, AutoCaps, PolicyQos
 from qosfs.qos.latency_probe import INTERVAL as PROBE_INTERVAL
 from qosfs.qos.latency_probe import QUIET_INTERVAL as PROBE_QUIET_INTERVAL
 
-__all__ = ["ClassSample", "LatencyControl", "LatencyController", "ProtectedSample"]
+__all__ = ["ClassSample", "LatencyDecider", "LatencyLoop", "ProtectedSample"]
 
 log = logging.getLogger("qosfs.latency_control")  # what journald shows: kept across moves
 
@@ -166,7 +166,7 @@ def low_classes(policy: Policy) -> dict[str, list[ClassRule]]:
     return out
 
 
-class LatencyController:
+class LatencyDecider:
     """The decisions, one window at a time; no I/O, the time is passed in.
 
     Args:
@@ -186,7 +186,7 @@ class LatencyController:
         self.set_policy(policy)
 
     def __repr__(self) -> str:
-        return f"<LatencyController {self.state} capped={sorted(self.low)}>"
+        return f"<LatencyDecider {self.state} capped={sorted(self.low)}>"
 
     def set_policy(self, policy: Policy) -> None:
         """Roles follow the policy; classes that are no longer low lose their caps."""
@@ -369,7 +369,7 @@ class QueueSource(Protocol):
     def stop(self) -> None: ...
 
 
-class LatencyControl:
+class LatencyLoop:
     """The daemon task: every window, measure the protected classes, decide, apply.
 
     Args:
@@ -383,7 +383,7 @@ class LatencyControl:
         self.engine = engine
         self.probe = probe
         self.window = window
-        self.controller = LatencyController(engine.policy)
+        self.controller = LatencyDecider(engine.policy)
         self._generation = -1
         self._fine: dict[str, dict[AccountKey, tuple[int, ...]]] = {}
         self._probe_prev: tuple[int, ...] | None = None
@@ -391,10 +391,10 @@ class LatencyControl:
         self._last: float | None = None
         self.samples: list[ProtectedSample] = []
         self.windows = 0
-        self.on_window: list[Callable[[float, LatencyControl], None]] = []  # for tests
+        self.on_window: list[Callable[[float, LatencyLoop], None]] = []  # for tests
 
     def __repr__(self) -> str:
-        return f"<LatencyControl {self.controller!r} windows={self.windows}>"
+        return f"<LatencyLoop {self.controller!r} windows={self.windows}>"
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Decide every window until cancelled; the canary runs only when needed."""

@@ -6,7 +6,7 @@ see that wait. So a canary sends one ``getxattr`` of :data:`PROBE_XATTR` on the 
 root every :data:`INTERVAL` and times the round trip: it queues exactly like a data
 request, and ``fs.py`` answers it at once (ENODATA) without charging it or touching the
 backing store when it comes from the canary's pid. The round trips go to a
-:class:`~qosfs.qos.accounting.FineHistogram` that :class:`qosfs.qos.latency_control.LatencyControl`
+:class:`~qosfs.qos.accounting.FineHistogram` that :class:`qosfs.qos.latency_control.LatencyLoop`
 differences per window.
 
 The canary is a separate process (``python -m qosfs.qos.latency_probe MOUNTPOINT INTERVAL``)
@@ -21,8 +21,8 @@ Cost: about 500 requests/s while it runs and a class below the protected one is 
 being learned and 100 a second do (:data:`QUIET_INTERVAL`). Measured at 2 ms throughout,
 the canary cost a saturated daemon about 12% of its 4 KiB read rate (4 jobs: 35.5k
 against 40.7k IOPS without it). It runs only while a class measured as "request" has
-files open, and :meth:`LatencyControl.stop_probe
-<qosfs.qos.latency_control.LatencyControl.stop_probe>` stops it (SIGKILL, which also ends a
+files open, and :meth:`LatencyLoop.stop_probe
+<qosfs.qos.latency_control.LatencyLoop.stop_probe>` stops it (SIGKILL, which also ends a
 request in flight) before the daemon stops serving.
 """
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qosfs.control.protocol import Peer, ReloadRequest, SetRequest, SimpleRequest, encode
-from qosfs.control.service import Controller
+from qosfs.control.service import ControlService
 from qosfs.policy.loading import Policy, parse_policy
 from qosfs.qos.engine import PolicyFlow, PolicyQos
 from qosfs.qos.interface import PassThroughQos
@@ -34,9 +34,9 @@ burst = "1MiB"
 """
 
 
-def make(policy_path: str | None = None) -> tuple[Controller, PolicyQos]:
+def make(policy_path: str | None = None) -> tuple[ControlService, PolicyQos]:
     engine = PolicyQos(parse_policy(TEXT, "test.toml"))
-    return Controller(engine, policy_path), engine
+    return ControlService(engine, policy_path), engine
 
 
 def set_req(name: str, **changes: Any) -> SetRequest:
@@ -118,7 +118,7 @@ def test_reload_rereads_the_mounts_file(tmp_path: Path) -> None:
 
 @mock_clock
 async def test_no_qos_mount_reports_no_policy_and_refuses_changes() -> None:
-    ctl = Controller(PassThroughQos())
+    ctl = ControlService(PassThroughQos())
     status = await ctl.handle(SimpleRequest("status"), ROOT)
     assert status["qos"] is False and status["levels"] == []
     for request in (set_req("default", write_bandwidth="1MiB/s"), ReloadRequest()):

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from qosfs.control.protocol import ReloadRequest
-from qosfs.control.service import Controller
+from qosfs.control.service import ControlService
 from qosfs.daemon.notify import notify, reloading
 from qosfs.policy.loading import parse_policy
 from qosfs.qos.engine import PolicyQos
@@ -71,7 +71,7 @@ def test_every_reload_is_bracketed_by_the_hook(tmp_path: Path) -> None:
     """Accepted or rejected, a reload enters and leaves the hook exactly once."""
     text = '[classes.ckpt]\npaths = ["ckpt/**"]\nwrite_bandwidth = "1MiB/s"\n'
     engine = PolicyQos(parse_policy(text, "test.toml"))
-    ctl = Controller(engine)
+    ctl = ControlService(engine)
     events: list[str] = []
 
     class Hook:

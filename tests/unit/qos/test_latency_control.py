@@ -17,8 +17,8 @@ from qosfs.qos.engine import AutoCaps, PolicyQos
 from qosfs.qos.latency_control import (
     FLOOR,
     ClassSample,
-    LatencyControl,
-    LatencyController,
+    LatencyDecider,
+    LatencyLoop,
     ProtectedSample,
     low_classes,
 )
@@ -79,7 +79,7 @@ def test_roles_lower_priority_without_target() -> None:
 
 
 def test_decrease_starts_from_measured_rate_and_cuts_deeper_for_large_misses() -> None:
-    c = LatencyController(policy())
+    c = LatencyDecider(policy())
     changed = c.step(0.0, ds(0.006), ck(write=1000 * MiB))  # 1.2x target: x0.7
     assert changed == {"checkpoints": AutoCaps(None, 700 * MiB)}
     assert c.state == "throttling"
@@ -89,13 +89,13 @@ def test_decrease_starts_from_measured_rate_and_cuts_deeper_for_large_misses() -
 
 
 def test_direction_not_used_is_not_capped() -> None:
-    c = LatencyController(policy())
+    c = LatencyDecider(policy())
     c.step(0.0, ds(0.006), ck(write=100 * MiB, read=0.5 * MiB))
     assert c.caps()["checkpoints"] == AutoCaps(None, 70 * MiB)
 
 
 def test_additive_increase_then_release_when_the_cap_stops_binding() -> None:
-    c = LatencyController(policy())
+    c = LatencyDecider(policy())
     c.step(0.0, ds(0.006), ck(write=100 * MiB))  # 70
     c.step(0.5, ds(0.006), ck(write=70 * MiB))  # 49, ref 70
     assert c.caps()["checkpoints"].write_bandwidth == pytest.approx(49 * MiB)
@@ -111,7 +111,7 @@ def test_additive_increase_then_release_when_the_cap_stops_binding() -> None:
 
 
 def test_idle_protected_class_doubles_the_cap_until_released() -> None:
-    c = LatencyController(policy())
+    c = LatencyDecider(policy())
     c.step(0.0, ds(0.05), ck(write=800 * MiB))  # 200
     caps = []
     for i in range(5):
@@ -121,14 +121,14 @@ def test_idle_protected_class_doubles_the_cap_until_released() -> None:
 
 
 def test_few_samples_hold() -> None:
-    c = LatencyController(policy())
+    c = LatencyDecider(policy())
     c.step(0.0, ds(0.01), ck(write=100 * MiB))
     assert c.step(0.5, ds(0.5, reads=3), ck(write=70 * MiB)) == {}
     assert c.verdicts == {"datasets": "few-samples"}
 
 
 def test_floor_and_unreachable() -> None:
-    c = LatencyController(policy())
+    c = LatencyDecider(policy())
     rate = 20 * MiB
     for i in range(10):
         c.step(i * 0.5, ds(0.05), ck(write=rate, waited=True))
@@ -142,14 +142,14 @@ def test_floor_and_unreachable() -> None:
 def test_min_bandwidth_is_the_floor() -> None:
     p = parse_policy(POLICY.format(ckpt='min_write_bandwidth = "64MiB/s"')
                      + '[backend]\nwrite_bandwidth = "1GiB/s"\n', "t")
-    c = LatencyController(p)
+    c = LatencyDecider(p)
     for i in range(6):
         c.step(i * 0.5, ds(0.05), ck(write=500 * MiB, waited=True))
     assert c.caps()["checkpoints"].write_bandwidth == 64 * MiB and c.state == "unreachable"
 
 
 def test_configured_cap_bounds_the_start_and_releases() -> None:
-    c = LatencyController(policy('write_bandwidth = "100MiB/s"'))
+    c = LatencyDecider(policy('write_bandwidth = "100MiB/s"'))
     c.step(0.0, ds(0.006), ck(write=500 * MiB))  # measured above the cap: start at the cap
     assert c.caps()["checkpoints"].write_bandwidth == pytest.approx(70 * MiB)
     lowered = with_changes(c.policy, "class", "checkpoints", {"write_bandwidth": "50MiB/s"})
@@ -159,7 +159,7 @@ def test_configured_cap_bounds_the_start_and_releases() -> None:
 
 
 def test_a_class_given_a_target_is_no_longer_capped() -> None:
-    c = LatencyController(policy())
+    c = LatencyDecider(policy())
     c.step(0.0, ds(0.01), ck(write=100 * MiB))
     c.set_policy(with_changes(c.policy, "class", "checkpoints",
                               {"target_read_latency": "50ms"}))
@@ -215,14 +215,14 @@ CTX = SimpleNamespace(uid=1000, gid=1000, pid=1)
 
 async def _scenario(base: float, storm: tuple[float, float], end: float) -> list[dict]:
     engine = PolicyQos(policy())
-    control = LatencyControl(engine)
+    control = LatencyLoop(engine)
     device = Device(base=base)
     reader = engine._flow_for("data/x", CTX, "read")
     writer = engine._flow_for("ckpt/x", CTX, "write")
     trace: list[dict] = []
     written = [0]
 
-    def on_window(now: float, lc: LatencyControl) -> None:
+    def on_window(now: float, lc: LatencyLoop) -> None:
         caps = engine.auto_caps.get("checkpoints", AutoCaps())
         trace.append({"t": now, "p99": lc.samples[0].latency, "state": lc.controller.state,
                       "cap": caps.write_bandwidth, "written": written[0]})
@@ -308,7 +308,7 @@ async def test_status_top_and_metrics_show_the_controller() -> None:
     from qosfs.control.snapshot import take_snapshot, to_json
 
     engine = PolicyQos(policy())
-    control = LatencyControl(engine)
+    control = LatencyLoop(engine)
     control._sync_policy()
     control.controller.step(0.0, ds(0.006), ck(write=100 * MiB))
     control._apply(control.controller.caps())
@@ -336,7 +336,7 @@ RELATIVE = POLICY.replace('target_read_latency = "5ms"', "target_read_slowdown =
 
 
 def test_a_relative_target_learns_its_baseline_while_the_classes_below_are_quiet() -> None:
-    c = LatencyController(parse_policy(RELATIVE.format(ckpt=""), "t"))
+    c = LatencyDecider(parse_policy(RELATIVE.format(ckpt=""), "t"))
     c.step(0.0, ds(0.004), ck(write=500 * MiB))  # a storm from the start: nothing to go by
     assert c.verdicts == {"datasets": "learning"} and c.caps()["checkpoints"] == AutoCaps()
     for t in (0.5, 1.0, 1.5):  # the storm pauses (under the floor counts as quiet)
@@ -355,7 +355,7 @@ def test_a_relative_target_learns_its_baseline_while_the_classes_below_are_quiet
 def test_absolute_and_relative_targets_together_take_the_lower() -> None:
     both = RELATIVE.replace("target_read_slowdown = 1.5",
                             'target_read_slowdown = 3\ntarget_read_latency = "5ms"')
-    c = LatencyController(parse_policy(both.format(ckpt=""), "t"))
+    c = LatencyDecider(parse_policy(both.format(ckpt=""), "t"))
     c.step(0.0, ds(0.004), ck(write=500 * MiB))
     assert c.verdicts == {"datasets": "met"}  # absolute 5 ms while learning
     c.step(0.5, ds(0.001), ck(write=0.0))
