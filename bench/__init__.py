@@ -1,4 +1,4 @@
 """qosfs benchmarks: fio job files (``bench/jobs/``) and a runner (``python -m bench``).
 
-Every figure is a ratio against a baseline measured in the same run (DESIGN.md §6).
+Every figure is a ratio against a baseline measured in the same run (README, "Benchmarks").
 """

@@ -48,7 +48,7 @@ from qosfs.passthrough.fdcache import DeferredClose
 from qosfs.passthrough.handles import DirHandle, FileHandle, OpenQuota
 from qosfs.passthrough.inodes import Inode, InodeTable, default_fd_budget
 from qosfs.passthrough.paths import PathBook
-from qosfs.qos.interface import QosEngine
+from qosfs.qos.interface import Flow, QosEngine
 from qosfs.qos.latency_probe import PROBE_XATTR
 
 log = logging.getLogger("qosfs.fs")  # what journald shows: kept across moves
@@ -477,7 +477,7 @@ class PassthroughOperations(pyfuse3.Operations):
         # A create's first attempt made the file before O_DIRECT was refused: reopen it.
         return opener(*args, flags & ~(os.O_DIRECT | os.O_EXCL)), False
 
-    def _file_info(self, fd: int, direct: bool, flow: Any, flags: int,
+    def _file_info(self, fd: int, direct: bool, flow: Flow, flags: int,
                    node: Inode, ctx: pyfuse3.RequestContext, owner: int) -> pyfuse3.FileInfo:
         accmode = flags & _ACCMODE
         kill_priv = False
@@ -619,7 +619,7 @@ class PassthroughOperations(pyfuse3.Operations):
         return n
 
     @staticmethod
-    def _split_tail(handle: FileHandle, flow: Any, off: int, n: int) -> None:
+    def _split_tail(handle: FileHandle, flow: Flow, off: int, n: int) -> None:
         """Charge a caller's write as the requests it would take from an aligned buffer.
 
         Under direct_io the kernel sends a write straight from the caller's pages: one
