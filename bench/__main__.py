@@ -12,6 +12,7 @@
   storage      the demo's reader and storm sharing a disk: bare, --no-qos, default policy
   envelope     what one mount carries (small/large reads, metadata), and a do-nothing floor
   demo         a one-minute look at what QoS does for a dataset reader
+  machinery    per-request cost of admission and of the metadata handlers, in-process
   latency-target  a reader's latency target held against an uncapped checkpoint storm
   soak         mixed readers, writers, metadata and ctl changes for N minutes, then checks
 
@@ -71,6 +72,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     for name in SUITES:
         _common(sub.add_parser(name, help=f"the {name} suite alone"))
     sub.add_parser("demo", help="a one-minute demo: a reader alone, under a storm, with QoS")
+    sub.add_parser("machinery", help="in-process cost per request of admission and of the "
+                   "metadata handlers (no mount; about a minute)")
     lt = sub.add_parser("latency-target",
                         help="a reader's latency target against an uncapped checkpoint storm")
     lt.add_argument("--quick", action="store_true", help="shorter phases (about 40 s)")
@@ -96,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import demo
 
         return demo.run()
+    if args.suite == "machinery":
+        from bench import machinery
+
+        return machinery.run()
     signal.signal(signal.SIGTERM, _terminate)
     if args.suite == "latency-target":
         from bench import latency_target
