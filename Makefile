@@ -12,7 +12,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # systemd: systemd-analyze and systemd-escape, which the tests run on the unit.
 # e2fsprogs: mkfs.ext4, for the tests' small ext4 with blocks reserved for root.
-SYSTEM_PACKAGES := fuse3 libfuse3-dev pkg-config fio systemd e2fsprogs
+# redis-server: the coordinator of cluster-scoped caps, started by the tests on a temp socket.
+SYSTEM_PACKAGES := fuse3 libfuse3-dev pkg-config fio systemd e2fsprogs redis-server
 
 # make install: where things go. DESTDIR stages them (packaging, tests) without touching
 # the real system; the installed files refer to PREFIX paths only.

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.mounting import QosfsMount, is_mounted
+from tests.redis_server import RedisServer
 
 HAVE_FUSE = os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
 IS_ROOT = os.geteuid() == 0
@@ -82,3 +83,14 @@ def inplace_mount(tmp_tree: Path) -> Iterator[tuple[QosfsMount, Path]]:
         subprocess.run(["umount", str(view)], check=False)
         assert not is_mounted(src) and not is_mounted(view)
         assert code == 0, m.log()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of its own on a Unix socket, killed (by PID) when the test ends."""
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()

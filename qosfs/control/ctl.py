@@ -259,8 +259,47 @@ def format_status(reply: dict[str, Any]) -> str:
     window = reply.get("window_seconds") or 0.0
     note = f"rates over the last {window:.1f}s" if window else "rates: no sample yet"
     latency = format_latency(reply)
+    cluster = format_cluster_state(reply.get("cluster"))
     return "\n".join([*format_header(reply), note, "", *format_levels(reply),
-                      *(["", *latency] if latency else [])]) + "\n"
+                      *(["", *latency] if latency else []),
+                      *(["", *cluster] if cluster else [])]) + "\n"
+
+
+def format_cluster_state(c: dict[str, Any] | None) -> list[str]:
+    """This mount's side of cluster coordination, for ``status``."""
+    if not c:
+        return []
+    line = (f"cluster {c['redis']} as {c['node']}: {c['state']} for "
+            f"{human_seconds(c['state_seconds'])}, lease {human_seconds(c['lease_seconds'])}, "
+            f"{c['renewals']} renewals, {c['failures']} failed")
+    if c.get("last_error"):
+        line += f"; last error: {c['last_error']}"
+    rows = [[lv["level"], lv["key"], _rate(lv["key"], lv["cap"]),
+             _rate(lv["key"], lv["enforced"])] for lv in c["levels"]]
+    return [line, *_table(["LEVEL", "LIMIT", "CLUSTER CAP", "THIS MOUNT"], rows)]
+
+
+def _rate(key: str, value: float | None) -> str:
+    if value is None or value == float("inf"):
+        return "-"
+    kind = BY_KEY.get(key)
+    return human_bytes(value, "/s") if kind is None or kind.per_byte else \
+        f"{human_count(value)}op/s"
+
+
+def format_cluster(reply: dict[str, Any]) -> str:
+    """``ctl status --cluster``: every mount's use and grant of each cluster level."""
+    lines = [f"cluster {reply['redis']} (seen from {reply['node']}, {reply['state']})"]
+    for lv in reply["levels"]:
+        key = lv["key"]
+        used = sum(n["used"] for n in lv["nodes"])
+        lines += ["", f"{lv['level']} {key}: cap {_rate(key, lv['cap'])}, "
+                      f"{len(lv['nodes'])} mounts using {_rate(key, used)}"]
+        lines += _table(["MOUNT", "USED", "GRANT", "WANTS MORE", "WEIGHT"],
+                        [[n["node"], _rate(key, n["used"]), _rate(key, n["grant"]),
+                          "yes" if n["saturated"] else "no", f"{n['weight']:g}"]
+                         for n in lv["nodes"]])
+    return "\n".join(lines) + "\n"
 
 
 def format_stats(reply: dict[str, Any]) -> str:
@@ -292,7 +331,9 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--socket", metavar="PATH",
                    help="control socket, or a mountpoint (default: the only one in /run/qosfs)")
     cs = c.add_subparsers(dest="ctl_command", required=True, metavar="COMMAND")
-    cs.add_parser("status", help="classes, tenants, limits, current rates, queues")
+    stp = cs.add_parser("status", help="classes, tenants, limits, current rates, queues")
+    stp.add_argument("--cluster", action="store_true",
+                     help="every mount's use and grant of the cluster-scoped levels (Redis)")
     s = cs.add_parser("set", help="change settings live: set CLASS write_bandwidth=400MiB/s")
     s.add_argument("target", help="CLASS, class:NAME, tenant:NAME or backend")
     s.add_argument("settings", nargs="+", metavar="KEY=VALUE")
@@ -323,6 +364,8 @@ def build_request(args: argparse.Namespace) -> dict[str, Any]:
 
         path = os.path.abspath(args.file)
         return {"cmd": "reload", "text": read_policy_text(path), "source": path}
+    if command == "status" and getattr(args, "cluster", False):
+        return {"cmd": "cluster"}
     return {"cmd": command}
 
 
@@ -331,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
     reply = call(resolve_socket(args.socket), body)
     out = sys.stdout
     if args.ctl_command == "status":
-        out.write(format_status(reply))
+        out.write(format_cluster(reply) if body["cmd"] == "cluster" else format_status(reply))
     elif args.ctl_command == "stats":
         out.write(json.dumps(reply, indent=2) + "\n" if args.json else format_stats(reply))
     else:

@@ -93,6 +93,7 @@ class SnapshotCollector:
         yield from self._latency()
         yield from self._policy()
         yield from self._resources()
+        yield from self._cluster()
 
     def _traffic(self) -> Iterator[Metric]:
         read = CounterMetricFamily("qosfs_read_bytes", "Bytes read through the mount.",
@@ -193,6 +194,45 @@ class SnapshotCollector:
         for action, n in lc["decisions"].items():
             decisions.add_metric([action], n)
         yield from (target, observed, met, state, auto, decisions)
+
+    def _cluster(self) -> Iterator[Metric]:
+        c = self.snap.cluster
+        if c is None:
+            return
+        state = GaugeMetricFamily("qosfs_cluster_state",
+                                  "1 for the cluster coordination's current state.",
+                                  labels=["state"])
+        for name in ("starting", "leased", "fallback"):
+            state.add_metric([name], 1.0 if c["state"] == name else 0.0)
+        renewals = CounterMetricFamily("qosfs_cluster_renewals",
+                                       "Lease renewals with Redis, by result.",
+                                       labels=["result"])
+        renewals.add_metric(["ok"], c["renewals"])
+        renewals.add_metric(["failed"], c["failures"])
+        denied = CounterMetricFamily(
+            "qosfs_cluster_saturated_renewals",
+            "Renewals of a cluster bucket this mount wanted more of than it had.")
+        denied.add_metric([], c["denials"])
+        rtt = CounterMetricFamily("qosfs_cluster_redis_seconds",
+                                  "Time spent in successful lease renewals with Redis.",
+                                  unit="seconds")
+        rtt.add_metric([], c["redis_seconds_sum"])
+        last = GaugeMetricFamily("qosfs_cluster_redis_last_seconds",
+                                 "Round trip of the last successful lease renewal.",
+                                 unit="seconds")
+        last.add_metric([], c["redis_seconds_last"])
+        cap = GaugeMetricFamily("qosfs_cluster_cap_per_second",
+                                "A cluster-wide cap in force (bytes/s or ops/s).",
+                                labels=["level", "limit"])
+        grant = GaugeMetricFamily("qosfs_cluster_grant_per_second",
+                                  "This mount's share of a cluster-wide cap, enforced now.",
+                                  labels=["level", "limit"])
+        for lv in c["levels"]:
+            labels = [lv["level"], lv["key"]]
+            cap.add_metric(labels, lv["cap"])
+            if lv["enforced"] != float("inf"):
+                grant.add_metric(labels, lv["enforced"])
+        yield from (state, renewals, denied, rtt, last, cap, grant)
 
     def _policy(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("qosfs_policy_generation",

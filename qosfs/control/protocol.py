@@ -63,6 +63,7 @@ _KEYS = {
     "stats": frozenset({"cmd"}),
     "set": frozenset({"cmd", "target", "name", "changes"}),
     "reload": frozenset({"cmd", "text", "source"}),
+    "cluster": frozenset({"cmd"}),
 }
 
 

@@ -41,6 +41,7 @@ from qosfs.qos.engine import PolicyQos
 from qosfs.qos.interface import PassThroughQos
 
 if TYPE_CHECKING:
+    from qosfs.qos.cluster import ClusterCoordinator
     from qosfs.qos.latency_control import LatencyLoop
 
 log = logging.getLogger("qosfs.controller")  # what journald shows: kept across moves
@@ -62,11 +63,12 @@ class ControlService:
 
     def __init__(self, engine: PolicyQos | PassThroughQos, policy_path: str | None = None,
                  info: dict[str, Any] | None = None, latency: LatencyLoop | None = None,
-                 ) -> None:
+                 cluster: ClusterCoordinator | None = None) -> None:
         self.engine = engine
         # The engine when it enforces a policy (what set, reload and expiry act on).
         self.policy_engine = engine if isinstance(engine, PolicyQos) else None
         self.latency = latency  # shown in status
+        self.cluster = cluster  # shown in status; `ctl status --cluster` reads Redis through it
         self.policy_path = policy_path
         self.info = dict(info or {})
         self.changes: Counter[tuple[str, str]] = Counter()
@@ -100,7 +102,8 @@ class ControlService:
             info.update(source())
         return take_snapshot(self.engine, now, changes=dict(self.changes),
                              last_reload_ok=self.last_reload_ok, info=info,
-                             latency=self.latency.status() if self.latency else None)
+                             latency=self.latency.status() if self.latency else None,
+                             cluster=self.cluster.status() if self.cluster else None)
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Sample rates every second and reload on SIGHUP, until cancelled."""
@@ -140,6 +143,8 @@ class ControlService:
             return to_json(self.snapshot(), self.sampler, accounts=False)
         if request.cmd == "stats":
             return to_json(self.snapshot(), self.sampler, accounts=True)
+        if request.cmd == "cluster":
+            return await self.cluster_view()
         if not self.may_change(peer):
             log.info("refused %s from uid %d (pid %d): not root or admin group",
                      request.cmd, peer.uid, peer.pid)
@@ -151,6 +156,20 @@ class ControlService:
         if isinstance(request, ReloadRequest):
             return await self.reload(request, who)
         return error_reply(f"unknown command {request.cmd}", "protocol")  # pragma: no cover
+
+    async def cluster_view(self) -> dict[str, Any]:
+        """Every mount's use and grant of every cluster level, as Redis holds them now."""
+        if self.cluster is None:
+            return error_reply("this mount's policy has no [cluster]", "unavailable")
+        try:
+            with trio.fail_after(2.0):
+                view = await trio.to_thread.run_sync(self.cluster.cluster_view,
+                                                     abandon_on_cancel=True)
+        except Exception as exc:  # Redis down or slow: say so, keep serving
+            return error_reply(f"cannot read the cluster from Redis: "
+                               f"{type(exc).__name__}: {exc}", "unavailable")
+        return {"ok": True, "node": self.cluster.node, "redis": self.cluster.config.redis,
+                "state": self.cluster.stats.state, "levels": view}
 
     def _unavailable(self, cmd: str) -> dict[str, Any] | None:
         if self.has_policy:
@@ -211,6 +230,12 @@ class ControlService:
         assert engine is not None  # _unavailable() said so
         try:
             engine.swap(policy)
+        except PolicyError as exc:  # valid alone, but not a change this mount can make
+            self.changes[(cmd, "rejected")] += 1
+            if cmd == "reload":
+                self.last_reload_ok = False
+            log.info("%s rejected, policy unchanged: %s", cmd, exc)
+            return error_reply(str(exc), "policy")
         except Exception:  # a bug: the daemon must survive it and say so
             log.exception("applying the policy failed")
             self.changes[(cmd, "rejected")] += 1

@@ -97,6 +97,7 @@ class Snapshot:
     last_reload_ok: bool = True
     info: dict[str, Any] = field(default_factory=dict)  # source, mountpoint, uptime...
     latency: dict[str, Any] | None = None  # LatencyLoop.status(); None: no controller
+    cluster: dict[str, Any] | None = None  # ClusterCoordinator.status(); None: no [cluster]
 
 
 def limits_in_force(limits: LevelLimits) -> dict[str, float]:
@@ -119,7 +120,8 @@ def _row(level: str, name: str, uid: int | None, st: LevelStatistics,
 def take_snapshot(engine: Counted, now: float, *,
                   changes: dict[tuple[str, str], int] | None = None,
                   last_reload_ok: bool = True, info: dict[str, Any] | None = None,
-                  latency: dict[str, Any] | None = None) -> Snapshot:
+                  latency: dict[str, Any] | None = None,
+                  cluster: dict[str, Any] | None = None) -> Snapshot:
     """Copy the counters of ``engine`` (an :class:`Enforcing` one, or with accounts only).
 
     Must run on the event loop's thread: it iterates the engine's live dicts.
@@ -137,6 +139,8 @@ def take_snapshot(engine: Counted, now: float, *,
             continue
         settings: dict[str, Any] = {"priority": rule.priority_name,
                                     "per_user": rule.per_user, "cache": rule.cache}
+        if rule.scope != "node":
+            settings["scope"] = rule.scope
         auto = getattr(engine, "auto_caps", {}).get(rule.name)
         if auto is not None:  # the latency controller's caps (limits shows what is in force)
             settings["auto_limits"] = {k: v for k, v in (
@@ -150,7 +154,7 @@ def take_snapshot(engine: Counted, now: float, *,
     if stats.backend is not None:
         rows.append(_row("backend", "backend", None, stats.backend))
     return Snapshot(now, True, stats.generation, policy.source, tuple(rows), accounts,
-                    dict(changes or {}), last_reload_ok, dict(info or {}), latency)
+                    dict(changes or {}), last_reload_ok, dict(info or {}), latency, cluster)
 
 
 def _account_order(item: tuple[AccountKey, FlowSnapshot]) -> tuple[str, str, int]:
@@ -223,6 +227,8 @@ def to_json(snap: Snapshot, sampler: RateSampler | None, *, accounts: bool) -> d
     }
     if snap.latency is not None:
         body["latency_control"] = snap.latency
+    if snap.cluster is not None:
+        body["cluster"] = snap.cluster
     if not snap.qos:
         body["message"] = "no policy: mounted with --no-qos (traffic is counted only)"
     account_rates = sampler.accounts if sampler is not None else {}

@@ -28,6 +28,7 @@ import os
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -51,10 +52,12 @@ from qosfs.daemon.privileges import shed_resource_privileges
 from qosfs.passthrough.backing_io import BackingIO, IoMode, backing_mount, choose_io_mode
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import default_policy, load_policy
+from qosfs.qos.cluster import ClusterCoordinator
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.interface import PassThroughQos, QosEngine
 from qosfs.qos.latency_control import LatencyLoop
 from qosfs.qos.latency_probe import LatencyProbe
+from qosfs.qos.levels import local_level
 
 log = logging.getLogger("qosfs.mount")  # what journald shows: kept across moves
 
@@ -195,7 +198,15 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
     write_as_caller = os.geteuid() == 0 and shed_resource_privileges(root_fd)
     # The kernel applied the caller's umask already; ours must not mask again.
     os.umask(0)
-    engine: PolicyQos | PassThroughQos = PolicyQos(policy) if cfg.qos else PassThroughQos()
+    # Cluster-scoped levels are built by the coordinator, which renews their grants with
+    # the [cluster] Redis; the mount is a node named by host and mountpoint.
+    cluster = None
+    if cfg.qos and policy.cluster is not None:
+        node = f"{socket.gethostname()}:{os.path.realpath(cfg.mountpoint)}"
+        cluster = ClusterCoordinator(policy.cluster, node)
+    engine: PolicyQos | PassThroughQos = (
+        PolicyQos(policy, level_factory=cluster or local_level) if cfg.qos
+        else PassThroughQos())
     if cfg.qos:  # parked requests of killed callers are answered at once
         interrupts.install()
     ops = PassthroughOperations(root_fd, BackingIO(mode), engine, cfg.fs_options,
@@ -204,7 +215,8 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
     latency = (LatencyLoop(engine, LatencyProbe(mountpoint, ops.probe_tids))
                if isinstance(engine, PolicyQos) else None)
     with ExitStack() as stack:
-        services = _open_services(cfg, mountpoint, engine, stack, latency, ops.resources)
+        services = _open_services(cfg, mountpoint, engine, stack, latency, ops.resources,
+                                  cluster)
         try:
             pyfuse3.init(ops, mountpoint, _fuse_options(cfg, backing_options))
         except RuntimeError as exc:
@@ -228,7 +240,8 @@ Service = Callable[..., Awaitable[Any]]
 def _open_services(cfg: MountConfig, mountpoint: str, engine: PolicyQos | PassThroughQos,
                    stack: ExitStack,
                    latency: LatencyLoop | None = None,
-                   resources: Callable[[], dict[str, Any]] | None = None) -> list[Service]:
+                   resources: Callable[[], dict[str, Any]] | None = None,
+                   cluster: ClusterCoordinator | None = None) -> list[Service]:
     """Bind the control socket (and metrics port) now; closed when ``stack`` unwinds."""
     source = os.path.abspath(cfg.source)
     path = os.path.abspath(cfg.socket_path or default_socket_path(mountpoint))
@@ -237,7 +250,7 @@ def _open_services(cfg: MountConfig, mountpoint: str, engine: PolicyQos | PassTh
     stack.callback(control.close)
     controller = ControlService(engine, cfg.policy_path,
                                 {"source": source, "mountpoint": mountpoint, "socket": path},
-                                latency=latency)
+                                latency=latency, cluster=cluster)
     controller.on_swap.append(lambda p: control.set_admin_group(p.control.admin_gid))
     controller.reloading = _notify_reloading
     if resources is not None:
@@ -246,6 +259,10 @@ def _open_services(cfg: MountConfig, mountpoint: str, engine: PolicyQos | PassTh
                                                                  controller.handle)]
     if latency is not None:
         services.append(latency.run)
+    if cluster is not None:
+        services.append(cluster.run)
+        log.info("cluster levels renew every %gs with %s as %s", cluster.config.lease,
+                 cluster.config.redis, cluster.node)
     log.info("control socket %s", path)
     if cfg.metrics is not None:
         metrics = MetricsServer(cfg.metrics, controller.snapshot)

@@ -27,6 +27,7 @@ from qosfs.policy.classify import GlobError, compile_cgroup_glob, compile_glob, 
 from qosfs.policy.model import (
     CACHE_MODES,
     CLASS_KEYS,
+    CLUSTER_KEYS,
     DEFAULT_USER_SERIES,
     DEFAULT_USER_SERIES_IDLE,
     LATENCY_MEASURES,
@@ -35,9 +36,11 @@ from qosfs.policy.model import (
     MAX_ID,
     OPS,
     PRIORITY_WEIGHTS,
+    SCOPES,
     TENANT_KEYS,
     Backend,
     ClassRule,
+    Cluster,
     Control,
     Exported,
     IdRange,
@@ -165,7 +168,7 @@ def _build_tenant(name: str, table: dict[str, Any], path: str) -> Tenant:
                     _strings(table, "paths", path, "path globs", compile_glob),
                     _limits(table, path),
                     _strings(table, "cgroups", path, "cgroup globs", compile_cgroup_glob),
-                    job_env, jobs)
+                    job_env, jobs, _choice(table, "scope", path, SCOPES, "node"))
     if not (tenant.uids or tenant.gids or tenant.paths or tenant.cgroups or tenant.job_env):
         raise PolicyError("a tenant needs at least one of uids, gids, paths, cgroups or "
                           "job_env", key=path)
@@ -258,6 +261,7 @@ def _build_class(name: str, table: dict[str, Any], path: str,
         min_write_bandwidth=_unit(table, "min_write_bandwidth", path, parse_bandwidth, False),
         limits=_limits(table, path),
         per_user=_choice(table, "per_user", path, ("none", "fair"), "none") == "fair",
+        scope=_choice(table, "scope", path, SCOPES, "node"),
         cache=_choice(table, "cache", path, CACHE_MODES, "auto"),
         target_read_latency=_unit(table, "target_read_latency", path, parse_duration, False),
         target_read_slowdown=_slowdown(table, path),
@@ -349,8 +353,73 @@ def _exported(table: dict[str, Any]) -> Exported:
     return Exported(limit, DEFAULT_USER_SERIES_IDLE if idle is None else idle)
 
 
+#: How often a mount may renew its cluster grants: below 10 ms Redis does the work of
+#: the data path; above 5 s a change or an idle node's share takes that long to move.
+MIN_LEASE, MAX_LEASE = 0.01, 5.0
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def _cluster(table: dict[str, Any]) -> Cluster | None:
+    if not table:
+        return None
+    _check_keys(table, CLUSTER_KEYS, "cluster")
+    url = table.get("redis")
+    if not isinstance(url, str) or not url.startswith(_REDIS_SCHEMES):
+        raise PolicyError('expected a Redis URL: "redis://host:6379/0", "rediss://..." (TLS) '
+                          f'or "unix:///run/redis.sock", got {show_value(url)}',
+                          key="cluster.redis")
+    if ":" in url.split("://", 1)[1].split("@", 1)[0] and "@" in url:
+        raise PolicyError("a password does not belong in the policy: put it in password_file "
+                          "or the environment variable named by password_env",
+                          key="cluster.redis")
+    password_file = table.get("password_file")
+    if password_file is not None and not (isinstance(password_file, str) and
+                                          password_file.startswith("/")):
+        raise PolicyError(f"expected an absolute path, got {show_value(password_file)}",
+                          key="cluster.password_file")
+    password_env = table.get("password_env", "QOSFS_REDIS_PASSWORD")
+    if not (isinstance(password_env, str) and _ENV_NAME.fullmatch(password_env)):
+        raise PolicyError(f"expected an environment variable name, got "
+                          f"{show_value(password_env)}", key="cluster.password_env")
+    prefix = table.get("key_prefix", "qosfs")
+    if not (isinstance(prefix, str) and _NAME.fullmatch(prefix)):
+        raise PolicyError(f'expected a key prefix of letters, digits, "_" and "-", got '
+                          f"{show_value(prefix)}", key="cluster.key_prefix")
+    lease = _unit(table, "lease", "cluster", parse_duration, False)
+    if lease is not None and not MIN_LEASE <= lease <= MAX_LEASE:
+        raise PolicyError(f"expected a lease of 10ms..5s, got {show_value(table['lease'])}",
+                          key="cluster.lease")
+    fallback = table.get("fallback", "last-grant")
+    if fallback == "last-grant":
+        nodes = None
+    elif isinstance(fallback, int) and not isinstance(fallback, bool) and fallback >= 1:
+        nodes = fallback
+    else:
+        raise PolicyError('expected "last-grant" or a number of nodes (each mount then '
+                          f"enforces the cluster cap divided by it), got {show_value(fallback)}",
+                          key="cluster.fallback")
+    return Cluster(url, password_file, password_env, prefix, 0.1 if lease is None else lease,
+                   nodes)
+
+
+def _check_scopes(cluster: Cluster | None, tenants: tuple[Tenant, ...],
+                  classes: list[ClassRule]) -> None:
+    """A cluster scope needs a [cluster] to meet in, and a cap to share."""
+    scoped = [(f"tenants.{quote_key(t.name)}", t.limits) for t in tenants
+              if t.scope == "cluster"]
+    scoped += [(f"classes.{quote_key(c.name)}", c.limits) for c in classes
+               if c.scope == "cluster"]
+    for path, limits in scoped:
+        if cluster is None:
+            raise PolicyError('scope = "cluster" needs a [cluster] table (redis = "...")',
+                              key=f"{path}.scope")
+        if limits.is_unlimited:
+            raise PolicyError('scope = "cluster" shares caps across mounts; this one sets none',
+                              key=f"{path}.scope")
+
+
 def build_policy(raw: dict[str, Any], source: str) -> Policy:
-    _check_keys(raw, ("backend", "control", "metrics", "tenants", "classes"), "")
+    _check_keys(raw, ("backend", "control", "metrics", "cluster", "tenants", "classes"), "")
     backend_table = _table(raw, "backend", "backend")
     _check_keys(backend_table, LIMIT_KEYS, "backend")
     backend_limits = _limits(backend_table, "backend")
@@ -375,8 +444,10 @@ def build_policy(raw: dict[str, Any], source: str) -> Policy:
     for direction in ("read", "write"):
         _check_minimums(classes, backend_limits, direction)
     backend = None if backend_limits == Limits() else Backend(backend_limits)
+    cluster = _cluster(_table(raw, "cluster", "cluster"))
+    _check_scopes(cluster, tenants, classes)
     return Policy(source, tuple(classes), tenants, backend, Control(_admin_gid(control_table)),
-                  _exported(_table(raw, "metrics", "metrics")))
+                  _exported(_table(raw, "metrics", "metrics")), cluster)
 
 
 def _check_minimums(classes: list[ClassRule], backend: Limits, direction: str) -> None:

@@ -26,12 +26,17 @@ from qosfs.policy.text import dump_toml
 #: Every key of a limits table: the caps of the table of limit kinds, then their bursts.
 LIMIT_KEYS = (*CAP_KEYS, *BURST_KEYS)
 MATCH_KEYS = ("paths", "uids", "gids", "tenants", "ops", "job_env", "jobs", "cgroups")
-CLASS_SETTINGS = ("priority", "min_read_bandwidth", "min_write_bandwidth", "per_user", "cache",
+CLASS_SETTINGS = ("priority", "min_read_bandwidth", "min_write_bandwidth", "per_user", "scope",
+                  "cache",
                   "target_read_latency", "target_read_slowdown", "latency_percentile",
                   "latency_measure", "detect_streaming_writes", "entry_timeout",
                   "attr_timeout")
 CLASS_KEYS = (*MATCH_KEYS, *CLASS_SETTINGS, *LIMIT_KEYS)
-TENANT_KEYS = ("uids", "gids", "paths", "cgroups", "job_env", "jobs", *LIMIT_KEYS)
+TENANT_KEYS = ("uids", "gids", "paths", "cgroups", "job_env", "jobs", "scope", *LIMIT_KEYS)
+#: Where a level's caps hold: on this mount ("node") or summed over every mount sharing
+#: the [cluster] Redis ("cluster").
+SCOPES = ("node", "cluster")
+CLUSTER_KEYS = ("redis", "password_file", "password_env", "key_prefix", "lease", "fallback")
 SETTABLE = {"backend": LIMIT_KEYS, "tenant": LIMIT_KEYS,
             "class": (*LIMIT_KEYS, "min_read_bandwidth", "min_write_bandwidth", "priority",
                       "per_user", "cache", "target_read_latency", "target_read_slowdown",
@@ -131,6 +136,7 @@ class Tenant:
     # (none: set at all). Advisory: the caller controls its environment.
     job_env: str | None = None
     jobs: tuple[str, ...] = ()
+    scope: str = "node"  # "cluster": the caps hold over every mount of the [cluster]
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +158,7 @@ class ClassRule:
     min_write_bandwidth: float | None = None
     limits: Limits = NO_CAPS
     per_user: bool = False
+    scope: str = "node"  # "cluster": the caps (and a per_user split) span every mount
     cache: str = "auto"
     # How long the kernel may trust names (entry) and attributes (attr) of objects under
     # this class's paths; None: the mount's --attr-timeout. Decided by path alone: the
@@ -182,6 +189,25 @@ class Control:
     admin_gid: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """Where cluster-scoped levels meet (``[cluster]``): a Redis every mount can reach.
+
+    The password is never in the policy text: it is read from ``password_file`` or the
+    environment variable ``password_env`` (the URL may name a user, not a password).
+    """
+
+    redis: str  # redis://host:port/db, rediss:// (TLS), or unix:///path/to.sock
+    password_file: str | None = None
+    password_env: str = "QOSFS_REDIS_PASSWORD"
+    key_prefix: str = "qosfs"
+    # Each mount renews its grants this often; a change is in force everywhere within it.
+    lease: float = 0.1
+    # What a mount enforces while Redis cannot be reached: its last grant (None), or the
+    # cluster cap divided by this many nodes.
+    fallback_nodes: int | None = None
+
+
 DEFAULT_USER_SERIES = 100
 DEFAULT_USER_SERIES_IDLE = 600.0
 
@@ -209,6 +235,7 @@ class Policy:
     backend: Backend | None = None
     control: Control = Control()
     exported: Exported = Exported()
+    cluster: Cluster | None = None
 
     def class_by_name(self, name: str) -> ClassRule | None:
         """The class called ``name``, or None."""
@@ -266,6 +293,8 @@ def _class_raw(c: ClassRule) -> dict[str, Any]:
     out["priority"] = c.priority_name if named else c.priority_weight
     for key in ("min_read_bandwidth", "min_write_bandwidth"):
         out[key] = None if getattr(c, key) is None else format_bandwidth(getattr(c, key))
+    if c.scope != "node":
+        out["scope"] = c.scope
     out.update(per_user="fair" if c.per_user else "none", cache=c.cache,
                latency_percentile=c.latency_percentile, latency_measure=c.latency_measure,
                **_limits_raw(c.limits))
@@ -287,6 +316,14 @@ def policy_to_raw(policy: Policy) -> dict[str, Any]:
     raw: dict[str, Any] = {}
     if policy.backend is not None:
         raw["backend"] = _limits_raw(policy.backend.limits)
+    if policy.cluster is not None:
+        c = policy.cluster
+        raw["cluster"] = {"redis": c.redis, "password_env": c.password_env,
+                          "key_prefix": c.key_prefix, "lease": format_duration(c.lease),
+                          "fallback": "last-grant" if c.fallback_nodes is None
+                          else c.fallback_nodes}
+        if c.password_file is not None:
+            raw["cluster"]["password_file"] = c.password_file
     if policy.control.admin_gid is not None:
         raw["control"] = {"admin_group": policy.control.admin_gid}
     if policy.exported != Exported():
@@ -295,10 +332,11 @@ def policy_to_raw(policy: Policy) -> dict[str, Any]:
     raw["tenants"] = {t.name: {"uids": _ids_raw(t.uids), "gids": _ids_raw(t.gids),
                                "paths": list(t.paths), "cgroups": list(t.cgroups),
                                "job_env": t.job_env, "jobs": list(t.jobs),
+                               "scope": None if t.scope == "node" else t.scope,
                                **_limits_raw(t.limits)}
                       for t in policy.tenants}
     for table in raw["tenants"].values():
-        for key in ("uids", "gids", "paths", "cgroups", "job_env", "jobs"):
+        for key in ("uids", "gids", "paths", "cgroups", "job_env", "jobs", "scope"):
             if not table[key]:
                 del table[key]
     raw["classes"] = {c.name: _class_raw(c) for c in policy.classes}

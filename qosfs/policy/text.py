@@ -39,7 +39,7 @@ def dump_toml(raw: dict[str, Any], source: str) -> str:
     shown = "".join(ch if ch.isprintable() else "?" for ch in source)
     lines = [f"# qosfs policy, resolved from {shown}"]
     sections: list[tuple[str, dict[str, Any]]] = [
-        (top, raw[top]) for top in ("backend", "control", "metrics") if top in raw]
+        (top, raw[top]) for top in ("backend", "control", "metrics", "cluster") if top in raw]
     sections += [(f"{top}.{name}", table) for top in ("tenants", "classes")
                  for name, table in raw.get(top, {}).items()]
     for header, table in sections:

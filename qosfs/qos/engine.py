@@ -39,11 +39,12 @@ import trio
 from qosfs.core.interrupts import Caller, cancelled_if_killed, current_caller
 from qosfs.core.limit_kinds import BY_KEY, LIMIT_KINDS, default_burst
 from qosfs.policy.classify import CallerKey, Classifier, JobCache, compile_path_globs
-from qosfs.policy.loading import ClassRule, Limits, Policy
+from qosfs.policy.loading import ClassRule, Limits, Policy, PolicyError
 from qosfs.qos.accounting import AccountKey, Accounts
 from qosfs.qos.backend import BackendLevel, ClassPort, Share
 from qosfs.qos.bounds import ParkingLot
 from qosfs.qos.bucket import LevelLimits, Limit
+from qosfs.qos.cluster import ClusterLevel
 from qosfs.qos.interface import THREADS_PER_FLOW, Classified, Flow, PathSource
 from qosfs.qos.levels import (
     FairShareGroup,
@@ -164,10 +165,14 @@ class ClassState:
         self.group: FairShareGroup | None = None
         self.level: Level
         if rule.per_user:
-            self.group = FairShareGroup(rule.name, limits, factory=factory)
-            self.level = self.group.parent
+            group = self.group = FairShareGroup(rule.name, limits, factory=factory,
+                                                scope=rule.scope)
+            self.level = group.parent
+            if isinstance(self.level, ClusterLevel):  # split the cluster cap by user
+                self.level.group = group
+                self.level.weight_of = lambda: max(1, len(group.children))
         else:
-            self.level = factory(rule.name, limits)
+            self.level = factory(rule.name, limits, rule.scope)
         # Threads for blocking calls are per class: a class whose backend calls hang
         # cannot take the threads another class needs.
         self.threads = trio.CapacityLimiter(THREADS_PER_FLOW)
@@ -380,6 +385,7 @@ class PolicyQos:
         self.draining = False
         self.generation = 0
         self.parking = ParkingLot()  # bounds on requests waiting for tokens (qosfs.qos.bounds)
+        self.policy = policy  # swap() replaces it; set first so swap() can compare
         self.stream_moves: dict[str, int] = {}  # opens moved as streaming writers, by class
         self.rename_charges: dict[str, int] = {}  # bytes charged at a rename, by class
         self.swap(policy)
@@ -387,13 +393,22 @@ class PolicyQos:
     # ------------------------------------------------------------------ policy swap
 
     def swap(self, policy: Policy) -> None:
-        """Put *policy* in force at once; parked requests re-check against it."""
+        """Put *policy* in force at once; parked requests re-check against it.
+
+        Raises:
+            PolicyError: the policy changes ``[cluster]``, which takes effect only when a
+                mount starts (the running policy stays).
+        """
+        if self.generation and policy.cluster != self.policy.cluster:
+            raise PolicyError("[cluster] settings take effect when the mount starts: "
+                              "remount to change them", source=policy.source, key="cluster")
         classifier = Classifier(policy)
         classes: dict[str, ClassState] = {}
         for rule in policy.classes:
             old = self.classes.get(rule.name)
             auto = self.auto_caps.get(rule.name, NO_AUTO_CAPS)
-            if old is not None and old.rule.per_user == rule.per_user:
+            if old is not None and old.rule.per_user == rule.per_user \
+                    and old.rule.scope == rule.scope:
                 old.update(rule, auto)
                 classes[rule.name] = old
             else:
@@ -401,9 +416,9 @@ class PolicyQos:
         tenants: dict[str, Level] = {}
         for tenant in policy.tenants:
             level = self.tenants.get(tenant.name)
-            if level is None:
+            if level is None or isinstance(level, ClusterLevel) != (tenant.scope == "cluster"):
                 level = self.level_factory(f"tenant:{tenant.name}",
-                                           level_limits(tenant.limits))
+                                           level_limits(tenant.limits), tenant.scope)
             else:
                 level.set_limits(level_limits(tenant.limits))
             tenants[tenant.name] = level
@@ -523,8 +538,8 @@ class PolicyQos:
         re-check at once); the configured caps still bound them. Returns whether anything
         changed (unknown class, same caps, or shutting down: nothing)."""
         state = self.classes.get(name)
-        if state is None or self.draining or state.auto == caps:
-            return False
+        if state is None or self.draining or state.auto == caps or state.rule.scope != "node":
+            return False  # a cluster class's share is the cluster's to decide
         if caps == NO_AUTO_CAPS:
             self.auto_caps.pop(name, None)
         else:

@@ -159,7 +159,7 @@ def low_classes(policy: Policy) -> dict[str, list[ClassRule]]:
     guards = protected_classes(policy)
     out = {}
     for rule in policy.classes:
-        if not rule.latency_protected:
+        if not rule.latency_protected and rule.scope == "node":  # the cluster caps those
             above = [g for g in guards if g.priority_weight > rule.priority_weight]
             if above:
                 out[rule.name] = above

@@ -35,7 +35,7 @@ Design, and why:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -168,10 +168,13 @@ class Level(Stage, Protocol):
         """A frozen snapshot of the counters and limits."""
 
 
-#: Builds a level from its name and limits. The engine builds every class, user, tenant
-#: and backend level through one of these (:class:`qosfs.qos.engine.PolicyQos`'s
-#: ``level_factory``); :func:`local_level` is the in-process one.
-LevelFactory = Callable[[str, LevelLimits], Level]
+class LevelFactory(Protocol):
+    """Builds a level from its name, limits and scope. The engine builds every class,
+    user, tenant and backend level through one of these (:class:`qosfs.qos.engine.
+    PolicyQos`'s ``level_factory``): :func:`local_level` in-process, or a
+    :class:`qosfs.qos.cluster.ClusterCoordinator` for ``scope = "cluster"`` levels."""
+
+    def __call__(self, name: str, limits: LevelLimits, scope: str = "node") -> Level: ...
 
 
 def _number(x: float) -> str:
@@ -366,8 +369,10 @@ class RateLevel:
         return waited
 
 
-def local_level(name: str, limits: LevelLimits = NO_LIMITS) -> RateLevel:
-    """The in-process :data:`LevelFactory`: token buckets in this daemon's memory."""
+def local_level(name: str, limits: LevelLimits = NO_LIMITS, scope: str = "node") -> RateLevel:
+    """The in-process :class:`LevelFactory`: token buckets in this daemon's memory."""
+    if scope != "node":
+        raise ValueError(f"a {scope!r} level needs a coordinator (qosfs.qos.cluster)")
     return RateLevel(name, limits)
 
 
@@ -463,12 +468,12 @@ class FairShareGroup:
 
     def __init__(
         self, name: str, limits: LevelLimits = NO_LIMITS, *, idle_after: float = 2.0,
-        factory: LevelFactory = local_level,
+        factory: LevelFactory = local_level, scope: str = "node",
     ) -> None:
         if not idle_after > 0.0:
             raise ValueError(f"idle_after must be > 0, got {idle_after!r}")
         self._factory = factory
-        self.parent = factory(name, limits)
+        self.parent = factory(name, limits, scope)  # users' own levels are always local
         self.idle_after = idle_after
         self._children: dict[int, Level] = {}
         self._seen: dict[int, float] = {}
@@ -482,7 +487,7 @@ class FairShareGroup:
     def set_limits(self, limits: LevelLimits) -> None:
         """Change the class limits live and re-split them among the active users."""
         self.parent.set_limits(limits)
-        self._resplit()
+        self.resplit()
 
     def level_for(self, uid: int) -> Level:
         """The level of ``uid``, created (and shares re-split) if the user was idle.
@@ -497,7 +502,7 @@ class FairShareGroup:
             share = self.parent.limits.scaled(1.0 / (len(self._children) + 1))
             child = self._factory(f"{self.parent.name}/uid={uid}", share)
             self._children[uid] = child
-            self._resplit()
+            self.resplit()
             self._next_expiry = min(self._next_expiry, now + self.idle_after)
         self._seen[uid] = now
         return child
@@ -518,11 +523,12 @@ class FairShareGroup:
         for uid in idle:
             del self._children[uid], self._seen[uid]
         if idle:
-            self._resplit()
+            self.resplit()
         self._next_expiry = min(self._seen.values(), default=_INF) + self.idle_after
         return len(idle)
 
-    def _resplit(self) -> None:
+    def resplit(self) -> None:
+        """Give each active user an equal part of the parent's limits in force now."""
         if self._children:
             share = self.parent.limits.scaled(1.0 / len(self._children))
             for child in self._children.values():

@@ -177,7 +177,7 @@ SEMANTIC_ERRORS = [
      'mlfs.toml:2: classes.x.pathz: unknown key "pathz"; did you mean "paths"?'),
     ('[clases.x]\n', 'mlfs.toml:1: clases: unknown table "clases"; did you mean "classes"?'),
     ('zzz = 1\n',
-     'mlfs.toml:1: zzz: unknown key "zzz" (expected backend, control, metrics, tenants, classes)'),
+     'mlfs.toml:1: zzz: unknown key "zzz" (expected backend, control, metrics, cluster, tenants, classes)'),  # noqa: E501
     ('[backend]\nread_bandwith = "1GiB/s"\n',
      ('mlfs.toml:2: backend.read_bandwith: unknown key "read_bandwith"; did you mean '
       '"read_bandwidth"?')),

@@ -1,0 +1,53 @@
+"""A real redis-server for the cluster tests: on a Unix socket in a temporary directory,
+no persistence, stopped (by its PID) however the test ends."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+class RedisServer:
+    """``start()``, ``kill()`` (SIGKILL: a crash, nothing saved) and ``start()`` again on
+    the same socket, as a restarted site Redis would come back."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.socket = str(directory / "redis.sock")
+        self.url = f"unix://{self.socket}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 10.0) -> None:
+        binary = shutil.which("redis-server")
+        assert binary is not None, "redis-server is installed by `make deps` (Makefile)"
+        self.proc = subprocess.Popen(
+            [binary, "--port", "0", "--unixsocket", self.socket, "--unixsocketperm", "700",
+             "--save", "", "--appendonly", "no", "--dir", str(self.directory)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if redis.Redis(unix_socket_path=self.socket).ping():
+                    return
+            except redis.RedisError:
+                pass
+            assert self.proc.poll() is None, "redis-server exited at start"
+            assert time.monotonic() < deadline, "redis-server did not answer"
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.proc = None
+        if os.path.exists(self.socket):
+            os.unlink(self.socket)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(unix_socket_path=self.socket, decode_responses=True)
