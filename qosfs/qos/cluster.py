@@ -393,6 +393,8 @@ class ClusterCoordinator:
             self.stats.state = "fallback"
             self.stats.since = time.monotonic()
             for level in list(self.levels.values()):
+                if level.pending == "keep":  # a restarted Redis may have lost the caps
+                    level.pending = "init"
                 level.enforce(last_grant=self.config.fallback_nodes is None
                               and bool(level.grants))
         if self.client is not None:
