@@ -13,6 +13,7 @@
   envelope     what one mount carries (small/large reads, metadata), and a do-nothing floor
   demo         a one-minute look at what QoS does for a dataset reader
   machinery    per-request cost of admission and of the metadata handlers, in-process
+  cluster      two mounts sharing one cluster cap through Redis, and its cost to Redis
   latency-target  a reader's latency target held against an uncapped checkpoint storm
   soak         mixed readers, writers, metadata and ctl changes for N minutes, then checks
 
@@ -74,6 +75,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     sub.add_parser("demo", help="a one-minute demo: a reader alone, under a storm, with QoS")
     sub.add_parser("machinery", help="in-process cost per request of admission and of the "
                    "metadata handlers (no mount; about a minute)")
+    sub.add_parser("cluster", help="two mounts sharing one cluster cap through Redis, and "
+                   "what the lease script costs Redis (about a minute)")
     lt = sub.add_parser("latency-target",
                         help="a reader's latency target against an uncapped checkpoint storm")
     lt.add_argument("--quick", action="store_true", help="shorter phases (about 40 s)")
@@ -103,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import machinery
 
         return machinery.run()
+    if args.suite == "cluster":
+        from bench import cluster
+
+        return cluster.run()
     signal.signal(signal.SIGTERM, _terminate)
     if args.suite == "latency-target":
         from bench import latency_target

@@ -159,13 +159,24 @@ class _PathBook:
         return str(node.path), time.monotonic() + 3600.0
 
 
-def admission() -> dict[str, float]:
+def admission(cluster: bool = False) -> dict[str, float]:
     """Nanoseconds per admission (median of rounds) of a 4 KiB read, a 1 MiB write and a
     metadata operation, charged at a class, a tenant and a declared backend that all
     limit them far above demand: every bucket is looked at, nothing waits. This is the
     cost the engine adds to each request on the fast path, in-process and without the
     filesystem around it, so a change to the engine can be compared to the one before."""
-    qos = PolicyQos(parse_policy(ADMISSION_POLICY))
+    text = ADMISSION_POLICY
+    factory: Any = None
+    if cluster:  # the same class, scope = "cluster" (grants never renewed: no Redis here)
+        from qosfs.qos.cluster import ClusterCoordinator
+
+        text = ('[cluster]\nredis = "unix:///nonexistent"\n' + text).replace(
+            '[classes.data]\n', '[classes.data]\nscope = "cluster"\n')
+        policy = parse_policy(text)
+        assert policy.cluster is not None
+        factory = ClusterCoordinator(policy.cluster, "bench")
+    policy = parse_policy(text)
+    qos = PolicyQos(policy) if factory is None else PolicyQos(policy, level_factory=factory)
     paths, node = _PathBook(), SimpleNamespace(path="data/x", qos_memo=None)
     ctx = SimpleNamespace(uid=0, gid=0, pid=os.getpid())
     out: dict[str, float] = {}
@@ -192,9 +203,11 @@ def run() -> int:
     """``python -m bench machinery``: the per-request costs above, printed."""
     import tempfile
 
-    print("admission, fast path (class + tenant + backend, all limited, none waiting):")
-    for name, ns in admission().items():
-        print(f"  {name:12s} {ns:6.0f} ns")
+    print("admission, fast path (class + tenant + backend, all limited, none waiting), ns:")
+    local, shared = admission(), admission(cluster=True)
+    print(f"  {'':12s} {'node':>6s} {'cluster':>8s}   (the class's scope)")
+    for name, ns in local.items():
+        print(f"  {name:12s} {ns:6.0f} {shared[name]:8.0f}")
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(dir=base) as scratch:
         from bench.overhead import GENEROUS_POLICY

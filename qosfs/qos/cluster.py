@@ -3,8 +3,9 @@
 A class or tenant with ``scope = "cluster"`` is capped over the sum of every mount that
 shares the policy's ``[cluster]`` Redis. Requests never wait on Redis:
 
-* **On the request path** a :class:`ClusterLevel` is a :class:`~qosfs.qos.levels.RateLevel`
-  -- the same code, the same cost -- whose buckets run at this mount's *grant*.
+* **On the request path** a cluster level is a :class:`~qosfs.qos.levels.RateLevel` --
+  the same code, the same cost -- whose buckets a :class:`ClusterShare` sets to this
+  mount's *grant*.
 * **In the background** the :class:`ClusterCoordinator` renews every grant once per
   lease period (``[cluster] lease``, 100 ms by default), in one pipelined round trip on a
   worker thread. Each renewal reports what this mount did in the last period and gets its
@@ -55,7 +56,7 @@ if TYPE_CHECKING:
     from qosfs.policy.model import Cluster
     from qosfs.qos.levels import FairShareGroup
 
-__all__ = ["LEASE_SCRIPT", "ClusterCoordinator", "ClusterLevel", "connect"]
+__all__ = ["LEASE_SCRIPT", "ClusterCoordinator", "ClusterShare", "connect", "share_of"]
 
 log = logging.getLogger("qosfs.cluster")
 
@@ -140,19 +141,18 @@ def connect(config: Cluster) -> redis.Redis:
     return client
 
 
-class ClusterLevel(RateLevel):
-    """A level whose caps hold over every mount; its buckets run at this mount's grant.
+class ClusterShare:
+    """This mount's side of one cluster level: the cluster caps, this mount's grants, and
+    the :class:`~qosfs.qos.levels.RateLevel` they steer.
 
-    The engine hands it the policy's caps through :meth:`set_limits` (as to any level);
-    the coordinator decides what this mount enforces (:meth:`enforce`). A call with no
-    limits at all (the daemon draining, or the class leaving the policy) lifts them on
-    this mount only: it is never pushed to the other mounts.
+    The engine hands the level the policy's caps (``set_limits``, as to any level); the
+    share decides what the level enforces: this mount's grant per capped bucket. A call
+    with no limits at all (the daemon draining, or the class leaving the policy) lifts
+    them on this mount only: it is never pushed to the other mounts.
     """
 
-    __slots__ = ("__weakref__", "caps", "configured", "fallback", "grants", "group", "lifted",
-                 "pending", "seen", "weight_of")
-
     def __init__(self, name: str, limits: LevelLimits, fallback_nodes: int | None) -> None:
+        self.name = name
         self.caps = limits  # the cluster-wide caps in force (ours, or another mount's change)
         self.configured = limits  # what this mount's policy last said
         self.grants: dict[str, float] = {}  # bucket -> this mount's rate (-1: unlimited)
@@ -162,9 +162,10 @@ class ClusterLevel(RateLevel):
         self.group: FairShareGroup | None = None  # a cluster per_user class's users
         self.weight_of: Callable[[], int] = lambda: 1
         self.seen = 0  # the level's (and its users') waits at the last renewal
-        super().__init__(name, self._effective(last_grant=False))
+        self.level = RateLevel(name, self._effective(last_grant=False))
+        self.level.steering = self
 
-    def set_limits(self, limits: LevelLimits) -> None:
+    def steer(self, limits: LevelLimits) -> None:
         if limits == NO_LIMITS:
             self.lifted = True
         else:
@@ -172,15 +173,15 @@ class ClusterLevel(RateLevel):
             if limits != self.configured:  # a change here (ctl set, reload): push it
                 self.configured = self.caps = limits
                 self.pending = "set"
-        self.enforce()
+        self.apply()
 
     def coordinated(self) -> list[str]:
         """The buckets with a cluster cap (the ones renewed)."""
         return [bucket for bucket, limit in self.caps.set_items() if limit.rate != _INF]
 
-    def enforce(self, *, last_grant: bool = True) -> None:
+    def apply(self, *, last_grant: bool = True) -> None:
         """Put this mount's share in force now (parked requests re-check at once)."""
-        RateLevel.set_limits(self, self._effective(last_grant=last_grant))
+        self.level.enforce(self._effective(last_grant=last_grant))
         if self.group is not None:
             self.group.resplit()
 
@@ -202,6 +203,12 @@ class ClusterLevel(RateLevel):
         return LevelLimits(**out)
 
 
+def share_of(level: object) -> ClusterShare | None:
+    """The cluster share steering *level*, or None for a level of this mount alone."""
+    steering = getattr(level, "steering", None)
+    return steering if isinstance(steering, ClusterShare) else None
+
+
 _INF = float("inf")
 
 
@@ -209,7 +216,7 @@ _INF = float("inf")
 class _Report:
     """One bucket's renewal: what this mount asks (built on the loop, sent from a thread)."""
 
-    level: ClusterLevel
+    share: ClusterShare
     bucket: str
     saturated: bool
     weight: int
@@ -246,7 +253,7 @@ class ClusterCoordinator:
         self.config = config
         self.node = node
         self.client = client
-        self.levels: weakref.WeakValueDictionary[str, ClusterLevel] = \
+        self.shares: weakref.WeakValueDictionary[str, ClusterShare] = \
             weakref.WeakValueDictionary()
         self.stats = CoordinatorStats()
         self._script: Any = None
@@ -258,9 +265,9 @@ class ClusterCoordinator:
     def __call__(self, name: str, limits: LevelLimits, scope: str = "node") -> Level:
         if scope != "cluster":
             return RateLevel(name, limits)
-        level = ClusterLevel(name, limits, self.config.fallback_nodes)
-        self.levels[name] = level
-        return level
+        share = ClusterShare(name, limits, self.config.fallback_nodes)
+        self.shares[name] = share
+        return share.level
 
     # -- keys ----------------------------------------------------------------------------
 
@@ -313,21 +320,21 @@ class ClusterCoordinator:
             self.stats.last_error = None
         touched = set()
         for report, (grant, cap) in zip(reports, grants, strict=True):
-            level = report.level
-            level.pending = "keep"
-            level.grants[report.bucket] = grant
+            share = report.share
+            share.pending = "keep"
+            share.grants[report.bucket] = grant
             if report.saturated:
                 self.stats.denials += 1
-            known = level.caps.get(report.bucket)
+            known = share.caps.get(report.bucket)
             if cap != (known.rate if known.rate != _INF else _UNLIMITED):
                 # Another mount changed the cluster cap: adopt it (and its burst default).
                 rate = _INF if cap == _UNLIMITED else cap
-                caps = dict(level.caps.set_items())
+                caps = dict(share.caps.set_items())
                 caps[report.bucket] = Limit(rate) if rate == _INF else Limit(rate, known.burst)
-                level.caps = LevelLimits(**caps)
-            touched.add(level)
-        for level in touched:
-            level.enforce()
+                share.caps = LevelLimits(**caps)
+            touched.add(share)
+        for share in touched:
+            share.apply()
         return True
 
     def _reports(self) -> list[_Report]:
@@ -335,27 +342,28 @@ class ClusterCoordinator:
         last = self._last
         used: dict[str, dict[str, int]] = {}
         reports = []
-        for name, level in list(self.levels.items()):
-            if level.lifted:
+        for name, share in list(self.shares.items()):
+            if share.lifted:
                 continue
+            level = share.level
             counters = {attr: getattr(level, attr) for attr in _USE.values()}
             used[name] = counters
             waits, depth = level.waits, level.queue_depth
-            if level.group is not None:
-                for child in level.group.children.values():
+            if share.group is not None:
+                for child in share.group.children.values():
                     waits += child.waits
                     depth += child.queue_depth
-            busy = waits != level.seen or depth > 0
-            level.seen = waits
-            for bucket in level.coordinated():
+            busy = waits != share.seen or depth > 0
+            share.seen = waits
+            for bucket in share.coordinated():
                 kind = BY_BUCKET[bucket]
                 attr = _USE[(kind.charges, kind.per_byte)]
                 demand = 0.0
                 if last is not None and name in last[1] and now > last[0]:
                     demand = max(counters[attr] - last[1][name][attr], 0) / (now - last[0])
-                cap = level.caps.get(bucket).rate
-                reports.append(_Report(level, bucket, busy, max(1, level.weight_of()), demand,
-                                       level.pending, _UNLIMITED if cap == _INF else cap))
+                cap = share.caps.get(bucket).rate
+                reports.append(_Report(share, bucket, busy, max(1, share.weight_of()), demand,
+                                       share.pending, _UNLIMITED if cap == _INF else cap))
         self._last = (now, used)
         return reports
 
@@ -368,7 +376,7 @@ class ClusterCoordinator:
         lease_ms = int(self.config.lease * 1000)
         pipe = self.client.pipeline(transaction=False)
         for r in reports:
-            self._script(keys=self.keys(r.level.name, r.bucket),
+            self._script(keys=self.keys(r.share.name, r.bucket),
                          args=[self.node, int(r.saturated), r.weight, f"{r.demand:.3f}",
                                lease_ms, r.mode, f"{r.cap:.3f}", r.bucket], client=pipe)
         replies: list[Any] = pipe.execute()
@@ -392,11 +400,11 @@ class ClusterCoordinator:
                         "it answers", self.config.redis, self.stats.last_error, rule)
             self.stats.state = "fallback"
             self.stats.since = time.monotonic()
-            for level in list(self.levels.values()):
-                if level.pending == "keep":  # a restarted Redis may have lost the caps
-                    level.pending = "init"
-                level.enforce(last_grant=self.config.fallback_nodes is None
-                              and bool(level.grants))
+            for share in list(self.shares.values()):
+                if share.pending == "keep":  # a restarted Redis may have lost the caps
+                    share.pending = "init"
+                share.apply(last_grant=self.config.fallback_nodes is None
+                            and bool(share.grants))
         if self.client is not None:
             try:
                 self.client.close()
@@ -411,14 +419,14 @@ class ClusterCoordinator:
         """This mount's side: state, counters, and each cluster bucket's cap and grant."""
         s = self.stats
         levels = []
-        for name, level in sorted(self.levels.items()):
-            for bucket in level.coordinated():
-                grant = level.grants.get(bucket)
+        for name, share in sorted(self.shares.items()):
+            for bucket in share.coordinated():
+                grant = share.grants.get(bucket)
                 levels.append({"level": name, "bucket": bucket,
                                "key": BY_BUCKET[bucket].key,
-                               "cap": level.caps.get(bucket).rate,
+                               "cap": share.caps.get(bucket).rate,
                                "grant": None if grant is None or grant < 0 else grant,
-                               "enforced": level.limits.get(bucket).rate})
+                               "enforced": share.level.limits.get(bucket).rate})
         return {"node": self.node, "redis": self.config.redis, "state": s.state,
                 "lease_seconds": self.config.lease, "renewals": s.renewals,
                 "failures": s.failures, "denials": s.denials,
@@ -437,8 +445,8 @@ class ClusterCoordinator:
 
     def _read_view(self, client: redis.Redis) -> list[dict[str, Any]]:
         out = []
-        for name, level in sorted(self.levels.items()):
-            for bucket in level.coordinated():
+        for name, share in sorted(self.shares.items()):
+            for bucket in share.coordinated():
                 caps_key, state_key, _ = self.keys(name, bucket)
                 # decode_responses=True: strings, whatever the client's stubs say
                 entries = cast(dict[str, str], client.hgetall(state_key))

@@ -44,7 +44,7 @@ from qosfs.qos.accounting import AccountKey, Accounts
 from qosfs.qos.backend import BackendLevel, ClassPort, Share
 from qosfs.qos.bounds import ParkingLot
 from qosfs.qos.bucket import LevelLimits, Limit
-from qosfs.qos.cluster import ClusterLevel
+from qosfs.qos.cluster import share_of
 from qosfs.qos.interface import THREADS_PER_FLOW, Classified, Flow, PathSource
 from qosfs.qos.levels import (
     FairShareGroup,
@@ -168,9 +168,10 @@ class ClassState:
             group = self.group = FairShareGroup(rule.name, limits, factory=factory,
                                                 scope=rule.scope)
             self.level = group.parent
-            if isinstance(self.level, ClusterLevel):  # split the cluster cap by user
-                self.level.group = group
-                self.level.weight_of = lambda: max(1, len(group.children))
+            share = share_of(self.level)
+            if share is not None:  # split the cluster cap by user, across mounts
+                share.group = group
+                share.weight_of = lambda: max(1, len(group.children))
         else:
             self.level = factory(rule.name, limits, rule.scope)
         # Threads for blocking calls are per class: a class whose backend calls hang
@@ -416,7 +417,7 @@ class PolicyQos:
         tenants: dict[str, Level] = {}
         for tenant in policy.tenants:
             level = self.tenants.get(tenant.name)
-            if level is None or isinstance(level, ClusterLevel) != (tenant.scope == "cluster"):
+            if level is None or (share_of(level) is not None) != (tenant.scope == "cluster"):
                 level = self.level_factory(f"tenant:{tenant.name}",
                                            level_limits(tenant.limits), tenant.scope)
             else:

@@ -168,6 +168,12 @@ class Level(Stage, Protocol):
         """A frozen snapshot of the counters and limits."""
 
 
+class Steering(Protocol):
+    """Decides what a :class:`RateLevel` enforces when it is given limits."""
+
+    def steer(self, limits: LevelLimits) -> None: ...
+
+
 class LevelFactory(Protocol):
     """Builds a level from its name, limits and scope. The engine builds every class,
     user, tenant and backend level through one of these (:class:`qosfs.qos.engine.
@@ -210,12 +216,18 @@ class RateLevel:
         "ops_write",
         "parked",
         "queue_depth",
+        "steering",
         "throttled_seconds",
         "waits",
     )
 
     def __init__(self, name: str, limits: LevelLimits = NO_LIMITS) -> None:
         self.name = name
+        # Who decides what this level enforces, if not set_limits' caller: a cluster
+        # level's share (qosfs.qos.cluster). A hook rather than a subclass so that every
+        # level on a request's path is one type (a second type at the fast path's call
+        # sites cost ~200 ns per request: bench/machinery.py, scope "cluster").
+        self.steering: Steering | None = None
         self.limits = limits
         self.buckets: dict[str, TokenBucket] = {
             key: TokenBucket(limit.rate, limit.effective_burst) for key, limit in limits.items()
@@ -254,6 +266,13 @@ class RateLevel:
         raised cap drains the whole queue at once, and a lowered cap applies to every
         request not yet admitted.
         """
+        if self.steering is not None:
+            self.steering.steer(limits)
+            return
+        self.enforce(limits)
+
+    def enforce(self, limits: LevelLimits) -> None:
+        """Put *limits* in force now, whoever decided them (see :meth:`set_limits`)."""
         now = trio.current_time()
         for key, bucket in self.buckets.items():
             limit = limits.get(key)

@@ -10,8 +10,9 @@ import pytest
 import trio
 
 from qosfs.policy.loading import parse_policy
-from qosfs.qos.cluster import ClusterCoordinator, ClusterLevel
+from qosfs.qos.cluster import ClusterCoordinator, share_of
 from qosfs.qos.engine import PolicyQos
+from qosfs.qos.levels import RateLevel
 from tests.redis_server import RedisServer
 
 MiB = float(1 << 20)
@@ -51,8 +52,9 @@ class Mount:
         self.coordinator = ClusterCoordinator(p.cluster, node)
         self.qos = PolicyQos(p, level_factory=self.coordinator)
         level = self.qos.classes["ckpt"].level
-        assert isinstance(level, ClusterLevel)
-        self.level = level
+        share = share_of(level)
+        assert share is not None and isinstance(level, RateLevel)
+        self.level, self.share = level, share
 
     async def renew(self, busy: bool, wrote: float = 0.0) -> bool:
         if busy:
@@ -94,11 +96,11 @@ def test_a_cap_changed_on_one_mount_is_in_force_on_the_others_at_their_next_rene
         a.qos.swap(parse_policy(policy(redis_server, cap="200MiB/s")))  # a ctl set on a
         assert await a.renew(busy=True)
         assert await b.renew(busy=True)
-        assert b.level.caps.write_bytes.rate == 200 * MiB  # b's policy still says 100
+        assert b.share.caps.write_bytes.rate == 200 * MiB  # b's policy still says 100
         assert abs(b.enforced - 100 * MiB) < 2 * MiB  # half of the new cap
         b.qos.swap(parse_policy(policy(redis_server)))  # b re-reads its unchanged file:
         assert await b.renew(busy=True)  # that is not a change, the cluster cap stays
-        assert b.level.caps.write_bytes.rate == 200 * MiB
+        assert b.share.caps.write_bytes.rate == 200 * MiB
 
     trio.run(main)
 
