@@ -17,8 +17,9 @@ class RedisServer:
     """``start()``, ``kill()`` (SIGKILL: a crash, nothing saved) and ``start()`` again on
     the same socket, as a restarted site Redis would come back."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *extra: str) -> None:
         self.directory = directory
+        self.extra = list(extra)  # more redis-server options, e.g. --requirepass
         self.socket = str(directory / "redis.sock")
         self.url = f"unix://{self.socket}"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -28,13 +29,15 @@ class RedisServer:
         assert binary is not None, "redis-server is installed by `make deps` (Makefile)"
         self.proc = subprocess.Popen(
             [binary, "--port", "0", "--unixsocket", self.socket, "--unixsocketperm", "700",
-             "--save", "", "--appendonly", "no", "--dir", str(self.directory)],
+             "--save", "", "--appendonly", "no", "--dir", str(self.directory), *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while True:
             try:
                 if redis.Redis(unix_socket_path=self.socket).ping():
                     return
+            except redis.AuthenticationError:
+                return  # up, and asking for the password it was given
             except redis.RedisError:
                 pass
             assert self.proc.poll() is None, "redis-server exited at start"

@@ -153,6 +153,12 @@ def test_four_mounts_share_a_cluster_cap_follow_a_change_and_survive_redis(
     # 2. Three stop: the fourth has >= 90% of the cap within a second.
     alone = rate(marks[0], 12.5, 13.0)
     assert alone >= 0.9 * CAP, (alone, rate(marks[0], 13.0, 15.0))
+    # The cluster view (ctl status --cluster), read from Redis: all four mounts, one level.
+    view = nodes[0].request({"cmd": "cluster"})
+    assert view["ok"] and view["state"] == "leased", view
+    (level,) = view["levels"]  # type: ignore[misc]
+    assert level["level"] == "ckpt" and level["cap"] == CAP * MiB
+    assert len(level["nodes"]) == 4
 
     # 3. A live change on one mount is in force on all four within 500 ms.
     t0 = time.time() + 0.5

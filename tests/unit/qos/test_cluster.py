@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import pytest
+import redis
 import trio
 
 from qosfs.policy.loading import parse_policy
-from qosfs.qos.cluster import ClusterCoordinator, share_of
+from qosfs.qos.cluster import ClusterCoordinator, connect, share_of
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.levels import RateLevel
 from tests.redis_server import RedisServer
@@ -196,3 +198,24 @@ def test_a_key_of_the_wrong_type_is_a_clear_error_and_the_fallback(
 
     trio.run(main)
     expect_warnings(caplog, "WRONGTYPE")
+
+
+def test_the_password_comes_from_a_file_or_the_environment_never_the_policy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = RedisServer(tmp_path, "--requirepass", "s3cret")
+    server.start()
+    try:
+        secret = tmp_path / "redis.password"
+        secret.write_text("s3cret\n")
+        from_file = parse_policy(policy(server, extra=f'password_file = "{secret}"')).cluster
+        assert from_file is not None
+        assert connect(from_file).ping()
+        monkeypatch.setenv("QOSFS_REDIS_PASSWORD", "s3cret")
+        from_env = parse_policy(policy(server)).cluster
+        assert from_env is not None
+        assert connect(from_env).ping()
+        monkeypatch.delenv("QOSFS_REDIS_PASSWORD")
+        with pytest.raises(redis.AuthenticationError):
+            connect(from_env).ping()
+    finally:
+        server.kill()
