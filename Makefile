@@ -12,8 +12,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # systemd: systemd-analyze and systemd-escape, which the tests run on the unit.
 # e2fsprogs: mkfs.ext4, for the tests' small ext4 with blocks reserved for root.
-# redis-server: the coordinator of cluster-scoped caps, started by the tests on a temp socket.
-SYSTEM_PACKAGES := fuse3 libfuse3-dev pkg-config fio systemd e2fsprogs redis-server
+# redis-server: the coordinator of cluster-scoped caps, started by the tests on a temp socket
+# (redis-tools comes with it: redis-cli, redis-benchmark for bench cluster); openssl: the
+# TLS test's certificate.
+SYSTEM_PACKAGES := fuse3 libfuse3-dev pkg-config fio systemd e2fsprogs redis-server openssl
 
 # make install: where things go. DESTDIR stages them (packaging, tests) without touching
 # the real system; the installed files refer to PREFIX paths only.

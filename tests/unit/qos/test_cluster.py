@@ -4,6 +4,8 @@ change, weigh users, expire silent mounts, and fall back when Redis is gone or w
 from __future__ import annotations
 
 import logging
+import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -219,3 +221,43 @@ def test_the_password_comes_from_a_file_or_the_environment_never_the_policy(
             connect(from_env).ping()
     finally:
         server.kill()
+
+
+def test_a_rediss_url_speaks_tls_to_redis(tmp_path: Path) -> None:
+    """rediss:// with the site's CA named in the URL (ssl_ca_certs), against a
+    redis-server listening with TLS only."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True,
+                   capture_output=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+         "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file",
+         str(cert), "--tls-auth-clients", "no", "--save", "", "--appendonly", "no",
+         "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # until it listens (a renewal before would log a fallback)
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None
+                time.sleep(0.02)
+        text = policy(RedisServer(tmp_path)).replace(
+            f'"unix://{tmp_path}/redis.sock"',
+            f'"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}"')
+        m = Mount(text, "tls")
+
+        async def main() -> None:
+            assert await m.renew(busy=True), m.coordinator.stats.last_error
+            assert m.coordinator.stats.state == "leased" and m.enforced >= 0.99 * CAP
+
+        trio.run(main)
+    finally:
+        server.kill()
+        server.wait(timeout=10)
