@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -224,6 +225,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`qosfs plan ... | head`): not an error of ours. Point
+        # stdout at /dev/null so the interpreter's flush at exit does not fail again, and
+        # exit as a command killed by SIGPIPE would.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
     except Exception as exc:  # a bug: say so in one line unless asked for the traceback
         if args.debug:
             raise
