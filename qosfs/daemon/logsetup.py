@@ -55,7 +55,9 @@ def setup_logging(debug: bool, daemon: bool = False, log_file: str | None = None
     root.setLevel(logging.DEBUG if debug else logging.INFO)
     handler: logging.Handler
     if log_file:
-        handler = logging.FileHandler(log_file)
+        # Reopened when logrotate moves or removes the file (a stat per record; the data
+        # path does not log): a rotated log must not swallow the daemon's messages.
+        handler = logging.handlers.WatchedFileHandler(log_file)
         handler.setFormatter(logging.Formatter(_FORMAT))
     elif under_systemd() and not daemon:
         handler = logging.StreamHandler(sys.stderr)

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +60,23 @@ def test_a_daemonized_mount_does_not_log_to_the_journal_stderr_it_will_close(
             root.addHandler(handler)
         root.setLevel(level)
         logging.getLogger("pyfuse3").setLevel(logging.NOTSET)
+
+
+def test_a_log_file_moved_away_by_logrotate_is_reopened(tmp_path: Path) -> None:
+    path = tmp_path / "qosfs.log"
+    root = logging.getLogger()
+    saved = list(root.handlers), root.level
+    try:
+        logsetup.setup_logging(debug=False, log_file=str(path))
+        logging.getLogger("qosfs.mount").info("before rotation")
+        path.rename(tmp_path / "qosfs.log.1")  # logrotate without copytruncate
+        logging.getLogger("qosfs.mount").info("after rotation")
+        assert "before rotation" in (tmp_path / "qosfs.log.1").read_text()
+        assert "after rotation" in path.read_text()
+    finally:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+            handler.close()
+        for handler in saved[0]:
+            root.addHandler(handler)
+        root.setLevel(saved[1])
