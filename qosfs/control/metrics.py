@@ -42,17 +42,22 @@ Per-uid series are bounded by the policy's ``[metrics]`` table (see
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable, Iterator
+from importlib import metadata
 
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
+    InfoMetricFamily,
     Metric,
 )
+from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.utils import floatToGoString
 
+from qosfs import __version__
 from qosfs.control.snapshot import Snapshot
 from qosfs.core.limit_kinds import BY_KEY
 from qosfs.qos.accounting import HistogramSnapshot
@@ -94,6 +99,9 @@ class SnapshotCollector:
         yield from self._policy()
         yield from self._resources()
         yield from self._cluster()
+        yield from self._identity()
+        # process_* (open fds against their limit, memory, CPU) of the daemon itself.
+        yield from ProcessCollector(registry=None).collect()
 
     def _traffic(self) -> Iterator[Metric]:
         read = CounterMetricFamily("qosfs_read_bytes", "Bytes read through the mount.",
@@ -234,6 +242,23 @@ class SnapshotCollector:
                 grant.add_metric(labels, lv["enforced"])
         yield from (state, renewals, denied, rtt, last, cap, grant)
 
+    def _identity(self) -> Iterator[Metric]:
+        """What runs where: the build, the mount, and the policy by content hash (two
+        nodes with different hashes run different policies)."""
+        info = self.snap.info
+        yield InfoMetricFamily("qosfs_build", "The qosfs build serving this mount.",
+                               value={"version": __version__,
+                                      "python": platform.python_version(),
+                                      "pyfuse3": _version("pyfuse3"), "trio": _version("trio")})
+        if "mountpoint" in info:
+            yield InfoMetricFamily("qosfs_mount", "The mount these metrics describe.",
+                                   value={"mountpoint": str(info["mountpoint"]),
+                                          "source": str(info.get("source", ""))})
+        if "policy_hash" in info:
+            yield InfoMetricFamily("qosfs_policy", "The policy in force, by content hash.",
+                                   value={"source": str(self.snap.policy_source or ""),
+                                          "hash": str(info["policy_hash"])})
+
     def _policy(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("qosfs_policy_generation",
                                 "Policy generation in force (0: no policy, --no-qos).",
@@ -293,6 +318,13 @@ _RESOURCES = (
     ("users_expired", "qosfs_users_expired", "counter",
      "uid accounts folded into their class's uid=\"\" series after going idle."),
 )
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return ""
 
 
 def render(snap: Snapshot) -> bytes:

@@ -15,6 +15,7 @@ QoS on would mean swapping the engine under open files; remount instead).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
@@ -80,6 +81,7 @@ class ControlService:
         self._started: float | None = None  # set when run() starts
         # More live figures for status (the filesystem's descriptors, the parking lot).
         self.info_sources: list[Callable[[], dict[str, Any]]] = []
+        self._hashed: tuple[int, str] = (-1, "")  # (generation, hash of its policy)
 
     def __repr__(self) -> str:
         generation = self.policy_engine.generation if self.policy_engine is not None else 0
@@ -100,10 +102,22 @@ class ControlService:
                 "uptime_seconds": now - started}
         for source in self.info_sources:
             info.update(source())
+        if self.policy_engine is not None:
+            info["policy_hash"] = self._policy_hash()
         return take_snapshot(self.engine, now, changes=dict(self.changes),
                              last_reload_ok=self.last_reload_ok, info=info,
                              latency=self.latency.status() if self.latency else None,
                              cluster=self.cluster.status() if self.cluster else None)
+
+    def _policy_hash(self) -> str:
+        """A short hash of the policy in force, as rendered (comments, order and spelling
+        of the file do not change it); computed once per generation."""
+        engine = self.policy_engine
+        assert engine is not None
+        if self._hashed[0] != engine.generation:
+            text = engine.policy.render().split("\n", 1)[1]  # without the source line
+            self._hashed = (engine.generation, hashlib.sha256(text.encode()).hexdigest()[:16])
+        return self._hashed[1]
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Sample rates every second and reload on SIGHUP, until cancelled."""
