@@ -14,8 +14,10 @@ PY     := $(VENV)/bin/python
 # e2fsprogs: mkfs.ext4, for the tests' small ext4 with blocks reserved for root.
 # redis-server: the coordinator of cluster-scoped caps, started by the tests on a temp socket
 # (redis-tools comes with it: redis-cli, redis-benchmark for bench cluster); openssl: the
-# TLS test's certificate.
-SYSTEM_PACKAGES := fuse3 libfuse3-dev pkg-config fio systemd e2fsprogs redis-server openssl
+# TLS test's certificate; prometheus: promtool (check metrics/rules, test rules) and the
+# server the dashboard test scrapes a live mount with.
+SYSTEM_PACKAGES := fuse3 libfuse3-dev pkg-config fio systemd e2fsprogs redis-server openssl \
+	prometheus
 
 # make install: where things go. DESTDIR stages them (packaging, tests) without touching
 # the real system; the installed files refer to PREFIX paths only.

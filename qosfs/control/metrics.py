@@ -6,7 +6,8 @@ a label lookup per call. Requests bump plain integers (:mod:`qosfs.qos.accountin
 :mod:`qosfs.qos.levels`); at scrape time the exporter takes a snapshot on the event loop and
 this collector turns it into metric families, in a worker thread.
 
-Families (label sets in braces; an empty label value means "not applicable"):
+Families (label sets in braces; an empty label value means "not applicable"). Every
+sample also carries ``mount`` (the mountpoint), so one node's mounts read apart:
 
 Traffic, per account ``{class, tenant, uid}`` (uid only for ``per_user`` classes):
 ``qosfs_read_bytes_total``, ``qosfs_write_bytes_total``, ``qosfs_ops_total{op}``
@@ -15,7 +16,9 @@ exists), ``qosfs_throttled_seconds_total`` (time requests spent waiting for toke
 ``qosfs_request_duration_seconds{op}`` (histogram of the whole request, throttle wait
 included) and ``qosfs_backend_duration_seconds{op}`` (the backing syscall alone).
 
-Enforcement, per level ``{level, name, uid}`` (level: class, user, tenant, backend):
+Enforcement, per level ``{level, class, tenant, uid}`` (level: class, user, tenant,
+backend; the labels naming the level are filled, the same as traffic's, so a rate and its
+cap match on ``class`` without ``label_replace``):
 ``qosfs_queue_depth`` (requests parked now), ``qosfs_level_throttled_seconds_total``,
 ``qosfs_limit_bytes_per_second{direction}``, ``qosfs_limit_ops_per_second{op}`` (caps in
 force; unlimited ones are absent).
@@ -27,6 +30,14 @@ estimate of the last window; absent when not judged), ``qosfs_latency_target_met
 of idle, watching, throttling, unreachable), ``qosfs_latency_auto_limit_bytes_per_second
 {class, direction}`` (automatic caps; the cap in force is in ``qosfs_limit_...``) and
 ``qosfs_latency_control_decisions_total{action}`` (decrease, increase, release).
+
+Identity: ``qosfs_build_info{version, python, pyfuse3, trio}``, ``qosfs_mount_info
+{mountpoint, source}``, ``qosfs_policy_info{source, hash}`` (hash of the policy in force as
+rendered: nodes running the same policy show the same hash) and the daemon's ``process_*``.
+
+Cluster (when a ``[cluster]`` table exists): ``qosfs_cluster_state{state}``,
+``qosfs_cluster_renewals_total{result}``, ``qosfs_cluster_cap_per_second`` and
+``qosfs_cluster_grant_per_second`` ``{level, class, tenant, uid, limit}``, and Redis timings.
 
 Policy: ``qosfs_policy_generation``, ``qosfs_policy_changes_total{command, result}``
 (command: set, reload; result: applied, rejected), ``qosfs_policy_last_reload_success``.
@@ -46,7 +57,7 @@ import platform
 from collections.abc import Callable, Iterator
 from importlib import metadata
 
-from prometheus_client.exposition import generate_latest
+from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -65,18 +76,29 @@ from qosfs.qos.accounting import HistogramSnapshot
 # prometheus_client's formatter of bucket bounds, untyped there: typed here once.
 _go_float: Callable[[float], str] = floatToGoString
 
-__all__ = ["CONTENT_TYPE", "SnapshotCollector", "render"]
+__all__ = ["CONTENT_TYPE", "SnapshotCollector", "render", "render_for"]
 
 #: The classic text format every Prometheus version reads (what prometheus_client's own
 #: server answers when the scraper does not negotiate).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _ACCOUNT = ["class", "tenant", "uid"]
-_LEVEL = ["level", "name", "uid"]
+# Levels carry the same labels as traffic (the one a level is named by is filled, the
+# others empty), so a rate and its cap line up in one query without label_replace:
+# class and user levels set class (and uid), tenant levels set tenant, the backend none.
+_LEVEL = ["level", "class", "tenant", "uid"]
 
 
 def _label(value: object) -> str:
     return "" if value is None else str(value)
+
+
+def _level_labels(level: str, name: str, uid: int | None = None) -> list[str]:
+    if level == "tenant":
+        return [level, "", name, ""]
+    if level == "backend":
+        return [level, "", "", ""]
+    return [level, name, "", _label(uid)]
 
 
 def _buckets(h: HistogramSnapshot) -> list[tuple[str, float]]:
@@ -92,7 +114,7 @@ class SnapshotCollector:
     def __repr__(self) -> str:
         return f"<SnapshotCollector generation={self.snap.generation}>"
 
-    def collect(self) -> Iterator[Metric]:
+    def _families(self) -> Iterator[Metric]:
         yield from self._traffic()
         yield from self._levels()
         yield from self._latency()
@@ -102,6 +124,19 @@ class SnapshotCollector:
         yield from self._identity()
         # process_* (open fds against their limit, memory, CPU) of the daemon itself.
         yield from ProcessCollector(registry=None).collect()
+
+    def collect(self) -> Iterator[Metric]:
+        """Every family, each sample labelled with the mount it describes: one daemon
+        serves one mount, and a node with several mounts reads them apart by ``mount``
+        without relabelling rules (``qosfs_mount_info`` also gives the source)."""
+        mount = str(self.snap.info.get("mountpoint", ""))
+        if not mount:  # a snapshot of no mount (tests, bench): nothing to tell apart
+            yield from self._families()
+            return
+        for metric in self._families():
+            metric.samples = [s._replace(labels={**s.labels, "mount": mount})
+                              for s in metric.samples]
+            yield metric
 
     def _traffic(self) -> Iterator[Metric]:
         read = CounterMetricFamily("qosfs_read_bytes", "Bytes read through the mount.",
@@ -155,7 +190,7 @@ class SnapshotCollector:
         for row in self.snap.levels:
             if row.uid is not None and (row.name, row.uid) not in labelled:
                 continue
-            labels = [row.level, row.name, _label(row.uid)]
+            labels = _level_labels(row.level, row.name, row.uid)
             depth.add_metric(labels, row.queue_depth)
             throttled.add_metric(labels, row.throttled_seconds)
             for key, value in row.limits.items():
@@ -231,12 +266,14 @@ class SnapshotCollector:
         last.add_metric([], c["redis_seconds_last"])
         cap = GaugeMetricFamily("qosfs_cluster_cap_per_second",
                                 "A cluster-wide cap in force (bytes/s or ops/s).",
-                                labels=["level", "limit"])
+                                labels=[*_LEVEL, "limit"])
         grant = GaugeMetricFamily("qosfs_cluster_grant_per_second",
                                   "This mount's share of a cluster-wide cap, enforced now.",
-                                  labels=["level", "limit"])
+                                  labels=[*_LEVEL, "limit"])
         for lv in c["levels"]:
-            labels = [lv["level"], lv["key"]]
+            name = lv["level"]  # a class's name, or "tenant:NAME"
+            labels = [*(_level_labels("tenant", name[7:]) if name.startswith("tenant:")
+                        else _level_labels("class", name)), lv["key"]]
             cap.add_metric(labels, lv["cap"])
             if lv["enforced"] != float("inf"):
                 grant.add_metric(labels, lv["enforced"])
@@ -330,3 +367,10 @@ def _version(dist: str) -> str:
 def render(snap: Snapshot) -> bytes:
     """The Prometheus text exposition of ``snap`` (safe to call from any thread)."""
     return generate_latest(SnapshotCollector(snap))
+
+
+def render_for(snap: Snapshot, accept: str) -> tuple[bytes, str]:
+    """``snap`` in the format a scraper's ``Accept`` header asks for, and its content type:
+    OpenMetrics when asked (Prometheus asks first), else the classic text format."""
+    encode, content_type = choose_encoder(accept)
+    return encode(SnapshotCollector(snap)), content_type

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -19,7 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
+from prometheus_client.parser import text_string_to_metric_families
 
+import qosfs
 from qosfs.control.ctl import Client
 from qosfs.control.protocol import MAX_REQUEST_BYTES, default_socket_path
 from qosfs.daemon import cli
@@ -348,34 +354,69 @@ def test_metrics_after_traffic(ctl_mount: Mounted) -> None:
         assert response.status == 200
         assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         text = response.read().decode()
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    mount = str(ctl_mount.mnt)
+    # Every series names its mount (a node with several mounts reads them apart).
+    assert {s.labels.get("mount") for s in samples} == {mount}
 
-    def value(pattern: str) -> float:
-        found = re.search(r"^" + pattern + r" (\S+)$", text, re.MULTILINE)
-        assert found, pattern
-        return float(found[1])
+    def value(name: str, **labels: str) -> float:
+        hits = [s.value for s in samples if s.name == name
+                and all(s.labels.get(k) == v for k, v in labels.items())]
+        assert len(hits) == 1, (name, labels, hits)
+        return hits[0]
 
-    capped = 'class="capped",tenant="",uid=""'
-    assert value(f"qosfs_write_bytes_total{{{capped}}}") == 3 * MiB
+    capped = {"class": "capped", "tenant": "", "uid": ""}
+    assert value("qosfs_write_bytes_total", **capped) == 3 * MiB
     # What the daemon holds against its limits (qosfs.passthrough.inodes, qosfs.qos.bounds).
     assert 1 <= value("qosfs_inode_descriptors") <= value("qosfs_inode_descriptors_budget") + 2
     assert value("qosfs_parked_requests") == 0 and value("qosfs_parking_refused_total") == 0
-    assert value(f"qosfs_read_bytes_total{{{capped}}}") >= 3 * MiB
-    assert value('qosfs_ops_total{class="capped",op="write",tenant="",uid=""}') >= 3
-    assert 0.8 <= value(f"qosfs_throttled_seconds_total{{{capped}}}") < 5  # 2 MiB over the burst
-    assert value('qosfs_request_duration_seconds_count{class="capped",op="write",'
-                 'tenant="",uid=""}') >= 3
-    assert value('qosfs_request_duration_seconds_sum{class="capped",op="write",'
-                 'tenant="",uid=""}') >= 0.8
-    assert value('qosfs_backend_duration_seconds_sum{class="capped",op="write",'
-                 'tenant="",uid=""}') < 1.0
-    assert value('qosfs_queue_depth{level="class",name="capped",uid=""}') == 0
-    assert value('qosfs_limit_bytes_per_second{direction="write",level="class",'
-                 'name="capped",uid=""}') == 2 * MiB
+    assert value("qosfs_read_bytes_total", **capped) >= 3 * MiB
+    assert value("qosfs_ops_total", op="write", **capped) >= 3
+    assert 0.8 <= value("qosfs_throttled_seconds_total", **capped) < 5  # 2 MiB over the burst
+    assert value("qosfs_request_duration_seconds_count", op="write", **capped) >= 3
+    assert value("qosfs_request_duration_seconds_sum", op="write", **capped) >= 0.8
+    assert value("qosfs_backend_duration_seconds_sum", op="write", **capped) < 1.0
+    # A level carries the traffic's labels: a rate and its cap match on class alone.
+    assert value("qosfs_queue_depth", level="class", **capped) == 0
+    assert value("qosfs_limit_bytes_per_second", direction="write", level="class",
+                 **capped) == 2 * MiB
     assert value("qosfs_policy_generation") == 1
-    assert value('qosfs_policy_changes_total{command="reload",result="applied"}') == 0
+    assert value("qosfs_policy_changes_total", command="reload", result="applied") == 0
+    # What runs where: the build, the mount and the policy by content hash; the process.
+    assert value("qosfs_build_info", version=qosfs.__version__) == 1
+    assert value("qosfs_mount_info", mountpoint=mount, source=str(ctl_mount.src)) == 1
+    policy = next(s for s in samples if s.name == "qosfs_policy_info")
+    assert re.fullmatch(r"[0-9a-f]{16}", policy.labels["hash"])
+    assert 5 <= value("process_open_fds") < value("process_max_fds")
+    assert value("process_resident_memory_bytes") > 10 * MiB
     for family in ("qosfs_level_throttled_seconds_total", "qosfs_policy_last_reload_success",
                    "qosfs_backend_duration_seconds_bucket"):
         assert family in text
+
+
+def test_policy_hash_follows_content_not_spelling(ctl_mount: Mounted, tmp_path: Path) -> None:
+    """Two nodes with the same policy show the same hash, whatever its comments or key
+    order; a change of a cap changes it (the policy-drift alert compares hashes)."""
+    def policy_hash() -> str:
+        with urllib.request.urlopen(ctl_mount.metrics_url(), timeout=10) as response:
+            found = re.search(r'^qosfs_policy_info\{.*hash="([0-9a-f]+)".*\} 1\.0$',
+                              response.read().decode(), re.MULTILINE)
+        assert found
+        return found[1]
+
+    first = policy_hash()
+    respelled = tmp_path / "respelled.toml"
+    respelled.write_text("# the same policy, written differently\n" + POLICY.replace(
+        'write_bandwidth = "2MiB/s"\nburst = "1MiB"', 'burst = "1024KiB"  # one MiB\n'
+        'write_bandwidth = "2 MiB/s"'))
+    assert ctl_mount.request({"cmd": "reload", "text": respelled.read_text(),
+                              "source": str(respelled)})["ok"]
+    assert policy_hash() == first
+    changed = tmp_path / "changed.toml"
+    changed.write_text(POLICY.replace("2MiB/s", "3MiB/s"))
+    assert ctl_mount.request({"cmd": "reload", "text": changed.read_text(),
+                              "source": str(changed)})["ok"]
+    assert policy_hash() != first
 
 
 def test_top_once(ctl_mount: Mounted, capsys: pytest.CaptureFixture[str]) -> None:
@@ -495,6 +536,56 @@ def test_many_clients_and_chunked_garbage_leave_the_daemon_serving_and_the_polic
     assert (ctl_mount.mnt / "after").read_bytes() == b"a" * MiB
     assert ctl_mount.mount.proc is not None and ctl_mount.mount.proc.poll() is None
     assert not re.search(r" (ERROR|WARNING) ", ctl_mount.mount.log()), ctl_mount.mount.log()
+
+
+def _scrape(url: str, **headers: str) -> tuple[bytes, Any]:
+    request = urllib.request.Request(url, headers=headers)
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return response.read(), response.headers
+
+
+def test_metrics_speak_openmetrics_and_gzip_when_asked(ctl_mount: Mounted) -> None:
+    """What Prometheus asks for (OpenMetrics, gzip) is what it gets, and each form holds
+    the same series; a plain client still gets the classic text."""
+    (ctl_mount.mnt / "capped" / "om").write_bytes(b"o" * MiB)
+    url = ctl_mount.metrics_url()
+    plain, headers = _scrape(url)
+    assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    assert headers["Content-Encoding"] is None
+    prometheus_accept = ("application/openmetrics-text;version=1.0.0,application/"
+                         "openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;"
+                         "q=0.5,*/*;q=0.1")
+    body, headers = _scrape(url, Accept=prometheus_accept, **{"Accept-Encoding": "gzip"})
+    assert headers["Content-Type"].startswith("application/openmetrics-text; version=1.0.0")
+    assert headers["Content-Encoding"] == "gzip"
+    text = gzip.decompress(body).decode()
+    assert text.endswith("# EOF\n")
+    families = {f.name: f for f in openmetrics_families(text)}
+    written = [s.value for s in families["qosfs_write_bytes"].samples
+               if s.name == "qosfs_write_bytes_total" and s.labels["class"] == "capped"]
+    assert written == [MiB]
+    assert families["qosfs_build"].type == "info"
+    def series(fams: Any) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
+        return {(s.name, tuple(sorted(s.labels.items()))) for f in fams for s in f.samples
+                if not s.name.startswith("process_")}  # CPU and memory move between scrapes
+
+    assert series(families.values()) == series(text_string_to_metric_families(plain.decode()))
+    print(f"exposition {len(plain)} bytes, gzipped {len(body)}")
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (prometheus) missing")
+def test_promtool_finds_the_exposition_clean(ctl_mount: Mounted) -> None:
+    """``promtool check metrics`` (naming, units, help) on a live mount's exposition with
+    every family present: traffic, a capped level, a tenant, the identity families."""
+    (ctl_mount.mnt / "capped" / "lint").write_bytes(b"l" * MiB)
+    os.chmod(ctl_mount.src / "capped", 0o777)
+    subprocess.run(["sh", "-c", "echo t > tenant"],
+                   cwd=ctl_mount.mnt / "capped", preexec_fn=as_user(4242), check=True)
+    plain, _ = _scrape(ctl_mount.metrics_url())
+    checked = subprocess.run(["promtool", "check", "metrics"], input=plain,
+                             capture_output=True)
+    assert checked.returncode == 0 and not checked.stdout.strip() \
+        and not checked.stderr.strip(), (checked.stdout, checked.stderr)
 
 
 def test_metrics_listen_on_loopback_only_by_default(ctl_mount: Mounted) -> None:

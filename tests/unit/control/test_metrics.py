@@ -104,17 +104,17 @@ def test_collector_publishes_every_family_with_conventional_names() -> None:
                if s.name.endswith("_sum") and s.labels["class"] == "ckpt"
                and s.labels["op"] == "write"]
     assert backend[0].value == pytest.approx(0.002)
-    lvl = {"level": "class", "name": "ckpt", "uid": ""}
+    lvl = {"level": "class", "class": "ckpt", "tenant": "", "uid": ""}
     assert sample(fams, "qosfs_queue_depth", **lvl) == 7
     assert sample(fams, "qosfs_level_throttled_seconds", **lvl) == 1.5
     assert sample(fams, "qosfs_limit_bytes_per_second", direction="write", **lvl) == 400 * MiB
     assert sample(fams, "qosfs_limit_ops_per_second", op="write", **lvl) == 2000
     assert sample(fams, "qosfs_limit_bytes_per_second", direction="write", level="user",
-                  name="ckpt", uid="1000") == 200 * MiB
+                  **{"class": "ckpt"}, tenant="", uid="1000") == 200 * MiB
     assert sample(fams, "qosfs_limit_bytes_per_second", direction="write", level="tenant",
-                  name="team-a", uid="") == 1 << 30
+                  **{"class": ""}, tenant="team-a", uid="") == 1 << 30
     unlimited = [s for s in fams["qosfs_limit_bytes_per_second"].samples
-                 if s.labels["name"] == "default"]
+                 if s.labels["class"] == "default"]
     assert unlimited == []  # no cap, no series
     assert sample(fams, "qosfs_policy_generation") == 3
     assert sample(fams, "qosfs_policy_changes", command="reload", result="rejected") == 2

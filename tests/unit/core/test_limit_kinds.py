@@ -73,7 +73,7 @@ def test_status_and_metrics_show_every_kind(kind: LimitKind) -> None:
     text = trio.run(snap).decode()
     family = "qosfs_limit_bytes_per_second" if kind.per_byte else "qosfs_limit_ops_per_second"
     label = "direction" if kind.per_byte else "op"
-    assert any(line.startswith(family) and 'name="capped"' in line
+    assert any(line.startswith(family) and 'class="capped"' in line
                and f'{label}="{kind.label}"' in line for line in text.splitlines()), text
 
 
