@@ -29,6 +29,7 @@ from qosfs.control.protocol import (
 )
 from qosfs.core.errors import EXIT_CONTROL, EXIT_POLICY, QosfsError
 from qosfs.core.limit_kinds import BY_KEY
+from qosfs.policy.model import CLASS_SETTINGS, MATCH_KEYS
 
 MAX_REPLY_BYTES = 64 << 20
 TIMEOUT = 10.0
@@ -255,12 +256,44 @@ def format_latency(reply: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _matches(table: dict[str, Any]) -> str:
+    parts = [f"{key}={','.join(map(str, v)) if isinstance(v, list) else v}"
+             for key in MATCH_KEYS if (v := table.get(key))]
+    return " ".join(parts) or "everything else"
+
+
+def format_settings(reply: dict[str, Any]) -> list[str]:
+    """Every class's and tenant's settings in force beyond the caps: what ``status`` shows
+    of ``reply["policy"]`` (``status --json`` has all of it, in the policy's spelling)."""
+    policy = reply.get("policy")
+    if not policy:
+        return []
+    auto = {lv["name"]: lv["auto_limits"] for lv in reply.get("levels", [])
+            if lv["level"] == "class" and lv.get("auto_limits")}
+    rows = []
+    for name, table in policy.get("classes", {}).items():
+        # Beyond the caps (in the levels table) and the classification (MATCHES).
+        settings = [f"{key}={table[key]}" for key in CLASS_SETTINGS
+                    if key in table and key not in ("priority", "per_user", "cache")]
+        if name in auto:
+            settings.append(f"auto caps {format_limits(auto[name])}")
+        rows.append([name, str(table.get("priority", "")), str(table.get("per_user", "")),
+                     str(table.get("cache", "")), " ".join(settings) or "-", _matches(table)])
+    lines = _table(["CLASS", "PRIORITY", "PER_USER", "CACHE", "SETTINGS", "MATCHES"], rows)
+    tenants = [[name, _matches(table)] for name, table in policy.get("tenants", {}).items()]
+    if tenants:
+        lines += ["", *_table(["TENANT", "MATCHES"], tenants)]
+    return lines
+
+
 def format_status(reply: dict[str, Any]) -> str:
     window = reply.get("window_seconds") or 0.0
     note = f"rates over the last {window:.1f}s" if window else "rates: no sample yet"
     latency = format_latency(reply)
     cluster = format_cluster_state(reply.get("cluster"))
+    settings = format_settings(reply)
     return "\n".join([*format_header(reply), note, "", *format_levels(reply),
+                      *(["", *settings] if settings else []),
                       *(["", *latency] if latency else []),
                       *(["", *cluster] if cluster else [])]) + "\n"
 
@@ -334,6 +367,9 @@ def add_parser(sub: Any) -> None:
     stp = cs.add_parser("status", help="classes, tenants, limits, current rates, queues")
     stp.add_argument("--cluster", action="store_true",
                      help="every mount's use and grant of the cluster-scoped levels (Redis)")
+    stp.add_argument("--json", action="store_true",
+                     help="the raw reply: every setting in force (\"policy\", in the policy's "
+                     "own keys, parses back to it), levels, rates, counters")
     s = cs.add_parser("set", help="change settings live: set CLASS write_bandwidth=400MiB/s")
     s.add_argument("target", help="CLASS, class:NAME, tenant:NAME or backend")
     s.add_argument("settings", nargs="+", metavar="KEY=VALUE")
@@ -373,7 +409,9 @@ def run(args: argparse.Namespace) -> int:
     body = build_request(args)
     reply = call(resolve_socket(args.socket), body)
     out = sys.stdout
-    if args.ctl_command == "status":
+    if args.ctl_command == "status" and args.json:
+        out.write(json.dumps(reply, indent=2) + "\n")
+    elif args.ctl_command == "status":
         out.write(format_cluster(reply) if body["cmd"] == "cluster" else format_status(reply))
     elif args.ctl_command == "stats":
         out.write(json.dumps(reply, indent=2) + "\n" if args.json else format_stats(reply))

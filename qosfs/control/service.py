@@ -38,6 +38,7 @@ from qosfs.policy.loading import (
     parse_policy,
     with_changes,
 )
+from qosfs.policy.model import policy_to_raw
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.interface import PassThroughQos
 
@@ -81,7 +82,8 @@ class ControlService:
         self._started: float | None = None  # set when run() starts
         # More live figures for status (the filesystem's descriptors, the parking lot).
         self.info_sources: list[Callable[[], dict[str, Any]]] = []
-        self._hashed: tuple[int, str] = (-1, "")  # (generation, hash of its policy)
+        # The policy in force as raw tables and its hash, per generation (computed once).
+        self._in_force: tuple[int, str, dict[str, Any]] = (-1, "", {})
 
     def __repr__(self) -> str:
         generation = self.policy_engine.generation if self.policy_engine is not None else 0
@@ -111,13 +113,19 @@ class ControlService:
 
     def _policy_hash(self) -> str:
         """A short hash of the policy in force, as rendered (comments, order and spelling
-        of the file do not change it); computed once per generation."""
+        of the file do not change it)."""
+        return self._policy_in_force()[0]
+
+    def _policy_in_force(self) -> tuple[str, dict[str, Any]]:
+        """The policy in force: its hash and its raw tables, computed once per generation."""
         engine = self.policy_engine
         assert engine is not None
-        if self._hashed[0] != engine.generation:
-            text = engine.policy.render().split("\n", 1)[1]  # without the source line
-            self._hashed = (engine.generation, hashlib.sha256(text.encode()).hexdigest()[:16])
-        return self._hashed[1]
+        if self._in_force[0] != engine.generation:
+            policy = engine.policy
+            text = policy.render().split("\n", 1)[1]  # without the source line
+            self._in_force = (engine.generation, hashlib.sha256(text.encode()).hexdigest()[:16],
+                              policy_to_raw(policy))
+        return self._in_force[1], self._in_force[2]
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Sample rates every second and reload on SIGHUP, until cancelled."""
@@ -154,7 +162,12 @@ class ControlService:
     async def handle(self, request: Request, peer: Peer) -> dict[str, Any]:
         """The reply to one validated request from ``peer``."""
         if request.cmd == "status":
-            return to_json(self.snapshot(), self.sampler, accounts=False)
+            body = to_json(self.snapshot(), self.sampler, accounts=False)
+            if self.policy_engine is not None:
+                # Every setting in force, in the policy's own spelling: it parses back to
+                # the same policy (what `ctl status --json` round-trips).
+                body["policy"] = self._policy_in_force()[1]
+            return body
         if request.cmd == "stats":
             return to_json(self.snapshot(), self.sampler, accounts=True)
         if request.cmd == "cluster":

@@ -29,6 +29,8 @@ import qosfs
 from qosfs.control.ctl import Client
 from qosfs.control.protocol import MAX_REQUEST_BYTES, default_socket_path
 from qosfs.daemon import cli
+from qosfs.policy.build import build_policy
+from qosfs.policy.loading import load_policy, with_changes
 from tests.mounting import ROOT, QosfsMount, as_user, is_mounted
 
 pytestmark = pytest.mark.mount
@@ -722,3 +724,81 @@ def test_a_per_user_toggle_keeps_the_class_totals(ctl_mount: Mounted) -> None:
         with open(ctl_mount.mnt / "capped" / "t", "ab") as f:
             f.write(b"t" * MiB)
         assert _class_total(url, "qosfs_write_bytes_total", "capped") == written * MiB
+
+
+EVERY_SETTING = """
+[backend]
+read_bandwidth = "8GiB/s"
+write_bandwidth = "4GiB/s"
+[metrics]
+user_series = 50
+user_series_idle = "2m"
+[tenants.team]
+uids = ["4242-4250"]
+job_env = "POD_NAMESPACE"
+jobs = ["team-*"]
+write_bandwidth = "1GiB/s"
+[classes.datasets]
+paths = ["data/**"]
+ops = ["read"]
+priority = "high"
+min_read_bandwidth = "1GiB/s"
+cache = "keep"
+target_read_latency = "5ms"
+latency_percentile = 95
+entry_timeout = "30s"
+attr_timeout = "30s"
+[classes.checkpoints]
+paths = ["ckpt/**", "**/*.pt"]
+priority = "low"
+per_user = "fair"
+write_bandwidth = "400MiB/s"
+burst = "64MiB"
+detect_streaming_writes = "256MiB"
+[classes.default]
+priority = 3
+"""
+
+
+def test_status_json_round_trips_every_setting(tmp_tree: Path) -> None:
+    """``ctl status --json`` holds every setting in force, in the policy's own keys: built
+    back into a policy it is the one in force, after a live change too; ``status`` shows
+    the settings beyond caps as text."""
+    src, mnt = tmp_tree / "src", tmp_tree / "mnt"
+    src.mkdir(), mnt.mkdir()
+    policy_file = tmp_tree / "every.toml"
+    policy_file.write_text(EVERY_SETTING)
+    sock = tmp_tree / "ctl.sock"
+
+    def status(*extra: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "qosfs", "ctl", "--socket", str(sock),
+                               "status", *extra], capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    m = QosfsMount(src, mnt, "--policy", str(policy_file), "--socket", str(sock))
+    m.start()
+    try:
+        in_force = build_policy(json.loads(status("--json"))["policy"], str(policy_file))
+        assert in_force.render() == load_policy(policy_file).render()
+        code = cli.main(["ctl", "--socket", str(sock), "set", "checkpoints",
+                         "write_bandwidth=300MiB/s"])
+        assert code == 0
+        reply = json.loads(status("--json"))
+        changed = build_policy(reply["policy"], str(policy_file))
+        assert changed.render() == with_changes(
+            load_policy(policy_file), "class", "checkpoints",
+            {"write_bandwidth": "300MiB/s"}).render()
+        assert reply["policy"]["classes"]["checkpoints"]["write_bandwidth"] == "300MiB/s"
+        text = status()
+        datasets = next(line for line in text.splitlines() if line.startswith("datasets "))
+        for shown in ("high", "keep", "min_read_bandwidth=1GiB/s", "target_read_latency=5ms",
+                      "latency_percentile=95", "paths=data/**"):
+            assert shown in datasets, (shown, text)
+        checkpoints = next(line for line in text.splitlines()
+                           if line.startswith("checkpoints "))
+        assert "fair" in checkpoints and "detect_streaming_writes=256MiB" in checkpoints
+        assert re.search(r"^team +uids=4242-4250 job_env=POD_NAMESPACE jobs=team-\*",
+                         text, re.MULTILINE), text
+    finally:
+        assert m.stop() == 0, m.log()
