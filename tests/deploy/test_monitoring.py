@@ -1,0 +1,254 @@
+"""The monitoring that ships in deploy/: alert rules checked and unit-tested by promtool,
+and the Grafana dashboard's every query run by a real Prometheus against a live mount."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.mounting import ROOT, QosfsMount, as_user
+
+PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
+DASHBOARD = ROOT / "deploy" / "grafana" / "qosfs-dashboard.json"
+MiB = 1 << 20
+
+needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
+                                    reason="promtool missing (Debian package prometheus)")
+
+
+def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["promtool", *args], cwd=PROMETHEUS_DIR, capture_output=True,
+                          text=True, timeout=120)
+
+
+@needs_promtool
+def test_rules_pass_promtool_check_and_their_unit_tests() -> None:
+    checked = _promtool("check", "rules", "qosfs-rules.yml")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    tested = _promtool("test", "rules", "qosfs-rules.test.yml")
+    assert tested.returncode == 0 and "SUCCESS" in tested.stdout, tested.stdout + tested.stderr
+
+
+@needs_promtool
+def test_every_alert_has_a_unit_test_and_a_runbook_section() -> None:
+    rules = (PROMETHEUS_DIR / "qosfs-rules.yml").read_text()
+    tests = (PROMETHEUS_DIR / "qosfs-rules.test.yml").read_text()
+    runbook = (ROOT / "docs" / "monitoring.md").read_text()
+    alerts = [line.split(":", 1)[1].strip() for line in rules.splitlines()
+              if line.strip().startswith("- alert:")]
+    assert len(alerts) == 8, alerts
+    for alert in alerts:
+        assert f"alertname: {alert}" in tests, alert
+        assert f"#{alert.lower()}" in rules, alert  # its runbook_url anchor
+        assert f"### {alert}" in runbook, alert
+
+
+@needs_promtool
+def test_example_scrape_config_is_valid() -> None:
+    checked = _promtool("check", "config", "prometheus.yml")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def _dashboard() -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return loaded
+
+
+def _targets(dashboard: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            yield panel, target["expr"]
+
+
+def test_dashboard_is_well_formed() -> None:
+    dashboard = _dashboard()
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    names = {v["name"] for v in dashboard["templating"]["list"]}
+    assert names == {"datasource", "instance", "mount", "class"}
+    for panel in panels:
+        grid = panel["gridPos"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24 and grid["h"] > 0, panel["title"]
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        assert panel["targets"] and panel["description"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "${datasource}"
+            # Every query honours the node and mount selectors (drift compares nodes).
+            assert '$mount"' in target["expr"], (panel["title"], target["expr"])
+    # Nothing overlaps: each panel's cells are its own.
+    cells: set[tuple[int, int]] = set()
+    for panel in panels:
+        g = panel["gridPos"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"])
+                for y in range(g["y"], g["y"] + g["h"])}
+        assert not cells & mine, panel["title"]
+        cells |= mine
+
+
+# ------------------------------------------------------------ a live mount, a real Prometheus
+
+POLICY = """
+[tenants.team]
+uids = [4242]
+write_bandwidth = "64MiB/s"
+
+[classes.datasets]
+paths = ["data/**"]
+priority = "high"
+target_read_latency = "50ms"
+
+[classes.checkpoints]
+paths = ["ckpt/**"]
+priority = "low"
+per_user = "fair"
+write_bandwidth = "4MiB/s"
+read_bandwidth = "1GiB/s"
+burst = "1MiB"
+
+[classes.default]
+"""
+
+# Panels whose series exist only in states this mount is not in; their description says
+# so. Any other panel must return series.
+CONDITIONAL = {"Automatic caps", "Cluster coordination", "Cluster cap and this node's grant"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _api(base: str, path: str, **params: str) -> Any:
+    url = f"{base}{path}?{urllib.parse.urlencode(params)}"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        body = json.loads(response.read())
+    assert body["status"] == "success", body
+    return body["data"]
+
+
+def _until(what: str, check: Any, timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def _traffic(mnt: Path, stop: threading.Event) -> None:
+    """A protected reader (O_DIRECT, so it reaches the mount) and a capped writer."""
+    fd = os.open(mnt / "data" / "shard", os.O_RDONLY | os.O_DIRECT)
+    buf = bytearray(1 << 16)
+    view = memoryview(buf)
+    try:
+        with open(mnt / "ckpt" / "step.pt", "wb") as ckpt:
+            offset = 0
+            while not stop.is_set():
+                os.preadv(fd, [view], offset)
+                offset = (offset + len(buf)) % (4 * MiB)
+                ckpt.write(b"c" * (256 << 10))
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.mount
+@pytest.mark.skipif(shutil.which("prometheus") is None,
+                    reason="prometheus missing (Debian package prometheus)")
+def test_every_dashboard_query_returns_series_from_a_live_mount(tmp_tree: Path) -> None:
+    src, mnt = tmp_tree / "src", tmp_tree / "mnt"
+    for d in (src, mnt, src / "data", src / "ckpt", src / "team"):
+        d.mkdir()
+    os.chmod(src / "team", 0o777)
+    (src / "data" / "shard").write_bytes(os.urandom(4 * MiB))
+    policy = tmp_tree / "policy.toml"
+    policy.write_text(POLICY)
+    m = QosfsMount(src, mnt, "--policy", str(policy), "--metrics", "0",
+                   "--socket", str(tmp_tree / "ctl.sock")).start()
+    stop = threading.Event()
+    writer = threading.Thread(target=_traffic, args=(mnt, stop))
+    prometheus: subprocess.Popen[bytes] | None = None
+    tenant: subprocess.Popen[bytes] | None = None
+    try:
+        metrics = _until("the metrics address", lambda: next(
+            (word.rsplit("/", 1)[0] for word in m.log().split()
+             if word.startswith("http://127.0.0.1:")), None), 10)
+        writer.start()
+        tenant = subprocess.Popen(
+            ["sh", "-c", "while :; do dd if=/dev/zero of=t bs=64k count=16 2>/dev/null; done"],
+            cwd=mnt / "team", preexec_fn=as_user(4242))
+        port = _free_port()
+        config = tmp_tree / "prometheus.yml"
+        config.write_text(
+            "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+            f"rule_files: [{PROMETHEUS_DIR / 'qosfs-rules.yml'}]\n"
+            "scrape_configs:\n"
+            "  - job_name: qosfs\n"
+            f"    static_configs: [{{targets: ['{metrics.removeprefix('http://')}']}}]\n")
+        with open(tmp_tree / "prometheus.log", "wb") as log:
+            prometheus = subprocess.Popen(
+                ["prometheus", f"--config.file={config}",
+                 f"--storage.tsdb.path={tmp_tree / 'tsdb'}",
+                 f"--web.listen-address=127.0.0.1:{port}"],
+                stdout=log, stderr=subprocess.STDOUT, cwd=tmp_tree)
+        base = f"http://127.0.0.1:{port}"
+
+        def scraped() -> bool:
+            try:
+                found = _api(base, "/api/v1/query",
+                             query='count_over_time(up{job="qosfs"}[1m])')["result"]
+            except OSError:
+                return False
+            return bool(found) and float(found[0]["value"][1]) >= 8
+
+        _until("eight scrapes", scraped)
+        targets = _api(base, "/api/v1/targets")["activeTargets"]
+        assert [t["health"] for t in targets] == ["up"], targets
+        groups = _api(base, "/api/v1/rules")["groups"]
+        assert {r["name"] for g in groups for r in g["rules"]} >= {"QosfsDown",
+                                                                   "QosfsPolicyDrift"}
+
+        empty = []
+        for panel, expr in _targets(_dashboard()):
+            query = (expr.replace("$__rate_interval", "10s").replace("$instance", ".*")
+                     .replace("$mount", ".*").replace("$class", ".*"))
+            if not _api(base, "/api/v1/query", query=query)["result"]:
+                empty.append((panel["title"], expr))
+        unexpected = [(title, expr) for title, expr in empty if title not in CONDITIONAL]
+        assert not unexpected, unexpected
+        for panel in _dashboard()["panels"]:
+            if panel["title"] in CONDITIONAL:
+                assert panel["description"].startswith("Conditional:"), panel["title"]
+    finally:
+        stop.set()
+        if tenant is not None:
+            tenant.kill()
+            tenant.wait()
+        if writer.is_alive():
+            writer.join(30)
+        if prometheus is not None:
+            prometheus.send_signal(signal.SIGTERM)
+            try:
+                prometheus.wait(20)
+            except subprocess.TimeoutExpired:
+                prometheus.kill()
+                prometheus.wait()
+        assert m.stop() == 0, m.log()
