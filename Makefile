@@ -94,6 +94,8 @@ install-files:
 	sed 's|/usr/local/|$(PREFIX)/|g' systemd/qosfs@.service > $(DESTDIR)$(UNITDIR)/qosfs@.service
 	chmod 0644 $(DESTDIR)$(UNITDIR)/qosfs@.service
 	install -m 0644 README.md $(DESTDIR)$(DOCDIR)/README.md
+	install -d $(DESTDIR)$(DOCDIR)/docs
+	install -m 0644 docs/*.md $(DESTDIR)$(DOCDIR)/docs/
 	install -m 0644 systemd/mnt-mlfs.toml systemd/mnt-mlfs.env $(DESTDIR)$(DOCDIR)/examples/
 
 # Leaves /etc/qosfs (the administrator's policies) alone.

@@ -27,7 +27,7 @@ _MiB = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class ParkingLimits:
-    """Bounds on parked requests (defaults: see the README, "Floods of throttled requests")."""
+    """Bounds on parked requests (defaults: docs/policy.md, "Floods of throttled requests")."""
 
     per_uid_requests: int = 256
     per_uid_bytes: int = 64 * _MiB

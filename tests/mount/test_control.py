@@ -680,7 +680,7 @@ def _hold(target: str, n: int, uid: int) -> subprocess.Popen[str]:
 @pytest.mark.root
 def test_users_holding_slow_connections_never_lock_out_root_or_the_scraper(
         ctl_mount: Mounted, capsys: pytest.CaptureFixture[str]) -> None:
-    os.chmod(ctl_mount.sock, 0o666)  # as the README suggests, for qosfs top
+    os.chmod(ctl_mount.sock, 0o666)  # as docs/control-and-metrics.md suggests, for top
     port = ctl_mount.metrics_url().rsplit(":", 1)[1].split("/")[0]
     holders = [_hold(str(ctl_mount.sock), 16, 5100 + i) for i in range(40)]
     holders.append(_hold(port, 200, 5200))

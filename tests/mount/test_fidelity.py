@@ -116,7 +116,7 @@ def test_mount_over_tmpfs_matches_native(scenario: str, on_tmpfs: Path) -> None:
 
 
 def test_o_tmpfile_is_refused_and_leaves_nothing_behind(qmount) -> None:
-    """Documented in the README: pyfuse3 and libfuse 3.14 have no tmpfile operation, so
+    """Documented in docs/administration.md: pyfuse3 and libfuse 3.14 have no tmpfile operation, so
     the kernel answers EOPNOTSUPP (every time, not only the first); the directory
     underneath would have accepted it, and fallbacks such as tempfile still work."""
     native = os.open(qmount.source, os.O_TMPFILE | os.O_WRONLY, 0o600)

@@ -126,7 +126,7 @@ def test_a_user_runs_out_of_space_where_the_filesystem_says(over_ext4: QosfsMoun
 
 
 def test_root_keeps_the_blocks_reserved_for_it(over_ext4: QosfsMount) -> None:
-    """The choice documented in the README: root's writes through the mount use the
+    """The choice documented in docs/administration.md: root's writes through the mount use the
     reserve, as they do on the filesystem itself (ext4 reserves by fsuid, root's)."""
     user, _ = fill(over_ext4.source / "user", USER)
     direct, _ = fill(over_ext4.source / "direct")
