@@ -15,9 +15,10 @@ PY     := $(VENV)/bin/python
 # redis-server: the coordinator of cluster-scoped caps, started by the tests on a temp socket
 # (redis-tools comes with it: redis-cli, redis-benchmark for bench cluster); openssl: the
 # TLS test's certificate; prometheus: promtool (check metrics/rules, test rules) and the
-# server the dashboard test scrapes a live mount with.
+# server the dashboard test scrapes a live mount with; tmux: the terminal `qosfs top` is
+# tested in.
 SYSTEM_PACKAGES := fuse3 libfuse3-dev pkg-config fio systemd e2fsprogs redis-server openssl \
-	prometheus
+	prometheus tmux
 
 # make install: where things go. DESTDIR stages them (packaging, tests) without touching
 # the real system; the installed files refer to PREFIX paths only.

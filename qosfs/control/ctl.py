@@ -183,7 +183,7 @@ def format_limits(limits: dict[str, float]) -> str:
     return " ".join(parts) or "-"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def table_lines(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
             for r in [header, *rows]]
@@ -215,7 +215,7 @@ def format_levels(reply: dict[str, Any]) -> list[str]:
                          human_bytes(rates["write_bytes"], "/s"),
                          human_count(rates["read_ops"] + rates["write_ops"]), "0",
                          human_seconds(acc["throttled_seconds"])])
-    return _table(["LEVEL", "NAME", "LIMITS", "READ/s", "WRITE/s", "OPS/s", "QUEUE",
+    return table_lines(["LEVEL", "NAME", "LIMITS", "READ/s", "WRITE/s", "OPS/s", "QUEUE",
                    "THROTTLED"], rows)
 
 
@@ -279,10 +279,10 @@ def format_settings(reply: dict[str, Any]) -> list[str]:
             settings.append(f"auto caps {format_limits(auto[name])}")
         rows.append([name, str(table.get("priority", "")), str(table.get("per_user", "")),
                      str(table.get("cache", "")), " ".join(settings) or "-", _matches(table)])
-    lines = _table(["CLASS", "PRIORITY", "PER_USER", "CACHE", "SETTINGS", "MATCHES"], rows)
+    lines = table_lines(["CLASS", "PRIORITY", "PER_USER", "CACHE", "SETTINGS", "MATCHES"], rows)
     tenants = [[name, _matches(table)] for name, table in policy.get("tenants", {}).items()]
     if tenants:
-        lines += ["", *_table(["TENANT", "MATCHES"], tenants)]
+        lines += ["", *table_lines(["TENANT", "MATCHES"], tenants)]
     return lines
 
 
@@ -309,7 +309,7 @@ def format_cluster_state(c: dict[str, Any] | None) -> list[str]:
         line += f"; last error: {c['last_error']}"
     rows = [[lv["level"], lv["key"], _rate(lv["key"], lv["cap"]),
              _rate(lv["key"], lv["enforced"])] for lv in c["levels"]]
-    return [line, *_table(["LEVEL", "LIMIT", "CLUSTER CAP", "THIS MOUNT"], rows)]
+    return [line, *table_lines(["LEVEL", "LIMIT", "CLUSTER CAP", "THIS MOUNT"], rows)]
 
 
 def _rate(key: str, value: float | None) -> str:
@@ -328,7 +328,7 @@ def format_cluster(reply: dict[str, Any]) -> str:
         used = sum(n["used"] for n in lv["nodes"])
         lines += ["", f"{lv['level']} {key}: cap {_rate(key, lv['cap'])}, "
                       f"{len(lv['nodes'])} mounts using {_rate(key, used)}"]
-        lines += _table(["MOUNT", "USED", "GRANT", "WANTS MORE", "WEIGHT"],
+        lines += table_lines(["MOUNT", "USED", "GRANT", "WANTS MORE", "WEIGHT"],
                         [[n["node"], _rate(key, n["used"]), _rate(key, n["grant"]),
                           "yes" if n["saturated"] else "no", f"{n['weight']:g}"]
                          for n in lv["nodes"]])
@@ -351,7 +351,7 @@ def format_stats(reply: dict[str, Any]) -> str:
                      human_count(acc["meta_ops"]), human_seconds(acc["throttled_seconds"]),
                      q("read_latency", "p99"), q("read_backend", "p99"),
                      q("write_latency", "p99"), q("write_backend", "p99")])
-    table = _table(["CLASS", "TENANT", "UID", "READ", "WRITTEN", "R-OPS", "W-OPS", "META",
+    table = table_lines(["CLASS", "TENANT", "UID", "READ", "WRITTEN", "R-OPS", "W-OPS", "META",
                     "THROTTLED", "R-p99", "R-BACKEND-p99", "W-p99", "W-BACKEND-p99"], rows)
     return "\n".join([*format_header(reply), "", *table]) + "\n"
 

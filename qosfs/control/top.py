@@ -1,46 +1,383 @@
 """``qosfs top``: a live per-class/tenant/user view, like iotop, from the control socket.
 
-Each frame is one ``stats`` request on a kept-open connection; the rates shown are the
-daemon's own (over its last one-second sample), so ``--once`` shows real rates too. Plain
-ANSI redraw (home, clear), standard library only; ``--once`` prints one frame without
-escape codes, for scripts and tests. Ctrl-C quits.
+Each frame is one ``stats`` request on a kept-open connection. The rates shown are the
+daemon's own (over its last one-second sample), so the first frame and ``--once`` show
+real rates: when the daemon has not sampled yet, the first request is repeated until it
+has.
+
+One row per account (class, tenant, uid; uid only in ``per_user`` classes) with the
+limits and queue of the level that account waits at, then the tenant and backend levels.
+With thousands of users the table stays readable: users with no traffic fold into one
+"N idle" row per class, rows can be filtered (``class=``, ``tenant=``, ``uid=``, globs) and
+sorted by any column, and only as many rows as the terminal holds are drawn.
+
+The interactive view draws with ``rich`` (the ``top`` extra: a client-side dependency the
+daemon never imports); ``--once`` prints plain text with the standard library only, for
+scripts. Keys: ``q`` quits, ``<``/``>`` choose the sort column, ``r`` reverses it, ``/``
+types a filter (Enter applies, Esc cancels), ``c`` clears filters, ``i`` shows or folds idle
+users.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
+import fnmatch
+import os
+import select
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from qosfs.control.ctl import (
     Client,
     checked,
     format_header,
     format_latency,
-    format_levels,
+    format_limits,
+    human_bytes,
+    human_count,
+    human_seconds,
+    level_name,
     resolve_socket,
+    table_lines,
 )
-from qosfs.core.errors import QosfsError
+from qosfs.core.errors import EXIT_USAGE, QosfsError
 
-_CLEAR = "\x1b[H\x1b[2J"
+FIRST_SAMPLE_WAIT = 2.0  # seconds the first frame waits for the daemon's first rate sample
+FILTER_KEYS = ("class", "tenant", "uid")
 
 
-def render_frame(reply: dict[str, Any], width: int | None = None) -> str:
-    """One frame: header, then one line per level, busiest first within each kind."""
-    order = {"class": 0, "user": 1, "tenant": 2, "backend": 3}
-    levels = sorted(reply.get("levels", []), key=lambda lv: (
-        order.get(lv["level"], 9), -(lv["rates"]["read_bytes"] + lv["rates"]["write_bytes"])))
-    lines = [*format_header(reply),
-             f"{time.strftime('%H:%M:%S')}  rates over {reply.get('window_seconds', 0):.1f}s",
-             "", *format_levels({**reply, "levels": levels})]
+class Column(NamedTuple):
+    """A column: its header, what it shows (text, a rate or a total since the mount), the
+    value it sorts by and how that value is printed."""
+
+    header: str
+    kind: str  # "text", "rate", "now" or "total"
+    value: Callable[[dict[str, Any]], Any]
+    show: Callable[[Any], str]
+
+
+def _rate(field_name: str) -> Callable[[dict[str, Any]], float]:
+    return lambda row: float(row["rates"][field_name])
+
+
+def _text(value: Any) -> str:
+    return str(value)
+
+
+COLUMNS: tuple[Column, ...] = (
+    Column("CLASS", "text", lambda r: r["class"], _text),
+    Column("TENANT", "text", lambda r: r["tenant"] or "", _text),
+    Column("UID", "text", lambda r: r["uid_label"], _text),
+    Column("LIMITS", "text", lambda r: r["limits"], _text),
+    Column("IO/s", "rate", lambda r: r["rates"]["read_bytes"] + r["rates"]["write_bytes"],
+           lambda v: human_bytes(v, "/s")),
+    Column("READ/s", "rate", _rate("read_bytes"), lambda v: human_bytes(v, "/s")),
+    Column("WRITE/s", "rate", _rate("write_bytes"), lambda v: human_bytes(v, "/s")),
+    Column("OPS/s", "rate", lambda r: sum(r["rates"][k] for k in ("read_ops", "write_ops",
+                                                                  "meta_ops")), human_count),
+    Column("WAIT/s", "rate", _rate("throttled_seconds"), lambda v: f"{v:.2f}"),
+    Column("QUEUE", "now", lambda r: r["queue"], _text),
+    Column("READ total", "total", lambda r: r["read_bytes"], human_bytes),
+    Column("WRITTEN total", "total", lambda r: r["write_bytes"], human_bytes),
+    Column("WAITED total", "total", lambda r: r["throttled_seconds"], human_seconds),
+)
+_BY_HEADER = {c.header: i for i, c in enumerate(COLUMNS)}
+LEGEND = ("/s: rate over the daemon's last sample; total: since the mount; QUEUE: parked now; "
+          "WAIT/s: seconds spent waiting for tokens per second")
+KEYS = "q quit  </> sort column  r reverse  / filter  c clear  i idle users"
+
+
+@dataclass
+class View:
+    """What the user chose: sort column and order, filters, whether idle users fold."""
+
+    sort: int = _BY_HEADER["IO/s"]
+    reverse: bool = True  # busiest first
+    filters: dict[str, str] = field(default_factory=dict)
+    collapse_idle: bool = True
+    typing: str | None = None  # the filter being typed after "/", None when not typing
+    message: str = ""
+
+    def key(self, ch: str) -> bool:
+        """Apply one key press; False means quit."""
+        if self.typing is not None:
+            if ch in ("\r", "\n"):
+                self.set_filter(self.typing)
+                self.typing = None
+            elif ch == "\x1b":
+                self.typing = None
+            elif ch in ("\x7f", "\b"):
+                self.typing = self.typing[:-1]
+            elif ch.isprintable():
+                self.typing += ch
+            return True
+        if ch in ("q", "Q", "\x03"):
+            return False
+        if ch in ("<", ","):
+            self.sort = (self.sort - 1) % len(COLUMNS)
+            self.reverse = COLUMNS[self.sort].kind != "text"
+        elif ch in (">", "."):
+            self.sort = (self.sort + 1) % len(COLUMNS)
+            self.reverse = COLUMNS[self.sort].kind != "text"
+        elif ch == "r":
+            self.reverse = not self.reverse
+        elif ch == "i":
+            self.collapse_idle = not self.collapse_idle
+        elif ch == "c":
+            self.filters.clear()
+            self.message = ""
+        elif ch == "/":
+            self.typing = ""
+        return True
+
+    def set_filter(self, text: str) -> None:
+        """``"class=datasets uid=10*"``: each ``key=glob`` narrows the rows (empty: none)."""
+        filters = {}
+        for word in text.split():
+            key, sep, value = word.partition("=")
+            if not sep or key not in FILTER_KEYS or not value:
+                self.message = (f"filter {word!r}: expected class=, tenant= or uid= with a "
+                                "value (globs allowed)")
+                return
+            filters[key] = value
+        self.filters = filters
+        self.message = ""
+
+    def status_line(self) -> str:
+        order = "descending" if self.reverse else "ascending"
+        shown = " ".join(f"{k}={v}" for k, v in self.filters.items()) or "none"
+        idle = "folded" if self.collapse_idle else "shown"
+        line = (f"sort: {COLUMNS[self.sort].header} {order}   filter: {shown}   "
+                f"idle users: {idle}")
+        if self.typing is not None:
+            line += f"   filter> {self.typing}_"
+        elif self.message:
+            line += f"   {self.message}"
+        return line
+
+
+# ------------------------------------------------------------------------ the rows
+
+
+def _account_rows(reply: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per account, with the limits and queue of the level it waits at."""
+    levels = {(lv["name"], lv["uid"]): lv for lv in reply.get("levels", [])
+              if lv["level"] in ("class", "user")}
+    rows = []
+    for acc in reply.get("accounts", []):
+        # A user's own level if it has one; its class's limits otherwise, but not the
+        # class's queue (that belongs to the class row).
+        own = levels.get((acc["class"], acc["uid"]))
+        level = own or levels.get((acc["class"], None))
+        limits = format_limits(level["limits"]) if level else "-"
+        if level and level.get("auto_limits"):
+            limits += " (auto)"
+        rows.append({**acc, "uid_label": "" if acc["uid"] is None else str(acc["uid"]),
+                     "limits": limits, "queue": own["queue_depth"] if own else 0})
+    return rows
+
+
+def _matches(row: dict[str, Any], filters: dict[str, str]) -> bool:
+    values = {"class": row["class"], "tenant": row["tenant"] or "", "uid": row["uid_label"]}
+    return all(fnmatch.fnmatchcase(values[k], pattern) for k, pattern in filters.items())
+
+
+def _is_idle(row: dict[str, Any]) -> bool:
+    return row["uid"] is not None and not any(row["rates"].values()) and not row["queue"]
+
+
+def _fold_idle(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Users with no traffic and nothing queued become one "N idle" row per class."""
+    kept: list[dict[str, Any]] = []
+    idle: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        if not _is_idle(row):
+            kept.append(row)
+            continue
+        folded = idle.setdefault(row["class"], {
+            "class": row["class"], "tenant": "", "uid": -1, "n": 0, "limits": "",
+            "queue": 0, "read_bytes": 0, "write_bytes": 0, "throttled_seconds": 0.0,
+            "rates": dict.fromkeys(row["rates"], 0.0)})
+        folded["n"] += 1
+        for key in ("read_bytes", "write_bytes", "throttled_seconds"):
+            folded[key] += row[key]
+    for folded in idle.values():
+        folded["uid_label"] = f"{folded['n']} idle"
+        kept.append(folded)
+    return kept
+
+
+def table_rows(reply: dict[str, Any], view: View) -> list[list[str]]:
+    """The account rows as cells, filtered, folded and sorted as ``view`` says."""
+    rows = [r for r in _account_rows(reply) if _matches(r, view.filters)]
+    if view.collapse_idle:
+        rows = _fold_idle(rows)
+    column = COLUMNS[view.sort]
+    rows.sort(key=column.value, reverse=view.reverse)
+    return [[c.show(c.value(r)) for c in COLUMNS] for r in rows]
+
+
+def other_levels(reply: dict[str, Any]) -> list[list[str]]:
+    """Tenant and backend levels: their limits, rates and queues (not per account)."""
+    rows = []
+    for lv in reply.get("levels", []):
+        if lv["level"] in ("tenant", "backend"):
+            rates = lv["rates"]
+            rows.append([lv["level"], level_name(lv), format_limits(lv["limits"]),
+                         human_bytes(rates["read_bytes"], "/s"),
+                         human_bytes(rates["write_bytes"], "/s"), str(lv["queue_depth"]),
+                         human_seconds(lv["throttled_seconds"])])
+    return rows
+
+
+LEVEL_HEADER = ["LEVEL", "NAME", "LIMITS", "READ/s", "WRITE/s", "QUEUE", "WAITED total"]
+
+
+# ------------------------------------------------------------------------ plain text
+
+
+def render_frame(reply: dict[str, Any], width: int | None = None,
+                 view: View | None = None, height: int | None = None) -> str:
+    """One frame as plain text (``--once``): header, legend, accounts, other levels."""
+    view = view or View()
+    rows = table_rows(reply, view)
+    lines = [*format_header(reply), _window_line(reply), LEGEND, view.status_line(), ""]
+    room = None if height is None else max(1, height - len(lines) - 2)
+    shown = rows if room is None else rows[:room]
+    lines += table_lines([c.header for c in COLUMNS], shown)
+    if len(shown) < len(rows):
+        lines.append(f"... {len(rows) - len(shown)} more rows (filter with /)")
+    levels = other_levels(reply)
+    if levels and height is None:
+        lines += ["", *table_lines(LEVEL_HEADER, levels)]
     latency = format_latency(reply)
-    if latency:
+    if latency and height is None:
         lines += ["", *latency]
     if width:
         lines = [line[:width] for line in lines]
     return "\n".join(lines) + "\n"
+
+
+def _window_line(reply: dict[str, Any]) -> str:
+    window = reply.get("window_seconds") or 0.0
+    when = time.strftime("%H:%M:%S")
+    return f"{when}  rates over the last {window:.1f}s" if window else f"{when}  no rate yet"
+
+
+# ------------------------------------------------------------------------ the live view
+
+
+def _rich_frame(reply: dict[str, Any], view: View, height: int) -> Any:
+    """The frame as a rich renderable, cropped to ``height`` lines."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    head = [*format_header(reply), _window_line(reply)]
+    table = Table(box=None, pad_edge=False, header_style="bold", expand=False)
+    styles = {"text": "", "rate": "cyan", "now": "yellow", "total": "dim"}
+    for i, column in enumerate(COLUMNS):
+        mark = (" ▼" if view.reverse else " ▲") if i == view.sort else ""
+        table.add_column(column.header + mark, style=styles[column.kind],
+                         justify="left" if column.kind == "text" else "right",
+                         no_wrap=True)
+    rows = table_rows(reply, view)
+    room = max(1, height - len(head) - 6)
+    for cells in rows[:room]:
+        table.add_row(*cells)
+    parts: list[Any] = [Text("\n".join(head)), Text(LEGEND, style="dim"),
+                        Text(view.status_line(), style="bold"), table]
+    if len(rows) > room:
+        parts.append(Text(f"... {len(rows) - room} more rows (filter with /)", style="dim"))
+    parts.append(Text(KEYS, style="reverse"))
+    return Group(*parts)
+
+
+def _first_reply(client: Client) -> dict[str, Any]:
+    """A stats reply with rates in it: a daemon that just started has no sample yet."""
+    deadline = time.monotonic() + FIRST_SAMPLE_WAIT
+    while True:
+        reply = checked(client.request({"cmd": "stats"}))
+        if reply.get("window_seconds") or time.monotonic() > deadline:
+            return reply
+        time.sleep(0.1)
+
+
+class _Keyboard:
+    """Single key presses from a terminal (cbreak, no echo); nothing when not a terminal.
+    The terminal's settings come back on exit, whatever ends the view."""
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        self._saved: Any = None
+
+    def __enter__(self) -> _Keyboard:
+        if sys.stdin.isatty():
+            import termios
+            import tty
+
+            self.fd = sys.stdin.fileno()
+            self._saved = termios.tcgetattr(self.fd)
+            tty.setcbreak(self.fd)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            import termios
+
+            termios.tcsetattr(self.fd, termios.TCSADRAIN, self._saved)
+
+    def read(self, timeout: float) -> str:
+        """Keys pressed within ``timeout`` seconds ("" if none)."""
+        if self.fd is None:
+            time.sleep(timeout)
+            return ""
+        ready, _, _ = select.select([self.fd], [], [], max(0.0, timeout))
+        return os.read(self.fd, 64).decode(errors="ignore") if ready else ""
+
+
+def _live(path: str, interval: float, view: View) -> int:
+    try:
+        from rich.console import Console
+        from rich.live import Live
+    except ImportError:
+        raise QosfsError("the live view needs the 'rich' package: pip install 'qosfs[top]' "
+                         "(qosfs top --once works without it)", EXIT_USAGE) from None
+    console = Console()
+    client: Client | None = None
+    reply: dict[str, Any] = {}
+    error = ""
+    with _Keyboard() as keys, Live(console=console, screen=True, auto_refresh=False) as live:
+        next_fetch = 0.0
+        while True:
+            if time.monotonic() >= next_fetch:
+                try:
+                    if client is None:
+                        client = Client(path)
+                        reply = _first_reply(client)
+                    else:
+                        reply = checked(client.request({"cmd": "stats"}))
+                    error = ""
+                except QosfsError as exc:  # the daemon restarted or went away: keep trying
+                    if client is not None:
+                        client.close()
+                        client = None
+                    error = f"qosfs top: {exc} (retrying)"
+                next_fetch = time.monotonic() + interval
+            if error:
+                from rich.text import Text
+
+                live.update(Text(error), refresh=True)
+            else:
+                live.update(_rich_frame(reply, view, console.size.height), refresh=True)
+            for ch in keys.read(next_fetch - time.monotonic()):
+                if not view.key(ch):
+                    if client is not None:
+                        client.close()
+                    return 0
 
 
 def add_parser(sub: Any) -> None:
@@ -49,36 +386,29 @@ def add_parser(sub: Any) -> None:
     t.add_argument("--socket", metavar="PATH",
                    help="control socket, or a mountpoint (default: the only one in /run/qosfs)")
     t.add_argument("--interval", type=float, default=1.0, metavar="SECONDS")
-    t.add_argument("--once", action="store_true", help="print one frame and exit")
+    t.add_argument("--once", action="store_true",
+                   help="print one frame as plain text and exit (no terminal needed)")
+    for key in FILTER_KEYS:
+        t.add_argument(f"--{key}", metavar="GLOB", help=f"only rows whose {key} matches")
+    t.add_argument("--sort", choices=list(_BY_HEADER), metavar="COLUMN",
+                   help="sort by this column (default IO/s, busiest first)")
+    t.add_argument("--all-users", action="store_true", help="do not fold idle users")
     t.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    view = View(filters={k: v for k in FILTER_KEYS if (v := getattr(args, k)) is not None},
+                collapse_idle=not args.all_users)
+    if args.sort is not None:
+        view.sort = _BY_HEADER[args.sort]
+        view.reverse = COLUMNS[view.sort].kind != "text"
     path = resolve_socket(args.socket)
-    out = sys.stdout
     if args.once:
         with Client(path) as once:
-            out.write(render_frame(checked(once.request({"cmd": "stats"}))))
+            sys.stdout.write(render_frame(_first_reply(once), view=view))
         return 0
-    interval = max(0.1, args.interval)
-    client: Client | None = None
     try:
-        while True:
-            try:
-                if client is None:
-                    client = Client(path)
-                reply = checked(client.request({"cmd": "stats"}))
-                frame = render_frame(reply, shutil.get_terminal_size().columns)
-            except QosfsError as exc:  # the daemon restarted or went away: keep trying
-                if client is not None:
-                    client.close()
-                    client = None
-                frame = f"qosfs top: {exc} (retrying)\n"
-            out.write(_CLEAR + frame)
-            out.flush()
-            time.sleep(interval)
+        return _live(path, max(0.1, args.interval), view)
     except KeyboardInterrupt:
         return 0
-    finally:
-        if client is not None:
-            client.close()
+

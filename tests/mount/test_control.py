@@ -422,11 +422,13 @@ def test_policy_hash_follows_content_not_spelling(ctl_mount: Mounted, tmp_path: 
 
 
 def test_top_once(ctl_mount: Mounted, capsys: pytest.CaptureFixture[str]) -> None:
+    (ctl_mount.mnt / "capped" / "once").write_bytes(b"o" * 4096)
     assert cli.main(["top", "--socket", str(ctl_mount.sock), "--once"]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out
-    assert re.search(r"^LEVEL\s+NAME\s+LIMITS\s+READ/s\s+WRITE/s", out, re.MULTILINE), out
-    assert re.search(r"^class\s+capped\s+w:2MiB/s", out, re.MULTILINE), out
+    assert re.search(r"^CLASS\s+TENANT\s+UID\s+LIMITS\s+IO/s\s+READ/s\s+WRITE/s", out,
+                     re.MULTILINE), out
+    assert re.search(r"^capped\s+w:2MiB/s\s", out, re.MULTILINE), out
 
 
 def test_no_qos_mount_has_status_but_nothing_to_change(

@@ -1,0 +1,142 @@
+"""``qosfs top`` in a real terminal (tmux): the first frame has rates, keys sort and
+filter, idle users fold, ``q`` quits and gives the terminal back as it was."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.mounting import ROOT, QosfsMount, as_user
+
+pytestmark = [pytest.mark.mount,
+              pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux missing")]
+pytest.importorskip("rich")
+
+POLICY = """
+[classes.data]
+paths = ["data/**"]
+[classes.ckpt]
+paths = ["ckpt/**"]
+per_user = "fair"
+write_bandwidth = "8MiB/s"
+burst = "1MiB"
+[classes.default]
+"""
+BUSY = (3001, 3002)
+IDLE = (3101, 3102, 3103)
+
+
+class Terminal:
+    """A tmux session of its own (its own server socket: no other session is touched)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.server = f"qosfs-test-{os.getpid()}"
+        self.tmp = tmp
+
+    def tmux(self, *args: str) -> str:
+        done = subprocess.run(["tmux", "-L", self.server, *args], capture_output=True,
+                              text=True, timeout=10)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    def start(self, command: str) -> None:
+        self.tmux("new-session", "-d", "-s", "top", "-x", "200", "-y", "50", command)
+
+    def screen(self) -> str:
+        return self.tmux("capture-pane", "-p", "-t", "top")
+
+    def keys(self, *keys: str) -> None:
+        self.tmux("send-keys", "-t", "top", *keys)
+
+    def wait_for(self, what: str, check: re.Pattern[str] | str, timeout: float = 20) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            screen = self.screen()
+            if re.search(check, screen, re.MULTILINE):
+                return screen
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: not on screen:\n{screen}")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "-L", self.server, "kill-server"], capture_output=True,
+                       timeout=10)
+
+
+@pytest.fixture
+def terminal(tmp_path: Path) -> Iterator[Terminal]:
+    term = Terminal(tmp_path)
+    try:
+        yield term
+    finally:
+        term.close()
+
+
+def _uid_rows(screen: str) -> list[str]:
+    return re.findall(r"^ckpt\s+(\d+)\s", screen, re.MULTILINE)
+
+
+def test_top_in_a_terminal(tmp_tree: Path, terminal: Terminal) -> None:
+    src, mnt = tmp_tree / "src", tmp_tree / "mnt"
+    for d in (src, mnt, src / "ckpt", src / "data"):
+        d.mkdir()
+        os.chmod(d, 0o777)
+    policy = tmp_tree / "policy.toml"
+    policy.write_text(POLICY)
+    sock = tmp_tree / "ctl.sock"
+    writers: list[subprocess.Popen[bytes]] = []
+    with QosfsMount(src, mnt, "--policy", str(policy), "--socket", str(sock)):
+        (mnt / "data" / "shard").write_bytes(b"d" * 4096)
+        for uid in IDLE:  # write once, then nothing: idle users
+            subprocess.run(["sh", "-c", f"echo once > {uid}"], cwd=mnt / "ckpt",
+                           preexec_fn=as_user(uid), check=True)
+        try:
+            for uid in BUSY:
+                writers.append(subprocess.Popen(
+                    ["sh", "-c", f"while :; do dd if=/dev/zero of=w{uid} bs=256k count=4 "
+                                 "2>/dev/null; done"],
+                    cwd=mnt / "ckpt", preexec_fn=as_user(uid)))
+            top = f"{shlex.quote(sys.executable)} -m qosfs top --socket {shlex.quote(str(sock))}"
+            terminal.start(f"cd {shlex.quote(str(ROOT))}; stty -g > {tmp_tree}/before; {top}; "
+                           f"echo EXIT=$?; stty -g > {tmp_tree}/after; sleep 60")
+            first = terminal.wait_for("the first frame", r"^CLASS\s")
+            # The first frame already has rates: the daemon's own, over its last sample.
+            busy = re.findall(r"^ckpt\s+(\d+)\s.*?(\d[\d.]*)(KiB|MiB)/s", first, re.MULTILINE)
+            assert {uid for uid, _, _ in busy} >= {str(u) for u in BUSY}, first
+            assert "/s: rate over the daemon's last sample; total: since the mount" in first
+            # Idle users fold into one row of their class.
+            assert re.search(r"^ckpt\s+3 idle\s", first, re.MULTILINE), first
+            terminal.keys("i")
+            unfolded = terminal.wait_for("idle users shown", r"idle users: shown")
+            assert set(_uid_rows(unfolded)) >= {str(u) for u in (*BUSY, *IDLE)}, unfolded
+            # Sort by UID (two columns left of IO/s), A to Z, then reversed.
+            terminal.keys("<", "<")
+            by_uid = terminal.wait_for("sort by UID", r"sort: UID ascending")
+            assert _uid_rows(by_uid) == sorted(_uid_rows(by_uid)), by_uid
+            terminal.keys("r")
+            reverse = terminal.wait_for("reversed", r"sort: UID descending")
+            assert _uid_rows(reverse) == sorted(_uid_rows(reverse), reverse=True), reverse
+            # Filter to one class: the other rows go.
+            terminal.keys("/", "class=data", "Enter")
+            filtered = terminal.wait_for("filtered", r"filter: class=data")
+            assert not _uid_rows(filtered) and re.search(r"^data\s", filtered, re.MULTILINE)
+            terminal.keys("q")
+            terminal.wait_for("exit", r"^EXIT=0$", timeout=10)
+            deadline = time.monotonic() + 10
+            while not (tmp_tree / "after").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            # The terminal is back in the mode it was in before top.
+            assert (tmp_tree / "after").read_text() == (tmp_tree / "before").read_text()
+        finally:
+            for writer in writers:
+                writer.kill()
+                writer.wait()
