@@ -109,8 +109,8 @@ def test_idle_uids_leave_the_series_and_their_totals_stay(mounted: Mount) -> Non
 
     mounted.write_as(10_000, 1)  # a returning uid gets a series again, from zero
     back = mounted.metrics()
-    assert re.search(r'^qosfs_write_bytes_total\{class="scratch",tenant="",uid="10000"\} '
-                     r'4096\.0$', back, re.MULTILINE), back
+    assert re.search(r'^qosfs_write_bytes_total\{class="scratch",mount="[^"]*",tenant="",'
+                     r'uid="10000"\} 4096\.0$', back, re.MULTILINE), back
     assert class_written(back) == 1001 * 4 * KiB
 
 
@@ -118,8 +118,8 @@ def test_idle_uids_leave_the_series_and_their_totals_stay(mounted: Mount) -> Non
 def test_a_class_labels_at_most_user_series_uids(mounted: Mount) -> None:
     mounted.write_as(20_000, 50)
     text = mounted.metrics()
-    labelled = set(re.findall(r'^qosfs_write_bytes_total\{class="scratch",tenant="",'
-                              r'uid="(\d+)"\}', text, re.MULTILINE))
+    labelled = set(re.findall(r'^qosfs_write_bytes_total\{class="scratch",mount="[^"]*",'
+                              r'tenant="",uid="(\d+)"\}', text, re.MULTILINE))
     assert len(labelled) == 10 and mounted.status()["user_accounts"] == 10
     assert class_written(text) == 50 * 4 * KiB  # the other 40 are in uid=""
 

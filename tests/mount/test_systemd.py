@@ -136,7 +136,8 @@ class Instance:
         assert port, self.log()
         url = f"http://127.0.0.1:{port[1]}/metrics"
         with urllib.request.urlopen(url, timeout=5) as reply:
-            assert b"qosfs_policy_generation 1" in reply.read()
+            assert re.search(rb"^qosfs_policy_generation\{mount=\"[^\"]+\"\} 1\.0$",
+                             reply.read(), re.MULTILINE)
         self.notify.assert_empty()
 
     def stop(self) -> None:

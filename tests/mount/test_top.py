@@ -7,6 +7,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -104,7 +105,7 @@ def test_top_in_a_terminal(tmp_tree: Path, terminal: Terminal) -> None:
                 writers.append(subprocess.Popen(
                     ["sh", "-c", f"while :; do dd if=/dev/zero of=w{uid} bs=256k count=4 "
                                  "2>/dev/null; done"],
-                    cwd=mnt / "ckpt", preexec_fn=as_user(uid)))
+                    cwd=mnt / "ckpt", preexec_fn=as_user(uid), start_new_session=True))
             top = f"{shlex.quote(sys.executable)} -m qosfs top --socket {shlex.quote(str(sock))}"
             terminal.start(f"cd {shlex.quote(str(ROOT))}; stty -g > {tmp_tree}/before; {top}; "
                            f"echo EXIT=$?; stty -g > {tmp_tree}/after; sleep 60")
@@ -137,6 +138,6 @@ def test_top_in_a_terminal(tmp_tree: Path, terminal: Terminal) -> None:
             # The terminal is back in the mode it was in before top.
             assert (tmp_tree / "after").read_text() == (tmp_tree / "before").read_text()
         finally:
-            for writer in writers:
-                writer.kill()
+            for writer in writers:  # the loop and its dd: a dd left keeps the mount busy
+                os.killpg(writer.pid, signal.SIGKILL)
                 writer.wait()
