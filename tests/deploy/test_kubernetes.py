@@ -88,9 +88,12 @@ def test_the_mount_is_in_place_over_the_host_path_and_propagates(
     assert args.command == "mount" and args.foreground
     assert args.mountpoint is None  # in place: SOURCE is the mountpoint
     data = _mount_of(daemonset, "data")
-    assert data["mountPath"] == args.source
     assert data["mountPropagation"] == "Bidirectional"  # else the host never sees it
-    assert _volume(daemonset, "data")["hostPath"]["path"] == args.source
+    # The host's path appears at the same path in the container, and the volume is a
+    # strict parent of the mountpoint: a bind of the mountpoint itself copies only the
+    # mount on top, dead after a crash (test_restart_propagation shows why).
+    assert _volume(daemonset, "data")["hostPath"]["path"] == data["mountPath"]
+    assert Path(data["mountPath"]) in Path(args.source).parents
 
 
 def test_the_policy_comes_from_the_configmap_and_loads(daemonset: dict[str, Any]) -> None:
@@ -136,6 +139,11 @@ def test_the_example_pod_lands_in_its_namespace_tenant() -> None:
                if t.job_env in env and env[t.job_env] == "metadata.namespace"
                and any(fnmatch.fnmatchcase(pod["metadata"]["namespace"], g) for g in t.jobs)]
     assert [t.name for t in tenants] == ["vision"]
-    mlfs = container["volumeMounts"][0]
-    assert mlfs["mountPropagation"] == "HostToContainer"  # sees qosfs's mount over it
+    (mnt,) = container["volumeMounts"]
+    (volume,) = pod["spec"]["volumes"]
+    assert mnt["name"] == volume["name"]
+    assert mnt["mountPropagation"] == "HostToContainer"  # sees qosfs's mount over it
+    assert volume["hostPath"]["path"] == mnt["mountPath"]
+    source = _args(_load("daemonset.yaml")).source
+    assert Path(mnt["mountPath"]) in Path(source).parents  # the parent, as the daemon's
     assert re.fullmatch(r"metadata\.labels\['project'\]", env["RUNAI_PROJECT"])
