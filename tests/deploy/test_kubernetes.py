@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -147,3 +149,77 @@ def test_the_example_pod_lands_in_its_namespace_tenant() -> None:
     source = _args(_load("daemonset.yaml")).source
     assert Path(mnt["mountPath"]) in Path(source).parents  # the parent, as the daemon's
     assert re.fullmatch(r"metadata\.labels\['project'\]", env["RUNAI_PROJECT"])
+
+
+# How the kubelet binds a hostPath volume for each mountPropagation (runc's rbind plus
+# the propagation it sets on the container's copy).
+_PROPAGATION = {"Bidirectional": "rshared", "HostToContainer": "rslave", "None": "rprivate"}
+
+# tmpfs mounts stand in for the shared filesystem ("nfs") and for qosfs's FUSE mounts
+# ("fuseN"): what is asserted is which mount each namespace sees at the data path, and
+# a dead FUSE mount is, for that, one that stayed. Each container is a private tmpfs
+# with the volume bound into it, as in its own mount namespace.
+_SCRIPT = r"""
+set -eu
+S=$1 DATA=$2 QHOST=$3 QPATH=$4 QPROP=$5 PHOST=$6 PPATH=$7 PPROP=$8
+mount -t tmpfs sim "$S"; mount --make-private "$S"
+mkdir -p "$S/host"; mount -t tmpfs host "$S/host"; mount --make-rshared "$S/host"
+mkdir -p "$S/host$DATA"; mount -t tmpfs nfs "$S/host$DATA"; echo nfs > "$S/host$DATA/who"
+container() {  # name hostPath mountPath propagation
+  mkdir -p "$S/$1"; mount -t tmpfs "$1" "$S/$1"; mount --make-private "$S/$1"
+  mkdir -p "$S/$1$3"; mount --rbind "$S/host$2" "$S/$1$3"; mount "--make-$4" "$S/$1$3"
+}
+qosfs_mounts() { mount -t tmpfs "$2" "$S/$1$DATA"; echo "$2" > "$S/$1$DATA/who"; }
+look() { for c in "$@"; do echo "$STEP $c $(cat "$S/$c$DATA/who" 2>/dev/null || echo -)"; done; }
+container qosfs "$QHOST" "$QPATH" "$QPROP"
+container early "$PHOST" "$PPATH" "$PPROP"
+STEP=mounted; qosfs_mounts qosfs fuse1
+container late "$PHOST" "$PPATH" "$PPROP"
+look host early late
+STEP=stopped; umount "$S/qosfs$DATA"; look host early late
+STEP=restarted; qosfs_mounts qosfs fuse2; look host early late
+# A crash leaves fuse2 mounted; the next container cleans it (umount -l, as
+# clean_stale_mount does) and mounts again.
+container qosfs2 "$QHOST" "$QPATH" "$QPROP"
+STEP=cleaned; umount -l "$S/qosfs2$DATA"; look host qosfs2 early late
+STEP=recovered; qosfs_mounts qosfs2 fuse3; look host early late
+"""
+
+
+@pytest.mark.root
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1)")
+def test_restart_propagation(daemonset: dict[str, Any], tmp_path: Path) -> None:
+    """Binds the manifests' volumes as the kubelet would, in a mount namespace of the
+    test's own, and follows what the host and two pods (started before and after qosfs
+    mounted) see at the data path across a stop, a restart and a crash."""
+    source = _args(daemonset).source
+    data = _mount_of(daemonset, "data")
+    pod = _load("training-pod-example.yaml")
+    (pod_mount,) = pod["spec"]["containers"][0]["volumeMounts"]
+    (pod_volume,) = pod["spec"]["volumes"]
+    root = tmp_path / "root"
+    root.mkdir()
+    run = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", _SCRIPT, "sim",
+         str(root), source,
+         _volume(daemonset, "data")["hostPath"]["path"], data["mountPath"],
+         _PROPAGATION[data["mountPropagation"]],
+         pod_volume["hostPath"]["path"], pod_mount["mountPath"],
+         _PROPAGATION[pod_mount["mountPropagation"]]],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == 0, run.stderr
+    seen = {(step, where): who for step, where, who in map(str.split, run.stdout.splitlines())}
+    assert seen == {
+        ("mounted", "host"): "fuse1", ("mounted", "early"): "fuse1",
+        ("mounted", "late"): "fuse1",
+        # Stopped: the real directory underneath, everywhere.
+        ("stopped", "host"): "nfs", ("stopped", "early"): "nfs", ("stopped", "late"): "nfs",
+        # Restarted: the new mount, in pods that started before or during the old one.
+        ("restarted", "host"): "fuse2", ("restarted", "early"): "fuse2",
+        ("restarted", "late"): "fuse2",
+        # After a crash the new container reaches the filesystem under the dead mount.
+        ("cleaned", "host"): "nfs", ("cleaned", "qosfs2"): "nfs",
+        ("cleaned", "early"): "nfs", ("cleaned", "late"): "nfs",
+        ("recovered", "host"): "fuse3", ("recovered", "early"): "fuse3",
+        ("recovered", "late"): "fuse3",
+    }
