@@ -223,3 +223,23 @@ def test_restart_propagation(daemonset: dict[str, Any], tmp_path: Path) -> None:
         ("recovered", "host"): "fuse3", ("recovered", "early"): "fuse3",
         ("recovered", "late"): "fuse3",
     }
+
+
+def test_manifests_match_the_kubernetes_schemas() -> None:
+    """A misspelt field (``mountPropogation``) passes the checks above, which only read
+    the fields they know: the API server would reject it, and so does this, offline."""
+    validator = pytest.importorskip("kubernetes_validate")
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name != "kustomization.yaml":
+            validator.validate(_load(path.name), "1.30.0", strict=True)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl")
+def test_kustomize_renders_what_it_lists() -> None:
+    run = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert run.returncode == 0, run.stderr
+    rendered = {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(run.stdout)}
+    listed = {(d["kind"], d["metadata"]["name"])
+              for d in map(_load, _load("kustomization.yaml")["resources"])}
+    assert rendered == listed
