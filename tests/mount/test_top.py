@@ -85,6 +85,15 @@ def terminal(tmp_path: Path) -> Iterator[Terminal]:
         term.close()
 
 
+def _written(path: Path, timeout: float = 10) -> str:
+    """The text of a file another process is writing, once there is some."""
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and (text := path.read_text())):
+        assert time.monotonic() < deadline, f"{path} not written"
+        time.sleep(0.05)
+    return text
+
+
 def _uid_rows(screen: str) -> list[str]:
     return re.findall(r"^ckpt\s+(\d+)\s", screen, re.MULTILINE)
 
@@ -110,8 +119,11 @@ def test_top_in_a_terminal(tmp_tree: Path, terminal: Terminal) -> None:
                                  "2>/dev/null; done"],
                     cwd=mnt / "ckpt", preexec_fn=as_user(uid), start_new_session=True))
             top = f"{shlex.quote(sys.executable)} -m qosfs top --socket {shlex.quote(str(sock))}"
+            # top twice: the first is left with q, the second (started by a line typed
+            # into `read`) with Ctrl-C; after each the terminal's modes are saved.
             terminal.start(f"cd {shlex.quote(str(ROOT))}; stty -g > {tmp_tree}/before; {top}; "
-                           f"echo EXIT=$?; stty -g > {tmp_tree}/after; sleep 30")
+                           f"echo EXIT=$?; stty -g > {tmp_tree}/after; read -r _; {top}; "
+                           f"echo SECOND_EXIT=$?; stty -g > {tmp_tree}/after2; sleep 30")
             first = terminal.wait_for("the first frame", r"^CLASS\s")
             # The first frame already has rates: the daemon's own, over its last sample.
             busy = re.findall(r"^ckpt\s+(\d+)\s.*?(\d[\d.]*)(KiB|MiB)/s", first, re.MULTILINE)
@@ -147,11 +159,15 @@ def test_top_in_a_terminal(tmp_tree: Path, terminal: Terminal) -> None:
             assert set(_uid_rows(cleared)) >= {str(u) for u in BUSY}, cleared
             terminal.keys("q")
             terminal.wait_for("exit", r"^EXIT=0$", timeout=10)
-            deadline = time.monotonic() + 10
-            while not (tmp_tree / "after").exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
             # The terminal is back in the mode it was in before top.
-            assert (tmp_tree / "after").read_text() == (tmp_tree / "before").read_text()
+            before = _written(tmp_tree / "before")
+            assert _written(tmp_tree / "after") == before
+            # Ctrl-C also ends it, with the terminal restored.
+            terminal.keys("again", "Enter")
+            terminal.wait_for("the second top", r"^CLASS\s")
+            terminal.keys("C-c")
+            terminal.wait_for("exit on Ctrl-C", r"^SECOND_EXIT=0$", timeout=10)
+            assert _written(tmp_tree / "after2") == before
             # The options filter too, and --once is plain text for scripts.
             once = subprocess.run([sys.executable, "-m", "qosfs", "top", "--once", "--socket",
                                    str(sock), "--class", "ckpt", "--uid", str(BUSY[0])],
