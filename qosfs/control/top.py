@@ -8,14 +8,14 @@ has.
 One row per account (class, tenant, uid; uid only in ``per_user`` classes) with the
 limits and queue of the level that account waits at, then the tenant and backend levels.
 With thousands of users the table stays readable: users with no traffic fold into one
-"N idle" row per class, rows can be filtered (``class=``, ``tenant=``, ``uid=``, globs) and
-sorted by any column, and only as many rows as the terminal holds are drawn.
+"N idle users" row per class, rows can be filtered (``class=``, ``tenant=``, ``uid=``,
+globs) and sorted by any column, and only as many rows as the terminal holds are drawn.
 
 The interactive view draws with ``rich`` (the ``top`` extra: a client-side dependency the
 daemon never imports); ``--once`` prints plain text with the standard library only, for
-scripts. Keys: ``q`` quits, ``<``/``>`` choose the sort column, ``r`` reverses it, ``/``
-types a filter (Enter applies, Esc cancels), ``c`` clears filters, ``i`` shows or folds idle
-users.
+scripts. Keys: ``q`` quits, ``s`` or ``>`` (right arrow) and ``<`` (left arrow) choose the
+sort column, ``r`` reverses it, ``/`` types a filter (Enter applies), Esc or ``c`` clears
+filters, ``i`` shows or folds idle users.
 """
 
 from __future__ import annotations
@@ -78,16 +78,41 @@ COLUMNS: tuple[Column, ...] = (
     Column("WRITE/s", "rate", _rate("write_bytes"), lambda v: human_bytes(v, "/s")),
     Column("OPS/s", "rate", lambda r: sum(r["rates"][k] for k in ("read_ops", "write_ops",
                                                                   "meta_ops")), human_count),
-    Column("WAIT/s", "rate", _rate("throttled_seconds"), lambda v: f"{v:.2f}"),
+    Column("THROTTLED/s", "rate", _rate("throttled_seconds"), lambda v: f"{v:.2f}"),
     Column("QUEUE", "now", lambda r: r["queue"], _text),
     Column("READ total", "total", lambda r: r["read_bytes"], human_bytes),
     Column("WRITTEN total", "total", lambda r: r["write_bytes"], human_bytes),
-    Column("WAITED total", "total", lambda r: r["throttled_seconds"], human_seconds),
+    Column("THROTTLED total", "total", lambda r: r["throttled_seconds"], human_seconds),
 )
 _BY_HEADER = {c.header: i for i, c in enumerate(COLUMNS)}
 LEGEND = ("/s: rate over the daemon's last sample; total: since the mount; QUEUE: parked now; "
-          "WAIT/s: seconds spent waiting for tokens per second")
-KEYS = "q quit  </> sort column  r reverse  / filter  c clear  i idle users"
+          "THROTTLED: seconds spent waiting for tokens")
+KEYS = "q quit  s/</> sort column  r reverse  / filter  Esc clear  i idle users"
+ESC = "\x1b"
+# Escape sequences a terminal sends for keys: the arrows move the sort column; the others
+# are read whole and ignored (their "[" and letters are not keys of their own).
+_SEQUENCES = {"\x1b[D": "<", "\x1bOD": "<", "\x1b[C": ">", "\x1bOC": ">"}
+
+
+def split_keys(data: str) -> list[str]:
+    """What one read from the terminal holds, as keys: a lone Esc is a key; an escape
+    sequence (``ESC [ ... final`` or ``ESC O x``) is one key, arrows translated."""
+    keys: list[str] = []
+    i = 0
+    while i < len(data):
+        if data[i] != ESC or i + 1 >= len(data) or data[i + 1] not in "[O":
+            keys.append(data[i])
+            i += 1
+            continue
+        end = i + 2
+        if data[i + 1] == "[":  # CSI: parameters, then one final byte in @..~
+            while end < len(data) and not "@" <= data[end] <= "~":
+                end += 1
+        end = min(end + 1, len(data))
+        seq = data[i:end]
+        keys.append(_SEQUENCES.get(seq, seq))
+        i = end
+    return keys
 
 
 @dataclass
@@ -107,8 +132,9 @@ class View:
             if ch in ("\r", "\n"):
                 self.set_filter(self.typing)
                 self.typing = None
-            elif ch == "\x1b":
+            elif ch == ESC:  # Esc clears, as it does when not typing
                 self.typing = None
+                self.clear()
             elif ch in ("\x7f", "\b"):
                 self.typing = self.typing[:-1]
             elif ch.isprintable():
@@ -116,22 +142,28 @@ class View:
             return True
         if ch in ("q", "Q", "\x03"):
             return False
+        if len(ch) > 1:  # an escape sequence that is no key of ours
+            return True
         if ch in ("<", ","):
             self.sort = (self.sort - 1) % len(COLUMNS)
             self.reverse = COLUMNS[self.sort].kind != "text"
-        elif ch in (">", "."):
+        elif ch in (">", ".", "s"):
             self.sort = (self.sort + 1) % len(COLUMNS)
             self.reverse = COLUMNS[self.sort].kind != "text"
         elif ch == "r":
             self.reverse = not self.reverse
         elif ch == "i":
             self.collapse_idle = not self.collapse_idle
-        elif ch == "c":
-            self.filters.clear()
-            self.message = ""
+        elif ch in ("c", ESC):
+            self.clear()
         elif ch == "/":
             self.typing = ""
         return True
+
+    def clear(self) -> None:
+        """No filters: every row again."""
+        self.filters.clear()
+        self.message = ""
 
     def set_filter(self, text: str) -> None:
         """``"class=datasets uid=10*"``: each ``key=glob`` narrows the rows (empty: none)."""
@@ -190,7 +222,7 @@ def _is_idle(row: dict[str, Any]) -> bool:
 
 
 def _fold_idle(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Users with no traffic and nothing queued become one "N idle" row per class."""
+    """Users with no traffic and nothing queued become one "N idle users" row per class."""
     kept: list[dict[str, Any]] = []
     idle: dict[str, dict[str, Any]] = {}
     for row in rows:
@@ -205,19 +237,30 @@ def _fold_idle(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for key in ("read_bytes", "write_bytes", "throttled_seconds"):
             folded[key] += row[key]
     for folded in idle.values():
-        folded["uid_label"] = f"{folded['n']} idle"
+        folded["uid_label"] = f"{folded['n']} idle user" + ("s" if folded["n"] > 1 else "")
         kept.append(folded)
     return kept
 
 
-def table_rows(reply: dict[str, Any], view: View) -> list[list[str]]:
-    """The account rows as cells, filtered, folded and sorted as ``view`` says."""
+def sorted_rows(reply: dict[str, Any], view: View) -> list[dict[str, Any]]:
+    """The account rows filtered, folded and sorted as ``view`` says (not yet text: only
+    the rows that fit on the screen are formatted)."""
     rows = [r for r in _account_rows(reply) if _matches(r, view.filters)]
     if view.collapse_idle:
         rows = _fold_idle(rows)
     column = COLUMNS[view.sort]
     rows.sort(key=column.value, reverse=view.reverse)
-    return [[c.show(c.value(r)) for c in COLUMNS] for r in rows]
+    return rows
+
+
+def cells(row: dict[str, Any]) -> list[str]:
+    """One row as the text of its cells."""
+    return [c.show(c.value(row)) for c in COLUMNS]
+
+
+def table_rows(reply: dict[str, Any], view: View) -> list[list[str]]:
+    """The account rows as cells, filtered, folded and sorted as ``view`` says."""
+    return [cells(r) for r in sorted_rows(reply, view)]
 
 
 def other_levels(reply: dict[str, Any]) -> list[list[str]]:
@@ -233,7 +276,7 @@ def other_levels(reply: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-LEVEL_HEADER = ["LEVEL", "NAME", "LIMITS", "READ/s", "WRITE/s", "QUEUE", "WAITED total"]
+LEVEL_HEADER = ["LEVEL", "NAME", "LIMITS", "READ/s", "WRITE/s", "QUEUE", "THROTTLED total"]
 
 
 # ------------------------------------------------------------------------ plain text
@@ -243,11 +286,11 @@ def render_frame(reply: dict[str, Any], width: int | None = None,
                  view: View | None = None, height: int | None = None) -> str:
     """One frame as plain text (``--once``): header, legend, accounts, other levels."""
     view = view or View()
-    rows = table_rows(reply, view)
+    rows = sorted_rows(reply, view)
     lines = [*format_header(reply), _window_line(reply), LEGEND, view.status_line(), ""]
     room = None if height is None else max(1, height - len(lines) - 2)
     shown = rows if room is None else rows[:room]
-    lines += table_lines([c.header for c in COLUMNS], shown)
+    lines += table_lines([c.header for c in COLUMNS], [cells(r) for r in shown])
     if len(shown) < len(rows):
         lines.append(f"... {len(rows) - len(shown)} more rows (filter with /)")
     levels = other_levels(reply)
@@ -284,10 +327,10 @@ def _rich_frame(reply: dict[str, Any], view: View, height: int) -> Any:
         table.add_column(column.header + mark, style=styles[column.kind],
                          justify="left" if column.kind == "text" else "right",
                          no_wrap=True)
-    rows = table_rows(reply, view)
+    rows = sorted_rows(reply, view)
     room = max(1, height - len(head) - 6)
-    for cells in rows[:room]:
-        table.add_row(*cells)
+    for row in rows[:room]:
+        table.add_row(*cells(row))
     parts: list[Any] = [Text("\n".join(head)), Text(LEGEND, style="dim"),
                         Text(view.status_line(), style="bold"), table]
     if len(rows) > room:
@@ -373,7 +416,7 @@ def _live(path: str, interval: float, view: View) -> int:
                 live.update(Text(error), refresh=True)
             else:
                 live.update(_rich_frame(reply, view, console.size.height), refresh=True)
-            for ch in keys.read(next_fetch - time.monotonic()):
+            for ch in split_keys(keys.read(next_fetch - time.monotonic())):
                 if not view.key(ch):
                     if client is not None:
                         client.close()
@@ -396,12 +439,18 @@ def add_parser(sub: Any) -> None:
     t.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def view_from_args(args: argparse.Namespace) -> View:
+    """The view the options ask for: filters, sort column, idle users shown or folded."""
     view = View(filters={k: v for k in FILTER_KEYS if (v := getattr(args, k)) is not None},
                 collapse_idle=not args.all_users)
     if args.sort is not None:
         view.sort = _BY_HEADER[args.sort]
         view.reverse = COLUMNS[view.sort].kind != "text"
+    return view
+
+
+def run(args: argparse.Namespace) -> int:
+    view = view_from_args(args)
     path = resolve_socket(args.socket)
     if args.once:
         with Client(path) as once:

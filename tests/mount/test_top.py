@@ -50,7 +50,7 @@ class Terminal:
         return done.stdout
 
     def start(self, command: str) -> None:
-        self.tmux("new-session", "-d", "-s", "top", "-x", "200", "-y", "50", command)
+        self.tmux("new-session", "-d", "-s", "top", "-x", "160", "-y", "50", command)
 
     def screen(self) -> str:
         return self.tmux("capture-pane", "-p", "-t", "top")
@@ -71,6 +71,9 @@ class Terminal:
     def close(self) -> None:
         subprocess.run(["tmux", "-L", self.server, "kill-server"], capture_output=True,
                        timeout=10)
+        # The server's socket file outlives it: left, every run would add one.
+        tmpdir = os.environ.get("TMUX_TMPDIR") or "/tmp"
+        Path(tmpdir, f"tmux-{os.getuid()}", self.server).unlink(missing_ok=True)
 
 
 @pytest.fixture
@@ -80,6 +83,15 @@ def terminal(tmp_path: Path) -> Iterator[Terminal]:
         yield term
     finally:
         term.close()
+
+
+def _written(path: Path, timeout: float = 10) -> str:
+    """The text of a file another process is writing, once there is some."""
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and (text := path.read_text())):
+        assert time.monotonic() < deadline, f"{path} not written"
+        time.sleep(0.05)
+    return text
 
 
 def _uid_rows(screen: str) -> list[str]:
@@ -107,36 +119,62 @@ def test_top_in_a_terminal(tmp_tree: Path, terminal: Terminal) -> None:
                                  "2>/dev/null; done"],
                     cwd=mnt / "ckpt", preexec_fn=as_user(uid), start_new_session=True))
             top = f"{shlex.quote(sys.executable)} -m qosfs top --socket {shlex.quote(str(sock))}"
+            # top twice: the first is left with q, the second (started by a line typed
+            # into `read`) with Ctrl-C; after each the terminal's modes are saved.
             terminal.start(f"cd {shlex.quote(str(ROOT))}; stty -g > {tmp_tree}/before; {top}; "
-                           f"echo EXIT=$?; stty -g > {tmp_tree}/after; sleep 60")
+                           f"echo EXIT=$?; stty -g > {tmp_tree}/after; read -r _; {top}; "
+                           f"echo SECOND_EXIT=$?; stty -g > {tmp_tree}/after2; sleep 30")
             first = terminal.wait_for("the first frame", r"^CLASS\s")
             # The first frame already has rates: the daemon's own, over its last sample.
             busy = re.findall(r"^ckpt\s+(\d+)\s.*?(\d[\d.]*)(KiB|MiB)/s", first, re.MULTILINE)
             assert {uid for uid, _, _ in busy} >= {str(u) for u in BUSY}, first
             assert "/s: rate over the daemon's last sample; total: since the mount" in first
             # Idle users fold into one row of their class.
-            assert re.search(r"^ckpt\s+3 idle\s", first, re.MULTILINE), first
+            assert re.search(r"^ckpt\s+3 idle users\s", first, re.MULTILINE), first
+            assert not set(_uid_rows(first)) & {str(u) for u in IDLE}, first
+            # Busiest first: the writers above the idle users.
+            assert "sort: IO/s descending" in first
             terminal.keys("i")
             unfolded = terminal.wait_for("idle users shown", r"idle users: shown")
             assert set(_uid_rows(unfolded)) >= {str(u) for u in (*BUSY, *IDLE)}, unfolded
-            # Sort by UID (two columns left of IO/s), A to Z, then reversed.
+            assert not re.search(r"\d+ idle users?\s", unfolded), unfolded
+            # Sort by UID (two columns left of IO/s), A to Z, then reversed: the idle
+            # users, below the writers by IO/s, now come first.
             terminal.keys("<", "<")
             by_uid = terminal.wait_for("sort by UID", r"sort: UID ascending")
             assert _uid_rows(by_uid) == sorted(_uid_rows(by_uid)), by_uid
             terminal.keys("r")
             reverse = terminal.wait_for("reversed", r"sort: UID descending")
             assert _uid_rows(reverse) == sorted(_uid_rows(reverse), reverse=True), reverse
-            # Filter to one class: the other rows go.
+            assert _uid_rows(reverse)[0] == str(IDLE[-1]), reverse
+            # s moves the sort to the next column.
+            terminal.keys("s")
+            terminal.wait_for("s: next column", r"sort: LIMITS ascending")
+            # Filter to one class: the other rows go; Esc brings them back.
             terminal.keys("/", "class=data", "Enter")
             filtered = terminal.wait_for("filtered", r"filter: class=data")
             assert not _uid_rows(filtered) and re.search(r"^data\s", filtered, re.MULTILINE)
+            terminal.keys("Escape")
+            cleared = terminal.wait_for("filter cleared", r"filter: none")
+            assert set(_uid_rows(cleared)) >= {str(u) for u in BUSY}, cleared
             terminal.keys("q")
             terminal.wait_for("exit", r"^EXIT=0$", timeout=10)
-            deadline = time.monotonic() + 10
-            while not (tmp_tree / "after").exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
             # The terminal is back in the mode it was in before top.
-            assert (tmp_tree / "after").read_text() == (tmp_tree / "before").read_text()
+            before = _written(tmp_tree / "before")
+            assert _written(tmp_tree / "after") == before
+            # Ctrl-C also ends it, with the terminal restored.
+            terminal.keys("again", "Enter")
+            terminal.wait_for("the second top", r"^CLASS\s")
+            terminal.keys("C-c")
+            terminal.wait_for("exit on Ctrl-C", r"^SECOND_EXIT=0$", timeout=10)
+            assert _written(tmp_tree / "after2") == before
+            # The options filter too, and --once is plain text for scripts.
+            once = subprocess.run([sys.executable, "-m", "qosfs", "top", "--once", "--socket",
+                                   str(sock), "--class", "ckpt", "--uid", str(BUSY[0])],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=30)
+            assert once.returncode == 0, once.stderr
+            assert _uid_rows(once.stdout) == [str(BUSY[0])], once.stdout
+            assert not re.search(r"^data\s", once.stdout, re.MULTILINE), once.stdout
         finally:
             for writer in writers:  # the loop and its dd: a dd left keeps the mount busy
                 os.killpg(writer.pid, signal.SIGKILL)

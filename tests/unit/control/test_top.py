@@ -3,12 +3,15 @@ and what a frame says about rates and totals; and its cost with a thousand users
 
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 from typing import Any
 
 import pytest
 
 from qosfs.control import top
+from qosfs.core.errors import EXIT_USAGE, QosfsError
 
 MiB = 1 << 20
 ZERO = {"read_bytes": 0.0, "write_bytes": 0.0, "read_ops": 0.0, "write_ops": 0.0,
@@ -42,17 +45,33 @@ REPLY = _reply([
     _account("ckpt", 1002, 100 * MiB),
     _account("ckpt", 1003), _account("ckpt", 1004), _account("ckpt", 1005),
 ])
-UID = [c.header for c in top.COLUMNS].index("UID")
-CLASS = [c.header for c in top.COLUMNS].index("CLASS")
+HEADERS = [c.header for c in top.COLUMNS]
+UID = HEADERS.index("UID")
+CLASS = HEADERS.index("CLASS")
+WRITTEN = HEADERS.index("WRITTEN total")
 
 
 def test_busiest_first_and_idle_users_fold_into_one_row() -> None:
     rows = top.table_rows(REPLY, top.View())
-    assert [r[UID] for r in rows] == ["1001", "1002", "", "3 idle"]
+    assert [r[UID] for r in rows] == ["1001", "1002", "", "3 idle users"]
     assert rows[0][[c.header for c in top.COLUMNS].index("WRITE/s")] == "300MiB/s"
     assert rows[0][[c.header for c in top.COLUMNS].index("LIMITS")] == "w:400MiB/s"
     unfolded = top.table_rows(REPLY, top.View(collapse_idle=False))
     assert len(unfolded) == 6
+    view = top.View()
+    view.key("i")
+    assert len(top.table_rows(REPLY, view)) == 6 and "idle users: shown" in view.status_line()
+    view.key("i")
+    assert len(top.table_rows(REPLY, view)) == 4
+
+
+def test_idle_users_fold_per_class_and_keep_their_totals() -> None:
+    reply = _reply([_account("ckpt", 1, 0.0, written=3), _account("ckpt", 2, 0.0, written=4),
+                    _account("data", 5, 0.0, written=10), _account("data", 6, MiB)])
+    rows = top.table_rows(reply, top.View(sort=CLASS, reverse=False))
+    assert [(r[CLASS], r[UID]) for r in rows] == [("ckpt", "2 idle users"), ("data", "6"),
+                                                   ("data", "1 idle user")]
+    assert rows[0][WRITTEN] == "7B"
 
 
 def test_keys_choose_the_sort_column_and_its_order() -> None:
@@ -66,6 +85,37 @@ def test_keys_choose_the_sort_column_and_its_order() -> None:
     view.key("r")
     assert view.reverse is True
     assert "sort: UID descending" in view.status_line()
+
+
+def test_s_cycles_through_every_column_and_the_arrows_move_it() -> None:
+    view = top.View()
+    seen = []
+    for _ in top.COLUMNS:
+        seen.append(top.COLUMNS[view.sort].header)
+        view.key("s")
+    assert sorted(seen) == sorted(HEADERS) and top.COLUMNS[view.sort].header == "IO/s"
+    for key in top.split_keys("\x1b[D\x1b[D"):  # left arrow twice
+        view.key(key)
+    assert top.COLUMNS[view.sort].header == "UID"
+    for key in top.split_keys("\x1b[C\x1bOC"):  # right arrow (normal, application mode)
+        view.key(key)
+    assert top.COLUMNS[view.sort].header == "IO/s"
+    # Sorting by a total puts the biggest first, whatever the rates say.
+    while top.COLUMNS[view.sort].header != "WRITTEN total":
+        view.key("s")
+    assert view.reverse and top.table_rows(REPLY, view)[0][CLASS] == "data"
+
+
+def test_keys_are_split_so_escape_sequences_are_not_letters() -> None:
+    assert top.split_keys("q") == ["q"]
+    assert top.split_keys("\x1b") == ["\x1b"]
+    assert top.split_keys("\x1b[A/x") == ["\x1b[A", "/", "x"]
+    assert top.split_keys("\x1b[1;5C") == ["\x1b[1;5C"]
+    assert top.split_keys("\x1b[D") == ["<"]
+    view = top.View(filters={"class": "data"})
+    for key in top.split_keys("\x1b[A\x1b[B"):  # up, down: nothing
+        assert view.key(key)
+    assert view.filters == {"class": "data"} and top.COLUMNS[view.sort].header == "IO/s"
 
 
 def test_a_typed_filter_narrows_rows_and_a_bad_one_says_why() -> None:
@@ -85,11 +135,30 @@ def test_a_typed_filter_narrows_rows_and_a_bad_one_says_why() -> None:
     assert view.filters == {"tenant": "team"} and "expected class=" in view.message
     view.key("/")
     view.key("x")
-    view.key("\x1b")  # Esc: the typed filter is dropped, the old one stays
-    assert view.typing is None and view.filters == {"tenant": "team"}
+    view.key("\x1b")  # Esc while typing: the typed text and the filters go
+    assert view.typing is None and view.filters == {}
+    for ch in "/class=ckpt\r":
+        view.key(ch)
+    assert {r[CLASS] for r in top.table_rows(REPLY, view)} == {"ckpt"}
+    view.key("\x1b")  # Esc: every row again
+    assert view.filters == {} and len(top.table_rows(REPLY, view)) == 4
+    view.set_filter("class=ckpt")
     view.key("c")
     assert view.filters == {}
     assert view.key("q") is False
+
+
+def test_filter_options_start_the_view_filtered() -> None:
+    parser = argparse.ArgumentParser()
+    top.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["top", "--class", "ckpt", "--uid", "1001", "--tenant", "team"])
+    view = top.view_from_args(args)
+    assert view.filters == {"class": "ckpt", "tenant": "team", "uid": "1001"}
+    assert [r[UID] for r in top.table_rows(REPLY, view)] == ["1001"]
+    args = parser.parse_args(["top", "--sort", "UID", "--all-users"])
+    view = top.view_from_args(args)
+    assert top.COLUMNS[view.sort].header == "UID" and not view.reverse
+    assert not view.collapse_idle
 
 
 def test_a_frame_says_which_columns_are_rates_and_which_totals() -> None:
@@ -98,7 +167,9 @@ def test_a_frame_says_which_columns_are_rates_and_which_totals() -> None:
     assert "/s: rate over the daemon's last sample; total: since the mount" in frame
     header = next(line for line in frame.splitlines() if line.startswith("CLASS"))
     assert header.split("  ")[0] == "CLASS"
-    assert "READ total" in header and "WRITTEN total" in header and "IO/s" in header
+    for name in ("READ/s", "WRITE/s", "OPS/s", "READ total", "WRITTEN total",
+                 "THROTTLED total"):
+        assert name in header, name
     assert "tenant  team" in frame  # the tenant level below the accounts
 
 
@@ -107,6 +178,45 @@ def test_rows_beyond_the_terminal_are_counted_not_drawn() -> None:
     frame = top.render_frame(many, height=30)
     assert len(frame.splitlines()) <= 30
     assert "more rows (filter with /)" in frame
+
+
+class _Daemon:
+    """A client whose daemon has sampled nothing for the first ``empty`` requests."""
+
+    def __init__(self, empty: int) -> None:
+        self.empty = empty
+        self.requests = 0
+
+    def request(self, req: dict[str, Any]) -> dict[str, Any]:
+        assert req == {"cmd": "stats"}
+        self.requests += 1
+        return {**REPLY, "window_seconds": 0.0 if self.requests <= self.empty else 1.0}
+
+
+def test_the_first_frame_waits_for_the_daemons_first_sample() -> None:
+    daemon = _Daemon(empty=2)
+    reply = top._first_reply(daemon)  # type: ignore[arg-type]
+    assert daemon.requests == 3 and reply["window_seconds"] == 1.0
+    assert "rates over the last 1.0s" in top.render_frame(reply)
+
+
+def test_a_daemon_that_never_samples_still_gives_a_frame(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(top, "FIRST_SAMPLE_WAIT", 0.2)
+    reply = top._first_reply(_Daemon(empty=1000))  # type: ignore[arg-type]
+    assert "no rate yet" in top.render_frame(reply)
+
+
+def test_without_rich_the_live_view_says_so_in_one_line_and_once_still_works(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("rich", "rich.console", "rich.live", "rich.table", "rich.text"):
+        monkeypatch.setitem(sys.modules, name, None)  # import fails as if not installed
+    with pytest.raises(QosfsError) as err:
+        top._live("/nonexistent.sock", 1.0, top.View())
+    message = str(err.value)
+    assert "\n" not in message and "rich" in message and "--once" in message
+    assert err.value.exit_code == EXIT_USAGE
+    assert "CLASS" in top.render_frame(REPLY)
 
 
 def test_a_thousand_users_render_fast() -> None:
@@ -121,5 +231,5 @@ def test_a_thousand_users_render_fast() -> None:
         console.print(top._rich_frame(users, top.View(), 50))
     per_frame = (time.perf_counter() - start) / 10
     console.file.close()
-    # Well inside a 1 s refresh on a loaded 2-CPU machine (measured ~20 ms).
+    # Well inside a 1 s refresh on a loaded 2-CPU machine (measured ~25 ms).
     assert per_frame < 0.5, per_frame
