@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -107,12 +108,32 @@ def _targets(dashboard: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
             yield panel, target["expr"]
 
 
+TEMPLATED = ("instance", "mount", "class")
+LABEL_VALUES = re.compile(r"label_values\((\w+)(\{[^}]*\})?, (\w+)\)")
+
+
+def _assert_regex_matched(expr: str) -> None:
+    """Every template variable in ``expr`` is matched as a regex (=~"$var"): "All" and
+    several values arrive as regexes (.*, a|b), which = would compare literally."""
+    bare = re.sub(r'=~"\$(?:instance|mount|class)"', "", expr)
+    assert not re.search(r"\$(?:instance|mount|class)\b", bare), expr
+
+
 def test_dashboard_is_well_formed() -> None:
     dashboard = _dashboard()
     panels = dashboard["panels"]
     assert len({p["id"] for p in panels}) == len(panels)
-    names = {v["name"] for v in dashboard["templating"]["list"]}
-    assert names == {"datasource", "instance", "mount", "class"}
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert set(variables) == {"datasource", "instance", "mount", "class"}
+    assert variables["datasource"]["query"] == "prometheus"
+    for name in TEMPLATED:
+        var = variables[name]
+        assert var["datasource"]["uid"] == "${datasource}", name
+        assert LABEL_VALUES.fullmatch(var["definition"]), var["definition"]
+        assert var["query"]["query"] == var["definition"], name
+        # "All" is the regex .*: it only works where the variable is matched with =~.
+        assert var["includeAll"] and var["allValue"] == ".*", name
+        _assert_regex_matched(var["definition"])
     for panel in panels:
         grid = panel["gridPos"]
         assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24 and grid["h"] > 0, panel["title"]
@@ -122,8 +143,14 @@ def test_dashboard_is_well_formed() -> None:
         assert panel["targets"] and panel["description"], panel["title"]
         for target in panel["targets"]:
             assert target["datasource"]["uid"] == "${datasource}"
+            expr = target["expr"]
             # Every query honours the node and mount selectors (drift compares nodes).
-            assert '$mount"' in target["expr"], (panel["title"], target["expr"])
+            assert '$mount"' in expr, (panel["title"], expr)
+            _assert_regex_matched(expr)
+            # Rates follow the scrape interval Grafana knows; increase() windows are
+            # the panel's own choice ("rejected in 24h").
+            for window in re.findall(r"\brate\([^\[]*\[([^\]]*)\]", expr):
+                assert window == "$__rate_interval", (panel["title"], expr)
     # Nothing overlaps: each panel's cells are its own.
     cells: set[tuple[int, int]] = set()
     for panel in panels:
@@ -199,6 +226,27 @@ def _until(what: str, check: Any, timeout: float = 60.0) -> Any:
         time.sleep(0.2)
 
 
+def _substituted(expr: str) -> str:
+    """``expr`` as Grafana sends it with every variable at "All"."""
+    expr = expr.replace("$__rate_interval", "10s")
+    for name in TEMPLATED:
+        expr = expr.replace(f"${name}", ".*")
+    return expr
+
+
+def _rules_healthy(base: str) -> bool:
+    """Every rule of qosfs-rules.yml is loaded and has been evaluated without error (an
+    expression promtool accepts can still fail on real series, e.g. many-to-many)."""
+    yaml = pytest.importorskip("yaml")
+    shipped = yaml.safe_load((PROMETHEUS_DIR / "qosfs-rules.yml").read_text())
+    want = sorted(r.get("alert") or r["record"] for g in shipped["groups"] for r in g["rules"])
+    loaded = [r for g in _api(base, "/api/v1/rules")["groups"] for r in g["rules"]]
+    assert sorted(r["name"] for r in loaded) == want
+    errors = [(r["name"], r["lastError"]) for r in loaded if r["health"] == "err"]
+    assert not errors, errors
+    return all(r["health"] == "ok" for r in loaded)
+
+
 def _traffic(mnt: Path, stop: threading.Event) -> None:
     """A protected reader (O_DIRECT, so it reaches the mount), a capped writer and a
     writer under the cluster-wide cap."""
@@ -270,17 +318,29 @@ def test_every_dashboard_query_returns_series_from_a_live_mount(
 
         _until("eight scrapes", scraped)
         targets = _api(base, "/api/v1/targets")["activeTargets"]
-        assert [t["health"] for t in targets] == ["up"], targets
-        groups = _api(base, "/api/v1/rules")["groups"]
-        assert {r["name"] for g in groups for r in g["rules"]} >= {"QosfsDown",
-                                                                   "QosfsPolicyDrift"}
+        assert [(t["health"], t["lastError"]) for t in targets] == [("up", "")], targets
+        # Prometheus asked for OpenMetrics and parsed it: only that format has an "info"
+        # family (qosfs_build, samples qosfs_build_info) and units; the classic text
+        # format would give a gauge qosfs_build_info and a unitless counter.
+        families = _api(base, "/api/v1/metadata")
+        assert [m["type"] for m in families.get("qosfs_build", [])] == ["info"], families
+        assert [m["unit"] for m in families.get("qosfs_read_bytes", [])] == ["bytes"], families
+        _until("every rule evaluated cleanly", lambda: _rules_healthy(base))
+
+        # The dashboard's variables: each label_values() finds values on this mount.
+        for var in _dashboard()["templating"]["list"]:
+            if var["name"] not in TEMPLATED:
+                continue
+            found = LABEL_VALUES.fullmatch(var["definition"])
+            assert found, var["definition"]
+            metric, selector, label = found.groups()
+            series = _api(base, "/api/v1/query", query=_substituted(metric + (selector or "")))
+            assert any(r["metric"].get(label) for r in series["result"]), var["definition"]
 
         def empty_panels() -> list[tuple[str, str]]:
             empty = []
             for panel, expr in _targets(_dashboard()):
-                query = (expr.replace("$__rate_interval", "10s").replace("$instance", ".*")
-                         .replace("$mount", ".*").replace("$class", ".*"))
-                if not _api(base, "/api/v1/query", query=query)["result"]:
+                if not _api(base, "/api/v1/query", query=_substituted(expr))["result"]:
                     empty.append((panel["title"], expr))
             return empty
 
@@ -289,9 +349,9 @@ def test_every_dashboard_query_returns_series_from_a_live_mount(
         while (empty := empty_panels()) and time.monotonic() < deadline:
             time.sleep(1)
         assert not empty, empty
-        for panel in _dashboard()["panels"]:
-            if panel["title"] in CONDITIONAL:
-                assert panel["description"].startswith("Conditional:"), panel["title"]
+        marked = {p["title"] for p in _dashboard()["panels"]
+                  if p.get("description", "").startswith("Conditional:")}
+        assert marked == CONDITIONAL, marked ^ CONDITIONAL
     finally:
         stop.set()
         if tenant is not None:  # the loop and its dd: a dd left in the mount keeps it busy
