@@ -239,7 +239,12 @@ def policy_problem(block: Block) -> str | None:
     try:
         parse_policy(complete_fragment(block.text), block.where())
     except PolicyError as exc:
-        return None if block.marked_invalid else str(exc)
+        if block.marked_invalid:
+            return None
+        # The loader counts lines from the block's first; say the doc's line instead.
+        line = block.line if exc.line is None else block.line + exc.line - 1
+        return f"{block.where(line)}: " + (exc.reason if exc.key is None
+                                           else f"{exc.key}: {exc.reason}")
     return f"{block.where()} is marked invalid but loads" if block.marked_invalid else None
 
 
@@ -399,7 +404,10 @@ def test_a_wrong_policy_is_caught(tmp_path: Path, policy: str, marked: bool) -> 
     mark = INVALID_MARK + "\n" if marked else ""
     [block] = blocks(_doc(tmp_path, f"text\n{mark}```toml\n{policy}```\n"))
     assert block.marked_invalid == marked
-    assert policy_problem(block) is not None
+    problem = policy_problem(block)
+    assert problem is not None
+    if not marked:
+        assert problem.startswith(f"{tmp_path}/broken.md:{5 if 'fast' in policy else 3}: ")
 
 
 def test_a_fragment_gets_only_what_a_policy_around_it_would_give(tmp_path: Path) -> None:
