@@ -366,6 +366,21 @@ def test_the_contents_page_lists_every_document() -> None:
             assert f"]({doc.name})" in contents, f"{doc.name} missing from docs/README.md"
 
 
+# Keys build.py checks inline rather than through a tuple of qosfs.policy.model.
+_OTHER_POLICY_KEYS = ("backend", "control", "metrics", "cluster", "tenants", "classes",
+                      "admin_group", "user_series", "user_series_idle")
+
+
+def test_every_policy_key_is_in_the_policy_reference() -> None:
+    from qosfs.policy import model
+
+    keys = {*model.CLASS_KEYS, *model.TENANT_KEYS, *model.CLUSTER_KEYS, *model.LIMIT_KEYS,
+            *_OTHER_POLICY_KEYS}
+    reference = (ROOT / "docs" / "policy.md").read_text()
+    missing = sorted(k for k in keys if f"`{k}`" not in reference and f"[{k}" not in reference)
+    assert not missing, f"docs/policy.md does not name {missing}"
+
+
 # ---- each check fails on a broken document ---------------------------------------------
 
 def _doc(tmp_path: Path, text: str) -> list[Path]:
