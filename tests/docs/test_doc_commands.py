@@ -381,6 +381,28 @@ def test_every_policy_key_is_in_the_policy_reference() -> None:
     assert not missing, f"docs/policy.md does not name {missing}"
 
 
+def test_every_ctl_command_and_metric_family_is_in_the_reference() -> None:
+    import argparse
+
+    reference = (ROOT / "docs" / "control-and-metrics.md").read_text()
+    cluster = (ROOT / "docs" / "cluster.md").read_text()
+    subcommands = [a for a in _build_parser()._actions
+                   if isinstance(a, argparse._SubParsersAction)]
+    ctl = subcommands[0].choices["ctl"]
+    commands = [name for a in ctl._actions if isinstance(a, argparse._SubParsersAction)
+                for name in a.choices]
+    assert {"status", "set", "reload", "stats"} <= set(commands)
+    missing = [f"ctl {c}" for c in commands if f"ctl {c}" not in reference]
+    # Every family the exporter yields is named as a literal there (counters without
+    # _total, which prometheus_client adds); the cluster's are documented with the cluster.
+    source = (ROOT / "qosfs" / "control" / "metrics.py").read_text()
+    families = set(re.findall(r'"(qosfs_[a-z_]+)"', source))
+    assert len(families) >= 30
+    missing += sorted(f for f in families
+                      if f not in (cluster if f.startswith("qosfs_cluster_") else reference))
+    assert not missing, f"not in the reference: {missing}"
+
+
 # ---- each check fails on a broken document ---------------------------------------------
 
 def _doc(tmp_path: Path, text: str) -> list[Path]:
