@@ -1,4 +1,4 @@
-"""Envelope: what one mount carries, for the README's table (and the floor under it).
+"""Envelope: what one mount carries, for docs/performance.md's table (and the floor under it).
 
 Through the embedded default policy, ``--no-qos`` and, as the floor, a pyfuse3
 filesystem that answers without doing anything (one 1 GiB file of zeros, the same

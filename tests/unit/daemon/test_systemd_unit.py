@@ -108,10 +108,14 @@ def test_make_install_files_stages_everything_under_destdir(tmp_path: Path) -> N
     examples = dest / "usr/local/share/doc/qosfs/examples"
     for name in ("mnt-mlfs.toml", "mnt-mlfs.env"):
         assert (examples / name).read_bytes() == (ROOT / "systemd" / name).read_bytes()
-    assert (dest / "usr/local/share/doc/qosfs/README.md").exists()
+    docdir = dest / "usr/local/share/doc/qosfs"
+    assert (docdir / "README.md").read_bytes() == (ROOT / "README.md").read_bytes()
+    # The README links into docs/, so the reference pages go with it.
+    for page in (ROOT / "docs").glob("*.md"):
+        assert (docdir / "docs" / page.name).read_bytes() == page.read_bytes(), page.name
     assert (dest / "etc/qosfs").is_dir() and not os.listdir(dest / "etc/qosfs")
     _make("uninstall", f"DESTDIR={dest}")
-    assert not launcher.exists() and not unit.exists()
+    assert not launcher.exists() and not unit.exists() and not docdir.exists()
     assert (dest / "etc/qosfs").is_dir()  # the administrator's policies stay
 
 
