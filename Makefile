@@ -65,8 +65,14 @@ lint: deps
 	$(PY) -m mypy
 
 # matplotlib draws the report's plots; if it cannot be installed the report says so.
+# The training suite's DLIO: its requirements from the training extra, then the package
+# itself without its unresolvable ones (pyproject.toml says why); without them that suite
+# is skipped and says so.
+DLIO := dlio-benchmark==2.0.0
 bench-deps: deps
 	@$(PY) -m pip install -q -e '.[bench]' || echo "matplotlib not installed: REPORT.md will have no plots"
+	@($(PY) -m pip install -q -e '.[bench,training]' && $(PY) -m pip install -q --no-deps '$(DLIO)') || \
+		echo "DLIO not installed: bench training will be skipped"
 
 bench: bench-deps
 	$(PY) -m bench all
