@@ -10,6 +10,8 @@
   priorities   a declared backend shared by priority and min_write_bandwidth
   loader       a data loader's samples/s (cold, cached) and a cached re-read, native vs qosfs
   storage      the demo's reader and storm sharing a disk: bare, --no-qos, default policy
+  training     MLPerf Storage's AU: DLIO's emulated training under a PyTorch checkpoint
+               storm (torch.save, dcp), bare / --no-qos / default policy / latency target
   envelope     what one mount carries (small/large reads, metadata), and a do-nothing floor
   demo         a one-minute look at what QoS does for a dataset reader
   machinery    per-request cost of admission and of the metadata handlers, in-process

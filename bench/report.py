@@ -28,6 +28,8 @@ from bench.sections import (
     table,
     verdict,
 )
+from bench.training_report import headline as _head_training
+from bench.training_report import section as section_training
 
 Rows = list[list[str]]
 
@@ -163,7 +165,9 @@ def _head_loader(r: dict[str, Any]) -> Rows:
 
 HEADLINES = {"overhead": _head_overhead, "caps": _head_caps, "isolation": _head_isolation,
              "live-change": _head_live, "fairshare": _head_fair, "metadata": _head_meta,
-             "priorities": _head_prio, "loader": _head_loader}
+             "priorities": _head_prio, "loader": _head_loader, "training": _head_training}
+# the training suite's section lives with its headline (bench/training_report.py)
+ALL_SECTIONS = {**SECTIONS, "training": section_training}
 # a result this code cannot read (another version's REPORT.json) spoils only its rows
 _UNREADABLE = (KeyError, TypeError, ValueError, IndexError)
 
@@ -219,9 +223,9 @@ def render(doc: Doc) -> str:
         lines.append("")
         if entry.get("error"):
             lines += [f"## {name}", "", f"**Failed:** {entry['error']}"]
-        elif name in SECTIONS and entry.get("result") is not None:
+        elif name in ALL_SECTIONS and entry.get("result") is not None:
             try:
-                lines += SECTIONS[name](doc, entry["result"])
+                lines += ALL_SECTIONS[name](doc, entry["result"])
             except _UNREADABLE as exc:
                 lines += [f"## {name}", "", f"**Figures unreadable:** {type(exc).__name__}: "
                           f"{exc} (written by another version of bench/?)"]

@@ -32,6 +32,7 @@ from bench import (
     priorities,
     report,
     storage,
+    training,
 )
 from bench.context import Run, stderr_log
 from bench.fio import FioError, find_fio, fio_version, missing_engines
@@ -58,6 +59,7 @@ SUITES: dict[str, Callable[[Run], dict[str, Any]]] = {
     "loader": loader.run,
     "storage": storage.run,
     "envelope": envelope.run,
+    "training": training.run,
 }
 META_ENGINES = ("filecreate", "filestat", "filedelete")
 
@@ -87,6 +89,8 @@ def _checks(names: list[str]) -> tuple[str, dict[str, str]]:
     missing = missing_engines(fio, META_ENGINES)
     if missing and "metadata" in names:
         skip["metadata"] = f"fio lacks the {', '.join(missing)} engine(s)"
+    if "training" in names and (why := training.missing()):
+        skip["training"] = why
     return fio, skip
 
 
