@@ -198,7 +198,10 @@ def _header(doc: Doc) -> list[str]:
            else ", no disk area") + f"; load average {' '.join(m['loadavg_start'])} at start, "
         f"{' '.join(m.get('loadavg_end', ['?']))} at end.", "",
         "Every figure below was measured in this run, each against a baseline measured in "
-        "the same run. Raw figures, fio command lines and per-run records: "
+        "the same run" + (", except the sections marked as measured in a run of their own "
+        "(their baselines are from that run)" if any(
+            e.get("own_run") for e in doc.get("suites", {}).values()) else "")
+        + ". Raw figures, fio command lines and per-run records: "
         f"`{doc.get('stem', 'REPORT')}.json`.",
     ]
     if not doc.get("complete", True):
@@ -207,6 +210,16 @@ def _header(doc: Doc) -> list[str]:
     if doc.get("plots_error"):
         lines += ["", f"Plots: not drawn ({doc['plots_error']})."]
     return lines
+
+
+def _own_run(run: Doc) -> str:
+    """The line under a suite measured in a run of its own (``python -m bench merge``)."""
+    m, c = run["machine"], run["config"]
+    return (f"_Measured in its own run, not the one above: {m['date']}, qosfs commit "
+            f"**{m['git_commit'] or 'unknown'}**, {'quick' if c['quick'] else 'full'} mode "
+            f"(`{c['command']}`), load average {' '.join(m['loadavg_start'])} at start, "
+            f"{' '.join(m.get('loadavg_end', ['?']))} at end; its figures: "
+            f"`{run['file']}`._")
 
 
 def render(doc: Doc) -> str:
@@ -230,6 +243,8 @@ def render(doc: Doc) -> str:
                 lines += [f"## {name}", "", f"**Figures unreadable:** {type(exc).__name__}: "
                           f"{exc} (written by another version of bench/?)"]
             lines.append(f"_{name}: {entry['elapsed_s']:.0f} s._")
+            if entry.get("own_run"):
+                lines += ["", _own_run(entry["own_run"])]
     for extra in doc.get("extra_reports", []):
         # another suite's report, included as written, its headings one level down
         body = ["#" + ln if ln.startswith("#") else ln for ln in extra["text"].splitlines()]

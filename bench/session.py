@@ -127,6 +127,21 @@ def write(doc: dict[str, Any], out: Path, stem: str) -> Path:
     return md
 
 
+def merge(part: Path, out: Path, stem: str = "REPORT") -> Path:
+    """Add the suites of a single-suite run (*part*, its ``<name>.json``) to the report
+    ``<out>/<stem>.json`` and render it again, each added suite marked with its own run
+    (date, commit, command) and placed first. A long suite (``training``) measured on
+    its own then joins the report without re-measuring every other suite; the report
+    says which figures came from which run."""
+    doc = json.loads((out / f"{stem}.json").read_text())
+    added = json.loads(part.read_text())
+    own_run = {"machine": added["machine"], "config": added["config"],
+               "elapsed_s": added.get("elapsed_s"), "file": part.name}
+    suites = {name: {**entry, "own_run": own_run} for name, entry in added["suites"].items()}
+    doc["suites"] = {**suites, **{k: v for k, v in doc["suites"].items() if k not in suites}}
+    return write(doc, out, stem)
+
+
 def execute(names: list[str], opts: Options, stem: str,
             extra: Callable[[str], int] | None = None, extra_names: tuple[str, ...] = ()
             ) -> int:

@@ -42,15 +42,16 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.ckpt_storm import read_records
-from bench.context import Run
+from bench.context import Mounted, Run
 from bench.system import REPO, BenchError, QosfsMount
 
 MiB = 1 << 20
@@ -73,8 +74,8 @@ class Shape:
 
 
 SHAPES = {
-    "unet3d": Shape("unet3d", 16 * MiB, 96, 40, 4, 0.6),
-    "resnet": Shape("resnet", 114688, 2048, 1024, 64, 0.25),
+    "unet3d": Shape("unet3d", 16 * MiB, 288, 96, 4, 0.25),
+    "resnet": Shape("resnet", 114688, 8192, 4096, 64, 0.12),
 }
 
 
@@ -85,15 +86,19 @@ class Storm:
     interval: float
 
 
-STORM = Storm(2, 384 * MiB, 8.0)
-STORM_QUICK = Storm(2, 256 * MiB, 6.0)
+# 2 GiB a round, every 8 s: more than this machine writes through FUSE in 8 s, so the
+# rounds run back to back (a storm, not a blip) whenever the mount cannot absorb them.
+STORM = Storm(2, 1024 * MiB, 8.0)
+STORM_QUICK = Storm(2, 512 * MiB, 6.0)
+FIXED_CAP = "128MiB/s"  # the fixed-cap scenario's checkpoints cap (see _fixed_cap_policy)
 
 # (label, how it is served, whether the storm runs)
 SCENARIOS = (("bare", "bare", False), ("bare + storm", "bare", True),
              ("no-qos", "no-qos", False), ("no-qos + storm", "no-qos", True),
              ("default policy + storm", "default", True),
-             ("latency target + storm", "latency", True))
-CAPPED = ("default", "latency")
+             ("latency target + storm", "latency", True),
+             (f"fixed cap {FIXED_CAP} + storm", "fixed", True))
+CAPPED = ("default", "latency", "fixed")
 
 
 def missing() -> str | None:
@@ -171,6 +176,7 @@ def rounds_of(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         out.append({"round": n, "kind": recs[0]["kind"], "mode": recs[0]["mode"],
                     "ranks": len(recs), "bytes": sum(r.get("bytes", 0) for r in recs),
+                    "start": min(r["start"] for r in recs), "end": max(r["end"] for r in recs),
                     "duration_s": max(r["end"] for r in recs) - min(r["start"] for r in recs),
                     "blocked_s": max(r["blocked_s"] for r in recs),
                     "errors": [r["error"] for r in recs if "error" in r]})
@@ -190,16 +196,26 @@ def planned_seconds(nbytes: float, cap: float, replicas: int = 1) -> float:
     return plan.timing.cap_seconds
 
 
-def plan_check(rounds: list[dict[str, Any]], cap: float) -> list[dict[str, Any]]:
-    """Each round's duration against the planner's T; error in % of T (+ = slower)."""
+def plan_check(rounds: list[dict[str, Any]], cap: float,
+               caps: list[tuple[float, float]] | None = None) -> list[dict[str, Any]]:
+    """Each round's duration against the planner's T for the configured *cap*; error in
+    % of T (+ = slower). With *caps* (the cap in force over time, :class:`CapWatch`)
+    also against T for the mean cap in force during the round, which is what the
+    planner predicts when the latency controller lowered the cap."""
     out = []
     for r in rounds:
         if not r["bytes"]:
             continue
         t = planned_seconds(r["bytes"], cap)
-        out.append({"round": r["round"], "way": f"{r['kind']}/{r['mode']}",
-                    "bytes": r["bytes"], "measured_s": r["duration_s"], "planned_s": t,
-                    "error_pct": 100.0 * (r["duration_s"] - t) / t})
+        row = {"round": r["round"], "way": f"{r['kind']}/{r['mode']}", "bytes": r["bytes"],
+               "measured_s": r["duration_s"], "planned_s": t,
+               "error_pct": 100.0 * (r["duration_s"] - t) / t}
+        in_force = mean_cap(caps, r["start"], r["end"]) if caps else None
+        if in_force is not None:
+            t_in_force = planned_seconds(r["bytes"], in_force)
+            row.update(cap_in_force=in_force, planned_in_force_s=t_in_force,
+                       error_in_force_pct=100.0 * (r["duration_s"] - t_in_force) / t_in_force)
+        out.append(row)
     return out
 
 
@@ -240,7 +256,9 @@ def _dlio(run: Run, config: dict[str, Any], name: str, work: Path) -> Path:
 
 @contextmanager
 def _storm(top: Path, work: Path, storm: Storm) -> Iterator[Path]:
-    """The checkpoint storm writing under *top*/checkpoints while the block runs;
+    """The checkpoint storm writing under *top*/checkpoints while the block runs, its
+    first round one interval in (as a trainer saves every N steps, not at step 0: DLIO
+    starts its epoch about 2 s in, so the first round comes some 6 s into it);
     yields the records directory. Stopped by its stop file, killed (by its pid) if it
     does not stop."""
     records = work / f"storm-{time.monotonic_ns()}"
@@ -249,7 +267,7 @@ def _storm(top: Path, work: Path, storm: Storm) -> Iterator[Path]:
     cmd = [sys.executable, "-m", "bench.ckpt_storm", str(top / "checkpoints" / "storm"),
            "--records", str(records), "--stop", str(stop), "--ranks", str(storm.ranks),
            "--shard", str(storm.shard), "--interval", str(storm.interval),
-           "--lead", "2"]  # DLIO takes about 2 s to start its first epoch
+           "--lead", str(storm.interval)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with open(records / "stderr.txt", "w") as err:
         proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=err, stderr=err,
@@ -294,21 +312,110 @@ def _epochs(run: Run, shape: Shape, top: Path, src: Path, files: int, epochs: in
     return out
 
 
-def _latency_policy(target: str) -> str:
+_SLOWDOWN_LINE = "target_read_slowdown = 1.3"
+_CAP_LINE = 'write_bandwidth = "400MiB/s"'
+
+
+def _default_text(*needed: str) -> str:
     from qosfs.policy import DEFAULT_POLICY_TEXT
 
-    line = "target_read_slowdown = 1.3"
-    if line not in DEFAULT_POLICY_TEXT:
-        raise BenchError("the default policy no longer has target_read_slowdown = 1.3")
-    return DEFAULT_POLICY_TEXT.replace(line, f'target_read_latency = "{target}"')
+    for line in needed:
+        if line not in DEFAULT_POLICY_TEXT:
+            raise BenchError(f"the default policy no longer has {line!r}: update "
+                             "bench/training.py's scenarios")
+    return DEFAULT_POLICY_TEXT
 
 
-def _checkpoint_cap() -> tuple[float, float]:
-    from qosfs.policy import default_policy
+def _latency_policy(target: str) -> str:
+    """The default policy with a read latency target on datasets instead of its slowdown
+    target."""
+    text = _default_text(_SLOWDOWN_LINE)
+    return text.replace(_SLOWDOWN_LINE, f'target_read_latency = "{target}"')
 
-    ckpt = default_policy().class_by_name("checkpoints")
+
+def _fixed_cap_policy(cap: str) -> str:
+    """The default policy with the checkpoints cap at *cap* and no read target on
+    datasets, so no controller moves the cap: the planner's T can be checked as is."""
+    text = _default_text(_SLOWDOWN_LINE, _CAP_LINE)
+    return text.replace(_SLOWDOWN_LINE, "").replace(_CAP_LINE, f'write_bandwidth = "{cap}"')
+
+
+def policy_for(serve: str) -> str | None:
+    """The policy text of scenario kind *serve* (None: the embedded default policy, or
+    no policy at all for bare and --no-qos)."""
+    if serve == "latency":
+        return _latency_policy(LATENCY_TARGET)
+    if serve == "fixed":
+        return _fixed_cap_policy(FIXED_CAP)
+    return None
+
+
+def checkpoint_cap(policy_text: str | None) -> tuple[float, float]:
+    """(write cap, burst) of the checkpoints class in *policy_text* (None: the default)."""
+    from qosfs.policy import default_policy, parse_policy
+
+    policy = default_policy() if policy_text is None else parse_policy(policy_text)
+    ckpt = policy.class_by_name("checkpoints")
     assert ckpt is not None
     return float(ckpt.limits.get("write_bandwidth")), float(ckpt.limits.get("burst"))
+
+
+class CapWatch:
+    """The checkpoints cap in force over time: the configured cap, or the lower one the
+    latency controller set, polled from ``ctl status`` every *interval* s in a thread.
+    Samples are (wall-clock time, bytes/s), the clock the storm's records use."""
+
+    def __init__(self, socket: str, configured: float, interval: float = 0.25) -> None:
+        self.socket, self.configured, self.interval = socket, configured, interval
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="cap-watch", daemon=True)
+
+    def _loop(self) -> None:
+        from qosfs.control.ctl import Client, checked
+        from qosfs.core.errors import QosfsError
+
+        try:
+            with Client(self.socket) as client:
+                while not self._stop.is_set():
+                    reply = checked(client.request({"cmd": "status"}))
+                    self.samples.append((time.time(), cap_in_force(reply, self.configured)))
+                    self._stop.wait(self.interval)
+        except (OSError, QosfsError):
+            return  # the mount went away: the samples so far stand
+
+    def __enter__(self) -> CapWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def cap_in_force(status: dict[str, Any], configured: float) -> float:
+    """The checkpoints write cap a ``status`` reply says is in force."""
+    lc = status.get("latency_control") or {}
+    for t in lc.get("throttled", []):
+        if t["class"] == "checkpoints" and t["write_bandwidth"] is not None:
+            return min(configured, float(t["write_bandwidth"]))
+    return configured
+
+
+def mean_cap(samples: list[tuple[float, float]], start: float, end: float) -> float | None:
+    """The time-weighted mean of the sampled cap over [start, end]: each sample holds
+    until the next one (the first also before it, the last after it); None without
+    samples or for an empty span."""
+    if end <= start or not samples:
+        return None
+    edges = [t for t, _ in samples[1:]] + [float("inf")]
+    total = 0.0
+    for (_, cap), t_next, t_this in zip(samples, edges, [-float("inf"), *edges[:-1]],
+                                        strict=True):
+        overlap = min(end, t_next) - max(start, t_this)
+        if overlap > 0:
+            total += cap * overlap
+    return total / (end - start)
 
 
 def _shape_run(run: Run, shape: Shape, storm: Storm, epochs: int) -> dict[str, Any]:
@@ -321,44 +428,61 @@ def _shape_run(run: Run, shape: Shape, storm: Storm, epochs: int) -> dict[str, A
     _dlio(run, workload_config(shape, data_folder=str(src / "data" / shape.name),
                                output_folder=str(work / "out-generate"), files=files,
                                generate=True), f"{shape.name}-generate", work)
-    cap, burst = _checkpoint_cap()
     scenarios = []
     for label, serve, stormy in SCENARIOS:
         (src / "checkpoints").mkdir(exist_ok=True)
-        tag = label.replace(" + ", "-").replace(" ", "-")
-        with _served(run, src, serve) as (top, mount):
-            if stormy:
-                with _storm(top, work, storm) as records:
-                    figs = _epochs(run, shape, top, src, files, epochs, work, tag, mount)
-                rounds = rounds_of(read_records(records))
-            else:
-                figs = _epochs(run, shape, top, src, files, epochs, work, tag, mount)
-                rounds = []
-        entry = {"label": label, "serve": serve, "storm": stormy, "epochs": figs,
-                 "au_pct": [au for f in figs for au in f["au_pct"]],
-                 "read_mib_s": [v for f in figs for v in f["read_mib_s"]],
-                 "rounds": rounds,
-                 "plan": plan_check(rounds, cap) if serve in CAPPED else []}
-        scenarios.append(entry)
-        au = entry["au_pct"]
-        run.log(f"  training {shape.name} {label}: AU "
-                + ", ".join(f"{a:.1f}%" for a in au)
-                + (f"; {len(rounds)} checkpoints, "
-                   + ", ".join(f"{r['duration_s']:.2f}s" for r in rounds) if stormy else ""))
+        tag = label.replace(" + ", "-").replace(" ", "-").replace("/", "")
+        scenarios.append(_scenario(run, shape, storm, src, work, files, epochs,
+                                   label, serve, stormy, tag))
+    cap, burst = checkpoint_cap(None)
     return {"shape": asdict(shape), "files": files, "area": area,
             "config": workload_config(shape, data_folder="<top>/data/" + shape.name,
                                       output_folder="<out>", files=files),
             "scenarios": scenarios, "cap": cap, "burst": burst}
 
 
+def _scenario(run: Run, shape: Shape, storm: Storm, src: Path, work: Path, files: int,
+              epochs: int, label: str, serve: str, stormy: bool, tag: str) -> dict[str, Any]:
+    """One scenario: *epochs* DLIO epochs over *src* served as *serve*, under the storm
+    if *stormy*; for a capped one the cap in force is watched for the planner check."""
+    policy = policy_for(serve)
+    cap, burst = checkpoint_cap(policy) if serve in CAPPED else (0.0, 0.0)
+    rounds: list[dict[str, Any]] = []
+    caps: list[tuple[float, float]] = []
+    with _served(run, src, serve, policy) as (top, mounted):
+        mount = mounted.mount if mounted else None
+        cpu0 = mount.cpu_seconds() if mount else None
+        t0 = time.monotonic()
+        with ExitStack() as stack:
+            if mounted is not None and serve in CAPPED:
+                caps = stack.enter_context(CapWatch(mounted.socket, cap)).samples
+            records = stack.enter_context(_storm(top, work, storm)) if stormy else None
+            figs = _epochs(run, shape, top, src, files, epochs, work, tag, mount)
+        elapsed = time.monotonic() - t0
+        cpu1 = mount.cpu_seconds() if mount else None
+    if records is not None:
+        rounds = rounds_of(read_records(records))
+    au = [a for f in figs for a in f["au_pct"]]
+    run.log(f"  training {shape.name} {label}: AU " + ", ".join(f"{a:.1f}%" for a in au)
+            + (f"; {len(rounds)} checkpoints, "
+               + ", ".join(f"{r['duration_s']:.2f}s" for r in rounds) if stormy else ""))
+    return {"label": label, "serve": serve, "storm": stormy, "epochs": figs, "au_pct": au,
+            "read_mib_s": [v for f in figs for v in f["read_mib_s"]], "rounds": rounds,
+            "cap": cap or None, "burst": burst or None,
+            "plan": plan_check(rounds, cap, caps) if serve in CAPPED else [],
+            "daemon_cpu_pct": None if cpu0 is None or cpu1 is None
+            else 100.0 * (cpu1 - cpu0) / elapsed}
+
+
 @contextmanager
-def _served(run: Run, src: Path, serve: str) -> Iterator[tuple[Path, QosfsMount | None]]:
+def _served(run: Run, src: Path, serve: str,
+            policy: str | None) -> Iterator[tuple[Path, Mounted | None]]:
+    """*src* as the scenario reads it: itself (bare) or through a qosfs mount."""
     if serve == "bare":
         yield src, None
         return
-    policy = _latency_policy(LATENCY_TARGET) if serve == "latency" else None
     with run.mount(src, policy, no_qos=serve == "no-qos") as mounted:
-        yield mounted.path, mounted.mount
+        yield mounted.path, mounted
 
 
 def _versions() -> dict[str, str]:

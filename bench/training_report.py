@@ -27,9 +27,12 @@ def au_of(shape: dict[str, Any], label: str) -> float | None:
     return None if s is None else _mean(s["au_pct"])
 
 
-def worst_plan_error(shape: dict[str, Any], serve: str) -> float | None:
-    errs = [p["error_pct"] for s in shape["scenarios"] if s["serve"] == serve
-            for p in s["plan"]]
+def worst_plan_error(shape: dict[str, Any], serve: str,
+                     key: str = "error_pct") -> float | None:
+    """The round of scenario kind *serve* furthest from the planner (*key*: against the
+    configured cap, or ``error_in_force_pct``: against the cap in force)."""
+    errs = [p[key] for s in shape["scenarios"] if s["serve"] == serve
+            for p in s["plan"] if p.get(key) is not None]
     return max(errs, key=abs) if errs else None
 
 
@@ -63,8 +66,11 @@ def targets(r: dict[str, Any], name: str) -> Rows:
         rows.append([f"{name}: AU under the storm without QoS (--no-qos)", f"{free:.1f}%",
                      f"(contrast: {au_pass:.0f}%)",
                      "passes" if free >= au_pass else f"fails by {au_pass - free:.1f} points"])
-    for serve, what in (("default", "default policy"), ("latency", "latency target")):
-        worst = worst_plan_error(shape, serve)
+    for serve, what, key in (
+            ("fixed", "fixed cap", "error_pct"),
+            ("default", "default policy, for the cap in force", "error_in_force_pct"),
+            ("latency", "latency target, for the cap in force", "error_in_force_pct")):
+        worst = worst_plan_error(shape, serve, key)
         if worst is not None:
             rows.append([f"{name}: checkpoint duration vs `qosfs plan`, {what}, worst round",
                          pct(worst), f"±{plan_pct:.0f}%", verdict(abs(worst) <= plan_pct)])
@@ -96,11 +102,15 @@ def _scenario_rows(shape: dict[str, Any]) -> Rows:
 def _plan_rows(shape: dict[str, Any]) -> Rows:
     rows = []
     for s in shape["scenarios"]:
+        cap = s.get("cap") or shape["cap"]
         for p in s["plan"]:
-            less_burst = max(0.0, p["bytes"] - shape["burst"]) / shape["cap"]
+            in_force = p.get("cap_in_force")
             rows.append([s["label"], str(p["round"]), p["way"], f"{p['bytes'] / MiB:.0f} MiB",
-                         f"{p['measured_s']:.2f} s", f"{p['planned_s']:.2f} s",
-                         pct(p["error_pct"]), f"{less_burst:.2f} s"])
+                         f"{p['measured_s']:.2f} s", f"{cap / MiB:.0f} MiB/s",
+                         f"{p['planned_s']:.2f} s", pct(p["error_pct"]),
+                         "—" if in_force is None else f"{in_force / MiB:.0f} MiB/s",
+                         "—" if in_force is None else f"{p['planned_in_force_s']:.2f} s",
+                         "—" if in_force is None else pct(p["error_in_force_pct"])])
     return rows
 
 
@@ -132,18 +142,19 @@ def section(doc: Doc, r: dict[str, Any]) -> list[str]:
                         "training waited (median / max)"], _scenario_rows(shape))
         plan = _plan_rows(shape)
         if plan:
-            lines += ["", f"Checkpoint rounds under the checkpoints cap "
-                      f"({shape['cap'] / MiB:.0f} MiB/s, burst {shape['burst'] / MiB:.0f} "
-                      "MiB) against `qosfs plan` (T = size × replicas / cap, replicas 1); "
-                      "a round is every rank's shard, from the first start to the last end:",
+            lines += ["", "Checkpoint rounds under the checkpoints cap against `qosfs plan` "
+                      "(T = size × replicas / cap, replicas 1; burst "
+                      f"{shape['burst'] / MiB:.0f} MiB); a round is every rank's shard, "
+                      "from the first rank's start to the last rank's end. \"cap in "
+                      "force\" is the time-weighted mean of the cap the daemon enforced "
+                      "during the round (`ctl status` every 0.25 s): the configured cap, or "
+                      "the lower one the latency controller set while dataset reads were "
+                      "slow. The planner can only know the configured cap; the second "
+                      "error says whether the cap, whatever it was, governed the duration.",
                       ""]
-            lines += table(["scenario", "round", "way", "size", "measured", "planned",
-                            "error", "(size − burst) / cap"], plan)
-            lines += ["", "The last column is what a full bucket lets through at once: a "
-                      "round that starts with the burst saved finishes that much sooner "
-                      "than the planner's T. A round slower than T ran under an automatic "
-                      "cap (the latency controller lowered it while dataset reads were "
-                      "slow) or was held by the daemon's CPU."]
+            lines += table(["scenario", "round", "way", "size", "measured", "cap",
+                            "planned", "error", "cap in force", "planned (in force)",
+                            "error (in force)"], plan)
         lines += ["", "<details><summary>DLIO workload configuration</summary>", "",
                   "```yaml", json.dumps(shape["config"], indent=1), "```", "", "</details>"]
     versions = ", ".join(f"{k} {v}" for k, v in r["versions"].items())
