@@ -100,8 +100,17 @@ def test_storm_records_make_rounds() -> None:
                                                 - min(r["start"] for r in pair))
     assert first["blocked_s"] == max(r["blocked_s"] for r in pair)
     assert all(r["ranks"] == 2 and not r["errors"] for r in rounds)
-    # an asynchronous save blocks its step for the staging only
-    assert all(r["blocked_s"] < r["duration_s"] for r in rounds if r["mode"] == "async")
+    # an asynchronous save blocks its step for the staging only, and its write time
+    # starts after the staging: what the planner's T is compared with
+    for r in rounds:
+        recs = [x for x in records if x["round"] == r["round"]]
+        if r["mode"] == "async":
+            assert r["blocked_s"] < r["duration_s"]
+            assert r["write_s"] == pytest.approx(
+                r["end"] - min(x["start"] + x["blocked_s"] for x in recs))
+            assert r["write_s"] < r["duration_s"]
+        else:
+            assert r["write_s"] == pytest.approx(r["duration_s"])
 
 
 def test_a_round_a_rank_did_not_finish_is_left_out() -> None:
@@ -164,6 +173,13 @@ def test_plan_check_against_the_cap_in_force() -> None:
     assert row["error_in_force_pct"] == pytest.approx(100.0, rel=1e-2)
     (plain,) = training.plan_check(rounds, cap)
     assert "cap_in_force" not in plain
+    # an asynchronous round is judged on its write time, from the end of its staging
+    staged = [{**rounds[0], "mode": "async", "write_start": 101.0, "write_s": 4.0}]
+    (row,) = training.plan_check(staged, cap, caps)
+    assert row["measured_s"] == 4.0
+    assert row["cap_in_force"] == pytest.approx(100.0 * MiB)
+    assert training.changes_of([(1.0, 5.0), (2.0, 5.0), (3.0, 7.0), (4.0, 7.0)]) == \
+        [(1.0, 5.0), (3.0, 7.0)]
 
 
 def test_scenario_policies_change_only_what_they_say() -> None:
@@ -285,7 +301,7 @@ def test_merge_puts_a_separate_run_first_and_says_so(tmp_path: Path) -> None:
     md = merge(tmp_path / "training.json", tmp_path)
     text = md.read_text()
     merged = json.loads((tmp_path / "REPORT.json").read_text())
-    assert list(merged["suites"])[0] == "training"
+    assert next(iter(merged["suites"])) == "training"
     assert set(merged["suites"]) == {"training", *report["suites"]}
     head = text[text.index("## Headline"):text.index("## 1.")]
     assert head.index("unet3d: AU") < head.index("pass-through cost")  # AU leads
