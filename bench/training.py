@@ -75,7 +75,11 @@ class Shape:
 
 SHAPES = {
     "unet3d": Shape("unet3d", 16 * MiB, 288, 96, 4, 0.25),
-    "resnet": Shape("resnet", 114688, 8192, 4096, 64, 0.12),
+    # 4096 files: within the daemon's inode descriptor budget on machines whose hard
+    # RLIMIT_NOFILE is 20000 (a quarter: 5000); beyond it every file costs a descriptor
+    # open per epoch, and 8192 files measured 72-76% AU through --no-qos alone here
+    # (bench/ANALYSIS.md), which would hide what the storm does.
+    "resnet": Shape("resnet", 114688, 4096, 2048, 64, 0.12),
 }
 
 
@@ -90,6 +94,7 @@ class Storm:
 # rounds run back to back (a storm, not a blip) whenever the mount cannot absorb them.
 STORM = Storm(2, 1024 * MiB, 8.0)
 STORM_QUICK = Storm(2, 512 * MiB, 6.0)
+STORM_LEAD = 5.0  # s from the storm's start to its first round (see _storm)
 FIXED_CAP = "128MiB/s"  # the fixed-cap scenario's checkpoints cap (see _fixed_cap_policy)
 
 # (label, how it is served, whether the storm runs)
@@ -264,8 +269,9 @@ def _dlio(run: Run, config: dict[str, Any], name: str, work: Path) -> Path:
 @contextmanager
 def _storm(top: Path, work: Path, storm: Storm) -> Iterator[Path]:
     """The checkpoint storm writing under *top*/checkpoints while the block runs, its
-    first round one interval in (as a trainer saves every N steps, not at step 0: DLIO
-    starts its epoch about 2 s in, so the first round comes some 6 s into it);
+    first round :data:`STORM_LEAD` s in (a trainer saves every N steps, not at step 0;
+    DLIO starts its epoch about 2 s in, so the first round comes some 3 s into it, after
+    a few latency-control windows of reading alone);
     yields the records directory. Stopped by its stop file, killed (by its pid) if it
     does not stop."""
     records = work / f"storm-{time.monotonic_ns()}"
@@ -274,7 +280,7 @@ def _storm(top: Path, work: Path, storm: Storm) -> Iterator[Path]:
     cmd = [sys.executable, "-m", "bench.ckpt_storm", str(top / "checkpoints" / "storm"),
            "--records", str(records), "--stop", str(stop), "--ranks", str(storm.ranks),
            "--shard", str(storm.shard), "--interval", str(storm.interval),
-           "--lead", str(storm.interval)]
+           "--lead", str(STORM_LEAD)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with open(records / "stderr.txt", "w") as err:
         proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=err, stderr=err,
