@@ -7,10 +7,11 @@ a fixed time. AU = compute time / wall time of the epoch; MLPerf's pass line is 
 U-Net3D and ResNet-50. The suite writes each DLIO configuration itself (:data:`SHAPES`,
 sized for a 2-CPU machine: an accelerator whose demand the mount can feed alone):
 
-- ``unet3d``: U-Net3D-like, large npz samples (16 MiB, one per file), batch 4;
-- ``resnet``: ResNet-50-like, small npz samples (112 KiB, one per file), batch 64
-  (full mode only: DLIO's ResNet reads TFRecords with TensorFlow, which this extra
-  leaves out, so the shape is kept and the format is npz).
+- ``unet3d``: U-Net3D-like, large npz samples (16 MiB, one per file), batch 4, 0.25 s
+  per batch: it asks 256 MiB/s of the mount;
+- ``resnet``: ResNet-50-like, small npz samples (112 KiB, one per file), batch 64, 0.12 s
+  per batch: ~530 files/s (full mode only: DLIO's ResNet reads TFRecords with
+  TensorFlow, which this extra leaves out, so the shape is kept and the format is npz).
 
 The page cache must not hide the mount: DLIO 2.0.0 has no ``reader.odirect`` and this
 machine's memory holds any dataset it can generate quickly. So every epoch is one DLIO
@@ -21,16 +22,20 @@ opens). Unlike ``drop_caches`` this touches only the dataset and needs no ``sync
 would wait for the storm's dirty pages. The daemon's read bytes per epoch (``rchar``)
 show the reads reached it.
 
-The storm (:mod:`bench.ckpt_storm`): 2 rank processes in a gloo group, a round every
-``interval`` seconds, in turn ``torch.save`` / ``dcp.save`` (the step waits) and a staged
-``torch.save`` in a thread / ``dcp.async_save`` (training goes on), written under
-``checkpoints/`` of the same tree, which the default policy classifies as checkpoints.
+The storm (:mod:`bench.ckpt_storm`): 2 rank processes in a gloo group holding 1 GiB of
+state each, a round every ``interval`` (8 s) seconds, in turn ``torch.save`` /
+``dcp.save`` (the step waits) and a staged ``torch.save`` in a thread /
+``dcp.async_save`` (training goes on), written under ``checkpoints/`` of the same tree,
+which the default policy classifies as checkpoints. 2 GiB a round is more than this
+machine writes through a FUSE mount in 8 s, so the rounds run back to back there.
 
 Scenarios, in one run: the bare directory alone and under the storm; qosfs ``--no-qos``
 alone and under the storm; qosfs with the embedded default policy and the storm; qosfs
 with a latency target (the default policy with ``target_read_latency`` on datasets) and
-the storm. For the capped scenarios each checkpoint round's duration is compared with
-what ``qosfs plan`` predicts for its size and the cap (T = size x replicas / rate).
+the storm; a fixed checkpoints cap (no read target, so nothing moves it) and the storm.
+For the capped scenarios each checkpoint round's write time is compared with what
+``qosfs plan`` predicts for its size and the cap (T = size x replicas / rate), for the
+configured cap and for the mean cap in force during the round (:class:`CapWatch`).
 """
 
 from __future__ import annotations
