@@ -164,15 +164,16 @@ def training(plt: Any, r: dict[str, Any], out: Path, name: str) -> str:
     for shape_name, shape in shapes.items():
         for s in shape["scenarios"]:
             if s["plan"]:
-                ax.scatter([p["planned_s"] for p in s["plan"]],
+                ax.scatter([p.get("planned_in_force_s", p["planned_s"]) for p in s["plan"]],
                            [p["measured_s"] for p in s["plan"]],
                            label=f"{shape_name}: {s['label']}")
     top = max([p["measured_s"] for sh in shapes.values() for s in sh["scenarios"]
-               for p in s["plan"]] + [p["planned_s"] for sh in shapes.values()
+               for p in s["plan"]] + [p.get("planned_in_force_s", p["planned_s"])
+                                       for sh in shapes.values()
                                        for s in sh["scenarios"] for p in s["plan"]] + [1.0])
     ax.plot([0, top], [0, top], color="grey", lw=0.8)
     ax.fill_between([0, top], [0, 0.9 * top], [0, 1.1 * top], color="green", alpha=0.08)
-    ax.set_xlabel("qosfs plan: T = size / cap (s)")
+    ax.set_xlabel("qosfs plan: T = size / cap in force (s)")
     ax.set_ylabel("measured checkpoint round (s)")
     ax.set_title("Checkpoints under the cap vs the planner")
     ax.legend(fontsize=7)

@@ -238,13 +238,14 @@ def render(doc: Doc) -> str:
             lines += [f"## {name}", "", f"**Failed:** {entry['error']}"]
         elif name in ALL_SECTIONS and entry.get("result") is not None:
             try:
-                lines += ALL_SECTIONS[name](doc, entry["result"])
+                body = ALL_SECTIONS[name](doc, entry["result"])
             except _UNREADABLE as exc:
-                lines += [f"## {name}", "", f"**Figures unreadable:** {type(exc).__name__}: "
-                          f"{exc} (written by another version of bench/?)"]
+                body = [f"## {name}", "", f"**Figures unreadable:** {type(exc).__name__}: "
+                        f"{exc} (written by another version of bench/?)"]
+            if entry.get("own_run"):  # under its heading, before any figure
+                body[1:1] = ["", _own_run(entry["own_run"])]
+            lines += body
             lines.append(f"_{name}: {entry['elapsed_s']:.0f} s._")
-            if entry.get("own_run"):
-                lines += ["", _own_run(entry["own_run"])]
     for extra in doc.get("extra_reports", []):
         # another suite's report, included as written, its headings one level down
         body = ["#" + ln if ln.startswith("#") else ln for ln in extra["text"].splitlines()]
