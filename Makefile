@@ -2,8 +2,8 @@
 #   make demo   install, mount a demo tree with the default policy, run a short workload
 #   make test   install, check (make lint: ruff, mypy --strict), run the test suite
 #               (what .ci/run runs)
-#   make bench  install, run every benchmark suite, write bench/results/REPORT.md (~20 min;
-#               make bench-quick: ~8 min, noisier)
+#   make bench  install, run every benchmark suite, write bench/results/REPORT.md (~50 min;
+#               make bench-quick: ~15 min, noisier)
 #   make install          qosfs in its own virtualenv, /usr/local/bin/qosfs, the systemd
 #                         unit and the samples (PREFIX, DESTDIR respected)
 
@@ -65,8 +65,14 @@ lint: deps
 	$(PY) -m mypy
 
 # matplotlib draws the report's plots; if it cannot be installed the report says so.
+# The training suite's DLIO: its requirements from the training extra, then the package
+# itself without its unresolvable ones (pyproject.toml says why); without them that suite
+# is skipped and says so.
+DLIO := dlio-benchmark==2.0.0
 bench-deps: deps
 	@$(PY) -m pip install -q -e '.[bench]' || echo "matplotlib not installed: REPORT.md will have no plots"
+	@($(PY) -m pip install -q -e '.[bench,training]' && $(PY) -m pip install -q --no-deps '$(DLIO)') || \
+		echo "DLIO not installed: bench training will be skipped"
 
 bench: bench-deps
 	$(PY) -m bench all

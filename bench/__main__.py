@@ -10,12 +10,15 @@
   priorities   a declared backend shared by priority and min_write_bandwidth
   loader       a data loader's samples/s (cold, cached) and a cached re-read, native vs qosfs
   storage      the demo's reader and storm sharing a disk: bare, --no-qos, default policy
+  training     MLPerf Storage's AU: DLIO's emulated training under a PyTorch checkpoint
+               storm (torch.save, dcp), bare / --no-qos / default policy / latency target
   envelope     what one mount carries (small/large reads, metadata), and a do-nothing floor
   demo         a one-minute look at what QoS does for a dataset reader
   machinery    per-request cost of admission and of the metadata handlers, in-process
   cluster      two mounts sharing one cluster cap through Redis, and its cost to Redis
   latency-target  a reader's latency target held against an uncapped checkpoint storm
   soak         mixed readers, writers, metadata and ctl changes for N minutes, then checks
+  merge F      add a suite run on its own (F = its .json) to REPORT.md, marked as such
 
 A single suite writes bench/results/SUITE.md and SUITE.json (and SUITE-*.png).
 """
@@ -82,6 +85,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     lt.add_argument("--quick", action="store_true", help="shorter phases (about 40 s)")
     lt.add_argument("--out", type=Path, default=REPO / "bench" / "results",
                     help="directory for latency-target.md and .json (default: bench/results)")
+    mg = sub.add_parser("merge", help="add a single suite's run (its .json) to REPORT.md, "
+                        "marked with its own date and commit")
+    mg.add_argument("part", type=Path, help="the suite's figures, e.g. bench/results/"
+                    "training.json")
+    mg.add_argument("--out", type=Path, default=REPO / "bench" / "results",
+                    help="directory of REPORT.json and REPORT.md (default: bench/results)")
     sk = sub.add_parser("soak", help="mixed traffic and live changes for N minutes, checked")
     sk.add_argument("--minutes", type=float, default=3.0)
     sk.add_argument("--out", type=Path, help="directory for soak.md and soak.json "
@@ -115,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         from bench import latency_target
 
         return latency_target.run(args.out, quick=args.quick)
+    if args.suite == "merge":
+        from bench.session import merge
+
+        print(f"wrote {merge(args.part, args.out)}")
+        return 0
     if args.suite == "soak":
         from bench import soak
 

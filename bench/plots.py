@@ -149,6 +149,37 @@ def priorities(plt: Any, r: dict[str, Any], out: Path, name: str) -> str:
     return _save(plt, fig, out, name)
 
 
+def training(plt: Any, r: dict[str, Any], out: Path, name: str) -> str:
+    shapes = r["shapes"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [s["label"] for s in next(iter(shapes.values()))["scenarios"]]
+    _bars(axes[0], labels, {
+        shape_name: [sum(s["au_pct"]) / len(s["au_pct"]) if s["au_pct"] else None
+                     for s in shape["scenarios"]] for shape_name, shape in shapes.items()},
+          "AU (%)")
+    axes[0].axhline(r["au_pass_pct"], color="red", lw=0.8, ls="--")
+    axes[0].set_ylim(0, 105)
+    axes[0].set_title("DLIO accelerator utilization, mean over epochs")
+    ax = axes[1]
+    for shape_name, shape in shapes.items():
+        for s in shape["scenarios"]:
+            if s["plan"]:
+                ax.scatter([p.get("planned_in_force_s", p["planned_s"]) for p in s["plan"]],
+                           [p["measured_s"] for p in s["plan"]],
+                           label=f"{shape_name}: {s['label']}")
+    top = max([p["measured_s"] for sh in shapes.values() for s in sh["scenarios"]
+               for p in s["plan"]] + [p.get("planned_in_force_s", p["planned_s"])
+                                       for sh in shapes.values()
+                                       for s in sh["scenarios"] for p in s["plan"]] + [1.0])
+    ax.plot([0, top], [0, top], color="grey", lw=0.8)
+    ax.fill_between([0, top], [0, 0.9 * top], [0, 1.1 * top], color="green", alpha=0.08)
+    ax.set_xlabel("qosfs plan: T = size / cap in force (s)")
+    ax.set_ylabel("measured checkpoint round (s)")
+    ax.set_title("Checkpoints under the cap vs the planner")
+    ax.legend(fontsize=7)
+    return _save(plt, fig, out, name)
+
+
 PLOTS = {
     "overhead": (("overhead", overhead),),
     "caps": (("caps", caps),),
@@ -157,6 +188,7 @@ PLOTS = {
     "fairshare": (("fairshare", fairshare),),
     "metadata": (("metadata", metadata),),
     "priorities": (("priorities", priorities),),
+    "training": (("training", training),),
 }
 
 

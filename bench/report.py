@@ -28,6 +28,8 @@ from bench.sections import (
     table,
     verdict,
 )
+from bench.training_report import headline as _head_training
+from bench.training_report import section as section_training
 
 Rows = list[list[str]]
 
@@ -163,7 +165,9 @@ def _head_loader(r: dict[str, Any]) -> Rows:
 
 HEADLINES = {"overhead": _head_overhead, "caps": _head_caps, "isolation": _head_isolation,
              "live-change": _head_live, "fairshare": _head_fair, "metadata": _head_meta,
-             "priorities": _head_prio, "loader": _head_loader}
+             "priorities": _head_prio, "loader": _head_loader, "training": _head_training}
+# the training suite's section lives with its headline (bench/training_report.py)
+ALL_SECTIONS = {**SECTIONS, "training": section_training}
 # a result this code cannot read (another version's REPORT.json) spoils only its rows
 _UNREADABLE = (KeyError, TypeError, ValueError, IndexError)
 
@@ -194,7 +198,10 @@ def _header(doc: Doc) -> list[str]:
            else ", no disk area") + f"; load average {' '.join(m['loadavg_start'])} at start, "
         f"{' '.join(m.get('loadavg_end', ['?']))} at end.", "",
         "Every figure below was measured in this run, each against a baseline measured in "
-        "the same run. Raw figures, fio command lines and per-run records: "
+        "the same run" + (", except the sections marked as measured in a run of their own "
+        "(their baselines are from that run)" if any(
+            e.get("own_run") for e in doc.get("suites", {}).values()) else "")
+        + ". Raw figures, fio command lines and per-run records: "
         f"`{doc.get('stem', 'REPORT')}.json`.",
     ]
     if not doc.get("complete", True):
@@ -203,6 +210,16 @@ def _header(doc: Doc) -> list[str]:
     if doc.get("plots_error"):
         lines += ["", f"Plots: not drawn ({doc['plots_error']})."]
     return lines
+
+
+def _own_run(run: Doc) -> str:
+    """The line under a suite measured in a run of its own (``python -m bench merge``)."""
+    m, c = run["machine"], run["config"]
+    return (f"_Measured in its own run, not the one above: {m['date']}, qosfs commit "
+            f"**{m['git_commit'] or 'unknown'}**, {'quick' if c['quick'] else 'full'} mode "
+            f"(`{c['command']}`), load average {' '.join(m['loadavg_start'])} at start, "
+            f"{' '.join(m.get('loadavg_end', ['?']))} at end; its figures: "
+            f"`{run['file']}`._")
 
 
 def render(doc: Doc) -> str:
@@ -219,12 +236,15 @@ def render(doc: Doc) -> str:
         lines.append("")
         if entry.get("error"):
             lines += [f"## {name}", "", f"**Failed:** {entry['error']}"]
-        elif name in SECTIONS and entry.get("result") is not None:
+        elif name in ALL_SECTIONS and entry.get("result") is not None:
             try:
-                lines += SECTIONS[name](doc, entry["result"])
+                body = ALL_SECTIONS[name](doc, entry["result"])
             except _UNREADABLE as exc:
-                lines += [f"## {name}", "", f"**Figures unreadable:** {type(exc).__name__}: "
-                          f"{exc} (written by another version of bench/?)"]
+                body = [f"## {name}", "", f"**Figures unreadable:** {type(exc).__name__}: "
+                        f"{exc} (written by another version of bench/?)"]
+            if entry.get("own_run"):  # under its heading, before any figure
+                body[1:1] = ["", _own_run(entry["own_run"])]
+            lines += body
             lines.append(f"_{name}: {entry['elapsed_s']:.0f} s._")
     for extra in doc.get("extra_reports", []):
         # another suite's report, included as written, its headings one level down

@@ -32,6 +32,7 @@ from bench import (
     priorities,
     report,
     storage,
+    training,
 )
 from bench.context import Run, stderr_log
 from bench.fio import FioError, find_fio, fio_version, missing_engines
@@ -58,6 +59,7 @@ SUITES: dict[str, Callable[[Run], dict[str, Any]]] = {
     "loader": loader.run,
     "storage": storage.run,
     "envelope": envelope.run,
+    "training": training.run,
 }
 META_ENGINES = ("filecreate", "filestat", "filedelete")
 
@@ -87,6 +89,8 @@ def _checks(names: list[str]) -> tuple[str, dict[str, str]]:
     missing = missing_engines(fio, META_ENGINES)
     if missing and "metadata" in names:
         skip["metadata"] = f"fio lacks the {', '.join(missing)} engine(s)"
+    if "training" in names and (why := training.missing()):
+        skip["training"] = why
     return fio, skip
 
 
@@ -121,6 +125,21 @@ def write(doc: dict[str, Any], out: Path, stem: str) -> Path:
     md = out / f"{stem}.md"
     md.write_text(report.render(doc))
     return md
+
+
+def merge(part: Path, out: Path, stem: str = "REPORT") -> Path:
+    """Add the suites of a single-suite run (*part*, its ``<name>.json``) to the report
+    ``<out>/<stem>.json`` and render it again, each added suite marked with its own run
+    (date, commit, command) and placed first. A long suite (``training``) measured on
+    its own then joins the report without re-measuring every other suite; the report
+    says which figures came from which run."""
+    doc = json.loads((out / f"{stem}.json").read_text())
+    added = json.loads(part.read_text())
+    own_run = {"machine": added["machine"], "config": added["config"],
+               "elapsed_s": added.get("elapsed_s"), "file": part.name}
+    suites = {name: {**entry, "own_run": own_run} for name, entry in added["suites"].items()}
+    doc["suites"] = {**suites, **{k: v for k, v in doc["suites"].items() if k not in suites}}
+    return write(doc, out, stem)
 
 
 def execute(names: list[str], opts: Options, stem: str,
