@@ -80,10 +80,10 @@ class Shape:
 
 SHAPES = {
     "unet3d": Shape("unet3d", 16 * MiB, 288, 96, 4, 0.25),
-    # 4096 files: within the daemon's inode descriptor budget on machines whose hard
-    # RLIMIT_NOFILE is 20000 (a quarter: 5000); beyond it every file costs a descriptor
-    # open per epoch, and 8192 files measured 72-76% AU through --no-qos alone here
-    # (bench/ANALYSIS.md), which would hide what the storm does.
+    # 4096 files: the mount alone feeds this shape at 98% AU here. With 8192 files it
+    # measured 72-90% through --no-qos alone against 97% on the bare directory, for a
+    # reason not found yet (not the inode descriptor budget: see bench/ANALYSIS.md),
+    # which would hide what the storm does.
     "resnet": Shape("resnet", 114688, 4096, 2048, 64, 0.12),
 }
 
@@ -98,7 +98,6 @@ class Storm:
 # 2 GiB a round, every 8 s: more than this machine writes through FUSE in 8 s, so the
 # rounds run back to back (a storm, not a blip) whenever the mount cannot absorb them.
 STORM = Storm(2, 1024 * MiB, 8.0)
-STORM_QUICK = Storm(2, 512 * MiB, 6.0)
 STORM_LEAD = 5.0  # s from the storm's start to its first round (see _storm)
 FIXED_CAP = "128MiB/s"  # the fixed-cap scenario's checkpoints cap (see _fixed_cap_policy)
 
@@ -525,7 +524,7 @@ def run(run: Run) -> dict[str, Any]:
     why = missing()
     if why:
         raise BenchError(why)
-    storm = STORM_QUICK if run.quick else STORM
+    storm = STORM  # --quick too: a smaller storm measured no effect at all in quick mode
     epochs = run.repetitions(3, 2)
     shapes = ["unet3d"] if run.quick else list(SHAPES)
     results = {name: _shape_run(run, SHAPES[name], storm, epochs) for name in shapes}
