@@ -97,6 +97,7 @@ FLOOR = float(1 << 20)  # bytes/s: the lowest automatic cap (above min_*_bandwid
 MIN_SAMPLES = 10  # latency samples a window needs to be judged
 PROBE_CHECK = 0.05  # seconds between checks whether the canary should run
 BASELINE_WINDOWS = 20  # quiet windows a relative target's baseline is the median of
+LEARN_PATIENCE = 4  # windows a relative target may wait for a quiet one before making one
 QUIET = 1.1  # a low class moving at most this times FLOOR is quiet (a floored storm too)
 _DIRECTIONS = ("read", "write")
 
@@ -181,6 +182,9 @@ class LatencyDecider:
         self.baselines: dict[str, deque[float]] = {}
         self.targets: dict[str, float | None] = {}
         self.quiet = False  # every class below a protected one moved nothing last window
+        # Consecutive windows each relative target spent learning while the classes below
+        # it kept moving: a storm that never pauses would otherwise leave it unprotected.
+        self.learning_windows: dict[str, int] = {}
         self.state = "idle"
         self.decisions = {"decrease": 0, "increase": 0, "release": 0}
         self.set_policy(policy)
@@ -233,6 +237,7 @@ class LatencyDecider:
             else:
                 verdicts[rule.name] = "met"
         self.verdicts = verdicts
+        pressing = self._pressing(verdicts, rates)
         changed = {}
         floored = []  # per class decreased: is it at its floor (or has nothing to give)?
         for name, above in self.roles.items():
@@ -247,6 +252,9 @@ class LatencyDecider:
                     if verdicts.get(g.name) == "missed" and p and p.latency and target:
                         factor = min(factor, target / p.latency)
                 floored.append(self._decrease(name, traffic, now, max(DEEPEST, factor)))
+            elif any(g.name in pressing for g in above):
+                # no baseline yet and no quiet window in sight: make one (see _pressing)
+                floored.append(self._decrease(name, traffic, now, DEEPEST))
             elif "few-samples" not in seen and "learning" not in seen and name in self.low:
                 if all(v == "idle" for v in seen):
                     growth = 1.0  # double: nothing to protect
@@ -273,6 +281,32 @@ class LatencyDecider:
         else:
             self.state = "watching"
         return changed
+
+    def _pressing(self, verdicts: dict[str, str],
+                  rates: dict[str, ClassSample]) -> set[str]:
+        """The relative targets that have waited :data:`LEARN_PATIENCE` windows for a quiet
+        one to learn their baseline from, while the classes below them kept moving.
+
+        A relative target (``target_read_slowdown``) is judged against the latency its
+        class has while the classes below it are quiet. A mount that starts into a
+        checkpoint storm that never pauses, or a reader that starts while one runs, would
+        never see such a window and so never be protected (measured: 85% AU instead of
+        94% for a ResNet-like DLIO reader, ``bench/ANALYSIS.md``). So after
+        :data:`LEARN_PATIENCE` such windows the classes below are cut as for a large miss
+        (by :data:`DEEPEST` per window, down to their floor) until a window is quiet; the
+        baseline is learned there, and from then on the usual rules raise the caps again
+        while the target is met.
+        """
+        pressing = set()
+        for rule in protected_classes(self.policy):
+            name = rule.name
+            if verdicts.get(name) == "learning" and not self._quiet_below(name, rates):
+                waited = self.learning_windows[name] = self.learning_windows.get(name, 0) + 1
+                if waited >= LEARN_PATIENCE:
+                    pressing.add(name)
+            else:
+                self.learning_windows.pop(name, None)
+        return pressing
 
     def _quiet_below(self, guard: str, rates: dict[str, ClassSample]) -> bool:
         """Whether every class that yields to *guard* moved next to nothing this window

@@ -15,7 +15,9 @@ from qosfs.policy.loading import parse_policy, with_changes
 from qosfs.qos.accounting import FineHistogram, fine_index, fine_upper_bound
 from qosfs.qos.engine import AutoCaps, PolicyQos
 from qosfs.qos.latency_control import (
+    DEEPEST,
     FLOOR,
+    LEARN_PATIENCE,
     ClassSample,
     LatencyDecider,
     LatencyLoop,
@@ -350,6 +352,38 @@ def test_a_relative_target_learns_its_baseline_while_the_classes_below_are_quiet
     assert c.baseline("datasets") == pytest.approx(0.001)  # storm windows do not count
     c.step(2.5, ds(0.0012), ck(write=350 * MiB, waited=True))
     assert c.verdicts == {"datasets": "met"} and c.state == "throttling"
+
+
+def test_a_relative_target_makes_a_quiet_window_when_the_storm_never_pauses() -> None:
+    c = LatencyDecider(parse_policy(RELATIVE.format(ckpt=""), "t"))
+    t = 0.0
+    for _ in range(LEARN_PATIENCE - 1):  # a storm from the start: wait a little first
+        assert c.step(t, ds(0.004), ck(write=400 * MiB)) == {}
+        assert c.verdicts == {"datasets": "learning"}
+        t += 0.5
+    cap = 400 * MiB
+    while cap > FLOOR:  # then cut the classes below as for a large miss, to their floor
+        changed = c.step(t, ds(0.004), ck(write=cap, waited=True))
+        cap = max(FLOOR, cap * DEEPEST)
+        assert changed["checkpoints"].write_bandwidth == pytest.approx(cap)
+        assert c.verdicts == {"datasets": "learning"} and c.state == "throttling"
+        t += 0.5
+    assert c.baseline("datasets") is None
+    c.step(t, ds(0.001), ck(write=FLOOR, waited=True))  # held at the floor: quiet
+    assert c.baseline("datasets") == pytest.approx(0.001)
+    assert c.verdicts == {"datasets": "met"} and c.learning_windows == {}
+    changed = c.step(t + 0.5, ds(0.001), ck(write=FLOOR, waited=True))
+    assert changed["checkpoints"].write_bandwidth > FLOOR  # met: the caps climb again
+
+
+def test_a_relative_target_does_not_press_a_storm_that_pauses_in_time() -> None:
+    c = LatencyDecider(parse_policy(RELATIVE.format(ckpt=""), "t"))
+    for t in range(LEARN_PATIENCE - 1):
+        c.step(t * 0.5, ds(0.004), ck(write=400 * MiB))
+    c.step(2.0, ds(0.001), ck(write=0.0))  # a pause: the baseline, and no cap at all
+    assert c.caps()["checkpoints"] == AutoCaps() and c.baseline("datasets") == 0.001
+    c.step(2.5, ds(0.0012), ck(write=400 * MiB))
+    assert c.verdicts == {"datasets": "met"} and c.caps()["checkpoints"] == AutoCaps()
 
 
 def test_absolute_and_relative_targets_together_take_the_lower() -> None:
