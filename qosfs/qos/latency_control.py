@@ -237,7 +237,7 @@ class LatencyDecider:
             else:
                 verdicts[rule.name] = "met"
         self.verdicts = verdicts
-        pressing = self._pressing(verdicts, rates)
+        pressing = self._pressing(verdicts)
         changed = {}
         floored = []  # per class decreased: is it at its floor (or has nothing to give)?
         for name, above in self.roles.items():
@@ -282,8 +282,7 @@ class LatencyDecider:
             self.state = "watching"
         return changed
 
-    def _pressing(self, verdicts: dict[str, str],
-                  rates: dict[str, ClassSample]) -> set[str]:
+    def _pressing(self, verdicts: dict[str, str]) -> set[str]:
         """The relative targets that have waited :data:`LEARN_PATIENCE` windows for a quiet
         one to learn their baseline from, while the classes below them kept moving.
 
@@ -296,11 +295,14 @@ class LatencyDecider:
         (by :data:`DEEPEST` per window, down to their floor) until a window is quiet; the
         baseline is learned there, and from then on the usual rules raise the caps again
         while the target is met.
+
+        A ``learning`` verdict already says the window was not quiet: a judged window
+        that is quiet adds to the baseline before the verdict, which then has a target.
         """
         pressing = set()
         for rule in protected_classes(self.policy):
             name = rule.name
-            if verdicts.get(name) == "learning" and not self._quiet_below(name, rates):
+            if verdicts.get(name) == "learning":
                 waited = self.learning_windows[name] = self.learning_windows.get(name, 0) + 1
                 if waited >= LEARN_PATIENCE:
                     pressing.add(name)
