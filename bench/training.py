@@ -248,7 +248,7 @@ def evict(files: list[Path]) -> None:
             os.close(fd)
 
 
-def _dlio(run: Run, config: dict[str, Any], name: str, work: Path) -> Path:
+def _dlio(config: dict[str, Any], name: str, work: Path) -> Path:
     """One DLIO run of *config*; returns its output folder."""
     cfg_dir = work / f"cfg-{name}"
     write_workload(cfg_dir, name, config)
@@ -308,7 +308,7 @@ def _storm(top: Path, work: Path, storm: Storm) -> Iterator[Path]:
         shutil.rmtree(top / "checkpoints" / "storm", ignore_errors=True)
 
 
-def _epochs(run: Run, shape: Shape, top: Path, src: Path, files: int, epochs: int,
+def _epochs(shape: Shape, top: Path, src: Path, files: int, epochs: int,
             work: Path, tag: str, mount: QosfsMount | None) -> list[dict[str, Any]]:
     data = sorted((src / "data" / shape.name).rglob("*.npz"))
     through = [top / p.relative_to(src) for p in data] if top != src else []
@@ -320,7 +320,7 @@ def _epochs(run: Run, shape: Shape, top: Path, src: Path, files: int, epochs: in
         cfg = workload_config(shape, data_folder=str(top / "data" / shape.name),
                               output_folder=str(work / f"out-{tag}-{epoch}"), files=files,
                               seed=epoch)
-        folder = _dlio(run, cfg, f"{shape.name}-{tag}-{epoch}", work)
+        folder = _dlio(cfg, f"{shape.name}-{tag}-{epoch}", work)
         io1 = mount.io_bytes() if mount else None
         fig = parse_dlio_output(folder, shape.record_length)
         fig["daemon_read_mib"] = None if io0 is None or io1 is None else \
@@ -447,9 +447,9 @@ def _shape_run(run: Run, shape: Shape, storm: Storm, epochs: int) -> dict[str, A
     files = int(run.pick(shape.files, shape.files_quick))
     run.log(f"  training {shape.name}: generating {files} x "
             f"{shape.record_length / MiB:.2f} MiB samples on {area}")
-    _dlio(run, workload_config(shape, data_folder=str(src / "data" / shape.name),
-                               output_folder=str(work / "out-generate"), files=files,
-                               generate=True), f"{shape.name}-generate", work)
+    _dlio(workload_config(shape, data_folder=str(src / "data" / shape.name),
+                          output_folder=str(work / "out-generate"), files=files,
+                          generate=True), f"{shape.name}-generate", work)
     scenarios = []
     for label, serve, stormy in SCENARIOS:
         (src / "checkpoints").mkdir(exist_ok=True)
@@ -479,7 +479,7 @@ def _scenario(run: Run, shape: Shape, storm: Storm, src: Path, work: Path, files
             if mounted is not None and serve in CAPPED:
                 caps = stack.enter_context(CapWatch(mounted.socket, cap)).samples
             records = stack.enter_context(_storm(top, work, storm)) if stormy else None
-            figs = _epochs(run, shape, top, src, files, epochs, work, tag, mount)
+            figs = _epochs(shape, top, src, files, epochs, work, tag, mount)
         elapsed = time.monotonic() - t0
         cpu1 = mount.cpu_seconds() if mount else None
     if records is not None:
