@@ -2,8 +2,8 @@
 #   make demo   install, mount a demo tree with the default policy, run a short workload
 #   make test   install, check (make lint: ruff, mypy --strict), run the test suite
 #               (what .ci/run runs)
-#   make bench  install, run every benchmark suite, write bench/results/REPORT.md (~50 min;
-#               make bench-quick: ~15 min, noisier)
+#   make bench  install, run every benchmark suite, write bench/results/REPORT.md
+#               (the training suite alone took 19 min here; make bench-quick: shorter, noisier)
 #   make install          qosfs in its own virtualenv, /usr/local/bin/qosfs, the systemd
 #                         unit and the samples (PREFIX, DESTDIR respected)
 
