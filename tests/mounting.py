@@ -76,7 +76,13 @@ class QosfsMount:
         if self.proc is None:
             return None
         if is_mounted(self.mountpoint):
-            subprocess.run(["fusermount3", "-u", str(self.mountpoint)], capture_output=True)
+            try:
+                subprocess.run(["fusermount3", "-u", str(self.mountpoint)],
+                               capture_output=True, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                # The daemon no longer answers (a dead-locked mount): only its death ends
+                # the requests that wait on it, fusermount3's included.
+                self.proc.kill()
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

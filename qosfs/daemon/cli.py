@@ -128,7 +128,12 @@ def _cmd_mount(args: argparse.Namespace) -> int:
     # Imported in the commands that need them: `qosfs ctl set` is timed from the shell
     # (DESIGN 4.4), so it must not pay for pyfuse3, trio or the policy parser at start.
     from qosfs.control.exporter import parse_address
-    from qosfs.daemon.mount import MountConfig, daemonize_and_mount, run_mount
+    from qosfs.daemon.mount import (
+        MountConfig,
+        check_own_paths,
+        daemonize_and_mount,
+        run_mount,
+    )
     from qosfs.passthrough.operations import FsOptions
     from qosfs.policy.loading import load_policy
 
@@ -148,6 +153,8 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         socket_path=os.path.abspath(args.socket) if args.socket else None,
         metrics=args.metrics,
     )
+    check_own_paths(cfg.mountpoint, {"control socket": cfg.socket_path,
+                                     "log file": args.log_file})
     if args.policy:
         load_policy(args.policy)  # a bad policy fails here, before anything is mounted
     if args.metrics:

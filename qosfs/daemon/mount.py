@@ -44,7 +44,13 @@ from qosfs.control.protocol import default_socket_path
 from qosfs.control.server import ControlSocket
 from qosfs.control.service import ControlService
 from qosfs.core import interrupts
-from qosfs.core.errors import EXIT_FUSE, EXIT_MOUNTPOINT, EXIT_SOURCE, QosfsError
+from qosfs.core.errors import (
+    EXIT_FUSE,
+    EXIT_MOUNTPOINT,
+    EXIT_SOURCE,
+    EXIT_USAGE,
+    QosfsError,
+)
 from qosfs.core.mountinfo import mounts
 from qosfs.daemon import tuning
 from qosfs.daemon.notify import notify, reloading
@@ -120,6 +126,27 @@ def check_mount_args(source: str, mountpoint: str) -> None:
         raise QosfsError("/dev/fuse is missing (load the fuse module)", EXIT_FUSE)
     if os.geteuid() != 0 and shutil.which("fusermount3") is None:
         raise QosfsError("fusermount3 not found (install the fuse3 package)", EXIT_FUSE)
+
+
+def check_own_paths(mountpoint: str, paths: dict[str, str | None]) -> None:
+    """Refuse daemon files (the control socket, the log file) under the mountpoint.
+
+    The daemon would reach them through its own mount: the log handler stats its file
+    for every record and the control socket's path is checked at reload, from the one
+    thread that must answer that very request, so the first of them would hang the
+    mount for every user. (A socket there would not even be reachable: clients would
+    connect to the FUSE inode, not to the bound one.) *paths* maps what each is, as the
+    message should name it, to its path or None.
+    """
+    top = os.path.realpath(mountpoint)
+    for what, path in paths.items():
+        if path is None:
+            continue
+        where = os.path.realpath(path)
+        if where == top or where.startswith(top.rstrip("/") + "/"):
+            raise QosfsError(f"{what} {path} is under the mountpoint {mountpoint}: the "
+                             "daemon would wait on its own mount; put it elsewhere",
+                             EXIT_USAGE)
 
 
 def _statfs_errno(path: str) -> int:

@@ -21,6 +21,14 @@ number); if the name now holds something else (renamed or replaced underneath), 
 id answers ESTALE and the kernel looks the name up again, as an NFS client does. Only an
 inode known by no name (the root) keeps its descriptor for good.
 
+The daemon never resolves a path that could land on its own mount. Mounted in place,
+the source's root directory is covered by the mount: a ``..`` walked from one of its
+children through the backing tree steps onto the mount and asks the daemon itself (a
+``stat`` there waits for ever for an answer only the waiting thread can give). So the
+parent of a directory is taken from this table (:attr:`Inode.parent`, recorded where
+the kernel looked the directory up), never from the backing store's ``..``; every other
+name is resolved one component down from a descriptor, which stays on the source.
+
 Node ids are the backing ``st_ino`` for objects on the source's own device, so ``ls -i``
 shows the same numbers as the directory underneath and they stay stable for the life of
 the mount. Objects on other devices (submounts inside the source) or whose number would
@@ -36,6 +44,7 @@ import errno
 import logging
 import os
 import resource
+import stat
 from typing import Any
 
 import pyfuse3
@@ -76,6 +85,7 @@ class Inode:
         "lookups",
         "nodeid",
         "opens",
+        "parent",
         "path_memo",
         "qos_memo",
         "referenced",
@@ -95,6 +105,9 @@ class Inode:
         self.handle = handle  # None: reopened by entry instead (or never evicted)
         # Without a handle: (parent inode, name) it was last looked up as, to reopen it.
         self.entry: tuple[Inode, bytes] | None = None
+        # A directory's parent, as the kernel last looked it up (``..`` without a path
+        # walk: see the module docstring); None for the root and for non-directories.
+        self.parent: Inode | None = None
         self.cached_fd = fd
         self.referenced = True  # CLOCK bit (qosfs.passthrough.fdcache)
         self.slot = -1  # ring slot in the fd cache, -1 if not there
@@ -217,6 +230,8 @@ class InodeTable:
         inode = self._by_key.get(key)
         handle = None
         if inode is not None and not inode.stale:
+            if entry is not None and stat.S_ISDIR(st.st_mode):
+                inode.parent = entry[0]
             if inode.handle is None and entry is not None:
                 inode.entry = entry  # the name to reopen it by: the latest one
             if inode.cached_fd >= 0 or inode.handle is None:
@@ -241,6 +256,8 @@ class InodeTable:
             nodeid = self._next_synthetic
             self._next_synthetic += 1
         inode = Inode(self, nodeid, key, 1, handle, -1)
+        if entry is not None and stat.S_ISDIR(st.st_mode):
+            inode.parent = entry[0]
         self._by_id[nodeid] = inode
         self._by_key[key] = inode
         if handle is None and entry is None:
@@ -296,17 +313,59 @@ class InodeTable:
         return fd
 
     def renamed(self, parent: Inode, name: bytes) -> None:
-        """*parent*'s entry *name* was just renamed to, through the mount: an inode
-        reopened by name must use that name from now on."""
-        if self.handles and parent.key[0] == self.root_dev:
-            return  # by handle: names do not matter (submounts aside, rarely renamed)
+        """*parent*'s entry *name* was just renamed to, through the mount: a directory's
+        parent is *parent* from now on, and an inode reopened by name uses that name."""
         try:
             st = os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
         except OSError:
             return
         inode = self._by_key.get((st.st_dev, st.st_ino))
-        if inode is not None and inode.handle is None and inode.entry is not None:
+        if inode is None:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            inode.parent = parent
+        if inode.handle is None and inode.entry is not None:
             inode.entry = (parent, name)
+
+    def lookup_parent(self, inode: Inode) -> Inode:
+        """The directory *inode* was last looked up in, with one kernel reference counted
+        (a LOOKUP of ``..``); the root for the root. Never a path walk: see the module
+        docstring.
+
+        A parent the kernel has forgotten since is opened again by its file handle;
+        without one (or if it is gone) the answer is ESTALE.
+        """
+        parent = inode.parent
+        known = self.root if parent is None else self._by_key.get(parent.key)
+        if known is not None and not known.stale:
+            known.lookups += 1
+            return known
+        assert parent is not None
+        if parent.handle is None:
+            raise _stale()
+        try:
+            fd = syscalls.open_by_handle(self._mount_fd, parent.handle, _REOPEN_FLAGS)
+        except OSError as exc:
+            if exc.errno in (errno.ESTALE, errno.ENOENT):
+                raise _stale() from None
+            raise
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        revived = self.adopt(fd, st)  # counts the reference
+        revived.parent = parent.parent
+        return revived
+
+    def parent_nodeid(self, inode: Inode) -> int:
+        """The node id of *inode*'s parent directory, for the ``..`` entry of a listing;
+        counts no reference and makes no system call."""
+        parent = inode.parent
+        if parent is None:
+            return self.root.nodeid if inode is self.root else inode.nodeid
+        known = self._by_key.get(parent.key)
+        return known.nodeid if known is not None else parent.nodeid
 
     def relieve(self) -> bool:
         """The daemon is short of descriptors: close half of the cached ones.
@@ -319,13 +378,6 @@ class InodeTable:
             log.warning("out of file descriptors: closed %d cached inode descriptors "
                         "(%d left)", dropped, len(self.cache))
         return dropped > 0
-
-    def nodeid_of(self, st: os.stat_result) -> int:
-        """The node id an object has or would get, without counting a reference."""
-        inode = self._by_key.get((st.st_dev, st.st_ino))
-        if inode is not None:
-            return inode.nodeid
-        return st.st_ino if st.st_dev == self.root_dev and st.st_ino > 1 else 0
 
     def find(self, st: os.stat_result) -> Inode | None:
         """The known inode for a backing object, if the kernel knows it."""

@@ -230,10 +230,16 @@ class PassthroughOperations(pyfuse3.Operations):
                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         parent = self.inodes.get(parent_inode)
         await self._admit_meta(parent, ctx)
-        if name == b"." or (name == b".." and parent is self.inodes.root):
-            # Never leave the source tree through '..' of the mount root.
+        if name == b".":
             parent.lookups += 1
             return self._entry(parent, await self._meta(os.fstat, parent.fd))
+        if name == b"..":
+            # From the inode table, never the backing store's '..': in place, that of a
+            # child of the root is the covered source, and a walk from there lands on
+            # this very mount (qosfs.passthrough.inodes). The root's '..' is the root:
+            # the source tree is never left.
+            up = self.inodes.lookup_parent(parent)
+            return self._entry(up, await self._meta(os.fstat, up.fd))
         try:
             fd, st = await self._meta_opening(self.inodes.resolve, parent, name)
         except FileNotFoundError:
@@ -747,15 +753,15 @@ class PassthroughOperations(pyfuse3.Operations):
                 break
 
     def _dot_entry(self, handle: DirHandle, name: bytes) -> pyfuse3.EntryAttributes:
+        """The "." or ".." entry of a listing. The kernel takes only its inode number and
+        type (it never links dot entries of a READDIRPLUS), so ".." carries the parent's
+        node id from the inode table and this directory's own attributes: no stat of
+        the backing ".." (which, mounted in place, can be this very mount: see
+        qosfs.passthrough.inodes)."""
         node = handle.inode
-        if name == b".." and node is not self.inodes.root:
-            st = os.stat(b"..", dir_fd=node.fd, follow_symlinks=False)
-            nodeid = self.inodes.nodeid_of(st)
-        else:
-            st = os.fstat(node.fd)
-            nodeid = node.nodeid
-        entry = self._entry(node, st)
-        entry.st_ino = nodeid
+        entry = self._entry(node, os.fstat(node.fd))
+        if name == b"..":
+            entry.st_ino = self.inodes.parent_nodeid(node)
         return entry
 
     @fuse_handler

@@ -383,4 +383,5 @@ SCENARIOS: dict[str, Callable[[str], Obs]] = {
 }
 
 if __name__ == "__main__":
-    print(json.dumps(SCENARIOS[sys.argv[2]](sys.argv[1])))
+    # Scenarios log bytes read back too: shown as their repr on both sides.
+    print(json.dumps(SCENARIOS[sys.argv[2]](sys.argv[1]), default=repr))
