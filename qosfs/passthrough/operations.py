@@ -586,7 +586,8 @@ class PassthroughOperations(pyfuse3.Operations):
         try:
             # Admission may refuse (EAGAIN: too many parked) or give up (EINTR: killed).
             waited = await flow.admit_read(size) if flow.limited else 0.0
-            if (off | size) & handle.dio_mask:  # O_DIRECT would refuse it: see _buffered
+            mask = handle.dio_mask  # 0 unless O_DIRECT; allocates nothing when aligned
+            if mask and (off & mask or size & mask):  # O_DIRECT refuses it: _buffered
                 fd, direct = await self._buffered(handle), False
             else:
                 fd, direct = handle.fd, handle.direct
@@ -609,7 +610,8 @@ class PassthroughOperations(pyfuse3.Operations):
             if handle.kill_priv:
                 handle.kill_priv = False
                 self._kill_priv(handle.fd)
-            if (off | len(buf)) & handle.dio_mask:  # O_DIRECT would refuse it: see _buffered
+            mask = handle.dio_mask  # 0 unless O_DIRECT; allocates nothing when aligned
+            if mask and (off & mask or len(buf) & mask):  # O_DIRECT refuses it: _buffered
                 fd, direct = await self._buffered(handle), False
             else:
                 fd, direct = handle.fd, handle.direct
