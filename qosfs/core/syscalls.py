@@ -2,7 +2,8 @@
 
 Metadata operations use these (rename flags, timestamps with ``UTIME_OMIT``, ownership
 of symlinks by descriptor); only :func:`setfsuid` is on the write path (see
-:mod:`qosfs.daemon.privileges`).
+:mod:`qosfs.daemon.privileges`), and :func:`dio_offset_align` runs once per ``O_DIRECT``
+open.
 """
 
 from __future__ import annotations
@@ -138,3 +139,29 @@ def setfsuid(uid: int) -> int:
     callers that must know compare with a second call (an invalid uid only reports).
     """
     return int(_libc.setfsuid(uid & 0xFFFFFFFF))
+
+
+# statx(2) for STATX_DIOALIGN (Linux 6.1), which os.stat cannot ask for. ``struct statx`` is
+# 256 bytes; stx_mask is its first u32 and stx_dio_offset_align the u32 at byte 156.
+_STATX_DIOALIGN = 0x2000
+_AT_STATX_DONT_SYNC = 0x4000  # a local property: never ask an NFS server for attributes
+_STATX_SIZE = 256
+_DIO_OFFSET_ALIGN = 156
+_statx = getattr(_libc, "statx", None)  # glibc >= 2.28
+if _statx is not None:
+    _statx.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint,
+                       ctypes.c_char_p]
+
+
+def dio_offset_align(fd: int) -> int:
+    """The alignment ``O_DIRECT`` I/O on *fd* needs for its file offset and length (the
+    device's logical block size on ext4 and xfs), or 0 if the kernel does not say (before
+    Linux 6.1, no statx in libc, or a filesystem that does not report it: tmpfs, NFS)."""
+    if _statx is None:
+        return 0
+    buf = ctypes.create_string_buffer(_STATX_SIZE)
+    if _statx(fd, b"", AT_EMPTY_PATH | _AT_STATX_DONT_SYNC, _STATX_DIOALIGN, buf) != 0:
+        return 0
+    if not int.from_bytes(buf.raw[:4], "little") & _STATX_DIOALIGN:
+        return 0
+    return int.from_bytes(buf.raw[_DIO_OFFSET_ALIGN:_DIO_OFFSET_ALIGN + 4], "little")

@@ -2,8 +2,8 @@
 
 Everything a read or write needs is resolved at open and kept here, so the hot path is a
 dict lookup and an attribute read: the backing descriptor (one per open, never shared,
-because the open's flags matter), whether it was opened ``O_DIRECT``, and the QoS flow
-the open was classified into.
+because the open's flags matter), whether it was opened ``O_DIRECT`` and the alignment
+that asks for, and the QoS flow the open was classified into.
 """
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ class FileHandle:
     kill_priv: bool = False  # clear setuid/setgid on the first write (unprivileged writer)
     fsuid: int = 0  # writes run with this fsuid when not 0 (see qosfs.daemon.privileges)
     owner: int = -1  # the uid whose OpenQuota it counts against (-1: none)
+    # A request whose offset or length has a bit of dio_mask set cannot be served O_DIRECT
+    # (0: any request can; PassthroughOperations._buffered): it goes to ``buffered``, the
+    # same file reopened without O_DIRECT at the first such request (-1: not yet).
+    dio_mask: int = 0
+    buffered: int = -1
     # Streaming-write detection (PassthroughOperations._follow_stream): sequential bytes
     # still to see before the open moves to the streaming class (0: not watched), the
     # threshold, where the next sequential write would start, bytes written elsewhere.

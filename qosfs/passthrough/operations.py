@@ -19,6 +19,9 @@ Choices made here, each for a reason:
 * Entry and attribute timeouts default to 1 s, the same order as NFS's ``actimeo``:
   repeated stats do not cost a round trip, and changes made under the mount by other
   nodes become visible within a second.
+* An O_DIRECT open stays O_DIRECT underneath, but a request O_DIRECT would refuse (a
+  mapping's writeback ending at EOF, dd's unaligned tail) goes to a buffered descriptor
+  of the same file (``_buffered``): the kernel sends them, and refusing lost the data.
 * Only ``FUSEError`` may leave a handler (anything else kills pyfuse3's main loop): a
   backing-store ``OSError`` becomes its own errno; anything unexpected is logged and
   answered with EIO.
@@ -27,6 +30,7 @@ Choices made here, each for a reason:
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import logging
 import mmap
@@ -491,7 +495,8 @@ class PassthroughOperations(pyfuse3.Operations):
             kill_priv = bool(os.fstat(node.fd).st_mode & _SUID_SGID)
         node.opens += 1
         fsuid = ctx.uid if self._write_as_caller else 0
-        handle = self.files[fd] = FileHandle(fd, direct, flow, node, kill_priv, fsuid, owner)
+        handle = self.files[fd] = FileHandle(fd, direct, flow, node, kill_priv, fsuid, owner,
+                                             _dio_mask(fd) if direct else 0)
         if accmode != os.O_RDONLY:
             handle.stream_left = handle.stream_limit = self.qos.stream_threshold(flow)
         cache = self.options.cache
@@ -587,8 +592,13 @@ class PassthroughOperations(pyfuse3.Operations):
         try:
             # Admission may refuse (EAGAIN: too many parked) or give up (EINTR: killed).
             waited = await flow.admit_read(size) if flow.limited else 0.0
+            mask = handle.dio_mask  # 0 unless O_DIRECT; allocates nothing when aligned
+            if mask and (off & mask or size & mask):  # O_DIRECT refuses it: _buffered
+                fd, direct = await self._buffered(handle), False
+            else:
+                fd, direct = handle.fd, handle.direct
             start = _now_ns()
-            data = await self.io.read(handle.fd, off, size, handle.direct, flow.threads)
+            data = await self.io.read(fd, off, size, direct, flow.threads)
             took = _now_ns() - start
         except OSError as exc:
             raise FUSEError(exc.errno or errno.EIO) from None
@@ -606,9 +616,14 @@ class PassthroughOperations(pyfuse3.Operations):
             if handle.kill_priv:
                 handle.kill_priv = False
                 self._kill_priv(handle.fd)
+            mask = handle.dio_mask  # 0 unless O_DIRECT; allocates nothing when aligned
+            if mask and (off & mask or len(buf) & mask):  # O_DIRECT refuses it: _buffered
+                fd, direct = await self._buffered(handle), False
+            else:
+                fd, direct = handle.fd, handle.direct
             start = _now_ns()
-            n = await self.io.write(handle.fd, off, buf, handle.direct, flow.threads,
-                                    flow.throttled_writes, handle.fsuid)
+            n = await self.io.write(fd, off, buf, direct, flow.threads, flow.throttled_writes,
+                                    handle.fsuid)
             took = _now_ns() - start
         except OSError as exc:
             raise FUSEError(exc.errno or errno.EIO) from None
@@ -623,6 +638,49 @@ class PassthroughOperations(pyfuse3.Operations):
             if handle.stream_left:
                 self._follow_stream(handle, off, n)
         return n
+
+    async def _buffered(self, handle: FileHandle) -> int:
+        """A descriptor without O_DIRECT on the file of an O_DIRECT open, for the requests
+        whose offset or length O_DIRECT refuses (EINVAL): opened at the first one by
+        reopening the open's descriptor with its flags less O_DIRECT, closed at release.
+        At most one per open, so nothing new can pile up; an aligned request never comes
+        here (one integer test in read and write).
+
+        The kernel sends such requests on an O_DIRECT open of its own accord: the
+        writeback of a shared mapping stops at EOF, mid-block, and may go through any
+        writable open of the file (msync of a mapped O_DIRECT file failed with EINVAL and
+        the mapped range read back as zeros); a page fault reads a page, which a device
+        with larger blocks would refuse. A program that clears O_DIRECT with ``fcntl``
+        writes through the page cache from then on (GNU dd ``oflag=direct`` does for a
+        last partial block), and FUSE never tells the filesystem of the change.
+
+        The trade-off: an unaligned request a caller makes itself on an O_DIRECT open,
+        which ext4 refuses with EINVAL, is served too, through the page cache. Nothing
+        tells it apart from dd's tail (the same caller, the same request, no flag), and
+        pyfuse3 hides ``FUSE_WRITE_CACHE``, which would single out writeback alone. A
+        program that misaligns by mistake gets its data written instead of an error;
+        refusing would keep losing the data of the ones that did nothing wrong.
+
+        Why the two descriptors stay coherent: both are the same inode and page cache
+        underneath. On ext4, xfs and btrfs a direct read first writes back the dirty
+        cached pages of its range, and a direct write writes back and drops them before
+        and after it, so neither descriptor reads what the other has overwritten
+        (``tests/mount/test_odirect.py`` checks mixed sequences against ext4 itself).
+        tmpfs serves O_DIRECT from its page cache; an NFS client writes back its cache
+        when an inode switches to direct I/O and drops what a direct write covered.
+        Overlapping requests in flight at once are as unordered as they are natively.
+        ``fsync`` and a network ``flush`` on the O_DIRECT descriptor act on the inode,
+        so they cover what went through this one; O_SYNC, O_DSYNC and O_APPEND carry over.
+        """
+        if handle.buffered >= 0:
+            return handle.buffered
+        flags = (fcntl.fcntl(handle.fd, fcntl.F_GETFL) & ~os.O_DIRECT) | os.O_CLOEXEC
+        fd: int = await self._meta_opening(_reopen, handle.fd, flags)
+        if handle.buffered >= 0:  # another request opened one while this one waited
+            os.close(fd)
+            return handle.buffered
+        handle.buffered = fd
+        return fd
 
     @staticmethod
     def _split_tail(handle: FileHandle, flow: Flow, off: int, n: int) -> None:
@@ -692,7 +750,7 @@ class PassthroughOperations(pyfuse3.Operations):
         self.open_quota.release(handle.owner)
         handle.flow.release()
         handle.inode.opens -= 1
-        await self.io.blocking(handle.flow.threads, os.close, handle.fd)
+        await self.io.blocking(handle.flow.threads, _close_file, handle.fd, handle.buffered)
         if handle.inode.opens == 0 and handle.inode.lookups > 0:
             self.inodes.release_unlinked(handle.inode)
 
@@ -858,7 +916,8 @@ class PassthroughOperations(pyfuse3.Operations):
 
     def close_all(self) -> None:
         """Close every backing descriptor once the kernel connection is gone."""
-        for fd in list(self.files) + list(self.dirs):
+        held = [h.buffered for h in self.files.values() if h.buffered >= 0]
+        for fd in list(self.files) + held + list(self.dirs):
             try:
                 os.close(fd)
             except OSError:
@@ -882,6 +941,22 @@ def _reopen(fd: int, flags: int) -> int:
 
 def _create_in(dir_fd: int, name: bytes, mode: int, flags: int) -> int:
     return os.open(name, flags, mode, dir_fd=dir_fd)
+
+
+def _dio_mask(fd: int) -> int:
+    """The bits an offset or length must not have for O_DIRECT on *fd*. Where the kernel
+    does not report its alignment, a page: the largest logical block size of common
+    devices, and what the page cache's own requests are multiples of."""
+    return (syscalls.dio_offset_align(fd) or mmap.PAGESIZE) - 1
+
+
+def _close_file(fd: int, buffered: int) -> None:
+    """Close an open's descriptor and its buffered twin (-1: none), in one thread hop."""
+    try:
+        os.close(fd)
+    finally:
+        if buffered >= 0:
+            os.close(buffered)
 
 
 def _close_dup(fd: int) -> None:

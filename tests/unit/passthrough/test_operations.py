@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
+import mmap
 import os
 import stat
 from pathlib import Path
@@ -13,6 +15,7 @@ import pyfuse3
 import pytest
 import trio
 
+from qosfs.core import syscalls
 from qosfs.passthrough.backing_io import BackingIO, IoMode
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.qos.interface import PassThroughQos
@@ -162,5 +165,37 @@ def test_backing_errors_on_the_data_path_reach_the_caller_and_leave_handles_soun
         info = await ops.open(entry.st_ino, os.O_RDWR, _Ctx())  # and the file still works
         assert bytes(await ops.read(info.fh, 0, 4)) == b"xxxx"
         await ops.release(info.fh)
+
+    trio.run(main)
+
+
+def test_requests_o_direct_refuses_go_to_one_buffered_twin_closed_at_release(
+        tmp_path: Path) -> None:
+    # The kernel writes a mapping's last page back up to EOF only, on whichever writable
+    # open it picks, O_DIRECT or not (tests/mount/test_odirect.py shows the data loss).
+    ops = _ops(tmp_path)
+
+    async def main() -> None:
+        info, _ = await ops.create(pyfuse3.ROOT_INODE, b"f", 0o644, os.O_RDWR | os.O_DIRECT,
+                                   _Ctx())
+        handle = ops.files[info.fh]
+        if not handle.direct:
+            pytest.skip("the temporary directory refuses O_DIRECT")
+        align = syscalls.dio_offset_align(handle.fd) or mmap.PAGESIZE
+        assert handle.dio_mask == align - 1 and not align & (align - 1)
+        assert await ops.write(info.fh, 0, b"a" * 4096) == 4096  # aligned: O_DIRECT
+        assert bytes(await ops.read(info.fh, 0, 4096)) == b"a" * 4096
+        assert handle.buffered == -1  # not opened until needed
+        assert await ops.write(info.fh, 4096, b"tail") == 4
+        twin = handle.buffered
+        assert twin >= 0 and not fcntl.fcntl(twin, fcntl.F_GETFL) & os.O_DIRECT
+        assert bytes(await ops.read(info.fh, 4090, 10)) == b"aaaaaatail"
+        assert handle.buffered == twin  # one per open, kept
+        await ops.release(info.fh)
+        for fd in (info.fh, twin):
+            with pytest.raises(OSError) as closed:
+                os.fstat(fd)
+            assert closed.value.errno == errno.EBADF
+        assert (tmp_path / "f").read_bytes() == b"a" * 4096 + b"tail"
 
     trio.run(main)
