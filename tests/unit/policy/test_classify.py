@@ -284,6 +284,10 @@ def test_default_policy_catches_real_checkpoint_writers_by_name(path: str) -> No
 def test_a_temporary_name_takes_the_class_of_the_name_it_will_get() -> None:
     assert final_name("a/model.pt.tmp") == "a/model.pt"
     assert final_name("a/.metadata.tmp") == "a/.metadata"
+    # TensorFlow's BundleWriter: "<prefix>.data-00000-of-00001.tempstate<random>".
+    assert final_name("t/ckpt-1.data-00000-of-00001.tempstate8812") == (
+        "t/ckpt-1.data-00000-of-00001")
+    assert final_name("t/ckpt-1.index.tempstate17") == "t/ckpt-1.index"
     assert final_name("ckpt_1.orbax-checkpoint-tmp-12/x") == "ckpt_1/x"
     assert final_name("run-tmp-3/x") == "run/x"
     assert final_name("a/.tmpab12cd") is None  # safetensors: no final name to read
