@@ -131,12 +131,16 @@ detect_streaming_writes = "256MiB"
                          # cache; "direct-writes" for writers that open read-write
 
 # Training data: never throttled here, and first in line when the backend is contended.
-# (A large sequential write here, dataset preparation say, counts as a stream.)
 [classes.datasets]
 paths = [
     "data/**", "datasets/**", "**/*.parquet", "**/*.arrow", "**/*.tfrecord*", "**/*.tar",
     "**/*.mds", "**/*.npy", "**/*.h5", "**/*.hdf5", "**/*.jsonl",
 ]
+# Reading, and the metadata requests of reading: a file written in a dataset's format is
+# not protected while it is written (np.save of an optimizer state, a Keras .weights.h5,
+# a dataset being prepared). Such writes fall through to default, where a stream still
+# moves to checkpoints. An open for reading and writing (O_RDWR) counts as a write.
+ops = ["read", "meta"]
 priority = "high"
 # A dataset does not change while a job reads it: the kernel may trust its names and
 # attributes for a minute, which saves a data loader a lookup and a getattr per sample.

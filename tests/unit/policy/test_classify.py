@@ -196,6 +196,18 @@ def test_default_policy_classes() -> None:
     assert "checkpoints" in repr(c)
 
 
+@pytest.mark.parametrize("path", [
+    "data/train/shard-0.parquet", "x/train.h5", "x/features.npy", "x/shard-0001.tar",
+])
+def test_the_default_dataset_class_takes_reads_and_metadata_not_writes(path: str) -> None:
+    """A write in a dataset's format (np.save of an optimizer state, a Keras .weights.h5)
+    was charged to the protected class, at its priority and never capped."""
+    c = Classifier(default_policy())
+    assert c.classify(path, 1, 1, "read").name == "datasets"
+    assert c.classify(path, 1, 1, "meta").name == "datasets"  # under a meta_iops cap
+    assert c.classify(path, 1, 1, "write").name == "default"  # streams still move on
+
+
 def test_classify_cache_is_bounded() -> None:
     c = Classifier(default_policy(), cache_size=16)
     for i in range(100):
