@@ -112,13 +112,25 @@ DEFAULT_POLICY_TEXT = """\
 # Checkpoint dumps: hundreds of ranks writing at once starve the data loaders, so writes
 # are capped. Reading a checkpoint back is not capped (reads fall through to the classes
 # below: a .pt shard under data/ is a dataset). Temporary names of atomic saves
-# ("model.pt.tmp", ".metadata.tmp", "*.orbax-checkpoint-tmp-N/") take the class of the
-# name they will get; writers no name reveals are caught by detect_streaming_writes.
+# ("model.pt.tmp", ".metadata.tmp", "ckpt-1.index.tempstate8812",
+# "*.orbax-checkpoint-tmp-N/") take the class of the name they will get; writers no name
+# reveals are caught by detect_streaming_writes. ("a/**" matches a file "a" too.)
 [classes.checkpoints]
 paths = [
-    "**/checkpoints/**", "**/checkpoint-*/**", "**/checkpoint_*/**", "**/*.pt", "**/*.pth",
-    "**/*.safetensors", "**/*.distcp", "**/.metadata", "**/*.ckpt",
-    "**/*.orbax-checkpoint-tmp-*/**",
+    # Checkpoint directories (PyTorch Lightning, NeMo, Hugging Face, Flax, yours)
+    "**/checkpoints/**", "**/checkpoint/**", "**/ckpt/**", "**/ckpts/**",
+    "**/checkpoint-*/**", "**/checkpoint_*/**",
+    # PyTorch, safetensors, torch.distributed.checkpoint, Lightning, NeMo
+    "**/*.pt", "**/*.pth", "**/*.safetensors", "**/*.distcp", "**/.metadata", "**/*.ckpt",
+    "**/*.nemo",
+    # TensorFlow (data shards, index, Estimator's model.ckpt-N.*, SavedModel), Keras 3
+    "**/*.data-?????-of-?????", "**/ckpt-*.index", "**/*.ckpt-*",
+    "**/*_temp/part-?????-of-?????.*", "**/variables/variables.*", "**/*.keras",
+    "**/*.weights.h5",
+    # JAX: Orbax (written under a temporary name, then renamed) and its OCDBT files
+    "**/*.orbax-checkpoint-tmp-*/**", "**/_CHECKPOINT_METADATA", "**/_METADATA",
+    "**/_sharding", "**/*.ocdbt", "**/ocdbt.process_*/**",
+    "**/d/????????????????????????????????",
 ]
 ops = ["write"]
 write_bandwidth = "400MiB/s"
