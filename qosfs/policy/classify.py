@@ -281,9 +281,10 @@ class JobCache:
 
 
 # Temporary names of atomic saves, and what they become: "model.pt.tmp" / "model.pt.tmp42"
-# -> "model.pt", ".metadata.tmp" -> ".metadata" (torch.distributed.checkpoint), and a
+# -> "model.pt", ".metadata.tmp" -> ".metadata" (torch.distributed.checkpoint),
+# "ckpt-1.index.tempstate8812" -> "ckpt-1.index" (TensorFlow's checkpoint writer), and a
 # directory "ckpt_100.orbax-checkpoint-tmp-1234" -> "ckpt_100" (renamed when complete).
-_TMP_LEAF = re.compile(r"(?<=[^/])\.tmp[^/]*$")
+_TMP_LEAF = re.compile(r"(?<=[^/])\.(?:tmp|tempstate)[^/]*$")
 _TMP_DIR = re.compile(r"(?:\.[^/.]*)?-tmp-[0-9]+(?=/|$)")
 
 

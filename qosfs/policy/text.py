@@ -112,13 +112,25 @@ DEFAULT_POLICY_TEXT = """\
 # Checkpoint dumps: hundreds of ranks writing at once starve the data loaders, so writes
 # are capped. Reading a checkpoint back is not capped (reads fall through to the classes
 # below: a .pt shard under data/ is a dataset). Temporary names of atomic saves
-# ("model.pt.tmp", ".metadata.tmp", "*.orbax-checkpoint-tmp-N/") take the class of the
-# name they will get; writers no name reveals are caught by detect_streaming_writes.
+# ("model.pt.tmp", ".metadata.tmp", "ckpt-1.index.tempstate8812",
+# "*.orbax-checkpoint-tmp-N/") take the class of the name they will get; writers no name
+# reveals are caught by detect_streaming_writes. ("a/**" matches a file "a" too.)
 [classes.checkpoints]
 paths = [
-    "**/checkpoints/**", "**/checkpoint-*/**", "**/checkpoint_*/**", "**/*.pt", "**/*.pth",
-    "**/*.safetensors", "**/*.distcp", "**/.metadata", "**/*.ckpt",
-    "**/*.orbax-checkpoint-tmp-*/**",
+    # Checkpoint directories (PyTorch Lightning, NeMo, Hugging Face, Flax, yours)
+    "**/checkpoints/**", "**/checkpoint/**", "**/ckpt/**", "**/ckpts/**",
+    "**/checkpoint-*/**", "**/checkpoint_*/**",
+    # PyTorch, safetensors, torch.distributed.checkpoint, Lightning, NeMo
+    "**/*.pt", "**/*.pth", "**/*.safetensors", "**/*.distcp", "**/.metadata", "**/*.ckpt",
+    "**/*.nemo",
+    # TensorFlow (data shards, index, Estimator's model.ckpt-N.*, SavedModel), Keras 3
+    "**/*.data-?????-of-?????", "**/ckpt-*.index", "**/*.ckpt-*",
+    "**/*_temp/part-?????-of-?????.*", "**/variables/variables.*", "**/*.keras",
+    "**/*.weights.h5",
+    # JAX: Orbax (written under a temporary name, then renamed) and its OCDBT files
+    "**/*.orbax-checkpoint-tmp-*/**", "**/_CHECKPOINT_METADATA", "**/_METADATA",
+    "**/_sharding", "**/*.ocdbt", "**/ocdbt.process_*/**",
+    "**/d/????????????????????????????????",
 ]
 ops = ["write"]
 write_bandwidth = "400MiB/s"
@@ -131,12 +143,16 @@ detect_streaming_writes = "256MiB"
                          # cache; "direct-writes" for writers that open read-write
 
 # Training data: never throttled here, and first in line when the backend is contended.
-# (A large sequential write here, dataset preparation say, counts as a stream.)
 [classes.datasets]
 paths = [
     "data/**", "datasets/**", "**/*.parquet", "**/*.arrow", "**/*.tfrecord*", "**/*.tar",
     "**/*.mds", "**/*.npy", "**/*.h5", "**/*.hdf5", "**/*.jsonl",
 ]
+# Reading, and the metadata requests of reading: a file written in a dataset's format is
+# not protected while it is written (np.save of an optimizer state, a Keras .weights.h5,
+# a dataset being prepared). Such writes fall through to default, where a stream still
+# moves to checkpoints. An open for reading and writing (O_RDWR) counts as a write.
+ops = ["read", "meta"]
 priority = "high"
 # A dataset does not change while a job reads it: the kernel may trust its names and
 # attributes for a minute, which saves a data loader a lookup and a getattr per sample.

@@ -196,6 +196,18 @@ def test_default_policy_classes() -> None:
     assert "checkpoints" in repr(c)
 
 
+@pytest.mark.parametrize("path", [
+    "data/train/shard-0.parquet", "x/train.h5", "x/features.npy", "x/shard-0001.tar",
+])
+def test_the_default_dataset_class_takes_reads_and_metadata_not_writes(path: str) -> None:
+    """A write in a dataset's format (np.save of an optimizer state, a Keras .weights.h5)
+    was charged to the protected class, at its priority and never capped."""
+    c = Classifier(default_policy())
+    assert c.classify(path, 1, 1, "read").name == "datasets"
+    assert c.classify(path, 1, 1, "meta").name == "datasets"  # under a meta_iops cap
+    assert c.classify(path, 1, 1, "write").name == "default"  # streams still move on
+
+
 def test_classify_cache_is_bounded() -> None:
     c = Classifier(default_policy(), cache_size=16)
     for i in range(100):
@@ -275,15 +287,52 @@ def test_glob_errors_stay_on_one_line() -> None:
     "run1/dcp/.metadata.tmp",                   # torch.distributed.checkpoint ...
     "run1/checkpoints/step100.pt",
     "ckpt_100.orbax-checkpoint-tmp-1234/state/d/0a1b2c3d",  # Orbax-like, renamed at the end
+    # Checkpoint directories, whatever the format (np.save, h5py, ...)
+    "run1/ckpt/opt_state.npy", "run1/ckpts/step_7/model.h5", "out/checkpoint/last.bin",
+    "lightning_logs/version_0/checkpoints/epoch=3-step=100.ckpt",
+    # TensorFlow: CheckpointManager's shards, index and state file, each through its
+    # temporary name; Estimator; SavedModel; Keras 3
+    "tf_ckpts/ckpt-7_temp/part-00000-of-00001.data-00000-of-00001.tempstate4417",
+    "tf_ckpts/ckpt-7_temp/part-00000-of-00001.index.tempstate99",
+    "tf_ckpts/ckpt-7.data-00000-of-00001", "tf_ckpts/ckpt-7.index",
+    "tf_ckpts/checkpoint", "tf_ckpts/checkpoint.tmp5b1e0c3f9a2d4e6f8a1b2c3d4e5f6a7b",
+    "est/model.ckpt-100.meta", "est/model.ckpt-100.index",
+    "export/1/variables/variables.index", "export/1/variables/variables.data-00000-of-00002",
+    "run1/model.keras", "run1/model.weights.h5", "run1/model_00001.weights.h5",
+    # NeMo
+    "run1/model.nemo", "nemo_experiments/gpt/2024-01-01/checkpoints/gpt--step=100-last.ckpt",
+    # JAX: Flax's msgpack checkpoint (through "checkpoint_tmp"), Orbax written in place
+    "flax/checkpoint_tmp", "flax/checkpoint_100",
+    "run1/100/_CHECKPOINT_METADATA", "run1/100/state/_METADATA", "run1/100/state/_sharding",
+    "run1/100/state/manifest.ocdbt", "run1/100/state/ocdbt.process_0/manifest.ocdbt",
+    "run1/100/state/ocdbt.process_0/d/09e6fcdbd40758209378753db224b54d",
+    "run1/100/state/d/b7799a97e94343d6b39680ff354fbe60", "run1/100/state/checkpoint",
 ])
 def test_default_policy_catches_real_checkpoint_writers_by_name(path: str) -> None:
     c = Classifier(default_policy())
     assert c.classify(path, 1000, 1000, "write").name == "checkpoints", path
 
 
+@pytest.mark.parametrize("path", [
+    "data/train/shard-00000-of-00010.parquet",  # Hugging Face Hub shards
+    "cache/hf/train/data-00000-of-00003.arrow",  # datasets.save_to_disk
+    "tfds/mnist/3.0.1/mnist-train.tfrecord-00000-of-00001",
+    "wds/shard-000001.tar", "x/train.h5", "x/features.npy",
+    "lake/table/_metadata", "lake/table/_common_metadata",  # Parquet summaries
+    "index/wiki.index", "x/d/readme.txt", "x/variables/temperature.nc",
+])
+def test_default_checkpoint_names_leave_dataset_files_alone(path: str) -> None:
+    """Writing a dataset (preparing one, say) is not a checkpoint by name."""
+    assert Classifier(default_policy()).classify(path, 1, 1, "write").name == "default"
+
+
 def test_a_temporary_name_takes_the_class_of_the_name_it_will_get() -> None:
     assert final_name("a/model.pt.tmp") == "a/model.pt"
     assert final_name("a/.metadata.tmp") == "a/.metadata"
+    # TensorFlow's BundleWriter: "<prefix>.data-00000-of-00001.tempstate<random>".
+    assert final_name("t/ckpt-1.data-00000-of-00001.tempstate8812") == (
+        "t/ckpt-1.data-00000-of-00001")
+    assert final_name("t/ckpt-1.index.tempstate17") == "t/ckpt-1.index"
     assert final_name("ckpt_1.orbax-checkpoint-tmp-12/x") == "ckpt_1/x"
     assert final_name("run-tmp-3/x") == "run/x"
     assert final_name("a/.tmpab12cd") is None  # safetensors: no final name to read

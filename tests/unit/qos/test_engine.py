@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from qosfs.passthrough.paths import PATH_MEMO_SECONDS
-from qosfs.policy.loading import parse_policy
+from qosfs.policy.loading import default_policy, parse_policy
 from qosfs.qos import engine as scheduler
 from qosfs.qos.engine import PolicyFlow, PolicyQos
 from tests.mock_clock import mock_clock
@@ -269,3 +269,13 @@ def test_cache_timeouts_go_by_path_first_class_that_sets_each() -> None:
     assert timeouts("data/x.pt") == (60.0, 1.0)  # ckpt decides attr (ops do not matter)
     assert timeouts("other") == (2.0, None)  # None: the mount's --attr-timeout
     assert PolicyQos(parse_policy("")).cache_timeouts is None  # nothing to look up
+
+
+def test_the_default_dataset_timeouts_hold_for_dataset_paths_whatever_the_op() -> None:
+    """The dataset class takes reads only; its timeouts still go by path (the kernel
+    caches a name for every caller, writers included)."""
+    timeouts = PolicyQos(default_policy()).cache_timeouts
+    assert timeouts is not None
+    for path in ("data/imagenet/0001.jpg", "datasets/x", "x/train.h5", "x/features.npy"):
+        assert timeouts(path) == (60.0, 60.0), path
+    assert timeouts("home/u/notes.txt") == (None, None)
