@@ -30,7 +30,7 @@ if TYPE_CHECKING:
         LimitKind,
         default_burst,
     )
-    from qosfs.core.mountinfo import MountEntry, mounts
+    from qosfs.core.mountinfo import MountEntry, containing, mounts
     from qosfs.core.units import (
         UnitError,
         format_bandwidth,
@@ -59,7 +59,7 @@ _EXPORTS = {
     "limit_kinds": (
         "BY_KEY", "CAP_KEYS", "LIMIT_KINDS", "KeyedValues", "Kind", "LimitKind", "default_burst"
     ),
-    "mountinfo": ("MountEntry", "mounts"),
+    "mountinfo": ("MountEntry", "containing", "mounts"),
     "failures": ("Failures",),
 }
 __all__ = [
@@ -81,6 +81,7 @@ __all__ = [
     "MountEntry",
     "QosfsError",
     "UnitError",
+    "containing",
     "default_burst",
     "format_bandwidth",
     "format_duration",

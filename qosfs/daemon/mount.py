@@ -51,6 +51,7 @@ from qosfs.daemon import tuning
 from qosfs.daemon.notify import notify, reloading
 from qosfs.daemon.privileges import shed_resource_privileges
 from qosfs.daemon.supervise import Service, supervised
+from qosfs.daemon.topology import QOSFS_FSTYPE, check_before_stat, check_topology
 from qosfs.passthrough.backing_io import BackingIO, IoMode, backing_mount, choose_io_mode
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import default_policy, load_policy
@@ -93,14 +94,17 @@ class MountConfig:
     qos: bool = True  # False: pure pass-through that only counts (benchmark baseline)
     socket_path: str | None = None  # None: derived from the mountpoint under /run/qosfs
     metrics: str | None = None  # "[HOST:]PORT" to serve /metrics; None: no exporter
+    allow_stacked: bool = False  # a source in a qosfs mount (qosfs.daemon.topology)
 
 
-def check_mount_args(source: str, mountpoint: str) -> None:
-    """Fail early, with one line, on everything that would make the mount fail later."""
+def check_mount_args(source: str, mountpoint: str, allow_stacked: bool = False) -> None:
+    """Fail early, with one line, on everything that would make the mount fail later (or
+    misbehave: qosfs over qosfs, a mountpoint inside the source; qosfs.daemon.topology)."""
     # A stale mount first: mounting in place after a crash, the source is that same dead
     # mount, and would look missing ("does not exist") until it is cleaned.
     if _statfs_errno(mountpoint) == errno.ENOTCONN:
         clean_stale_mount(mountpoint)
+    check_before_stat(source, mountpoint, allow_stacked)  # before stat() reaches into it
     if not os.path.exists(source):
         raise QosfsError(f"source {source} does not exist", EXIT_SOURCE)
     if not os.path.isdir(source):
@@ -116,8 +120,9 @@ def check_mount_args(source: str, mountpoint: str) -> None:
             raise QosfsError(f"mountpoint {mountpoint}: {exc.strerror}", EXIT_MOUNTPOINT) from None
     if not os.path.isdir(mountpoint):
         raise QosfsError(f"mountpoint {mountpoint} is not a directory", EXIT_MOUNTPOINT)
-    if mount_type(os.path.realpath(mountpoint)) == "fuse.qosfs":
+    if mount_type(os.path.realpath(mountpoint)) == QOSFS_FSTYPE:
         raise QosfsError(f"{mountpoint} is already mounted by qosfs", EXIT_MOUNTPOINT)
+    check_topology(source, mountpoint, allow_stacked)
     if not os.path.exists("/dev/fuse"):
         raise QosfsError("/dev/fuse is missing (load the fuse module)", EXIT_FUSE)
     if os.geteuid() != 0 and shutil.which("fusermount3") is None:
@@ -185,7 +190,7 @@ def _fuse_options(cfg: MountConfig, backing_options: frozenset[str]) -> set[str]
 
 def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> int:
     """Mount and serve until unmounted or signalled. Returns the exit code."""
-    check_mount_args(cfg.source, cfg.mountpoint)
+    check_mount_args(cfg.source, cfg.mountpoint, cfg.allow_stacked)
     policy = load_policy(cfg.policy_path) if cfg.policy_path else default_policy()
     root_fd = os.open(cfg.source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     fstype, backing_options = backing_mount(root_fd)
@@ -233,7 +238,7 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
             trio.run(_serve, cfg, mountpoint, engine, on_ready, services, latency, failures)
             unmounted_by_us = True
         finally:
-            still_mounted = mount_type(mountpoint) == "fuse.qosfs"
+            still_mounted = mount_type(mountpoint) == QOSFS_FSTYPE
             pyfuse3.close(unmount=still_mounted)
             ops.close_all()
             log.info("unmounted %s (%s)", mountpoint,
