@@ -14,7 +14,7 @@
                storm (torch.save, dcp), bare / --no-qos / default policy / latency target
   envelope     what one mount carries (small/large reads, metadata), and a do-nothing floor
   demo         a one-minute look at what QoS does for a dataset reader
-  machinery    per-request cost of admission and of the metadata handlers, in-process
+  machinery    per-request cost of admission and of the handlers, in-process
   cluster      two mounts sharing one cluster cap through Redis, and its cost to Redis
   latency-target  a reader's latency target held against an uncapped checkpoint storm
   soak         mixed readers, writers, metadata and ctl changes for N minutes, then checks
@@ -77,7 +77,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         _common(sub.add_parser(name, help=f"the {name} suite alone"))
     sub.add_parser("demo", help="a one-minute demo: a reader alone, under a storm, with QoS")
     sub.add_parser("machinery", help="in-process cost per request of admission and of the "
-                   "metadata handlers (no mount; about a minute)")
+                   "metadata and data handlers (no mount; about a minute)")
     sub.add_parser("cluster", help="two mounts sharing one cluster cap through Redis, and "
                    "what the lease script costs Redis (about a minute)")
     lt = sub.add_parser("latency-target",

@@ -14,6 +14,10 @@ Each operation is the sequence of FUSE requests the kernel sends for it on a col
 (bench.metadata's ``meta.fio``): create = lookup (negative) + create + release; stat =
 lookup; open = lookup + open + read + release (of an empty file); unlink = lookup +
 unlink.
+
+``read``/``write`` below are the data path's own handlers: a 4 KiB read and a 4 KiB write
+at offset 0 of one open file, so a change to the handlers themselves (not the engine)
+can be compared to the one before.
 """
 
 from __future__ import annotations
@@ -199,6 +203,51 @@ def admission(cluster: bool = False) -> dict[str, float]:
     return out
 
 
+# -- the data path's handlers: what read() and write() cost around the syscall --------
+
+IO_CALLS = 50_000  # per figure and round
+IO_ROUNDS = 5
+
+
+def io_handlers(scratch: Path, policy_text: str) -> dict[str, dict[str, float]]:
+    """Nanoseconds per call (median of rounds) of ``read`` and ``write`` of 4 KiB at
+    offset 0 of one open file on *scratch*, without a policy and with *policy_text*:
+    the handler, admission (fast path) and the backing ``pread``/``pwrite`` inline."""
+    out: dict[str, dict[str, float]] = {"read 4 KiB": {}, "write 4 KiB": {}}
+    ctx = SimpleNamespace(uid=0, gid=0, pid=os.getpid(), umask=0o022)
+    block = b"x" * 4096
+    for side, engine in (("no-qos", PassThroughQos()),
+                         ("policy", PolicyQos(parse_policy(policy_text)))):
+        top = scratch / f"io-{side}"
+        top.mkdir()
+        fd = os.open(top, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        fs = PassthroughOperations(fd, BackingIO(IoMode.INLINE), engine, FsOptions())
+
+        async def main(fs: PassthroughOperations = fs, side: str = side) -> None:
+            info, entry = await fs.create(pyfuse3.ROOT_INODE, b"f", 0o644,
+                                          os.O_RDWR | os.O_CREAT, ctx)
+            await fs.write(info.fh, 0, block)
+            for name, call in (("read 4 KiB", lambda: fs.read(info.fh, 0, 4096)),
+                               ("write 4 KiB", lambda: fs.write(info.fh, 0, block))):
+                runs = []
+                for _ in range(IO_ROUNDS):
+                    start = time.perf_counter_ns()
+                    for _ in range(IO_CALLS):
+                        await call()
+                    runs.append((time.perf_counter_ns() - start) / IO_CALLS)
+                out[name][side] = round(statistics.median(runs))
+            await fs.release(info.fh)
+            await fs.forget([(entry.st_ino, 1)])
+
+        try:
+            trio.run(main)
+        finally:
+            fs.close_all()
+            os.close(fd)
+            shutil.rmtree(top, ignore_errors=True)
+    return out
+
+
 def run() -> int:
     """``python -m bench machinery``: the per-request costs above, printed."""
     import tempfile
@@ -213,9 +262,15 @@ def run() -> int:
         from bench.overhead import GENEROUS_POLICY
 
         handlers = measure(Path(scratch), GENEROUS_POLICY)
+        io = io_handlers(Path(scratch), GENEROUS_POLICY)
     print(f"metadata handlers ({FILES} files x {ROUNDS} rounds, us per operation):")
     print(f"  {'':8s} {'no-qos':>8s} {'policy':>8s} {'added':>8s}")
     for op, row in handlers["ops"].items():
         print(f"  {op:8s} {row['no_qos_us']:8.2f} {row['policy_us']:8.2f} "
               f"{row['added_us']:8.2f}")
+    print(f"data handlers ({IO_CALLS} calls x {IO_ROUNDS} rounds, ns per call, syscall "
+          "included):")
+    print(f"  {'':12s} {'no-qos':>8s} {'policy':>8s}")
+    for name, row in io.items():
+        print(f"  {name:12s} {row['no-qos']:8.0f} {row['policy']:8.0f}")
     return 0

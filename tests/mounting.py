@@ -37,17 +37,19 @@ class QosfsMount:
 
     def __init__(self, source: Path, mountpoint: Path, *args: str,
                  log_path: Path | None = None, nofile: int | None = None,
-                 wrapper: Sequence[str] = ()) -> None:
+                 wrapper: Sequence[str] = (), entry: Sequence[str] = ("-m", "qosfs")) -> None:
         self.source = source
         self.nofile = nofile  # the daemon's RLIMIT_NOFILE (soft and hard), if set
         self.wrapper = list(wrapper)  # runs the daemon, e.g. setpriv with a bounding set
+        # What the interpreter runs: qosfs, or e.g. tests/faultinject.py with its faults.
+        self.entry = list(entry)
         self.mountpoint = mountpoint
         self.args = args
         self.log_path = log_path or mountpoint.parent / f"qosfs-{mountpoint.name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 20.0) -> QosfsMount:
-        cmd = [*self.wrapper, sys.executable, "-m", "qosfs", "mount", "--foreground",
+        cmd = [*self.wrapper, sys.executable, *self.entry, "mount", "--foreground",
                str(self.source)]
         if self.mountpoint != self.source:
             cmd.append(str(self.mountpoint))

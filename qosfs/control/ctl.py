@@ -231,6 +231,12 @@ def format_header(reply: dict[str, Any]) -> list[str]:
                      f"({applied} changes applied, {rejected} rejected{last})")
     else:
         lines.append(str(reply.get("message", "no policy")))
+    errors = reply.get("internal_errors") or {}
+    if errors:  # a bug the daemon survived: say so where operators look first
+        kinds = ", ".join(f"{where} {kind} x{n}" for where, by_kind in errors.items()
+                          for kind, n in by_kind.items())
+        lines.append(f"INTERNAL ERRORS (answered EIO or restarted; the first of each kind "
+                     f"is in the daemon's log): {kinds}")
     return lines
 
 

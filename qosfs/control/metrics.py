@@ -45,7 +45,9 @@ Policy: ``qosfs_policy_generation``, ``qosfs_policy_changes_total{command, resul
 Resources (see ``_RESOURCES``): ``qosfs_inode_descriptors``, ``..._budget``,
 ``qosfs_inodes``, ``qosfs_parked_requests``, ``qosfs_parked_bytes``,
 ``qosfs_parking_refused_total``, ``qosfs_killed_callers_total``,
-``qosfs_open_refused_total``, ``qosfs_user_accounts``, ``qosfs_users_expired_total``.
+``qosfs_open_refused_total``, ``qosfs_user_accounts``, ``qosfs_users_expired_total``,
+and ``qosfs_internal_errors_total{where, type}`` (unexpected exceptions the daemon
+survived: a request answered EIO, a service restarted; :mod:`qosfs.core.failures`).
 
 Per-uid series are bounded by the policy's ``[metrics]`` table (see
 :mod:`qosfs.qos.accounting`): at most ``user_series`` uids per class, idle ones folded away.
@@ -328,6 +330,15 @@ class SnapshotCollector:
             for cls, n in sorted(info["streaming_moves"].items()):
                 moves.add_metric([cls], n)
             yield moves
+        if "internal_errors" in info:
+            errors = CounterMetricFamily(
+                "qosfs_internal_errors", "Unexpected exceptions the daemon survived (the "
+                "request answered EIO, the service restarted), by handler or service and "
+                "exception type; the first of each kind is logged.", labels=["where", "type"])
+            for where, kinds in sorted(info["internal_errors"].items()):
+                for kind, n in sorted(kinds.items()):
+                    errors.add_metric([where, kind], n)
+            yield errors
 
 
 # ctl status key -> metric: descriptors held for inodes (qosfs.passthrough.inodes), requests parked

@@ -129,7 +129,8 @@ class ControlService:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Sample rates every second and reload on SIGHUP, until cancelled."""
-        self._started = trio.current_time()
+        if self._started is None:  # not again when restarted (qosfs.daemon.supervise)
+            self._started = trio.current_time()
         with trio.open_signal_receiver(signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._sample_rates)

@@ -1,5 +1,6 @@
-"""Vocabulary every layer shares: errors with exit codes, units, Linux syscalls, and what
-libfuse says about the caller of the request being served. Imports nothing above it."""
+"""Vocabulary every layer shares: errors with exit codes, units, Linux syscalls, what
+libfuse says about the caller of the request being served, and the count of unexpected
+failures the daemon survived. Imports nothing above it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
         EXIT_USAGE,
         QosfsError,
     )
+    from qosfs.core.failures import Failures
     from qosfs.core.limit_kinds import (
         BY_KEY,
         CAP_KEYS,
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
         LimitKind,
         default_burst,
     )
-    from qosfs.core.mountinfo import MountEntry, mounts
+    from qosfs.core.mountinfo import MountEntry, containing, mounts
     from qosfs.core.units import (
         UnitError,
         format_bandwidth,
@@ -57,7 +59,8 @@ _EXPORTS = {
     "limit_kinds": (
         "BY_KEY", "CAP_KEYS", "LIMIT_KINDS", "KeyedValues", "Kind", "LimitKind", "default_burst"
     ),
-    "mountinfo": ("MountEntry", "mounts"),
+    "mountinfo": ("MountEntry", "containing", "mounts"),
+    "failures": ("Failures",),
 }
 __all__ = [
     "BY_KEY",
@@ -71,12 +74,14 @@ __all__ = [
     "EXIT_SOURCE",
     "EXIT_USAGE",
     "LIMIT_KINDS",
+    "Failures",
     "KeyedValues",
     "Kind",
     "LimitKind",
     "MountEntry",
     "QosfsError",
     "UnitError",
+    "containing",
     "default_burst",
     "format_bandwidth",
     "format_duration",

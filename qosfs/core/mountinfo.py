@@ -1,15 +1,16 @@
 """The kernel's table of mounts (``/proc/self/mountinfo``), parsed in one place.
 
-The daemon reads it twice: at start, for the backing filesystem's type and options (by
-device number), and at exit, for what is mounted on its mountpoint (by path, without a
-system call on a mountpoint whose server may be gone).
+The daemon reads it at start, for the backing filesystem's type and options (by device
+number) and for whether the source lies in a qosfs mount (by path, then by device), and
+at exit, for what is mounted on its mountpoint. By path means without a system call on a
+path whose FUSE server may be gone or hung.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MountEntry", "mounts"]
+__all__ = ["MountEntry", "containing", "mounts"]
 
 MOUNTINFO = "/proc/self/mountinfo"
 
@@ -43,3 +44,19 @@ def mounts(path: str = MOUNTINFO) -> list[MountEntry]:
     except OSError:
         return []
     return entries
+
+
+def containing(path: str, entries: list[MountEntry]) -> MountEntry | None:
+    """The mount *path* lies in, read from the table alone: of the mounts whose mountpoint
+    is *path* or a directory above it, the deepest, and of several on that same path the
+    last listed (the one on top). *path* must be absolute and normalized; symlinks in it
+    are not resolved (that would take a system call on it)."""
+    found = None
+    depth = -1
+    for entry in entries:
+        top = entry.mountpoint
+        inside = path == top or path.startswith(top.rstrip("/") + "/")
+        if inside and len(top) >= depth:
+            found, depth = entry, len(top)
+    return found
+

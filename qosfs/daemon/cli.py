@@ -66,6 +66,9 @@ def _build_parser() -> argparse.ArgumentParser:
     m.add_argument("--metrics", metavar="[HOST:]PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics "
                         "(HOST defaults to 127.0.0.1)")
+    m.add_argument("--allow-stacked", action="store_true",
+                   help="accept a source that is (inside) a qosfs mount: every request is "
+                        "then throttled by both mounts")
     m.set_defaults(func=_cmd_mount)
 
     ctl.add_parser(sub)
@@ -152,6 +155,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         qos=not args.no_qos,
         socket_path=os.path.abspath(args.socket) if args.socket else None,
         metrics=args.metrics,
+        allow_stacked=args.allow_stacked,
     )
     check_own_paths(cfg.mountpoint, {"control socket": cfg.socket_path,
                                      "log file": args.log_file})

@@ -31,7 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,10 +51,13 @@ from qosfs.core.errors import (
     EXIT_USAGE,
     QosfsError,
 )
+from qosfs.core.failures import Failures
 from qosfs.core.mountinfo import mounts
 from qosfs.daemon import tuning
 from qosfs.daemon.notify import notify, reloading
 from qosfs.daemon.privileges import shed_resource_privileges
+from qosfs.daemon.supervise import Service, supervised
+from qosfs.daemon.topology import QOSFS_FSTYPE, check_before_stat, check_topology
 from qosfs.passthrough.backing_io import BackingIO, IoMode, backing_mount, choose_io_mode
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import default_policy, load_policy
@@ -97,14 +100,17 @@ class MountConfig:
     qos: bool = True  # False: pure pass-through that only counts (benchmark baseline)
     socket_path: str | None = None  # None: derived from the mountpoint under /run/qosfs
     metrics: str | None = None  # "[HOST:]PORT" to serve /metrics; None: no exporter
+    allow_stacked: bool = False  # a source in a qosfs mount (qosfs.daemon.topology)
 
 
-def check_mount_args(source: str, mountpoint: str) -> None:
-    """Fail early, with one line, on everything that would make the mount fail later."""
+def check_mount_args(source: str, mountpoint: str, allow_stacked: bool = False) -> None:
+    """Fail early, with one line, on everything that would make the mount fail later (or
+    misbehave: qosfs over qosfs, a mountpoint inside the source; qosfs.daemon.topology)."""
     # A stale mount first: mounting in place after a crash, the source is that same dead
     # mount, and would look missing ("does not exist") until it is cleaned.
     if _statfs_errno(mountpoint) == errno.ENOTCONN:
         clean_stale_mount(mountpoint)
+    check_before_stat(source, mountpoint, allow_stacked)  # before stat() reaches into it
     if not os.path.exists(source):
         raise QosfsError(f"source {source} does not exist", EXIT_SOURCE)
     if not os.path.isdir(source):
@@ -120,8 +126,9 @@ def check_mount_args(source: str, mountpoint: str) -> None:
             raise QosfsError(f"mountpoint {mountpoint}: {exc.strerror}", EXIT_MOUNTPOINT) from None
     if not os.path.isdir(mountpoint):
         raise QosfsError(f"mountpoint {mountpoint} is not a directory", EXIT_MOUNTPOINT)
-    if mount_type(os.path.realpath(mountpoint)) == "fuse.qosfs":
+    if mount_type(os.path.realpath(mountpoint)) == QOSFS_FSTYPE:
         raise QosfsError(f"{mountpoint} is already mounted by qosfs", EXIT_MOUNTPOINT)
+    check_topology(source, mountpoint, allow_stacked)
     if not os.path.exists("/dev/fuse"):
         raise QosfsError("/dev/fuse is missing (load the fuse module)", EXIT_FUSE)
     if os.geteuid() != 0 and shutil.which("fusermount3") is None:
@@ -210,7 +217,7 @@ def _fuse_options(cfg: MountConfig, backing_options: frozenset[str]) -> set[str]
 
 def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> int:
     """Mount and serve until unmounted or signalled. Returns the exit code."""
-    check_mount_args(cfg.source, cfg.mountpoint)
+    check_mount_args(cfg.source, cfg.mountpoint, cfg.allow_stacked)
     policy = load_policy(cfg.policy_path) if cfg.policy_path else default_policy()
     root_fd = os.open(cfg.source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     fstype, backing_options = backing_mount(root_fd)
@@ -236,8 +243,10 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
         else PassThroughQos())
     if cfg.qos:  # parked requests of killed callers are answered at once
         interrupts.install()
+    # Unexpected failures of handlers and services, answered and counted, not fatal.
+    failures = Failures()
     ops = PassthroughOperations(root_fd, BackingIO(mode), engine, cfg.fs_options,
-                                write_as_caller)
+                                write_as_caller, failures)
     mountpoint = os.path.realpath(cfg.mountpoint)  # resolved before we serve it
     latency = (LatencyLoop(engine, LatencyProbe(mountpoint, ops.probe_tids))
                if isinstance(engine, PolicyQos) else None)
@@ -250,10 +259,13 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
             raise QosfsError(f"mounting {mountpoint} failed: {exc}", EXIT_FUSE) from None
         unmounted_by_us = False
         try:
-            trio.run(_serve, cfg, mountpoint, engine, on_ready, services, latency)
+            # SIGHUP reloads while the control service listens; ignored, not fatal, in
+            # the pause before that service is restarted after a failure.
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+            trio.run(_serve, cfg, mountpoint, engine, on_ready, services, latency, failures)
             unmounted_by_us = True
         finally:
-            still_mounted = mount_type(mountpoint) == "fuse.qosfs"
+            still_mounted = mount_type(mountpoint) == QOSFS_FSTYPE
             pyfuse3.close(unmount=still_mounted)
             ops.close_all()
             log.info("unmounted %s (%s)", mountpoint,
@@ -261,14 +273,11 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
     return 0
 
 
-Service = Callable[..., Awaitable[Any]]
-
-
 def _open_services(cfg: MountConfig, mountpoint: str, engine: PolicyQos | PassThroughQos,
                    stack: ExitStack,
                    latency: LatencyLoop | None = None,
                    resources: Callable[[], dict[str, Any]] | None = None,
-                   cluster: ClusterCoordinator | None = None) -> list[Service]:
+                   cluster: ClusterCoordinator | None = None) -> list[tuple[str, Service]]:
     """Bind the control socket (and metrics port) now; closed when ``stack`` unwinds."""
     source = os.path.abspath(cfg.source)
     path = os.path.abspath(cfg.socket_path or default_socket_path(mountpoint))
@@ -282,41 +291,48 @@ def _open_services(cfg: MountConfig, mountpoint: str, engine: PolicyQos | PassTh
     controller.reloading = _notify_reloading
     if resources is not None:
         controller.info_sources.append(resources)
-    services: list[Service] = [controller.run, functools.partial(control.serve,
-                                                                 controller.handle)]
+    # Named as ctl status counts their failures (qosfs.daemon.supervise).
+    services: list[tuple[str, Service]] = [
+        ("control", controller.run),
+        ("control_socket", functools.partial(control.serve, controller.handle))]
     if latency is not None:
-        services.append(latency.run)
+        services.append(("latency_control", latency.run))
     if cluster is not None:
-        services.append(cluster.run)
+        services.append(("cluster", cluster.run))
         log.info("cluster levels renew every %gs with %s as %s", cluster.config.lease,
                  cluster.config.redis, cluster.node)
     log.info("control socket %s", path)
     if cfg.metrics is not None:
         metrics = MetricsServer(cfg.metrics, controller.snapshot)
         stack.callback(metrics.close)
-        services.append(metrics.serve)
+        services.append(("metrics", metrics.serve))
         log.info("serving metrics on http://%s:%d/metrics", metrics.host, metrics.port)
     return services
 
 
 async def _serve(cfg: MountConfig, mountpoint: str, engine: QosEngine,
-                 on_ready: Callable[[], None] | None, services: Sequence[Service] = (),
-                 latency: LatencyLoop | None = None) -> None:
+                 on_ready: Callable[[], None] | None,
+                 services: Sequence[tuple[str, Service]] = (),
+                 latency: LatencyLoop | None = None, failures: Failures | None = None) -> None:
+    failures = failures if failures is not None else Failures()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_watch_signals, engine, latency)
-        for service in services:  # already bound: "started" means "answering"
-            await nursery.start(service)
-        nursery.start_soon(_become_ready, cfg, mountpoint, on_ready)
+        nursery.start_soon(_watch_signals, engine, latency, failures)
+        for name, service in services:  # already bound: "started" means "answering"
+            await nursery.start(supervised, name, service, failures)
+        nursery.start_soon(_become_ready, cfg, mountpoint, on_ready, failures)
         await pyfuse3.main(min_tasks=MIN_TASKS, max_tasks=MAX_TASKS)
         _notify_stopping()  # the kernel ended the session (fusermount3 -u)
         nursery.cancel_scope.cancel()
 
 
 async def _become_ready(cfg: MountConfig, mountpoint: str,
-                        on_ready: Callable[[], None] | None) -> None:
+                        on_ready: Callable[[], None] | None, failures: Failures) -> None:
     # stat() through our own mount needs the main loop running, so ask from a thread.
     st = await trio.to_thread.run_sync(os.stat, mountpoint)
-    tuning.tune_connection(st.st_dev, cfg.max_background, cfg.read_ahead_kb)
+    try:
+        tuning.tune_connection(st.st_dev, cfg.max_background, cfg.read_ahead_kb)
+    except Exception as exc:  # the mount works untuned: not worth taking it down
+        failures.record("tuning", exc, "serving with the kernel's defaults")
     log.info("qosfs serving %s on %s", cfg.source, mountpoint)
     # The services were started (listening) before this task: all three now answer.
     (on_ready or _notify_ready)()
@@ -343,17 +359,21 @@ def _notify_reloading() -> Iterator[None]:
         notify("READY=1")
 
 
-async def _watch_signals(engine: QosEngine, latency: LatencyLoop | None = None) -> None:
+async def _watch_signals(engine: QosEngine, latency: LatencyLoop | None = None,
+                         failures: Failures | None = None) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             log.info("received %s: finishing in-flight requests, then unmounting",
                      signal.Signals(signum).name)
-            if latency is not None:  # its canary must not be left waiting on the mount
-                await latency.stop_probe()
             _notify_stopping()
-            emptied = await _drain(engine)
-            log.info("%s; unmounting", "parked requests served" if emptied else
-                     f"requests still parked after {DRAIN_DEADLINE:g} s")
+            try:
+                if latency is not None:  # its canary must not be left waiting on the mount
+                    await latency.stop_probe()
+                emptied = await _drain(engine)
+                log.info("%s; unmounting", "parked requests served" if emptied else
+                         f"requests still parked after {DRAIN_DEADLINE:g} s")
+            except Exception as exc:  # asked to stop: a bug in draining must not stop that
+                (failures or Failures()).record("stopping", exc, "unmounting without draining")
             # No new request is read after terminate(); those already read are served.
             pyfuse3.terminate()
             return

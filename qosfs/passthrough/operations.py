@@ -22,9 +22,12 @@ Choices made here, each for a reason:
 * An O_DIRECT open stays O_DIRECT underneath, but a request O_DIRECT would refuse (a
   mapping's writeback ending at EOF, dd's unaligned tail) goes to a buffered descriptor
   of the same file (``_buffered``): the kernel sends them, and refusing lost the data.
-* Only ``FUSEError`` may leave a handler (anything else kills pyfuse3's main loop): a
-  backing-store ``OSError`` becomes its own errno; anything unexpected is logged and
-  answered with EIO.
+* Only ``FUSEError`` may leave a handler (anything else ends pyfuse3's main loop, and
+  every caller then gets ENOTCONN): a backing-store ``OSError`` becomes its own errno;
+  anything unexpected (a bug here or in the QoS layer) is answered with EIO, counted and
+  logged once per kind (:mod:`qosfs.core.failures`). ``read`` and ``write`` catch it in
+  the body instead of through the decorator: a ``try`` costs nothing until something
+  is raised, a decorator's extra frame costs every request.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import trio
 from pyfuse3 import FUSEError
 
 from qosfs.core import interrupts, syscalls
+from qosfs.core.failures import Failures
 from qosfs.passthrough.backing_io import BackingIO
 from qosfs.passthrough.fdcache import DeferredClose
 from qosfs.passthrough.handles import DirHandle, FileHandle, OpenQuota
@@ -78,7 +82,10 @@ _SPLIT_MIN = MAX_WRITE - mmap.PAGESIZE
 
 
 def fuse_handler(fn: _F) -> _F:
-    """Turn every failure of a metadata handler into a ``FUSEError`` the kernel understands."""
+    """Turn every failure of a metadata handler into a ``FUSEError`` the kernel understands
+    (an unexpected one is counted in the filesystem's ``failures``: the first argument is
+    the :class:`PassthroughOperations`)."""
+    where = fn.__name__
 
     @functools.wraps(fn)
     async def wrapper(*args: Any) -> Any:
@@ -88,8 +95,8 @@ def fuse_handler(fn: _F) -> _F:
             raise
         except OSError as exc:
             raise FUSEError(exc.errno or errno.EIO) from None
-        except Exception:
-            log.exception("unexpected failure in %s; answering EIO", fn.__name__)
+        except Exception as exc:
+            args[0].failures.record(where, exc, "answered EIO")
             raise FUSEError(errno.EIO) from None
 
     return wrapper  # type: ignore[return-value]
@@ -114,8 +121,11 @@ class PassthroughOperations(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, root_fd: int, io: BackingIO, qos: QosEngine, options: FsOptions,
-                 write_as_caller: bool = False) -> None:
+                 write_as_caller: bool = False, failures: Failures | None = None) -> None:
         super().__init__()
+        # Unexpected exceptions answered EIO instead of ending the mount (the daemon's
+        # services count theirs in the same place: one figure in ctl status).
+        self.failures = failures if failures is not None else Failures()
         # Non-root openers' writes run with their fsuid (root's reserve: qosfs.daemon.privileges).
         self._write_as_caller = write_as_caller
         # Evicted inode descriptors are closed only once no worker thread can still be
@@ -258,8 +268,8 @@ class PassthroughOperations(pyfuse3.Operations):
         for nodeid, count in inode_list:
             try:
                 self.inodes.forget(nodeid, count)
-            except Exception:  # forget must not raise: no request to answer
-                log.exception("forget(%d, %d) failed", nodeid, count)
+            except Exception as exc:  # forget must not raise: no request to answer
+                self.failures.record("forget", exc, "the inode stays known")
 
     @fuse_handler
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -586,10 +596,11 @@ class PassthroughOperations(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> Any:
         # Hot path: no decorator frame, no logging, everything resolved at open. The only
         # accounting is one perf_counter_ns() pair around the backing syscall and one
-        # call bumping plain integers (see qosfs.qos.accounting for what it costs).
-        handle = self.files[fh]
-        flow = handle.flow
+        # call bumping plain integers (see qosfs.qos.accounting for what it costs). The
+        # try blocks cost nothing until something is raised (Python 3.11).
         try:
+            handle = self.files[fh]
+            flow = handle.flow
             # Admission may refuse (EAGAIN: too many parked) or give up (EINTR: killed).
             waited = await flow.admit_read(size) if flow.limited else 0.0
             mask = handle.dio_mask  # 0 unless O_DIRECT; allocates nothing when aligned
@@ -600,18 +611,25 @@ class PassthroughOperations(pyfuse3.Operations):
             start = _now_ns()
             data = await self.io.read(fd, off, size, direct, flow.threads)
             took = _now_ns() - start
+        except FUSEError:
+            raise
         except OSError as exc:
             raise FUSEError(exc.errno or errno.EIO) from None
-        n = len(data)
-        if n < size and flow.limited:
-            flow.refund_read(size - n)  # EOF: readahead of a small file is not charged
-        flow.stats.record_read(n, waited, took)
+        except Exception as exc:  # a bug: this request fails, the mount serves on
+            raise self._unexpected("read", exc) from None
+        try:
+            n = len(data)
+            if n < size and flow.limited:
+                flow.refund_read(size - n)  # EOF: readahead of a small file is not charged
+            flow.stats.record_read(n, waited, took)
+        except Exception as exc:  # the data was read: a bookkeeping bug must not lose it
+            self.failures.record("read", exc, "answered with the data read")
         return data
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        handle = self.files[fh]
-        flow = handle.flow
         try:
+            handle = self.files[fh]
+            flow = handle.flow
             waited = await flow.admit_write(len(buf)) if flow.limited else 0.0
             if handle.kill_priv:
                 handle.kill_priv = False
@@ -625,18 +643,25 @@ class PassthroughOperations(pyfuse3.Operations):
             n = await self.io.write(fd, off, buf, direct, flow.threads, flow.throttled_writes,
                                     handle.fsuid)
             took = _now_ns() - start
+        except FUSEError:
+            raise
         except OSError as exc:
             raise FUSEError(exc.errno or errno.EIO) from None
-        flow.stats.record_write(n, waited, took)
+        except Exception as exc:  # a bug: this request fails, the mount serves on
+            raise self._unexpected("write", exc) from None
         handle.inode.cache_stamp = None  # the next open drops cached pages (keep_cache)
-        if off == handle.split_end or _SPLIT_MIN < n < MAX_WRITE:
-            self._split_tail(handle, flow, off, n)
-        if handle.stream_limit:  # an uncapped writer that may turn out to be a checkpoint
-            node = handle.inode
-            node.unnamed_bytes += n
-            node.unnamed_flow = flow
-            if handle.stream_left:
-                self._follow_stream(handle, off, n)
+        try:
+            flow.stats.record_write(n, waited, took)
+            if off == handle.split_end or _SPLIT_MIN < n < MAX_WRITE:
+                self._split_tail(handle, flow, off, n)
+            if handle.stream_limit:  # an uncapped writer that may turn out to be a checkpoint
+                node = handle.inode
+                node.unnamed_bytes += n
+                node.unnamed_flow = flow
+                if handle.stream_left:
+                    self._follow_stream(handle, off, n)
+        except Exception as exc:  # the data is written: say so, whatever the bookkeeping
+            self.failures.record("write", exc, "answered with the bytes written")
         return n
 
     async def _buffered(self, handle: FileHandle) -> int:
@@ -681,6 +706,12 @@ class PassthroughOperations(pyfuse3.Operations):
             return handle.buffered
         handle.buffered = fd
         return fd
+
+    def _unexpected(self, where: str, exc: Exception) -> FUSEError:
+        """The EIO for a request that failed in a way nothing expected (counted, logged
+        once per kind). Off the hot path: reached only once something was raised."""
+        self.failures.record(where, exc, "answered EIO")
+        return FUSEError(errno.EIO)
 
     @staticmethod
     def _split_tail(handle: FileHandle, flow: Flow, off: int, n: int) -> None:
@@ -747,10 +778,13 @@ class PassthroughOperations(pyfuse3.Operations):
     @fuse_handler
     async def release(self, fh: int) -> None:
         handle = self.files.pop(fh)
-        self.open_quota.release(handle.owner)
-        handle.flow.release()
-        handle.inode.opens -= 1
-        await self.io.blocking(handle.flow.threads, _close_file, handle.fd, handle.buffered)
+        try:
+            self.open_quota.release(handle.owner)
+            handle.flow.release()
+        finally:  # whatever the bookkeeping did, a bug must not leak a descriptor per open
+            handle.inode.opens -= 1
+            await self.io.blocking(handle.flow.threads, _close_file, handle.fd,
+                                   handle.buffered)
         if handle.inode.opens == 0 and handle.inode.lookups > 0:
             self.inodes.release_unlinked(handle.inode)
 
@@ -897,6 +931,7 @@ class PassthroughOperations(pyfuse3.Operations):
             "open_per_uid_limit": self.open_quota.per_uid,
             "open_refused": self.open_quota.refused,
             "killed_callers": interrupts.killed_callers,
+            "internal_errors": self.failures.counts(),
         }
         moves = getattr(self.qos, "stream_moves", None)
         if moves is not None:  # opens moved as streaming writers, by the class they left

@@ -46,7 +46,7 @@ def test_rules_pass_promtool_check_and_their_unit_tests() -> None:
 
 ALERTS = {"QosfsDown", "QosfsReloadFailed", "QosfsLatencyTargetMissed",
           "QosfsLatencyTargetUnreachable", "QosfsThrottledHigh", "QosfsDescriptorsNearLimit",
-          "QosfsPolicyDrift", "QosfsClusterFallback"}
+          "QosfsPolicyDrift", "QosfsClusterFallback", "QosfsInternalError"}
 
 
 # Labels an alert's series cannot carry: `up` has only the target's labels (no mount: a

@@ -52,6 +52,15 @@ def test_status_table() -> None:
                                  "0s"]
 
 
+def test_status_says_when_the_daemon_survived_a_bug() -> None:
+    assert "INTERNAL" not in ctl.format_status({**REPLY, "internal_errors": {}})
+    text = ctl.format_status({**REPLY, "internal_errors": {"read": {"ValueError": 3},
+                                                           "control": {"KeyError": 1}}})
+    assert text.splitlines()[2] == (
+        "INTERNAL ERRORS (answered EIO or restarted; the first of each kind is in the "
+        "daemon's log): read ValueError x3, control KeyError x1")
+
+
 def test_top_frame_has_no_escape_codes_and_fits() -> None:
     frame = top.render_frame(REPLY, width=40)
     assert "\x1b" not in frame

@@ -122,6 +122,17 @@ def test_collector_publishes_every_family_with_conventional_names() -> None:
     assert sample(fams, "qosfs_policy_last_reload_success") == 0
 
 
+def test_internal_errors_are_counted_by_where_and_type() -> None:
+    errors = {"read": {"KeyError": 1, "ValueError": 5}, "control": {"RuntimeError": 2}}
+    fams = families(render(take_snapshot(FakeEngine(), 1.0,
+                                         info={"internal_errors": errors})))
+    assert sample(fams, "qosfs_internal_errors", where="read", type="ValueError") == 5
+    assert sample(fams, "qosfs_internal_errors", where="control", type="RuntimeError") == 2
+    assert len(fams["qosfs_internal_errors"].samples) == 3
+    none = families(render(take_snapshot(FakeEngine(), 1.0, info={"internal_errors": {}})))
+    assert none["qosfs_internal_errors"].samples == []  # the family is there, no series yet
+
+
 def test_rates_come_from_consecutive_samples() -> None:
     engine = FakeEngine(written=0)
     sampler = RateSampler()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qosfs.core.mountinfo import MountEntry, mounts
+from qosfs.core.mountinfo import MountEntry, containing, mounts
 
 TABLE = r"""22 1 259:1 / / rw,relatime shared:1 - ext4 /dev/root rw
 35 22 0:31 / /mnt/ml\040fs rw,nosuid,nodev shared:9 - tmpfs tmpfs rw,size=4g
@@ -29,3 +29,18 @@ def test_an_unreadable_table_is_no_mounts(tmp_path: Path) -> None:
 
 def test_this_process_sees_its_root() -> None:
     assert any(m.mountpoint == "/" for m in mounts())
+
+
+def _entry(mountpoint: str, fstype: str, dev: str = "0:1") -> MountEntry:
+    return MountEntry(dev, mountpoint, frozenset(), fstype)
+
+
+def test_the_mount_a_path_lies_in_is_the_deepest_and_the_topmost() -> None:
+    table = [_entry("/", "ext4"), _entry("/mnt", "tmpfs"), _entry("/mnt/ml", "tmpfs"),
+             _entry("/mnt/ml", "fuse.qosfs"), _entry("/mnt/mlfs", "nfs")]
+    assert containing("/mnt/ml", table) == table[3]  # on top of the tmpfs at that path
+    assert containing("/mnt/ml/a/b", table) == table[3]
+    assert containing("/mnt/mlx", table) == table[1]  # a prefix of the name is not a parent
+    assert containing("/mnt/mlfs/x", table) == table[4]
+    assert containing("/srv", table) == table[0]
+    assert containing("/srv", []) is None

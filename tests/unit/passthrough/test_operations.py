@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import inspect
 import logging
 import mmap
 import os
@@ -60,15 +61,97 @@ def test_unexpected_exception_is_logged_and_answered_eio(
     monkeypatch.setattr(ops.inodes, "resolve", broken)
 
     async def main() -> None:
-        with pytest.raises(pyfuse3.FUSEError) as info:
-            await ops.lookup(pyfuse3.ROOT_INODE, b"f", _Ctx())
-        assert info.value.errno == errno.EIO
+        for _ in range(3):
+            with pytest.raises(pyfuse3.FUSEError) as info:
+                await ops.lookup(pyfuse3.ROOT_INODE, b"f", _Ctx())
+            assert info.value.errno == errno.EIO
 
     with caplog.at_level(logging.ERROR):
         trio.run(main)
     records = [r for r in caplog.records if "unexpected failure in lookup" in r.getMessage()]
-    assert len(records) == 1
+    assert len(records) == 1  # once per kind; the rest are counted
     for r in records:
+        r.expected = True  # type: ignore[attr-defined]
+    assert ops.resources()["internal_errors"] == {"lookup": {"ValueError": 3}}
+
+
+class _Broken:
+    """Stands for every part of the filesystem's state: any use of it raises, as a bug
+    would (attribute, item, call)."""
+
+    def __getattr__(self, name: str) -> object:
+        raise ValueError(f"bug reading {name}")
+
+    def __getitem__(self, key: object) -> object:
+        raise ValueError(f"bug looking {key!r} up")
+
+
+def _handler_args(fn: object) -> list[object]:
+    """Plausible arguments for a pyfuse3 handler, by parameter name."""
+    by_name: dict[str, object] = {
+        "ctx": _Ctx(), "attr": pyfuse3.EntryAttributes(), "fields": pyfuse3.SetattrFields(),
+        "inode_list": [(5, 1)], "token": None, "datasync": False, "fh": 5,
+    }
+    args: list[object] = []
+    for name in inspect.signature(fn).parameters:  # type: ignore[arg-type]
+        if name in by_name:
+            args.append(by_name[name])
+        elif "name" in name or name in ("target", "value", "buf"):
+            args.append(b"x")
+        else:
+            args.append(1)
+    return args
+
+
+HANDLERS = sorted(name for name in vars(PassthroughOperations)
+                  if not name.startswith("_") and callable(getattr(pyfuse3.Operations, name,
+                                                                   None)))
+
+
+def test_every_handler_answers_an_unexpected_exception_with_eio(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Only FUSEError may leave a handler: anything else ends pyfuse3's main loop and the
+    mount with it (every caller then gets ENOTCONN)."""
+    assert {"read", "write", "forget", "release", "readdir", "statfs"} <= set(HANDLERS)
+    ops = _ops(tmp_path)
+    ops.inodes = ops.files = ops.dirs = ops.io = _Broken()  # type: ignore[assignment]
+
+    async def main() -> None:
+        for name in HANDLERS:
+            handler = getattr(ops, name)
+            if name == "forget":  # no request to answer: it must not raise at all
+                await handler(*_handler_args(handler))
+                continue
+            with pytest.raises(pyfuse3.FUSEError) as info:
+                await handler(*_handler_args(handler))
+            assert info.value.errno == errno.EIO, name
+
+    with caplog.at_level(logging.ERROR):
+        trio.run(main)
+    assert ops.failures.counts() == {name: {"ValueError": 1} for name in HANDLERS}
+    for r in caplog.records:
+        r.expected = True  # type: ignore[attr-defined]
+
+
+def test_a_bookkeeping_bug_after_the_syscall_still_answers_with_the_data(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The bytes moved: failing the request would tell the caller they had not."""
+    ops = _ops(tmp_path)
+    (tmp_path / "f").write_bytes(b"x" * 8192)
+
+    async def main() -> None:
+        entry = await ops.lookup(pyfuse3.ROOT_INODE, b"f", _Ctx())
+        info = await ops.open(entry.st_ino, os.O_RDWR, _Ctx())
+        ops.files[info.fh].flow.stats = _Broken()  # type: ignore[attr-defined]
+        assert bytes(await ops.read(info.fh, 0, 4)) == b"xxxx"
+        assert await ops.write(info.fh, 0, b"yy") == 2
+        await ops.release(info.fh)
+
+    with caplog.at_level(logging.ERROR):
+        trio.run(main)
+    assert (tmp_path / "f").read_bytes()[:3] == b"yyx"
+    assert ops.failures.counts() == {"read": {"ValueError": 1}, "write": {"ValueError": 1}}
+    for r in caplog.records:
         r.expected = True  # type: ignore[attr-defined]
 
 

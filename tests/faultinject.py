@@ -1,0 +1,85 @@
+"""Run qosfs with a bug put into it: the stand-in for a fault in the QoS layer.
+
+    python tests/faultinject.py --fault read=broken --fault sampler=/tmp/now -- \\
+        mount --foreground SRC MNT --policy P
+
+patches qosfs's classes in this process, then runs qosfs's own command line (``main``)
+with the arguments after ``--``. The product has no hook for this: what a test breaks
+here is the code a real bug would be in, reached the way a request reaches it.
+
+Faults (repeat ``--fault``):
+
+* ``read=CLASS``, ``write=CLASS``, ``meta=CLASS``: admission of a read, a write or a
+  metadata operation (``PolicyFlow.admit_*``) raises ``ValueError`` for flows of CLASS
+  (``meta`` needs a ``meta_iops`` cap somewhere, or metadata is not admitted at all);
+* ``release=CLASS``: letting go of an open of CLASS (``PolicyFlow.release``) raises
+  ``KeyError``;
+* ``sampler=PATH``: the control service's rate sampler (a service on the daemon's event
+  loop, once a second) raises ``RuntimeError`` while PATH exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # qosfs of this tree
+
+from qosfs.control.snapshot import RateSampler
+from qosfs.daemon.cli import main
+from qosfs.qos.engine import PolicyFlow
+
+_FLOW_FAULTS: dict[str, tuple[str, type[Exception]]] = {
+    "read": ("admit_read", ValueError),
+    "write": ("admit_write", ValueError),
+    "meta": ("admit_meta", ValueError),
+    "release": ("release", KeyError),
+}
+
+
+def _break_flow(kind: str, cls: str) -> None:
+    name, error = _FLOW_FAULTS[kind]
+    original: Callable[..., Any] = getattr(PolicyFlow, name)
+
+    def broken(self: PolicyFlow, *args: Any) -> Any:
+        if self.cls.rule.name == cls:
+            raise error(f"injected {kind} fault in class {cls}")
+        return original(self, *args)
+
+    setattr(PolicyFlow, name, broken)
+
+
+def _break_sampler(trigger: str) -> None:
+    original = RateSampler.sample
+
+    def broken(self: RateSampler, snap: Any) -> None:
+        if os.path.exists(trigger):
+            raise RuntimeError("injected sampler fault")
+        original(self, snap)
+
+    RateSampler.sample = broken  # type: ignore[method-assign]
+
+
+def run(argv: Sequence[str]) -> int:
+    args = list(argv)
+    split = args.index("--") if "--" in args else len(args)
+    parser = argparse.ArgumentParser(prog="faultinject")
+    parser.add_argument("--fault", action="append", default=[], metavar="KIND=WHAT")
+    ours = parser.parse_args(args[:split])
+    for fault in ours.fault:
+        kind, _, what = fault.partition("=")
+        if kind in _FLOW_FAULTS:
+            _break_flow(kind, what)
+        elif kind == "sampler":
+            _break_sampler(what)
+        else:
+            parser.error(f"unknown fault {fault!r}")
+    return main(args[split + 1:])
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))
