@@ -27,7 +27,11 @@ def as_user(uid: int, gid: int | None = None,
 
 
 def is_mounted(path: str | os.PathLike[str]) -> bool:
-    target = os.path.realpath(path)
+    """Whether something is mounted on *path*, asking nothing of *path* itself: its
+    parent is resolved, never the mountpoint, whose daemon may not answer (a stat of a
+    dead-locked mount waits for ever)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    target = os.path.join(os.path.realpath(parent), name)
     with open("/proc/self/mountinfo", encoding="utf-8") as f:
         return any(line.split()[4] == target for line in f)
 
