@@ -93,8 +93,14 @@ def test_idle_uids_leave_the_series_and_their_totals_stay(mounted: Mount) -> Non
     before = uid_series(mounted.metrics())
     mounted.write_as(10_000, 1000)
     busy = mounted.metrics()
-    per_uid = (uid_series(busy) - before) / 1000
-    assert mounted.status()["user_accounts"] == 1000
+    # Writing 1,000 uids can take longer than user_series_idle on a loaded machine, so
+    # the first may have left already: count per uid present, and every uid either has
+    # its account still or was expired (one snapshot), never lost.
+    present = len(set(re.findall(r'uid="(\d+)"', busy)))
+    assert present > 0, busy
+    per_uid = (uid_series(busy) - before) / present
+    status = mounted.status()
+    assert status["user_accounts"] + status["users_expired"] == 1000, status
     assert class_written(busy) == 1000 * 4 * KiB
     print(f"\nseries per uid of a per_user class: {per_uid:.0f}; "
           f"/metrics with 1,000 uids: {len(busy.splitlines())} lines")
