@@ -74,8 +74,20 @@ def _build_parser() -> argparse.ArgumentParser:
     ctl.add_parser(sub)
     top.add_parser(sub)
 
-    c = sub.add_parser("check", help="validate a policy file and print it resolved")
+    c = sub.add_parser(
+        "check", help="validate a policy file and print it resolved",
+        description="Validate a policy and print it resolved (every value as the daemon "
+        "reads it; the output is itself a valid policy), with notes. An invalid policy is "
+        "one line, file:line: key: reason, exit 6. Warnings (file:line, exit 0) name rules "
+        "that cannot do what they say: a class an earlier one shadows, a priority or "
+        "minimum without effect, fractional IOPS, a path glob that matches nothing a "
+        "training job writes.")
     c.add_argument("file")
+    c.add_argument("--strict", action="store_true",
+                   help="warnings are errors: exit 6 if there is any")
+    c.add_argument("--json", action="store_true",
+                   help="one JSON object: ok, the policy (in its own keys), warnings with "
+                   "file, line and key, notes, and the error of an invalid policy")
     c.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("policy", help="print the embedded default policy")
@@ -171,13 +183,47 @@ def _cmd_mount(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from qosfs.policy.loading import load_policy, policy_notes
+    from qosfs.policy.loading import (
+        PolicyError,
+        parse_policy,
+        policy_notes,
+        policy_warnings,
+        read_policy_text,
+    )
+    from qosfs.policy.model import policy_to_raw
 
-    policy = load_policy(args.file)
-    sys.stdout.write(policy.render())
-    for note in policy_notes(policy):  # TOML comments: the output stays a valid policy
-        sys.stdout.write(f"# note: {note}\n")
+    try:
+        text = read_policy_text(args.file)
+        policy = parse_policy(text, args.file)
+    except PolicyError as exc:
+        if args.json:  # the error as data too (an editor or CI marks the line)
+            error = {"source": exc.source, "line": exc.line, "key": exc.key,
+                     "reason": exc.reason, "message": str(exc)}
+            _print_json({"ok": False, "source": args.file, "error": error})
+        raise
+    warnings = policy_warnings(policy, text)
+    failed = bool(args.strict and warnings)
+    if args.json:
+        _print_json({"ok": not failed, "source": args.file, "policy": policy_to_raw(policy),
+                     "warnings": [w.to_json() for w in warnings],
+                     "notes": policy_notes(policy), "strict": args.strict})
+    elif not failed:
+        sys.stdout.write(policy.render())
+        for note in policy_notes(policy):  # TOML comments: the output stays a valid policy
+            sys.stdout.write(f"# note: {note}\n")
+    for warning in warnings:  # stderr: stdout stays a policy (or JSON)
+        print(f"qosfs: {'error' if args.strict else 'warning'}: {warning}", file=sys.stderr)
+    if failed:
+        n = len(warnings)
+        raise PolicyError(f"{n} warning{'s' * (n > 1)}, errors under --strict",
+                          source=args.file)
     return 0
+
+
+def _print_json(body: dict[str, Any]) -> None:
+    import json
+
+    sys.stdout.write(json.dumps(body, indent=2) + "\n")
 
 
 def _cmd_policy(args: argparse.Namespace) -> int:

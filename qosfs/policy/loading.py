@@ -69,6 +69,7 @@ from os import PathLike
 from qosfs.core.limit_kinds import CAP_KEYS
 from qosfs.core.units import show_value
 from qosfs.policy.build import build_policy, unknown_key
+from qosfs.policy.lint import PolicyWarning, policy_warnings
 from qosfs.policy.model import (
     CACHE_MODES,
     CLASS_KEYS,
@@ -97,8 +98,8 @@ __all__ = [
     "CACHE_MODES", "CAP_KEYS", "CLASS_KEYS", "CLASS_SETTINGS", "DEFAULT_POLICY_TEXT",
     "LATENCY_MEASURES", "LIMIT_KEYS", "MATCH_KEYS", "OPS", "PRIORITY_WEIGHTS", "SETTABLE",
     "TENANT_KEYS", "Backend", "ClassRule", "Control", "Exported", "IdRange", "Limits", "Policy",
-    "PolicyError", "Tenant", "default_policy", "load_policy", "parse_policy", "policy_notes",
-    "read_policy_text", "with_changes",
+    "PolicyError", "PolicyWarning", "Tenant", "default_policy", "load_policy", "parse_policy",
+    "policy_notes", "policy_warnings", "read_policy_text", "with_changes",
 ]
 
 
