@@ -136,6 +136,9 @@ def _add_plan_parser(sub: Any) -> None:
     pl.add_argument("--target-share", type=float, metavar="FRACTION",
                     help="--async: finish within this share of the interval (default: 0.5)")
     pl.add_argument("--policy-out", metavar="FILE", help="write a policy with the caps")
+    pl.add_argument("--json", action="store_true",
+                    help="the plan as one JSON object: inputs, figures in bytes, bytes/s "
+                    "and seconds, the cap's policy setting, the assumptions")
     pl.set_defaults(func=_cmd_plan)
 
 
@@ -243,7 +246,7 @@ def _plan_value(parse: Callable[[str], float], flag: str, text: str | None) -> f
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from qosfs.plan.text import plan_policy_text, render_plan  # needs the policy parser
+    from qosfs.plan.text import plan_json, plan_policy_text, render_plan  # policy parser
 
     inputs = PlanInputs(
         params=parse_params(args.params), dtype=args.dtype, optimizer=args.optimizer,
@@ -258,7 +261,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         asynchronous=args.asynchronous, target_share=args.target_share)
     plan = make_plan(inputs)
     policy = plan_policy_text(plan) if args.policy_out else None
-    sys.stdout.write(render_plan(plan))
+    if not args.json:
+        sys.stdout.write(render_plan(plan))
     if policy is not None:
         try:
             with open(args.policy_out, "w", encoding="utf-8") as stream:
@@ -266,7 +270,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise PlanError(f"--policy-out: cannot write {args.policy_out}: "
                             f"{exc.strerror or exc}") from None
-        print(f"\npolicy written to {args.policy_out}")
+        if not args.json:
+            print(f"\npolicy written to {args.policy_out}")
+    if args.json:
+        _print_json({**plan_json(plan), "policy_out": args.policy_out})
     return 0
 
 
