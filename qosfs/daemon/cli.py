@@ -42,7 +42,12 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="verbose logs and tracebacks")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    m = sub.add_parser("mount", help="mount SOURCE on MOUNTPOINT (in place if omitted)")
+    m = sub.add_parser(
+        "mount", help="mount SOURCE on MOUNTPOINT (in place if omitted)",
+        description="Serve SOURCE at MOUNTPOINT (or over SOURCE itself) with the policy's "
+        "classes, tenants and caps in front of every request. Returns once the mount "
+        "answers (or fails with a one-line reason and a distinct exit code); --foreground "
+        "serves in this process, as under systemd.")
     m.add_argument("source")
     m.add_argument("mountpoint", nargs="?", help="defaults to SOURCE (mount in place)")
     m.add_argument("--foreground", "-f", action="store_true", help="do not daemonize")
@@ -90,11 +95,28 @@ def _build_parser() -> argparse.ArgumentParser:
                    "file, line and key, notes, and the error of an invalid policy")
     c.set_defaults(func=_cmd_check)
 
-    p = sub.add_parser("policy", help="print the embedded default policy")
+    p = sub.add_parser(
+        "policy", help="print the embedded default policy",
+        description="Print the policy a mount without --policy uses, with its comments: "
+        "a starting point for your own (qosfs policy default > FILE).")
     p.add_argument("which", choices=["default"])
     p.set_defaults(func=_cmd_policy)
     _add_plan_parser(sub)
+    _describe_subcommands(parser)
     return parser
+
+
+def _describe_subcommands(parser: argparse.ArgumentParser) -> None:
+    """Give every subcommand's ``--help`` a description: its one-line help where it was
+    given no longer one (a subcommand added without one still says what it does)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, subparser in action.choices.items():
+                if subparser.description is None and helps.get(name):
+                    text = str(helps[name])
+                    subparser.description = text[:1].upper() + text[1:] + "."
+                _describe_subcommands(subparser)
 
 
 def _add_plan_parser(sub: Any) -> None:

@@ -159,6 +159,22 @@ def test_rejected_set_and_reload_leave_the_policy_unchanged(
     assert rejected == {("set", "rejected"): 2, ("reload", "rejected"): 1}
 
 
+def test_set_of_a_key_only_a_reload_changes_says_so(
+        ctl_mount: Mounted, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = ctl(capsys, ctl_mount.sock, "set", "capped", "paths=other/**")
+    assert code == 6 and out == ""
+    assert err.startswith("qosfs: ctl: classes.capped.paths: not settable live: change it "
+                          "in the policy file, then `qosfs ctl reload` (settable live on a "
+                          "class: read_bandwidth, write_bandwidth,"), err
+    assert "unknown key" not in err and err.count("\n") == 1
+    code, _, err = ctl(capsys, ctl_mount.sock, "set", "capped", "write_bandwidth")
+    assert code == 2 and err.startswith("qosfs: ctl set: bad setting 'write_bandwidth' "
+                                        "(expected KEY=VALUE"), err
+    changes = ctl_mount.request({"cmd": "status"})["changes"]
+    # The usage error never reached the daemon; the refused key did.
+    assert changes == [{"command": "set", "result": "rejected", "count": 1}]
+
+
 def test_reload_a_file_then_the_mounts_own(ctl_mount: Mounted,
                                           capsys: pytest.CaptureFixture[str],
                                           tmp_tree: Path) -> None:
