@@ -19,6 +19,7 @@ import json
 import os
 import socket
 import sys
+import time
 from typing import Any
 
 from qosfs.control.protocol import (
@@ -227,9 +228,10 @@ def format_header(reply: dict[str, Any]) -> list[str]:
         applied = sum(c["count"] for c in reply.get("changes", []) if c["result"] == "applied")
         rejected = sum(c["count"] for c in reply.get("changes", [])
                        if c["result"] == "rejected")
-        last = "" if reply.get("last_reload_ok", True) else "; LAST RELOAD FAILED"
         lines.append(f"policy {reply.get('policy_source')} generation {reply['generation']} "
-                     f"({applied} changes applied, {rejected} rejected{last})")
+                     f"({applied} changes applied, {rejected} rejected)")
+        if not reply.get("last_reload_ok", True):
+            lines.append(format_reload_failure(reply.get("last_reload_failure")))
     else:
         lines.append(str(reply.get("message", "no policy")))
     errors = reply.get("internal_errors") or {}
@@ -239,6 +241,16 @@ def format_header(reply: dict[str, Any]) -> list[str]:
         lines.append(f"INTERNAL ERRORS (answered EIO or restarted; the first of each kind "
                      f"is in the daemon's log): {kinds}")
     return lines
+
+
+def format_reload_failure(failure: dict[str, Any] | None) -> str:
+    """The line ``status`` shows while the last reload of the mount's policy stands refused:
+    when, who asked, and the daemon's one-line error (file:line: key: reason)."""
+    if not failure:  # a daemon that does not keep the reason
+        return "LAST RELOAD FAILED (the reason is in the daemon's log); previous policy kept"
+    when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(failure["time"]))
+    return (f"LAST RELOAD FAILED at {when} ({failure['by']}), previous policy kept: "
+            f"{failure['error']}")
 
 
 def format_latency(reply: dict[str, Any]) -> list[str]:
