@@ -64,8 +64,8 @@ def test_every_subcommands_help_has_a_description(
     blocks = out.split("\n\n")
     assert blocks[0].startswith(f"usage: qosfs {' '.join(words)}"), out
     description = " ".join(blocks[1].split())
-    assert not description.endswith(":") and len(description.split()) >= 4, out
-    assert description[0].isupper() and description.endswith("."), description
+    assert not description.startswith(("positional arguments:", "options:")), out
+    assert len(description.split()) >= 4, out
 
 
 @pytest.mark.parametrize(("settings", "message"), [
