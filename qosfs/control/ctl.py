@@ -1,7 +1,8 @@
 """``qosfs ctl``: the control socket's client, and how its replies are shown.
 
 Standard library only (no trio, no pyfuse3), so ``qosfs ctl`` starts fast and any
-Python can talk to a mount. Exit codes: 0 done; 6 (policy) the daemon rejected an invalid
+Python can talk to a mount. Exit codes: 0 done; 2 (usage) a malformed ``set`` target or
+``KEY=VALUE``, refused before anything is sent; 6 (policy) the daemon rejected an invalid
 ``set``/``reload`` and kept its policy; 7 (control) the socket is unreachable, the request
 was refused (permissions, ``--no-qos``) or malformed.
 
@@ -18,6 +19,7 @@ import json
 import os
 import socket
 import sys
+import time
 from typing import Any
 
 from qosfs.control.protocol import (
@@ -27,7 +29,7 @@ from qosfs.control.protocol import (
     socket_dirs,
     socket_name,
 )
-from qosfs.core.errors import EXIT_CONTROL, EXIT_POLICY, QosfsError
+from qosfs.core.errors import EXIT_CONTROL, EXIT_POLICY, EXIT_USAGE, QosfsError
 from qosfs.core.limit_kinds import BY_KEY
 from qosfs.policy.model import CLASS_SETTINGS, MATCH_KEYS
 
@@ -226,9 +228,10 @@ def format_header(reply: dict[str, Any]) -> list[str]:
         applied = sum(c["count"] for c in reply.get("changes", []) if c["result"] == "applied")
         rejected = sum(c["count"] for c in reply.get("changes", [])
                        if c["result"] == "rejected")
-        last = "" if reply.get("last_reload_ok", True) else "; LAST RELOAD FAILED"
         lines.append(f"policy {reply.get('policy_source')} generation {reply['generation']} "
-                     f"({applied} changes applied, {rejected} rejected{last})")
+                     f"({applied} changes applied, {rejected} rejected)")
+        if not reply.get("last_reload_ok", True):
+            lines.append(format_reload_failure(reply.get("last_reload_failure")))
     else:
         lines.append(str(reply.get("message", "no policy")))
     errors = reply.get("internal_errors") or {}
@@ -238,6 +241,16 @@ def format_header(reply: dict[str, Any]) -> list[str]:
         lines.append(f"INTERNAL ERRORS (answered EIO or restarted; the first of each kind "
                      f"is in the daemon's log): {kinds}")
     return lines
+
+
+def format_reload_failure(failure: dict[str, Any] | None) -> str:
+    """The line ``status`` shows while the last reload of the mount's policy stands refused:
+    when, who asked, and the daemon's one-line error (file:line: key: reason)."""
+    if not failure:  # a daemon that does not keep the reason
+        return "LAST RELOAD FAILED (the reason is in the daemon's log); previous policy kept"
+    when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(failure["time"]))
+    return (f"LAST RELOAD FAILED at {when} ({failure['by']}), previous policy kept: "
+            f"{failure['error']}")
 
 
 def format_latency(reply: dict[str, Any]) -> list[str]:
@@ -366,22 +379,46 @@ def format_stats(reply: dict[str, Any]) -> str:
 
 def add_parser(sub: Any) -> None:
     """Add ``qosfs ctl`` to the main parser's subcommands."""
-    c = sub.add_parser("ctl", help="talk to a running mount: status, set, reload, stats")
+    c = sub.add_parser(
+        "ctl", help="talk to a running mount: status, set, reload, stats",
+        description="Ask a running mount through its control socket: read its state "
+        "(status, stats: anyone who may connect) or change its policy live (set, reload: "
+        "root or the policy's control.admin_group). Exit codes: 2 usage, 6 change "
+        "rejected (the policy in force is kept), 7 socket unreachable or request refused.")
     c.add_argument("--socket", metavar="PATH",
                    help="control socket, or a mountpoint (default: the only one in /run/qosfs)")
     cs = c.add_subparsers(dest="ctl_command", required=True, metavar="COMMAND")
-    stp = cs.add_parser("status", help="classes, tenants, limits, current rates, queues")
+    stp = cs.add_parser(
+        "status", help="classes, tenants, limits, current rates, queues",
+        description="The policy in force (source, generation, changes applied and "
+        "rejected, the last failed reload and why), every level's limits, current rates, "
+        "queues and throttled time, and each class's settings and what it matches.")
     stp.add_argument("--cluster", action="store_true",
                      help="every mount's use and grant of the cluster-scoped levels (Redis)")
     stp.add_argument("--json", action="store_true",
                      help="the raw reply: every setting in force (\"policy\", in the policy's "
                      "own keys, parses back to it), levels, rates, counters")
-    s = cs.add_parser("set", help="change settings live: set CLASS write_bandwidth=400MiB/s")
+    s = cs.add_parser(
+        "set", help="change settings live: set CLASS write_bandwidth=400MiB/s",
+        description="Change settings of one class, tenant or the backend in the running "
+        "policy, validated whole and in force at once (also for requests already "
+        "waiting), until the next reload or restart. Values are spelled as in the policy "
+        "file; \"unlimited\" removes a cap. Settable: the limit keys everywhere, and every "
+        "class setting but scope; what classifies (paths, uids, ops, ...) changes only by "
+        "editing the policy file and reloading.")
     s.add_argument("target", help="CLASS, class:NAME, tenant:NAME or backend")
     s.add_argument("settings", nargs="+", metavar="KEY=VALUE")
-    r = cs.add_parser("reload", help="replace the policy (default: re-read the mount's file)")
+    r = cs.add_parser(
+        "reload", help="replace the policy (default: re-read the mount's file)",
+        description="Replace the whole policy atomically: FILE (read by this command and "
+        "sent as text), or without FILE the mount's own --policy file re-read (as SIGHUP "
+        "and systemctl reload do). An invalid policy is rejected with file, line and "
+        "reason, and the policy in force stays as it was.")
     r.add_argument("file", nargs="?")
-    st = cs.add_parser("stats", help="traffic counters and latency per class/tenant/user")
+    st = cs.add_parser(
+        "stats", help="traffic counters and latency per class/tenant/user",
+        description="Totals per class, tenant and uid since the mount started: bytes, "
+        "operations, throttled time, and request and backend latency quantiles.")
     st.add_argument("--json", action="store_true", help="the raw reply (all counters)")
     c.set_defaults(func=run)
 
@@ -393,8 +430,8 @@ def build_request(args: argparse.Namespace) -> dict[str, Any]:
         try:
             kind, name = parse_target(args.target)
             changes = parse_assignments(args.settings)
-        except ProtocolError as exc:
-            raise QosfsError(str(exc), EXIT_CONTROL) from None
+        except ProtocolError as exc:  # a mistake on the command line: nothing was sent
+            raise QosfsError(f"ctl set: {exc}", EXIT_USAGE) from None
         body: dict[str, Any] = {"cmd": "set", "target": kind, "changes": changes}
         if name is not None:
             body["name"] = name

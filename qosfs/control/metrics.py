@@ -311,7 +311,8 @@ class SnapshotCollector:
                                    self.snap.changes.get((command, result), 0))
         yield changes
         yield GaugeMetricFamily("qosfs_policy_last_reload_success",
-                                "1 if the last reload was applied (or none was asked), else 0.",
+                                "0 while the last reload of the mount's policy file was "
+                                "rejected, else 1.",
                                 value=1.0 if self.snap.last_reload_ok else 0.0)
 
 

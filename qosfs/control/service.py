@@ -6,6 +6,21 @@ A change is built and validated whole, off to the side (:func:`qosfs.policy.load
 the running policy exactly as it was. The swap wakes every parked request, so a raised
 cap is in force for requests already waiting in the same instant.
 
+A reload that fails is remembered until the next one of the same kind succeeds, with
+when, who asked, the file, line, key and reason: ``status`` and ``stats`` carry it as
+``last_reload_failure`` (``last_reload_ok`` false), ``/metrics`` as
+``qosfs_policy_last_reload_success 0`` (the ``QosfsReloadFailed`` alert), and under systemd
+the ``STATUS=`` line ``systemctl status`` shows (:mod:`qosfs.daemon.mount`). Only reloads of
+the mount's *own* policy count: SIGHUP, ``ctl reload`` without a file (what
+``systemctl reload`` runs), or ``ctl reload`` of that same file. A refused ``ctl reload
+OTHER.toml`` was answered to its caller, who saw file, line and reason, and leaves both
+the policy in force and the mount's file as good as they were; an alert that held until
+the next reload would page for a typo already reported. It is counted
+(``qosfs_policy_changes_total{command="reload",result="rejected"}``) and logged, and it
+neither raises nor clears the alert. The alert therefore means one thing: the mount's
+policy file, read last, was refused -- the node runs an older policy than its file says,
+and a restart would refuse to start.
+
 Who may do what: every peer that can connect may read ``status`` and ``stats``; changing
 anything needs uid 0 or membership (primary or supplementary, as the kernel reported at
 connect time) in the policy's ``[control] admin_group``. On a ``--no-qos`` mount there is
@@ -74,7 +89,10 @@ class ControlService:
         self.policy_path = policy_path
         self.info = dict(info or {})
         self.changes: Counter[tuple[str, str]] = Counter()
-        self.last_reload_ok = True
+        # The last refused reload of the mount's own policy (see the module doc), as
+        # status shows it; None once one is applied.
+        self.reload_failure: dict[str, Any] | None = None
+        self._own_path = os.path.abspath(policy_path) if policy_path is not None else None
         self.sampler = RateSampler()
         self.on_swap: list[Callable[[Policy], None]] = []  # e.g. the socket's admin group
         # Entered around every reload, accepted or not (systemd: RELOADING=1 ... READY=1).
@@ -94,6 +112,25 @@ class ControlService:
     def has_policy(self) -> bool:
         return self.policy_engine is not None
 
+    @property
+    def last_reload_ok(self) -> bool:
+        """False while the last reload of the mount's own policy stands refused."""
+        return self.reload_failure is None
+
+    def status_line(self) -> str:
+        """One line for a supervisor (systemd's ``STATUS=``): the policy in force, or why
+        the last reload of the mount's policy was refused."""
+        failure = self.reload_failure
+        if failure is not None:
+            when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(failure["time"]))
+            line = (f"policy reload refused at {when} ({failure['by']}), previous policy "
+                    f"kept: {failure['error']}")
+            return " ".join(line.split())  # one line, whatever the reason held
+        engine = self.policy_engine
+        if engine is None:
+            return "serving without a policy (--no-qos)"
+        return f"serving; policy {engine.policy.source} generation {engine.generation}"
+
     # ------------------------------------------------------------------ observation
 
     def snapshot(self) -> Snapshot:
@@ -106,6 +143,7 @@ class ControlService:
             info.update(source())
         if self.policy_engine is not None:
             info["policy_hash"] = self._policy_hash()
+        info["last_reload_failure"] = self.reload_failure
         return take_snapshot(self.engine, now, changes=dict(self.changes),
                              last_reload_ok=self.last_reload_ok, info=info,
                              latency=self.latency.status() if self.latency else None,
@@ -232,9 +270,11 @@ class ControlService:
             return await self._reload(request, who)
 
     async def _reload(self, request: ReloadRequest, who: str) -> dict[str, Any]:
+        own = self._is_own(request)
         refused = self._unavailable("reload")
         if refused is not None:
-            self.last_reload_ok = False
+            if own:
+                self._failed(who, refused["error"])
             return refused
         try:
             if request.text is not None:
@@ -245,30 +285,54 @@ class ControlService:
                 policy = default_policy()
         except PolicyError as exc:
             self.changes[("reload", "rejected")] += 1
-            self.last_reload_ok = False
+            if own:
+                self._failed(who, str(exc), exc)
             log.info("reload by %s rejected, policy unchanged: %s", who, exc)
             return error_reply(str(exc), "policy")
         log.info("reload by %s from %s", who, policy.source)
-        reply = self._swap(policy, "reload")
-        self.last_reload_ok = bool(reply["ok"])
+        reply, error = self._swap_reporting(policy, "reload")
+        if own:
+            if reply["ok"]:
+                self.reload_failure = None
+            else:
+                self._failed(who, reply["error"], error)
         return reply
 
+    def _is_own(self, request: ReloadRequest) -> bool:
+        """Whether *request* reloads the mount's own policy (see the module doc)."""
+        if request.text is None:
+            return True
+        return (self._own_path is not None and request.source is not None
+                and os.path.abspath(request.source) == self._own_path)
+
+    def _failed(self, who: str, message: str, exc: PolicyError | None = None) -> None:
+        source = self.policy_path if self.policy_path is not None else "<default policy>"
+        self.reload_failure = {
+            "time": time.time(), "by": who,
+            "source": exc.source if exc is not None else source,
+            "line": exc.line if exc is not None else None,
+            "key": exc.key if exc is not None else None,
+            "reason": exc.reason if exc is not None else message, "error": message}
+
     def _swap(self, policy: Policy, cmd: str) -> dict[str, Any]:
+        return self._swap_reporting(policy, cmd)[0]
+
+    def _swap_reporting(self, policy: Policy, cmd: str
+                        ) -> tuple[dict[str, Any], PolicyError | None]:
+        """Swap *policy* in; the reply, and the PolicyError that refused it if one did."""
         engine = self.policy_engine
         assert engine is not None  # _unavailable() said so
         try:
             engine.swap(policy)
         except PolicyError as exc:  # valid alone, but not a change this mount can make
             self.changes[(cmd, "rejected")] += 1
-            if cmd == "reload":
-                self.last_reload_ok = False
             log.info("%s rejected, policy unchanged: %s", cmd, exc)
-            return error_reply(str(exc), "policy")
+            return error_reply(str(exc), "policy"), exc
         except Exception:  # a bug: the daemon must survive it and say so
             log.exception("applying the policy failed")
             self.changes[(cmd, "rejected")] += 1
             return error_reply("internal error while applying the policy (see the daemon's "
-                               "log)", "internal")
+                               "log)", "internal"), None
         self.changes[(cmd, "applied")] += 1
         for hook in self.on_swap:
             try:
@@ -276,5 +340,5 @@ class ControlService:
             except Exception:
                 log.exception("post-swap hook %r failed", hook)
         return {"ok": True, "generation": engine.generation,
-                "policy_source": policy.source}
+                "policy_source": policy.source}, None
 

@@ -42,7 +42,12 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="verbose logs and tracebacks")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    m = sub.add_parser("mount", help="mount SOURCE on MOUNTPOINT (in place if omitted)")
+    m = sub.add_parser(
+        "mount", help="mount SOURCE on MOUNTPOINT (in place if omitted)",
+        description="Serve SOURCE at MOUNTPOINT (or over SOURCE itself) with the policy's "
+        "classes, tenants and caps in front of every request. Returns once the mount "
+        "answers (or fails with a one-line reason and a distinct exit code); --foreground "
+        "serves in this process, as under systemd.")
     m.add_argument("source")
     m.add_argument("mountpoint", nargs="?", help="defaults to SOURCE (mount in place)")
     m.add_argument("--foreground", "-f", action="store_true", help="do not daemonize")
@@ -74,15 +79,44 @@ def _build_parser() -> argparse.ArgumentParser:
     ctl.add_parser(sub)
     top.add_parser(sub)
 
-    c = sub.add_parser("check", help="validate a policy file and print it resolved")
+    c = sub.add_parser(
+        "check", help="validate a policy file and print it resolved",
+        description="Validate a policy and print it resolved (every value as the daemon "
+        "reads it; the output is itself a valid policy), with notes. An invalid policy is "
+        "one line, file:line: key: reason, exit 6. Warnings (file:line, exit 0) name rules "
+        "that cannot do what they say: a class an earlier one shadows, a priority or "
+        "minimum without effect, fractional IOPS, a path glob that matches nothing a "
+        "training job writes.")
     c.add_argument("file")
+    c.add_argument("--strict", action="store_true",
+                   help="warnings are errors: exit 6 if there is any")
+    c.add_argument("--json", action="store_true",
+                   help="one JSON object: ok, the policy (in its own keys), warnings with "
+                   "file, line and key, notes, and the error of an invalid policy")
     c.set_defaults(func=_cmd_check)
 
-    p = sub.add_parser("policy", help="print the embedded default policy")
+    p = sub.add_parser(
+        "policy", help="print the embedded default policy",
+        description="Print the policy a mount without --policy uses, with its comments: "
+        "a starting point for your own (qosfs policy default > FILE).")
     p.add_argument("which", choices=["default"])
     p.set_defaults(func=_cmd_policy)
     _add_plan_parser(sub)
+    _describe_subcommands(parser)
     return parser
+
+
+def _describe_subcommands(parser: argparse.ArgumentParser) -> None:
+    """Give every subcommand's ``--help`` a description: its one-line help where it was
+    given no longer one (a subcommand added without one still says what it does)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, subparser in action.choices.items():
+                if subparser.description is None and helps.get(name):
+                    text = str(helps[name])
+                    subparser.description = text[:1].upper() + text[1:] + "."
+                _describe_subcommands(subparser)
 
 
 def _add_plan_parser(sub: Any) -> None:
@@ -124,6 +158,9 @@ def _add_plan_parser(sub: Any) -> None:
     pl.add_argument("--target-share", type=float, metavar="FRACTION",
                     help="--async: finish within this share of the interval (default: 0.5)")
     pl.add_argument("--policy-out", metavar="FILE", help="write a policy with the caps")
+    pl.add_argument("--json", action="store_true",
+                    help="the plan as one JSON object: inputs, figures in bytes, bytes/s "
+                    "and seconds, the cap's policy setting, the assumptions")
     pl.set_defaults(func=_cmd_plan)
 
 
@@ -171,13 +208,47 @@ def _cmd_mount(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from qosfs.policy.loading import load_policy, policy_notes
+    from qosfs.policy.loading import (
+        PolicyError,
+        parse_policy,
+        policy_notes,
+        policy_warnings,
+        read_policy_text,
+    )
+    from qosfs.policy.model import policy_to_raw
 
-    policy = load_policy(args.file)
-    sys.stdout.write(policy.render())
-    for note in policy_notes(policy):  # TOML comments: the output stays a valid policy
-        sys.stdout.write(f"# note: {note}\n")
+    try:
+        text = read_policy_text(args.file)
+        policy = parse_policy(text, args.file)
+    except PolicyError as exc:
+        if args.json:  # the error as data too (an editor or CI marks the line)
+            error = {"source": exc.source, "line": exc.line, "key": exc.key,
+                     "reason": exc.reason, "message": str(exc)}
+            _print_json({"ok": False, "source": args.file, "error": error})
+        raise
+    warnings = policy_warnings(policy, text)
+    failed = bool(args.strict and warnings)
+    if args.json:
+        _print_json({"ok": not failed, "source": args.file, "policy": policy_to_raw(policy),
+                     "warnings": [w.to_json() for w in warnings],
+                     "notes": policy_notes(policy), "strict": args.strict})
+    elif not failed:
+        sys.stdout.write(policy.render())
+        for note in policy_notes(policy):  # TOML comments: the output stays a valid policy
+            sys.stdout.write(f"# note: {note}\n")
+    for warning in warnings:  # stderr: stdout stays a policy (or JSON)
+        print(f"qosfs: {'error' if args.strict else 'warning'}: {warning}", file=sys.stderr)
+    if failed:
+        n = len(warnings)
+        raise PolicyError(f"{n} warning{'s' * (n > 1)}, errors under --strict",
+                          source=args.file)
     return 0
+
+
+def _print_json(body: dict[str, Any]) -> None:
+    import json
+
+    sys.stdout.write(json.dumps(body, indent=2) + "\n")
 
 
 def _cmd_policy(args: argparse.Namespace) -> int:
@@ -197,7 +268,7 @@ def _plan_value(parse: Callable[[str], float], flag: str, text: str | None) -> f
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from qosfs.plan.text import plan_policy_text, render_plan  # needs the policy parser
+    from qosfs.plan.text import plan_json, plan_policy_text, render_plan  # policy parser
 
     inputs = PlanInputs(
         params=parse_params(args.params), dtype=args.dtype, optimizer=args.optimizer,
@@ -212,7 +283,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         asynchronous=args.asynchronous, target_share=args.target_share)
     plan = make_plan(inputs)
     policy = plan_policy_text(plan) if args.policy_out else None
-    sys.stdout.write(render_plan(plan))
+    if not args.json:
+        sys.stdout.write(render_plan(plan))
     if policy is not None:
         try:
             with open(args.policy_out, "w", encoding="utf-8") as stream:
@@ -220,7 +292,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise PlanError(f"--policy-out: cannot write {args.policy_out}: "
                             f"{exc.strerror or exc}") from None
-        print(f"\npolicy written to {args.policy_out}")
+        if not args.json:
+            print(f"\npolicy written to {args.policy_out}")
+    if args.json:
+        _print_json({**plan_json(plan), "policy_out": args.policy_out})
     return 0
 
 

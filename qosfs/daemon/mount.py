@@ -288,7 +288,7 @@ def _open_services(cfg: MountConfig, mountpoint: str, engine: PolicyQos | PassTh
                                 {"source": source, "mountpoint": mountpoint, "socket": path},
                                 latency=latency, cluster=cluster)
     controller.on_swap.append(lambda p: control.set_admin_group(p.control.admin_gid))
-    controller.reloading = _notify_reloading
+    controller.reloading = functools.partial(_notify_reloading, controller)
     if resources is not None:
         controller.info_sources.append(resources)
     # Named as ctl status counts their failures (qosfs.daemon.supervise).
@@ -349,14 +349,16 @@ def _notify_stopping() -> bool:
 
 
 @contextmanager
-def _notify_reloading() -> Iterator[None]:
+def _notify_reloading(controller: ControlService) -> Iterator[None]:
     """RELOADING=1 ... READY=1 around a policy reload (SIGHUP, ``ctl reload``), accepted
-    or not: either way the daemon serves again afterwards."""
+    or not: either way the daemon serves again afterwards. With READY=1 goes a STATUS=
+    line, which ``systemctl status`` shows: why the last reload of the mount's policy
+    was refused, until one is applied (a ``kill -HUP`` has no caller to tell)."""
     notify(reloading())
     try:
         yield
     finally:
-        notify("READY=1")
+        notify(f"READY=1\nSTATUS={controller.status_line()}")
 
 
 async def _watch_signals(engine: QosEngine, latency: LatencyLoop | None = None,

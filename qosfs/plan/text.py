@@ -9,8 +9,10 @@ parsed by the same parser ``mount`` and ``check`` use before it is returned.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
+from typing import Any
 
 from qosfs.core.units import format_bandwidth
 from qosfs.plan.planner import (
@@ -96,6 +98,29 @@ def render_plan(plan: Plan) -> str:
     lines += [textwrap.fill(a, WIDTH, initial_indent="  - ", subsequent_indent="    ")
               .replace(_NBSP, " ") for a in _assumptions(plan, t)]
     return "\n".join(lines) + "\n"
+
+
+def plan_json(plan: Plan) -> dict[str, Any]:
+    """The plan as data (``qosfs plan --json``): the inputs, every figure in bytes, bytes/s
+    and seconds, the policy setting it leads to and the assumptions, as the report says
+    them. ``timing`` and ``checkpoints_write_bandwidth`` are null without
+    ``--backend-write``."""
+    i, t = plan.inputs, plan.timing
+    inputs = dataclasses.asdict(i)
+    if i.asynchronous:
+        inputs["target_share"] = plan.target_share
+    body: dict[str, Any] = {
+        "summary": _summary(plan), "inputs": inputs, "bytes_per_param": plan.bytes_per_param,
+        "state": plan.state, "checkpoint_bytes": plan.checkpoint_bytes,
+        "written_bytes": plan.written_bytes, "shard_bytes": plan.shard_bytes,
+        "timing": None, "checkpoints_write_bandwidth": None, "assumptions": []}
+    if t is not None:
+        body["timing"] = {**dataclasses.asdict(t),
+                          "full_share_of_interval": t.full_seconds / i.interval,
+                          "cap_share_of_interval": t.cap_seconds / i.interval}
+        body["checkpoints_write_bandwidth"] = format_bandwidth(t.cap_per_mount)
+        body["assumptions"] = [a.replace(_NBSP, " ") for a in _assumptions(plan, t)]
+    return body
 
 
 def _assumptions(plan: Plan, t: Timing) -> list[str]:

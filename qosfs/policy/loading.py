@@ -69,6 +69,7 @@ from os import PathLike
 from qosfs.core.limit_kinds import CAP_KEYS
 from qosfs.core.units import show_value
 from qosfs.policy.build import build_policy, unknown_key
+from qosfs.policy.lint import PolicyWarning, policy_warnings
 from qosfs.policy.model import (
     CACHE_MODES,
     CLASS_KEYS,
@@ -97,8 +98,8 @@ __all__ = [
     "CACHE_MODES", "CAP_KEYS", "CLASS_KEYS", "CLASS_SETTINGS", "DEFAULT_POLICY_TEXT",
     "LATENCY_MEASURES", "LIMIT_KEYS", "MATCH_KEYS", "OPS", "PRIORITY_WEIGHTS", "SETTABLE",
     "TENANT_KEYS", "Backend", "ClassRule", "Control", "Exported", "IdRange", "Limits", "Policy",
-    "PolicyError", "Tenant", "default_policy", "load_policy", "parse_policy", "policy_notes",
-    "read_policy_text", "with_changes",
+    "PolicyError", "PolicyWarning", "Tenant", "default_policy", "load_policy", "parse_policy",
+    "policy_notes", "policy_warnings", "read_policy_text", "with_changes",
 ]
 
 
@@ -236,7 +237,7 @@ def with_changes(policy: Policy, target_kind: str, name: str | None,
                           '(expected "class", "tenant" or "backend")', source="ctl")
     for key, value in changes.items():
         if key not in SETTABLE[target_kind]:
-            raise PolicyError(unknown_key(key, SETTABLE[target_kind]), source="ctl",
+            raise PolicyError(_not_settable(key, target_kind), source="ctl",
                               key=f"{path}.{quote_key(key)}")
         if value == "unlimited" or (value == "none" and key.startswith("target_read_")):
             table.pop(key, None)
@@ -252,6 +253,23 @@ def with_changes(policy: Policy, target_kind: str, name: str | None,
         return build_policy(raw, policy.source)
     except PolicyError as exc:
         raise PolicyError(exc.reason, source="ctl", key=exc.key) from None
+
+
+def _not_settable(key: str, target_kind: str) -> str:
+    """Why ``ctl set`` refuses *key*: a key of the policy file that only a reload changes,
+    a key of another kind of table, or no key at all (with a close match)."""
+    settable = SETTABLE[target_kind]
+    where = "the backend" if target_kind == "backend" else f"a {target_kind}"
+    listed = f"settable live on {where}: {', '.join(settable)}"
+    tables = {"class": CLASS_KEYS, "tenant": TENANT_KEYS, "backend": LIMIT_KEYS}
+    if key in tables[target_kind]:
+        return ("not settable live: change it in the policy file, then `qosfs ctl reload` "
+                f"({listed})")
+    owners = [f"{kind}es" if kind == "class" else f"{kind}s" for kind, keys in tables.items()
+              if key in keys]
+    if owners:
+        return f"a key of {' and '.join(owners)}, not of {where} ({listed})"
+    return unknown_key(key, settable)
 
 
 def _syntax_error(message: str, text: str, source: str) -> PolicyError:

@@ -154,9 +154,26 @@ def test_rejected_set_and_reload_leave_the_policy_unchanged(
     assert code == 6 and "cannot read policy" in err
     after = ctl_mount.request({"cmd": "status"})
     assert policy_view(after) == before
-    assert after["last_reload_ok"] is False
+    # Refused reloads of other files were answered to their caller: no standing alert.
+    assert after["last_reload_ok"] is True and after["last_reload_failure"] is None
     rejected = {(c["command"], c["result"]): c["count"] for c in after["changes"]}
     assert rejected == {("set", "rejected"): 2, ("reload", "rejected"): 1}
+
+
+def test_set_of_a_key_only_a_reload_changes_says_so(
+        ctl_mount: Mounted, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = ctl(capsys, ctl_mount.sock, "set", "capped", "paths=other/**")
+    assert code == 6 and out == ""
+    assert err.startswith("qosfs: ctl: classes.capped.paths: not settable live: change it "
+                          "in the policy file, then `qosfs ctl reload` (settable live on a "
+                          "class: read_bandwidth, write_bandwidth,"), err
+    assert "unknown key" not in err and err.count("\n") == 1
+    code, _, err = ctl(capsys, ctl_mount.sock, "set", "capped", "write_bandwidth")
+    assert code == 2 and err.startswith("qosfs: ctl set: bad setting 'write_bandwidth' "
+                                        "(expected KEY=VALUE"), err
+    changes = ctl_mount.request({"cmd": "status"})["changes"]
+    # The usage error never reached the daemon; the refused key did.
+    assert changes == [{"command": "set", "result": "rejected", "count": 1}]
 
 
 def test_reload_a_file_then_the_mounts_own(ctl_mount: Mounted,
@@ -200,6 +217,34 @@ def test_sighup_reloads_the_policy_file(ctl_mount: Mounted) -> None:
     status = ctl_mount.request({"cmd": "status"})
     assert status["generation"] == 2 and status["last_reload_ok"] is False
     assert ctl_mount.mount.proc.poll() is None  # still serving
+
+
+def test_a_failed_sighup_reload_says_why_in_status(
+        ctl_mount: Mounted, capsys: pytest.CaptureFixture[str]) -> None:
+    assert ctl_mount.mount.proc is not None
+    ctl_mount.policy.write_text(POLICY.replace('"2MiB/s"', '"2MiB"'))  # line 6: no "/s"
+    os.kill(ctl_mount.mount.proc.pid, signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while ctl_mount.request({"cmd": "status"})["last_reload_ok"]:
+        assert time.monotonic() < deadline, ctl_mount.mount.log()
+        time.sleep(0.05)
+    code, out, _ = ctl(capsys, ctl_mount.sock, "status", "--json")
+    failure = json.loads(out)["last_reload_failure"]
+    assert code == 0 and failure["by"] == "SIGHUP"
+    assert (failure["source"], failure["line"], failure["key"]) == (
+        str(ctl_mount.policy), 6, "classes.capped.write_bandwidth")
+    assert failure["reason"] == 'expected a bandwidth like "400MiB/s", got "2MiB"'
+    assert abs(failure["time"] - time.time()) < 60
+    code, out, _ = ctl(capsys, ctl_mount.sock, "status")
+    [line] = [line for line in out.splitlines() if line.startswith("LAST RELOAD FAILED")]
+    assert line.endswith(f" (SIGHUP), previous policy kept: {ctl_mount.policy}:6: "
+                         'classes.capped.write_bandwidth: expected a bandwidth like '
+                         '"400MiB/s", got "2MiB"'), out
+    # Fixed and reloaded: the failure is gone.
+    ctl_mount.policy.write_text(POLICY)
+    assert ctl(capsys, ctl_mount.sock, "reload")[0] == 0
+    status = ctl_mount.request({"cmd": "status"})
+    assert status["last_reload_ok"] is True and status["last_reload_failure"] is None
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero"])

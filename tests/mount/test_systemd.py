@@ -167,13 +167,16 @@ def instance(tmp_tree: Path) -> Iterator[Instance]:
         inst.stop()
 
 
-def reload_messages(inst: Instance) -> None:
-    """RELOADING=1 with a current MONOTONIC_USEC, then READY=1."""
+def reload_messages(inst: Instance) -> str:
+    """RELOADING=1 with a current MONOTONIC_USEC, then READY=1 with a STATUS= line (what
+    `systemctl status` shows), which is returned."""
     state = dict(line.split("=", 1) for line in inst.notify.next().split("\n"))
     now = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
     assert state.keys() == {"RELOADING", "MONOTONIC_USEC"} and state["RELOADING"] == "1"
     assert now - 20_000_000 < int(state["MONOTONIC_USEC"]) <= now
-    assert inst.notify.next() == "READY=1"
+    ready, status = inst.notify.next().split("\n")
+    assert ready == "READY=1" and status.startswith("STATUS=")
+    return status.removeprefix("STATUS=")
 
 
 def checkpoint_cap(inst: Instance) -> float:
@@ -211,7 +214,7 @@ def test_reload_by_sighup_and_by_exec_reload_is_bracketed(instance: Instance) ->
     assert checkpoint_cap(instance) == 400 * MiB
 
     proc.send_signal(signal.SIGHUP)
-    reload_messages(instance)
+    assert reload_messages(instance) == f"serving; policy {instance.policy} generation 2"
 
     instance.policy.write_text(SAMPLE.read_text().replace('"400MiB/s"', '"100MiB/s"'))
     done = subprocess.run(instance.argv("ExecReload"), cwd=ROOT, capture_output=True,
@@ -224,9 +227,21 @@ def test_reload_by_sighup_and_by_exec_reload_is_bracketed(instance: Instance) ->
     done = subprocess.run(instance.argv("ExecReload"), cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 6  # `systemctl reload` fails and says why
-    assert str(instance.policy) in done.stderr
-    reload_messages(instance)  # the daemon serves on, with the policy it had
+    reason = (f"{instance.policy}:2: classes.checkpoints.write_bandwidth: expected a "
+              'bandwidth like "400MiB/s", got "fast"')
+    assert done.stderr == f"qosfs: {reason}\n"  # in the journal, under the unit
+    status = reload_messages(instance)  # the daemon serves on, with the policy it had
+    assert re.fullmatch(rf"policy reload refused at .* \(uid 0 \(pid \d+\)\), previous "
+                        rf"policy kept: {re.escape(reason)}", status), status
     assert checkpoint_cap(instance) == 100 * MiB
+
+    # kill -HUP has no caller to answer: systemctl status is where it shows.
+    instance.policy.write_text("[classes.checkpoints]\nwrite_iops = 'x'\n")
+    proc.send_signal(signal.SIGHUP)
+    status = reload_messages(instance)
+    assert re.fullmatch(rf"policy reload refused at .* \(SIGHUP\), previous policy kept: "
+                        rf"{re.escape(str(instance.policy))}:2: classes.checkpoints.write_iops: "
+                        r".*", status), status
     instance.notify.assert_empty()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,27 @@ def test_status_says_when_the_daemon_survived_a_bug() -> None:
     assert text.splitlines()[2] == (
         "INTERNAL ERRORS (answered EIO or restarted; the first of each kind is in the "
         "daemon's log): read ValueError x3, control KeyError x1")
+
+
+def test_status_says_why_the_last_reload_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    try:
+        failure = {"time": 1_700_000_000.0, "by": "SIGHUP", "source": "/etc/qosfs/p.toml",
+                   "line": 3, "key": "classes.ckpt.write_iops", "reason": "expected ...",
+                   "error": "/etc/qosfs/p.toml:3: classes.ckpt.write_iops: expected ..."}
+        lines = ctl.format_status({**REPLY, "last_reload_ok": False,
+                                   "last_reload_failure": failure}).splitlines()
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert lines[1] == "policy /etc/qosfs/p.toml generation 4 (3 changes applied, 0 rejected)"
+    assert lines[2] == ("LAST RELOAD FAILED at 2023-11-14 22:13:20 UTC (SIGHUP), previous "
+                        "policy kept: /etc/qosfs/p.toml:3: classes.ckpt.write_iops: expected ...")
+    older = ctl.format_status({**REPLY, "last_reload_ok": False}).splitlines()
+    assert older[2] == ("LAST RELOAD FAILED (the reason is in the daemon's log); previous "
+                        "policy kept")
+    assert "RELOAD" not in ctl.format_status({**REPLY, "last_reload_failure": None})
 
 
 def test_top_frame_has_no_escape_codes_and_fits() -> None:

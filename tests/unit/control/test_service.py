@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,57 @@ def test_reload_rereads_the_mounts_file(tmp_path: Path) -> None:
         assert ctl.last_reload_ok is False and engine.generation == 2
 
     trio.run(main)
+
+
+def test_a_refused_reload_of_the_mounts_file_is_kept_with_its_reason(tmp_path: Path) -> None:
+    path = tmp_path / "policy.toml"
+    path.write_text(TEXT)
+
+    async def main() -> None:
+        ctl, engine = make(str(path))
+        status = await ctl.handle(SimpleRequest("status"), ROOT)
+        assert status["last_reload_ok"] is True and status["last_reload_failure"] is None
+        path.write_text("[classes.ckpt]\npaths = [\"ckpt/**\"]\nwrite_iops = -1\n")
+        before = time.time()
+        assert (await ctl.reload(ReloadRequest(), "SIGHUP"))["ok"] is False
+        for cmd in ("status", "stats"):
+            status = await ctl.handle(SimpleRequest(cmd), ROOT)
+            failure = status["last_reload_failure"]
+            assert status["last_reload_ok"] is False and engine.generation == 1
+            assert before <= failure["time"] <= time.time() and failure["by"] == "SIGHUP"
+            assert (failure["source"], failure["line"], failure["key"]) == (
+                str(path), 3, "classes.ckpt.write_iops")
+            assert failure["reason"].startswith("expected an IOPS rate")
+            assert failure["error"] == f"{path}:3: classes.ckpt.write_iops: {failure['reason']}"
+        assert ctl.status_line().startswith("policy reload refused at ")
+        assert ctl.status_line().endswith(f"(SIGHUP), previous policy kept: {failure['error']}")
+        # The same file named explicitly is the mount's own too: still failed, by root now.
+        bad = await ctl.handle(ReloadRequest(path.read_text(), str(path)), ROOT)
+        assert bad["ok"] is False and ctl.reload_failure is not None
+        assert ctl.reload_failure["by"] == "uid 0 (pid 1)"
+        path.write_text(TEXT)
+        assert (await ctl.handle(ReloadRequest(), ROOT))["ok"] is True
+        status = await ctl.handle(SimpleRequest("status"), ROOT)
+        assert status["last_reload_ok"] is True and status["last_reload_failure"] is None
+        assert ctl.status_line() == f"serving; policy {path} generation 2"
+
+    trio.run(main)
+
+
+@mock_clock
+async def test_a_refused_reload_of_another_file_is_answered_not_alerted() -> None:
+    """Its caller got the reason; the policy in force and the mount's file are fine."""
+    ctl, engine = make("/etc/qosfs/mine.toml")
+    other = ReloadRequest("[classes.x]\nwrite_iops = -1\n", "/tmp/other.toml")
+    reply = await ctl.handle(other, ROOT)
+    assert reply["ok"] is False and reply["error"].startswith("/tmp/other.toml:2: ")
+    assert ctl.last_reload_ok is True and ctl.reload_failure is None
+    assert ctl.changes[("reload", "rejected")] == 1
+    # Nor does an applied one clear a failure of the mount's own file.
+    ctl.reload_failure = {"time": 0.0, "by": "SIGHUP", "source": "/etc/qosfs/mine.toml",
+                          "line": 1, "key": None, "reason": "r", "error": "e"}
+    assert (await ctl.handle(ReloadRequest(TEXT, "/tmp/other.toml"), ROOT))["ok"] is True
+    assert engine.generation == 2 and ctl.last_reload_ok is False
 
 
 @mock_clock

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -284,6 +285,32 @@ def test_cli_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
         "dataset reads keep 8 GB/s of the backend's 20 GB/s (--reserve-read)",
     ]:
         assert line in out
+
+
+def test_cli_json_has_the_figures_of_the_report(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    out_file = tmp_path / "plan.toml"
+    assert main([*EXAMPLE_ARGS, "--json", "--policy-out", str(out_file)]) == 0
+    body = json.loads(capsys.readouterr().out)  # nothing but the JSON on stdout
+    assert body["summary"] == ("70B parameters, 512 ranks on 64 mounts, a synchronous "
+                               "checkpoint every 30 min")
+    assert body["inputs"]["params"] == 70e9 and body["inputs"]["reserve_read"] == 8 * GB
+    assert body["checkpoint_bytes"] == 420 * GB and body["shard_bytes"] == 420 * GB / 512
+    timing = body["timing"]
+    assert timing["cap"] == 9.6 * GB and timing["cap_per_mount"] == 150e6
+    assert round(timing["cap_seconds"], 1) == 43.8
+    assert body["checkpoints_write_bandwidth"] == "150MB/s"
+    assert any("--efficiency 0.8" in a for a in body["assumptions"])
+    assert body["policy_out"] == str(out_file)
+    rule = load_policy(out_file).class_by_name("checkpoints")
+    assert rule is not None and rule.limits.write_bandwidth == 150e6
+
+
+def test_cli_json_without_a_backend_has_sizes_only(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--params", "7B", "--json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["checkpoint_bytes"] == 42 * GB
+    assert body["timing"] is None and body["checkpoints_write_bandwidth"] is None
 
 
 def test_cli_writes_a_policy_that_loads(tmp_path: Path,

@@ -352,11 +352,20 @@ def test_with_changes() -> None:
      ('ctl: classes.checkpoints.write_bandwith: unknown key "write_bandwith"; did you mean '
       '"write_bandwidth"?')),
     ('class', 'checkpoints', {'paths': 'x'},
-     ('ctl: classes.checkpoints.paths: unknown key "paths" (expected read_bandwidth, '
+     ('ctl: classes.checkpoints.paths: not settable live: change it in the policy file, then '
+      '`qosfs ctl reload` (settable live on a class: read_bandwidth, '
       'write_bandwidth, read_iops, write_iops, meta_iops, burst, burst_iops, '
       'min_read_bandwidth, min_write_bandwidth, priority, per_user, cache, target_read_latency, '
       'target_read_slowdown, latency_percentile, latency_measure, detect_streaming_writes, '
       'entry_timeout, attr_timeout)')),
+    ('tenant', 'team-a', {'uids': '7'},
+     ('ctl: tenants.team-a.uids: not settable live: change it in the policy file, then '
+      '`qosfs ctl reload` (settable live on a tenant: read_bandwidth, write_bandwidth, '
+      'read_iops, write_iops, meta_iops, burst, burst_iops)')),
+    ('backend', None, {'priority': 'high'},
+     ('ctl: backend.priority: a key of classes, not of the backend (settable live on the '
+      'backend: read_bandwidth, write_bandwidth, read_iops, write_iops, meta_iops, burst, '
+      'burst_iops)')),
     ('class', 'checkpoints', {'write_bandwidth': '1MB'},
      'ctl: classes.checkpoints.write_bandwidth: expected a bandwidth like "400MiB/s", got "1MB"'),
     ('class', 'datasets', {'min_read_bandwidth': '5GiB/s'},
