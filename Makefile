@@ -5,7 +5,8 @@
 #   make bench  install, run every benchmark suite, write bench/results/REPORT.md
 #               (the training suite alone took 19 min here; make bench-quick: shorter, noisier)
 #   make install          qosfs in its own virtualenv, /usr/local/bin/qosfs, the systemd
-#                         unit and the samples (PREFIX, DESTDIR respected)
+#                         unit, the samples, shell completions and the man page
+#                         (PREFIX, DESTDIR respected)
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
@@ -28,10 +29,13 @@ BINDIR  := $(PREFIX)/bin
 LIBDIR  := $(PREFIX)/lib/qosfs
 UNITDIR := $(PREFIX)/lib/systemd/system
 DOCDIR  := $(PREFIX)/share/doc/qosfs
+BASHCOMPDIR := $(PREFIX)/share/bash-completion/completions
+ZSHCOMPDIR  := $(PREFIX)/share/zsh/site-functions
+MAN1DIR     := $(PREFIX)/share/man/man1
 CONFDIR := /etc/qosfs
 
 .PHONY: deps system-deps venv demo test lint bench-deps bench bench-quick clean \
-	install install-python install-files uninstall
+	install install-python install-files install-cli-docs uninstall
 
 deps: system-deps venv
 
@@ -83,12 +87,12 @@ bench-quick: bench-deps
 # qosfs and its dependencies in a virtualenv of their own (pyfuse3 is built against
 # libfuse3, hence system-deps). The launcher runs its python by path, which stays valid
 # when DESTDIR is moved into place; -P keeps the caller's directory off sys.path.
-install: system-deps install-python install-files
+install: system-deps install-python install-files install-cli-docs
 	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
 
 install-python:
 	$(PYTHON) -m venv --clear $(DESTDIR)$(LIBDIR)
-	$(DESTDIR)$(LIBDIR)/bin/python -m pip install -q .
+	$(DESTDIR)$(LIBDIR)/bin/python -m pip install -q '.[cli-docs]'
 
 # Everything but the Python package: no network, no compiler.
 install-files:
@@ -105,9 +109,31 @@ install-files:
 	install -m 0644 docs/*.md $(DESTDIR)$(DOCDIR)/docs/
 	install -m 0644 systemd/mnt-mlfs.toml systemd/mnt-mlfs.env $(DESTDIR)$(DOCDIR)/examples/
 
+# Completions for bash and zsh and the man page, generated from the argument parser
+# (qosfs.daemon.cli.build_parser) by shtab and argparse-manpage, so they cannot drift from
+# the options. The tools come with the cli-docs extra; the daemon never imports them.
+CLIDOCS_PY  ?= $(DESTDIR)$(LIBDIR)/bin/python
+PARSER      := qosfs.daemon.cli.build_parser
+DESCRIPTION := from qosfs.daemon.cli import build_parser; print(build_parser().description)
+install-cli-docs:
+	install -d $(DESTDIR)$(BASHCOMPDIR) $(DESTDIR)$(ZSHCOMPDIR) $(DESTDIR)$(MAN1DIR)
+	$(CLIDOCS_PY) -m shtab --error-unimportable --shell=bash $(PARSER) \
+		-o $(DESTDIR)$(BASHCOMPDIR)/qosfs
+	$(CLIDOCS_PY) -m shtab --error-unimportable --shell=zsh $(PARSER) \
+		-o $(DESTDIR)$(ZSHCOMPDIR)/_qosfs
+	$(CLIDOCS_PY) -c 'import sys; from argparse_manpage.cli import main; sys.exit(main())' \
+		--module qosfs.daemon.cli --function build_parser --prog qosfs \
+		--project-name qosfs --manual-title 'qosfs manual' \
+		--version "$$($(CLIDOCS_PY) -c 'import qosfs; print(qosfs.__version__)')" \
+		--description "$$($(CLIDOCS_PY) -c '$(DESCRIPTION)')" \
+		--output $(DESTDIR)$(MAN1DIR)/qosfs.1
+	chmod 0644 $(DESTDIR)$(BASHCOMPDIR)/qosfs $(DESTDIR)$(ZSHCOMPDIR)/_qosfs \
+		$(DESTDIR)$(MAN1DIR)/qosfs.1
+
 # Leaves /etc/qosfs (the administrator's policies) alone.
 uninstall:
 	rm -f $(DESTDIR)$(BINDIR)/qosfs $(DESTDIR)$(UNITDIR)/qosfs@.service
+	rm -f $(DESTDIR)$(BASHCOMPDIR)/qosfs $(DESTDIR)$(ZSHCOMPDIR)/_qosfs $(DESTDIR)$(MAN1DIR)/qosfs.1
 	rm -rf $(DESTDIR)$(LIBDIR) $(DESTDIR)$(DOCDIR)
 
 clean:

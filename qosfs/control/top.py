@@ -11,6 +11,30 @@ With thousands of users the table stays readable: users with no traffic fold int
 "N idle users" row per class, rows can be filtered (``class=``, ``tenant=``, ``uid=``,
 globs) and sorted by any column, and only as many rows as the terminal holds are drawn.
 
+At 80 columns not every column fits. Rather than squeeze each header to a letter or two,
+columns give way in a stated order (``ACCOUNT_FIT``, listed the same in docs/top.md), one
+step at a time and only while the table is still too wide, never the column sorted by:
+
+1. THROTTLED total goes
+2. WRITTEN total goes
+3. READ total goes
+4. IO/s goes
+5. TENANT goes if no row shown has one
+6. UID goes if no row shown has one
+7. THROTTLED/s becomes THR/s
+8. OPS/s goes
+9. LIMITS is cut to what fits, ending in …, but to no fewer than 12 characters
+10. TENANT goes
+11. QUEUE goes
+12. LIMITS goes
+13. THROTTLED/s goes
+
+CLASS, UID, READ/s and WRITE/s stay; a terminal too narrow even for them (under about 50
+columns) has its lines cut at the right edge, ending in ``…``. The legend explains only
+the columns shown, and every line of text wraps or is cut to the width: nothing is left
+for the terminal to wrap. ``--once`` fits the terminal too when it writes to one; into a
+pipe it prints every column.
+
 The interactive view draws with ``rich`` (the ``top`` extra: a client-side dependency the
 daemon never imports); ``--once`` prints plain text with the standard library only, for
 scripts. Keys: ``q`` quits, ``s`` or ``>`` (right arrow) and ``<`` (left arrow) choose the
@@ -24,12 +48,24 @@ import argparse
 import fnmatch
 import os
 import select
+import shutil
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from qosfs.control.columns import (
+    ABBREVIATE,
+    DROP,
+    DROP_IF_EMPTY,
+    SHORTEN,
+    Fitted,
+    Step,
+    crop,
+    fit,
+    wrap,
+)
 from qosfs.control.ctl import (
     Client,
     checked,
@@ -41,7 +77,6 @@ from qosfs.control.ctl import (
     human_seconds,
     level_name,
     resolve_socket,
-    table_lines,
 )
 from qosfs.core.errors import EXIT_USAGE, QosfsError
 
@@ -85,9 +120,26 @@ COLUMNS: tuple[Column, ...] = (
     Column("THROTTLED total", "total", lambda r: r["throttled_seconds"], human_seconds),
 )
 _BY_HEADER = {c.header: i for i, c in enumerate(COLUMNS)}
+# What gives way when the accounts are wider than the terminal, most expendable first;
+# the module docstring and docs/top.md list the same steps.
+ACCOUNT_FIT = (
+    Step(DROP, "THROTTLED total"),
+    Step(DROP, "WRITTEN total"),
+    Step(DROP, "READ total"),
+    Step(DROP, "IO/s"),
+    Step(DROP_IF_EMPTY, "TENANT"),
+    Step(DROP_IF_EMPTY, "UID"),
+    Step(ABBREVIATE, "THROTTLED/s", short="THR/s"),
+    Step(DROP, "OPS/s"),
+    Step(SHORTEN, "LIMITS", floor=12),
+    Step(DROP, "TENANT"),
+    Step(DROP, "QUEUE"),
+    Step(DROP, "LIMITS"),
+    Step(DROP, "THROTTLED/s"),
+)
 LEGEND = ("/s: rate over the daemon's last sample; total: since the mount; QUEUE: parked now; "
           "THROTTLED: seconds spent waiting for tokens")
-KEYS = "q quit  s/</> sort column  r reverse  / filter  Esc clear  i idle users"
+KEYS = ("q quit", "s/</> sort column", "r reverse", "/ filter", "Esc clear", "i idle users")
 ESC = "\x1b"
 # Escape sequences a terminal sends for keys: the arrows move the sort column; the others
 # are read whole and ignored (their "[" and letters are not keys of their own).
@@ -178,17 +230,21 @@ class View:
         self.filters = filters
         self.message = ""
 
-    def status_line(self) -> str:
+    def status_parts(self) -> list[str]:
+        """The sort, the filters, idle users, and what is being typed or went wrong."""
         order = "descending" if self.reverse else "ascending"
         shown = " ".join(f"{k}={v}" for k, v in self.filters.items()) or "none"
         idle = "folded" if self.collapse_idle else "shown"
-        line = (f"sort: {COLUMNS[self.sort].header} {order}   filter: {shown}   "
-                f"idle users: {idle}")
+        parts = [f"sort: {COLUMNS[self.sort].header} {order}", f"filter: {shown}",
+                 f"idle users: {idle}"]
         if self.typing is not None:
-            line += f"   filter> {self.typing}_"
+            parts.append(f"filter> {self.typing}_")
         elif self.message:
-            line += f"   {self.message}"
-        return line
+            parts.append(self.message)
+        return parts
+
+    def status_line(self) -> str:
+        return "   ".join(self.status_parts())
 
 
 # ------------------------------------------------------------------------ the rows
@@ -277,31 +333,98 @@ def other_levels(reply: dict[str, Any]) -> list[list[str]]:
 
 
 LEVEL_HEADER = ["LEVEL", "NAME", "LIMITS", "READ/s", "WRITE/s", "QUEUE", "THROTTLED total"]
+LEVEL_FIT = (Step(DROP, "THROTTLED total"), Step(SHORTEN, "LIMITS"), Step(DROP, "QUEUE"))
 
 
-# ------------------------------------------------------------------------ plain text
+# ------------------------------------------------------------------------ one frame
+
+# A line of a frame: (text, rich style) segments. --once joins the text; the live view
+# draws the styles.
+Line = list[tuple[str, str]]
+_STYLES = {"text": "", "rate": "cyan", "now": "yellow", "total": "dim"}
+
+
+def fit_accounts(rows: list[dict[str, Any]], view: View, width: int | None,
+                 mark: bool = False) -> Fitted:
+    """The account rows as a table fitted to ``width`` (``ACCOUNT_FIT``); the column sorted
+    by stays, with ``▼``/``▲`` after its header if ``mark``."""
+    suffix = {view.sort: " ▼" if view.reverse else " ▲"} if mark else {}
+    return fit([c.header for c in COLUMNS], [cells(r) for r in rows], width, ACCOUNT_FIT,
+               keep=frozenset({view.sort}), suffix=suffix)
+
+
+def legend(table: Fitted, width: int | None) -> list[str]:
+    """What the shown columns' headers mean, wrapped to ``width``."""
+    headers = {COLUMNS[i].header: shown for i, shown in zip(table.columns, table.headers,
+                                                              strict=True)}
+    parts = ["/s: rate over the daemon's last sample"]
+    if any(COLUMNS[i].kind == "total" for i in table.columns):
+        parts.append("total: since the mount")
+    if "QUEUE" in headers:
+        parts.append("QUEUE: parked now")
+    if headers.get("THROTTLED/s", "").startswith("THR/s"):  # abbreviated (maybe marked)
+        parts.append("THR: throttled, seconds spent waiting for tokens")
+    elif "THROTTLED/s" in headers or "THROTTLED total" in headers:
+        parts.append("THROTTLED: seconds spent waiting for tokens")
+    return wrap(parts, "; ", width)
+
+
+def _table_lines(table: Fitted, right: frozenset[int], styles: list[str]) -> list[Line]:
+    """The fitted table as lines: the header bold, each column in its style."""
+    lines = []
+    for n, cells_ in enumerate(table.aligned(right)):
+        line: Line = []
+        for col, cell in zip(table.columns, cells_, strict=True):
+            if line:
+                line.append(("  ", ""))
+            line.append((cell, "bold" if n == 0 else styles[col]))
+        lines.append(line)
+    return lines
+
+
+def frame_lines(reply: dict[str, Any], view: View, width: int | None, height: int | None,
+                live: bool = False) -> list[Line]:
+    """One frame, each line at most ``width`` characters once cropped, at most ``height``
+    lines: the header, legend and view, the accounts that fit, and then either the other
+    levels and the latency controller (``--once``, no height) or the keys (``live``)."""
+    plain = [(text, "") for text in [*format_header(reply), _window_line(reply)]]
+    status = wrap(view.status_parts(), "   ", width)
+    keys = wrap(KEYS, "  ", width) if live else []
+    rows = sorted_rows(reply, view)
+    spacer = [] if live else [""]
+    shown = rows
+    if height is not None:  # room for the rows: all else, with the longest legend
+        above = len(plain) + len(wrap(LEGEND.split("; "), "; ", width)) + len(status)
+        room = height - above - len(spacer) - 1 - 1 - len(keys)  # header, "... more"
+        shown = rows[:max(1, room)]
+    table = fit_accounts(shown, view, width, mark=live)
+    right = frozenset(i for i, c in enumerate(COLUMNS) if c.kind != "text")
+    lines: list[Line] = [[line] for line in plain]
+    lines += [[(text, "dim")] for text in legend(table, width)]
+    lines += [[(text, "bold")] for text in status]
+    lines += [[(text, "")] for text in spacer]
+    lines += _table_lines(table, right, [_STYLES[c.kind] for c in COLUMNS])
+    if len(shown) < len(rows):
+        lines.append([(f"... {len(rows) - len(shown)} more rows (filter with /)", "dim")])
+    if height is None and not live:
+        levels = other_levels(reply)
+        if levels:
+            fitted = fit(LEVEL_HEADER, levels, width, LEVEL_FIT)
+            numbers = frozenset(range(LEVEL_HEADER.index("READ/s"), len(LEVEL_HEADER)))
+            lines += [[("", "")], *([(t, "")] for t in fitted.lines(numbers))]
+        latency = format_latency(reply)
+        if latency:
+            lines += [[("", "")], *([(t, "")] for t in latency)]
+    lines += [[(text, "reverse")] for text in keys]
+    return lines
 
 
 def render_frame(reply: dict[str, Any], width: int | None = None,
                  view: View | None = None, height: int | None = None) -> str:
-    """One frame as plain text (``--once``): header, legend, accounts, other levels."""
-    view = view or View()
-    rows = sorted_rows(reply, view)
-    lines = [*format_header(reply), _window_line(reply), LEGEND, view.status_line(), ""]
-    room = None if height is None else max(1, height - len(lines) - 2)
-    shown = rows if room is None else rows[:room]
-    lines += table_lines([c.header for c in COLUMNS], [cells(r) for r in shown])
-    if len(shown) < len(rows):
-        lines.append(f"... {len(rows) - len(shown)} more rows (filter with /)")
-    levels = other_levels(reply)
-    if levels and height is None:
-        lines += ["", *table_lines(LEVEL_HEADER, levels)]
-    latency = format_latency(reply)
-    if latency and height is None:
-        lines += ["", *latency]
-    if width:
-        lines = [line[:width] for line in lines]
-    return "\n".join(lines) + "\n"
+    """One frame as plain text (``--once``), fitted to ``width`` characters if given."""
+    lines = frame_lines(reply, view or View(), width, height)
+    return "".join(crop("".join(t for t, _ in line).rstrip(), width) + "\n"
+                   for line in lines)
 
 
 def _window_line(reply: dict[str, Any]) -> str:
@@ -313,30 +436,14 @@ def _window_line(reply: dict[str, Any]) -> str:
 # ------------------------------------------------------------------------ the live view
 
 
-def _rich_frame(reply: dict[str, Any], view: View, height: int) -> Any:
-    """The frame as a rich renderable, cropped to ``height`` lines."""
+def _rich_frame(reply: dict[str, Any], view: View, width: int, height: int) -> Any:
+    """The frame as a rich renderable: lines of at most ``width`` cells (a line still too
+    wide ends in ``…``, never wraps), at most ``height`` of them."""
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
-    head = [*format_header(reply), _window_line(reply)]
-    table = Table(box=None, pad_edge=False, header_style="bold", expand=False)
-    styles = {"text": "", "rate": "cyan", "now": "yellow", "total": "dim"}
-    for i, column in enumerate(COLUMNS):
-        mark = (" ▼" if view.reverse else " ▲") if i == view.sort else ""
-        table.add_column(column.header + mark, style=styles[column.kind],
-                         justify="left" if column.kind == "text" else "right",
-                         no_wrap=True)
-    rows = sorted_rows(reply, view)
-    room = max(1, height - len(head) - 6)
-    for row in rows[:room]:
-        table.add_row(*cells(row))
-    parts: list[Any] = [Text("\n".join(head)), Text(LEGEND, style="dim"),
-                        Text(view.status_line(), style="bold"), table]
-    if len(rows) > room:
-        parts.append(Text(f"... {len(rows) - room} more rows (filter with /)", style="dim"))
-    parts.append(Text(KEYS, style="reverse"))
-    return Group(*parts)
+    return Group(*(Text.assemble(*line, no_wrap=True, overflow="ellipsis")
+                   for line in frame_lines(reply, view, width, height, live=True)))
 
 
 def _first_reply(client: Client) -> dict[str, Any]:
@@ -415,7 +522,8 @@ def _live(path: str, interval: float, view: View) -> int:
 
                 live.update(Text(error), refresh=True)
             else:
-                live.update(_rich_frame(reply, view, console.size.height), refresh=True)
+                size = console.size
+                live.update(_rich_frame(reply, view, size.width, size.height), refresh=True)
             for ch in split_keys(keys.read(next_fetch - time.monotonic())):
                 if not view.key(ch):
                     if client is not None:
@@ -454,7 +562,9 @@ def run(args: argparse.Namespace) -> int:
     path = resolve_socket(args.socket)
     if args.once:
         with Client(path) as once:
-            sys.stdout.write(render_frame(_first_reply(once), view=view))
+            # Fitted to a terminal; a script reading a pipe gets every column.
+            width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+            sys.stdout.write(render_frame(_first_reply(once), width=width, view=view))
         return 0
     try:
         return _live(path, max(0.1, args.interval), view)

@@ -35,6 +35,15 @@ from qosfs.plan.planner import (
 log = logging.getLogger("qosfs")
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line, its path arguments marked for completion: ``make install``
+    generates the shell completions (shtab) and the man page (argparse-manpage) from it,
+    so they cannot drift from the options."""
+    from qosfs.daemon.completion import mark_paths
+
+    return mark_paths(_build_parser())
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qosfs", description="FUSE pass-through filesystem with I/O quality of service")

@@ -1,5 +1,6 @@
 """``qosfs top`` in a real terminal (tmux): the first frame has rates, keys sort and
-filter, idle users fold, ``q`` quits and gives the terminal back as it was."""
+filter, idle users fold, ``q`` quits and gives the terminal back as it was; at 80 columns
+the table gives way in its stated order and stays readable, at 200 it shows everything."""
 
 from __future__ import annotations
 
@@ -44,16 +45,22 @@ class Terminal:
         self.tmp = tmp
 
     def tmux(self, *args: str) -> str:
+        # env: os.environ, not the C environment a child inherits by default, where
+        # readline (imported by pytest) has put COLUMNS=80 and LINES=24: tmux would pass
+        # them on, and top would take them over the terminal's own size.
         done = subprocess.run(["tmux", "-L", self.server, *args], capture_output=True,
-                              text=True, timeout=10)
+                              text=True, timeout=10, env=dict(os.environ))
         assert done.returncode == 0, done.stderr
         return done.stdout
 
-    def start(self, command: str) -> None:
-        self.tmux("new-session", "-d", "-s", "top", "-x", "160", "-y", "50", command)
+    def start(self, command: str, width: int = 160, height: int = 50) -> None:
+        self.tmux("new-session", "-d", "-s", "top", "-x", str(width), "-y", str(height),
+                  command)
 
     def screen(self) -> str:
-        return self.tmux("capture-pane", "-p", "-t", "top")
+        """The pane as shown, lines the terminal wrapped joined again (a line wider than
+        the pane comes back wider than the pane)."""
+        return self.tmux("capture-pane", "-p", "-J", "-t", "top")
 
     def keys(self, *keys: str) -> None:
         self.tmux("send-keys", "-t", "top", *keys)
@@ -98,7 +105,10 @@ def _uid_rows(screen: str) -> list[str]:
     return re.findall(r"^ckpt\s+(\d+)\s", screen, re.MULTILINE)
 
 
-def test_top_in_a_terminal(tmp_tree: Path, terminal: Terminal) -> None:
+@pytest.fixture
+def busy_socket(tmp_tree: Path) -> Iterator[Path]:
+    """A mount's control socket while two users write without pause (BUSY) and three wrote
+    once (IDLE); the writers are stopped before the mount goes."""
     src, mnt = tmp_tree / "src", tmp_tree / "mnt"
     for d in (src, mnt, src / "ckpt", src / "data"):
         d.mkdir()
@@ -118,64 +128,135 @@ def test_top_in_a_terminal(tmp_tree: Path, terminal: Terminal) -> None:
                     ["sh", "-c", f"while :; do dd if=/dev/zero of=w{uid} bs=256k count=4 "
                                  "2>/dev/null; done"],
                     cwd=mnt / "ckpt", preexec_fn=as_user(uid), start_new_session=True))
-            top = f"{shlex.quote(sys.executable)} -m qosfs top --socket {shlex.quote(str(sock))}"
-            # top twice: the first is left with q, the second (started by a line typed
-            # into `read`) with Ctrl-C; after each the terminal's modes are saved.
-            terminal.start(f"cd {shlex.quote(str(ROOT))}; stty -g > {tmp_tree}/before; {top}; "
-                           f"echo EXIT=$?; stty -g > {tmp_tree}/after; read -r _; {top}; "
-                           f"echo SECOND_EXIT=$?; stty -g > {tmp_tree}/after2; sleep 30")
-            first = terminal.wait_for("the first frame", r"^CLASS\s")
-            # The first frame already has rates: the daemon's own, over its last sample.
-            busy = re.findall(r"^ckpt\s+(\d+)\s.*?(\d[\d.]*)(KiB|MiB)/s", first, re.MULTILINE)
-            assert {uid for uid, _, _ in busy} >= {str(u) for u in BUSY}, first
-            assert "/s: rate over the daemon's last sample; total: since the mount" in first
-            # Idle users fold into one row of their class.
-            assert re.search(r"^ckpt\s+3 idle users\s", first, re.MULTILINE), first
-            assert not set(_uid_rows(first)) & {str(u) for u in IDLE}, first
-            # Busiest first: the writers above the idle users.
-            assert "sort: IO/s descending" in first
-            terminal.keys("i")
-            unfolded = terminal.wait_for("idle users shown", r"idle users: shown")
-            assert set(_uid_rows(unfolded)) >= {str(u) for u in (*BUSY, *IDLE)}, unfolded
-            assert not re.search(r"\d+ idle users?\s", unfolded), unfolded
-            # Sort by UID (two columns left of IO/s), A to Z, then reversed: the idle
-            # users, below the writers by IO/s, now come first.
-            terminal.keys("<", "<")
-            by_uid = terminal.wait_for("sort by UID", r"sort: UID ascending")
-            assert _uid_rows(by_uid) == sorted(_uid_rows(by_uid)), by_uid
-            terminal.keys("r")
-            reverse = terminal.wait_for("reversed", r"sort: UID descending")
-            assert _uid_rows(reverse) == sorted(_uid_rows(reverse), reverse=True), reverse
-            assert _uid_rows(reverse)[0] == str(IDLE[-1]), reverse
-            # s moves the sort to the next column.
-            terminal.keys("s")
-            terminal.wait_for("s: next column", r"sort: LIMITS ascending")
-            # Filter to one class: the other rows go; Esc brings them back.
-            terminal.keys("/", "class=data", "Enter")
-            filtered = terminal.wait_for("filtered", r"filter: class=data")
-            assert not _uid_rows(filtered) and re.search(r"^data\s", filtered, re.MULTILINE)
-            terminal.keys("Escape")
-            cleared = terminal.wait_for("filter cleared", r"filter: none")
-            assert set(_uid_rows(cleared)) >= {str(u) for u in BUSY}, cleared
-            terminal.keys("q")
-            terminal.wait_for("exit", r"^EXIT=0$", timeout=10)
-            # The terminal is back in the mode it was in before top.
-            before = _written(tmp_tree / "before")
-            assert _written(tmp_tree / "after") == before
-            # Ctrl-C also ends it, with the terminal restored.
-            terminal.keys("again", "Enter")
-            terminal.wait_for("the second top", r"^CLASS\s")
-            terminal.keys("C-c")
-            terminal.wait_for("exit on Ctrl-C", r"^SECOND_EXIT=0$", timeout=10)
-            assert _written(tmp_tree / "after2") == before
-            # The options filter too, and --once is plain text for scripts.
-            once = subprocess.run([sys.executable, "-m", "qosfs", "top", "--once", "--socket",
-                                   str(sock), "--class", "ckpt", "--uid", str(BUSY[0])],
-                                  cwd=ROOT, capture_output=True, text=True, timeout=30)
-            assert once.returncode == 0, once.stderr
-            assert _uid_rows(once.stdout) == [str(BUSY[0])], once.stdout
-            assert not re.search(r"^data\s", once.stdout, re.MULTILINE), once.stdout
+            yield sock
         finally:
             for writer in writers:  # the loop and its dd: a dd left keeps the mount busy
                 os.killpg(writer.pid, signal.SIGKILL)
                 writer.wait()
+            for writer in writers:  # a dd killed in a parked write exits after the loop
+                _wait_gone(writer.pid)
+
+
+def _wait_gone(pgid: int, timeout: float = 20) -> None:
+    """Until no process is left in the process group (an unmount meanwhile is refused)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        assert time.monotonic() < deadline, f"process group {pgid} still there"
+        time.sleep(0.05)
+
+
+def _top(sock: Path, *args: str) -> str:
+    return shlex.join([sys.executable, "-m", "qosfs", "top", "--socket", str(sock), *args])
+
+
+def test_top_in_a_terminal(tmp_tree: Path, busy_socket: Path, terminal: Terminal) -> None:
+    top = _top(busy_socket)
+    # top twice: the first is left with q, the second (started by a line typed
+    # into `read`) with Ctrl-C; after each the terminal's modes are saved.
+    terminal.start(f"cd {shlex.quote(str(ROOT))}; stty -g > {tmp_tree}/before; {top}; "
+                   f"echo EXIT=$?; stty -g > {tmp_tree}/after; read -r _; {top}; "
+                   f"echo SECOND_EXIT=$?; stty -g > {tmp_tree}/after2; sleep 30")
+    first = terminal.wait_for("the first frame", r"^CLASS\s")
+    # The first frame already has rates: the daemon's own, over its last sample.
+    busy = re.findall(r"^ckpt\s+(\d+)\s.*?(\d[\d.]*)(KiB|MiB)/s", first, re.MULTILINE)
+    assert {uid for uid, _, _ in busy} >= {str(u) for u in BUSY}, first
+    assert "/s: rate over the daemon's last sample; total: since the mount" in first
+    # Idle users fold into one row of their class.
+    assert re.search(r"^ckpt\s+3 idle users\s", first, re.MULTILINE), first
+    assert not set(_uid_rows(first)) & {str(u) for u in IDLE}, first
+    # Busiest first: the writers above the idle users.
+    assert "sort: IO/s descending" in first
+    terminal.keys("i")
+    unfolded = terminal.wait_for("idle users shown", r"idle users: shown")
+    assert set(_uid_rows(unfolded)) >= {str(u) for u in (*BUSY, *IDLE)}, unfolded
+    assert not re.search(r"\d+ idle users?\s", unfolded), unfolded
+    # Sort by UID (two columns left of IO/s), A to Z, then reversed: the idle
+    # users, below the writers by IO/s, now come first.
+    terminal.keys("<", "<")
+    by_uid = terminal.wait_for("sort by UID", r"sort: UID ascending")
+    assert _uid_rows(by_uid) == sorted(_uid_rows(by_uid)), by_uid
+    terminal.keys("r")
+    reverse = terminal.wait_for("reversed", r"sort: UID descending")
+    assert _uid_rows(reverse) == sorted(_uid_rows(reverse), reverse=True), reverse
+    assert _uid_rows(reverse)[0] == str(IDLE[-1]), reverse
+    # s moves the sort to the next column.
+    terminal.keys("s")
+    terminal.wait_for("s: next column", r"sort: LIMITS ascending")
+    # Filter to one class: the other rows go; Esc brings them back.
+    terminal.keys("/", "class=data", "Enter")
+    filtered = terminal.wait_for("filtered", r"filter: class=data")
+    assert not _uid_rows(filtered) and re.search(r"^data\s", filtered, re.MULTILINE)
+    terminal.keys("Escape")
+    cleared = terminal.wait_for("filter cleared", r"filter: none")
+    assert set(_uid_rows(cleared)) >= {str(u) for u in BUSY}, cleared
+    terminal.keys("q")
+    terminal.wait_for("exit", r"^EXIT=0$", timeout=10)
+    # The terminal is back in the mode it was in before top.
+    before = _written(tmp_tree / "before")
+    assert _written(tmp_tree / "after") == before
+    # Ctrl-C also ends it, with the terminal restored.
+    terminal.keys("again", "Enter")
+    terminal.wait_for("the second top", r"^CLASS\s")
+    terminal.keys("C-c")
+    terminal.wait_for("exit on Ctrl-C", r"^SECOND_EXIT=0$", timeout=10)
+    assert _written(tmp_tree / "after2") == before
+    # The options filter too, and --once is plain text for scripts.
+    once = subprocess.run([sys.executable, "-m", "qosfs", "top", "--once", "--socket",
+                           str(busy_socket), "--class", "ckpt", "--uid", str(BUSY[0])],
+                          cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert once.returncode == 0, once.stderr
+    assert _uid_rows(once.stdout) == [str(BUSY[0])], once.stdout
+    assert not re.search(r"^data\s", once.stdout, re.MULTILINE), once.stdout
+
+
+RATE = r"[\d.]+(KiB|MiB)/s"  # a rate cell that is not zero (LIMITS cells start "w:")
+# Every header top may show, whole or in its documented short form.
+HEADERS = ("CLASS", "TENANT", "UID", "LIMITS", "IO/s", "READ/s", "WRITE/s", "OPS/s",
+           "THROTTLED/s", "THR/s", "QUEUE", "READ total", "WRITTEN total", "THROTTLED total")
+
+
+def _headers(screen: str) -> list[str]:
+    """The account table's headers as drawn, sort mark taken off; asserts it has one."""
+    lines = [line for line in screen.splitlines() if line.startswith("CLASS")]
+    assert len(lines) == 1, screen
+    return [re.sub(r" [▼▲]$", "", cell) for cell in re.split(r"\s{2,}", lines[0].strip())]
+
+
+def _assert_fits(screen: str, width: int) -> None:
+    """Nothing wider than the terminal; every header a whole word; at 80 columns what
+    ACCOUNT_FIT drops first is gone and class, rates, limits and queue stay; at 200 every
+    column is there. The busy users have rows."""
+    wide = [line for line in screen.splitlines() if len(line.rstrip()) > width]
+    assert not wide, f"wider than {width}:\n{screen}"
+    headers = _headers(screen)
+    assert set(headers) <= set(HEADERS), screen
+    assert headers[0] == "CLASS", screen
+    assert {"UID", "LIMITS", "IO/s", "READ/s", "WRITE/s", "QUEUE"} <= set(headers), screen
+    if width == 80:
+        assert not set(headers) & {"READ total", "WRITTEN total", "THROTTLED total"}, screen
+    else:
+        assert set(headers) == set(HEADERS) - {"THR/s"}, screen
+    for uid in BUSY:
+        assert re.search(rf"^ckpt\s+{uid}\s", screen, re.MULTILINE), screen
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_top_fits_the_terminal(tmp_tree: Path, busy_socket: Path, terminal: Terminal,
+                               width: int) -> None:
+    terminal.start(f"cd {shlex.quote(str(ROOT))}; {_top(busy_socket)}; echo EXIT=$?; "
+                   f"{_top(busy_socket, '--once')}; echo ONCE_EXIT=$?; sleep 30",
+                   width=width, height=30)
+    # The live view: a frame in which the writers have rates.
+    live = terminal.wait_for("a busy user's rate", rf"^ckpt\s+{BUSY[-1]}\s.*\s{RATE}")
+    _assert_fits(live, width)
+    assert "sort: IO/s descending" in live  # the status line is whole
+    assert "q quit  s/</> sort column" in live  # and the keys
+    terminal.keys("q")
+    # --once writes to the same terminal (the live view's screen is gone): fitted too.
+    once = terminal.wait_for("--once", r"^ONCE_EXIT=0$")
+    assert re.search(r"^EXIT=0$", once, re.MULTILINE), once
+    _assert_fits(once, width)

@@ -4,8 +4,12 @@ and what a frame says about rates and totals; and its cost with a thousand users
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import io
+import re
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -228,8 +232,103 @@ def test_a_thousand_users_render_fast() -> None:
     console = Console(width=160, height=50, file=open("/dev/null", "w"))  # noqa: SIM115
     start = time.perf_counter()
     for _ in range(10):
-        console.print(top._rich_frame(users, top.View(), 50))
+        console.print(top._rich_frame(users, top.View(), 160, 50))
     per_frame = (time.perf_counter() - start) / 10
     console.file.close()
     # Well inside a 1 s refresh on a loaded 2-CPU machine (measured ~25 ms).
     assert per_frame < 0.5, per_frame
+
+
+# ------------------------------------------------------------------ at 80 columns
+
+WORDS = {*HEADERS, *(s.short for s in top.ACCOUNT_FIT if s.short)}
+
+
+def _header_cells(frame: str) -> list[str]:
+    """The account table's headers, sort marks taken off."""
+    line = next(line for line in frame.splitlines() if line.startswith("CLASS"))
+    return [re.sub(r" [▼▲]$", "", cell) for cell in re.split(r"\s{2,}", line.strip())]
+
+
+def _rich_text(reply: dict[str, Any], view: top.View, width: int, height: int = 40) -> str:
+    from rich.console import Console
+
+    console = Console(width=width, height=height, file=io.StringIO(), color_system=None,
+                      legacy_windows=False)
+    console.print(top._rich_frame(reply, view, width, height))
+    return console.file.getvalue()  # type: ignore[attr-defined,no-any-return]
+
+
+def _frames(width: int, view: top.View | None = None,
+            reply: dict[str, Any] = REPLY) -> dict[str, str]:
+    frames = {"--once": top.render_frame(reply, width=width, view=view or top.View())}
+    if importlib.util.find_spec("rich") is not None:
+        frames["live"] = _rich_text(reply, view or top.View(), width)
+    return frames
+
+
+@pytest.mark.parametrize("width", [80, 60, 50])
+def test_narrow_the_headers_stay_whole_words_and_class_and_rates_stay(width: int) -> None:
+    for name, frame in _frames(width).items():
+        assert max(len(line) for line in frame.splitlines()) <= width, (name, frame)
+        headers = _header_cells(frame)
+        assert set(headers) <= WORDS, (name, frame)
+        assert {"CLASS", "UID", "READ/s", "WRITE/s", "IO/s"} <= set(headers), (name, frame)
+        # IO/s stays because it is sorted by; what it displaces is stated in ACCOUNT_FIT.
+        assert "THROTTLED total" not in headers and "…" not in frame.split("CLASS")[1], frame
+
+
+def test_at_80_columns_the_documented_order_gives_way() -> None:
+    for name, frame in _frames(80).items():
+        headers = _header_cells(frame)
+        assert headers == ["CLASS", "UID", "LIMITS", "IO/s", "READ/s", "WRITE/s", "THR/s",
+                           "QUEUE"], (name, frame)
+        # The legend explains the abbreviation and leaves out what is not shown.
+        assert "THR: throttled, seconds spent waiting for tokens" in frame, (name, frame)
+        assert "total: since the mount" not in frame, (name, frame)
+
+
+def test_at_200_columns_every_column_is_there() -> None:
+    for name, frame in _frames(200).items():
+        assert _header_cells(frame) == HEADERS, (name, frame)
+        assert ("/s: rate over the daemon's last sample; total: since the mount; QUEUE: "
+                "parked now; THROTTLED: seconds spent waiting for tokens") in frame, name
+
+
+def test_the_column_sorted_by_never_gives_way() -> None:
+    view = top.View(sort=HEADERS.index("THROTTLED total"))
+    for name, frame in _frames(80, view).items():
+        headers = _header_cells(frame)
+        assert "THROTTLED total" in headers and "IO/s" not in headers, (name, frame)
+        assert max(len(line) for line in frame.splitlines()) <= 80, (name, frame)
+
+
+def test_long_limits_are_cut_and_say_so() -> None:
+    reply = _reply([_account("ckpt", 1001, MiB)])
+    reply["levels"][0]["limits"] = {"read_bandwidth": 3 << 30, "write_bandwidth": 400 * MiB,
+                                    "read_iops": 2000, "write_iops": 2000, "meta_iops": 5000}
+    wide = top.render_frame(reply)
+    assert "r:3GiB/s w:400MiB/s" in wide
+    for name, frame in _frames(80, reply=reply).items():
+        assert "LIMITS" in _header_cells(frame), (name, frame)
+        row = next(line for line in frame.splitlines() if line.startswith("ckpt"))
+        assert "r:3GiB/s" in row and "…" in row and "MiB/s" in row, (name, frame)
+        assert max(len(line) for line in frame.splitlines()) <= 80, (name, frame)
+
+
+def test_every_width_keeps_every_line_inside_it() -> None:
+    for width in range(20, 201, 7):
+        frame = top.render_frame(REPLY, width=width)
+        assert max(len(line) for line in frame.splitlines()) <= width, (width, frame)
+        if width >= 50:  # narrower, the last header may be cut (the docstring says so)
+            assert set(_header_cells(frame)) <= WORDS, (width, frame)
+
+
+def test_the_order_is_documented_where_it_is_stated() -> None:
+    steps = [step.describe() for step in top.ACCOUNT_FIT]
+    docs = (Path(__file__).resolve().parents[3] / "docs" / "top.md").read_text()
+    for where, text in (("docs/top.md", docs.replace("`", "")),
+                        ("top's docstring", top.__doc__ or "")):
+        listed = re.findall(r"^(\d+)\. (.*)$", text, re.MULTILINE)
+        assert [item for _, item in listed] == steps, where
+        assert [int(n) for n, _ in listed] == list(range(1, len(steps) + 1)), where
