@@ -261,3 +261,25 @@ def test_the_mount_is_found_from_the_path_and_answers_what_is_in_force(
         body = explain(capsys, str(mnt / "pathy/ckpt.pt"), "--policy", str(other))
         assert (body["mount"], body["path"]) == (str(mnt), "pathy/ckpt.pt")
         assert body["class"]["name"] == "elsewhere" and body["policy"]["generation"] is None
+
+
+def test_a_mount_in_place_explains_what_it_charges(
+        tmp_tree: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Mounted over its source (as systemd and the DaemonSet deploy it): the path in the
+    mount is the path of the source, and its derived socket answers."""
+    src = tmp_tree / "src"
+    for d in (src, src / "pathy"):
+        d.mkdir()
+        os.chmod(d, 0o777)
+    policy = tmp_tree / "policy.toml"
+    policy.write_text(POLICY)
+    sock = tmp_tree / "ctl.sock"
+    with QosfsMount(src, src, "--policy", str(policy), "--socket", str(sock)) as m:
+        live = Live(m, sock, policy)
+        write = dd(["if=/dev/zero", f"of={src / 'pathy/a'}", "bs=64k", "count=2"], 4242,
+                   NOBODY, {})
+        charged = live.charged("write_bytes", write)
+        body = explain(capsys, str(src / "pathy/a"), "--op", "write", "--uid", "4242",
+                       "--gid", str(NOBODY), "--socket", str(sock))
+        assert (body["mount"], body["path"]) == (str(src), "pathy/a")
+        assert charged == {account(body)} == {("by_path", "team", None)}
