@@ -6,6 +6,7 @@ import logging
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -83,6 +84,40 @@ def inplace_mount(tmp_tree: Path) -> Iterator[tuple[QosfsMount, Path]]:
         subprocess.run(["umount", str(view)], check=False)
         assert not is_mounted(src) and not is_mounted(view)
         assert code == 0, m.log()
+
+
+# Cgroups a test may make (root): the v2 hierarchy (unified, on a hybrid host), and v1's
+# memory controller.
+CGROUP2 = Path("/sys/fs/cgroup/unified") if Path("/sys/fs/cgroup/unified/cgroup.procs").exists() \
+    else Path("/sys/fs/cgroup")
+
+
+V1_MEMORY = Path("/sys/fs/cgroup/memory")
+
+
+@pytest.fixture(params=["v2", "v1"])
+def job_cgroup(request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A cgroup "/qosfs-test-PID/job_771", as a scheduler would make for job 771: in the
+    v2 hierarchy, or in a v1 controller's (Slurm's cgroup/v1 plugin; hybrid hosts)."""
+    root = CGROUP2 if request.param == "v2" else V1_MEMORY
+    if not (root / "cgroup.procs").exists():
+        pytest.skip(f"no writable cgroup {request.param} hierarchy")
+    top = root / f"qosfs-test-{os.getpid()}"
+    job = top / "job_771"
+    try:
+        job.mkdir(parents=True)
+    except OSError as exc:
+        pytest.skip(f"cannot create a cgroup: {exc}")
+    try:
+        yield job
+    finally:
+        for cg in (job, top):
+            for _ in range(50):  # a cgroup can be removed once its processes are reaped
+                try:
+                    cg.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.05)
 
 
 @pytest.fixture

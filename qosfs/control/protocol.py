@@ -16,13 +16,20 @@ Wire format, one request per line, one reply line per request, in order::
     -> {"cmd": "reload"}                                     # re-read the mount's file
     -> {"cmd": "reload", "text": "<TOML>", "source": "/abs/path/new.toml"}
     <- {"ok": false, "code": "policy", "error": "/abs/path/new.toml:3: classes.x...: ..."}
+    -> {"cmd": "explain", "path": "ckpt/model.pt", "op": "write", "uid": 1000}
+    <- {"ok": true, "path": "ckpt/model.pt", "class": {"name": "checkpoints", ...}, ...}
 
 ``target`` is ``"class"``, ``"tenant"`` (both need ``name``) or ``"backend"``; values are
 spelled as in the policy file (``"unlimited"`` removes a cap). A line is UTF-8 JSON, an
 object, at most :data:`MAX_REQUEST_BYTES` long; unknown commands or keys are refused.
-Error codes: ``protocol`` (malformed request), ``denied`` (the peer may not change the
-policy), ``policy`` (the change is invalid; nothing changed), ``unavailable`` (mounted with
-``--no-qos``), ``busy`` (too many connections), ``internal``.
+``explain`` asks what a request would get (``qosfs explain``): ``path`` (relative to the
+mount root, or absolute in the mount) and optionally ``op`` (``read``, ``write`` or
+``meta``), ``uid``, ``gid``, ``env`` (an object of variable: value) and ``cgroups`` (a list
+of paths); a key left out is the asking process's own. Error codes: ``protocol``
+(malformed request), ``denied`` (the peer may not change the policy), ``policy`` (the
+change is invalid; nothing changed), ``path`` (an ``explain`` path outside the mount),
+``unavailable`` (mounted with ``--no-qos``), ``busy`` (too many connections),
+``internal``.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from typing import Any
 
 __all__ = [
     "MAX_REQUEST_BYTES",
+    "ExplainRequest",
     "Peer",
     "ProtocolError",
     "ReloadRequest",
@@ -64,7 +72,12 @@ _KEYS = {
     "set": frozenset({"cmd", "target", "name", "changes"}),
     "reload": frozenset({"cmd", "text", "source"}),
     "cluster": frozenset({"cmd"}),
+    "explain": frozenset({"cmd", "path", "op", "uid", "gid", "env", "cgroups"}),
 }
+OPS = ("read", "write", "meta")  # what an explained request does (the policy's ops)
+MAX_ID = 2**32 - 1
+MAX_ENV = 64  # variables in an explain request's env (a policy reads a few)
+MAX_CGROUPS = 64
 
 
 class ProtocolError(ValueError):
@@ -99,7 +112,22 @@ class ReloadRequest:
     cmd: str = "reload"
 
 
-Request = SimpleRequest | SetRequest | ReloadRequest
+@dataclass(frozen=True, slots=True)
+class ExplainRequest:
+    """Which class, tenant and levels a request would get (``qosfs explain``); a key left
+    None is the asking process's own (uid and gid from ``SO_PEERCRED``, environment and
+    cgroups from its ``/proc``), as the mount would see it."""
+
+    path: str
+    op: str = "read"
+    uid: int | None = None
+    gid: int | None = None
+    env: tuple[tuple[str, str], ...] | None = None
+    cgroups: tuple[str, ...] | None = None
+    cmd: str = "explain"
+
+
+Request = SimpleRequest | SetRequest | ReloadRequest | ExplainRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +190,43 @@ def parse_request(line: bytes) -> Request:
     if cmd == "reload":
         return ReloadRequest(_string(obj, "text", MAX_REQUEST_BYTES, False),
                              _string(obj, "source", MAX_SOURCE, False))
+    if cmd == "explain":
+        return _parse_explain(obj)
     return SimpleRequest(cmd)
+
+
+def _id(obj: dict[str, Any], key: str) -> int | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_ID:
+        raise ProtocolError(f'"{key}" must be an integer from 0 to {MAX_ID}')
+    return value
+
+
+def _parse_explain(obj: dict[str, Any]) -> ExplainRequest:
+    path = _string(obj, "path", MAX_SOURCE, True)
+    assert path is not None  # required
+    op = _string(obj, "op", 16, False) or "read"
+    if op not in OPS:
+        raise ProtocolError(f'"op" must be one of {", ".join(OPS)}')
+    env = obj.get("env")
+    pairs: tuple[tuple[str, str], ...] | None = None
+    if env is not None:
+        if not isinstance(env, dict) or len(env) > MAX_ENV or not all(
+                isinstance(v, str) and len(k) <= MAX_SOURCE and len(v) <= MAX_SOURCE
+                for k, v in env.items()):
+            raise ProtocolError(f'"env" must be an object of at most {MAX_ENV} '
+                                "variable: string value pairs")
+        pairs = tuple(env.items())
+    cgroups = obj.get("cgroups")
+    if cgroups is not None and (not isinstance(cgroups, list) or len(cgroups) > MAX_CGROUPS
+                                or not all(isinstance(c, str) and c.startswith("/")
+                                           and len(c) <= MAX_SOURCE for c in cgroups)):
+        raise ProtocolError(f'"cgroups" must be a list of at most {MAX_CGROUPS} absolute '
+                            "cgroup paths")
+    return ExplainRequest(path, op, _id(obj, "uid"), _id(obj, "gid"), pairs,
+                          None if cgroups is None else tuple(cgroups))
 
 
 def _parse_set(obj: dict[str, Any]) -> SetRequest:

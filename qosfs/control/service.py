@@ -1,4 +1,5 @@
-"""What the daemon does for each control request: status, stats, set, reload, SIGHUP.
+"""What the daemon does for each control request: status, stats, explain, set, reload,
+SIGHUP.
 
 A change is built and validated whole, off to the side (:func:`qosfs.policy.loading.with_changes`,
 :func:`qosfs.policy.loading.parse_policy`), and only a valid policy reaches the one synchronous
@@ -21,11 +22,12 @@ neither raises nor clears the alert. The alert therefore means one thing: the mo
 policy file, read last, was refused -- the node runs an older policy than its file says,
 and a restart would refuse to start.
 
-Who may do what: every peer that can connect may read ``status`` and ``stats``; changing
-anything needs uid 0 or membership (primary or supplementary, as the kernel reported at
-connect time) in the policy's ``[control] admin_group``. On a ``--no-qos`` mount there is
-no policy to change: ``set`` and ``reload`` are refused with code ``unavailable`` (turning
-QoS on would mean swapping the engine under open files; remount instead).
+Who may do what: every peer that can connect may read ``status`` and ``stats`` and ask
+``explain``; changing anything needs uid 0 or membership (primary or supplementary, as
+the kernel reported at connect time) in the policy's ``[control] admin_group``. On a
+``--no-qos`` mount there is no policy to change: ``set`` and ``reload`` are refused with
+code ``unavailable`` (turning QoS on would mean swapping the engine under open files;
+remount instead), and there is nothing to ``explain``.
 """
 
 from __future__ import annotations
@@ -43,7 +45,14 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from qosfs import __version__
-from qosfs.control.protocol import Peer, ReloadRequest, Request, SetRequest, error_reply
+from qosfs.control.protocol import (
+    ExplainRequest,
+    Peer,
+    ReloadRequest,
+    Request,
+    SetRequest,
+    error_reply,
+)
 from qosfs.control.snapshot import RateSampler, Snapshot, take_snapshot, to_json
 from qosfs.policy.loading import (
     Policy,
@@ -55,6 +64,7 @@ from qosfs.policy.loading import (
 )
 from qosfs.policy.model import policy_to_raw
 from qosfs.qos.engine import PolicyQos
+from qosfs.qos.explain import Asked, explain
 from qosfs.qos.interface import PassThroughQos
 
 if TYPE_CHECKING:
@@ -211,6 +221,8 @@ class ControlService:
             return to_json(self.snapshot(), self.sampler, accounts=True)
         if request.cmd == "cluster":
             return await self.cluster_view()
+        if isinstance(request, ExplainRequest):
+            return self.explain(request, peer)
         if not self.may_change(peer):
             log.info("refused %s from uid %d (pid %d): not root or admin group",
                      request.cmd, peer.uid, peer.pid)
@@ -236,6 +248,25 @@ class ControlService:
                                f"{type(exc).__name__}: {exc}", "unavailable")
         return {"ok": True, "node": self.cluster.node, "redis": self.cluster.config.redis,
                 "state": self.cluster.stats.state, "levels": view}
+
+    def explain(self, request: ExplainRequest, peer: Peer) -> dict[str, Any]:
+        """What a request would get on this mount, from the policy and the classifier in
+        force (the keys left out are the peer's own). Read-only: every peer may ask, as
+        ``status`` already shows the whole policy."""
+        engine = self.policy_engine
+        if engine is None:
+            return error_reply("this mount has no policy (mounted with --no-qos): nothing "
+                               "is classified or throttled, traffic is only counted",
+                               "unavailable")
+        asked = Asked(request.path, request.op, request.uid, request.gid, request.env,
+                      request.cgroups)
+        try:
+            body = explain(engine.classifier, asked, pid=peer.pid, uid=peer.uid,
+                           gid=peer.gid, mountpoint=self.info.get("mountpoint"),
+                           engine=engine, mount_cache=self.info.get("page_cache", "auto"))
+        except ValueError as exc:
+            return error_reply(str(exc), "path")
+        return {"ok": True, **body}
 
     def _unavailable(self, cmd: str) -> dict[str, Any] | None:
         if self.has_policy:

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from qosfs.core.limit_kinds import LIMIT_KINDS
 from qosfs.qos.accounting import BUCKET_BOUNDS_SECONDS, AccountKey, FlowSnapshot, HistogramSnapshot
-from qosfs.qos.bucket import LevelLimits
 from qosfs.qos.levels import LevelStatistics
 
 if TYPE_CHECKING:
@@ -100,19 +99,9 @@ class Snapshot:
     cluster: dict[str, Any] | None = None  # ClusterCoordinator.status(); None: no [cluster]
 
 
-def limits_in_force(limits: LevelLimits) -> dict[str, float]:
-    """The finite caps of a level, keyed like the policy file (bytes/s, ops/s)."""
-    out = {}
-    for key, attr in LIMIT_FIELDS:
-        rate = limits.get(attr).rate
-        if rate != math.inf:
-            out[key] = rate
-    return out
-
-
 def _row(level: str, name: str, uid: int | None, st: LevelStatistics,
          settings: dict[str, Any] | None = None) -> LevelRow:
-    return LevelRow(level, name, uid, limits_in_force(st.limits), st.bytes_read,
+    return LevelRow(level, name, uid, st.limits.caps(), st.bytes_read,
                     st.bytes_written, st.ops_read, st.ops_write, st.ops_meta,
                     st.throttled_seconds, st.queue_depth, st.waits, settings or {})
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MountEntry", "containing", "mounts"]
+__all__ = ["QOSFS_FSTYPE", "MountEntry", "containing", "mounts"]
 
 MOUNTINFO = "/proc/self/mountinfo"
+QOSFS_FSTYPE = "fuse.qosfs"  # the type of a qosfs mount in the table (subtype=qosfs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""Command line: ``qosfs mount | check | policy | plan | ctl | top``.
+"""Command line: ``qosfs mount | check | policy | plan | ctl | top | explain``.
 
 ``main(argv) -> int`` never raises for a user mistake: it prints one line naming what is
 wrong and returns a distinct exit code (see :mod:`qosfs.core.errors`); ``--debug`` adds the
@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from qosfs import __version__
-from qosfs.control import ctl, top
+from qosfs.control import ctl, explain, top
 from qosfs.core.errors import EXIT_DAEMON, QosfsError
 from qosfs.core.units import UnitError, parse_bandwidth, parse_interval
 from qosfs.daemon import tuning
@@ -87,6 +87,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     ctl.add_parser(sub)
     top.add_parser(sub)
+    explain.add_parser(sub)
 
     c = sub.add_parser(
         "check", help="validate a policy file and print it resolved",

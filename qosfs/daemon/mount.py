@@ -285,7 +285,8 @@ def _open_services(cfg: MountConfig, mountpoint: str, engine: PolicyQos | PassTh
     control = ControlSocket(path, admin_gid)
     stack.callback(control.close)
     controller = ControlService(engine, cfg.policy_path,
-                                {"source": source, "mountpoint": mountpoint, "socket": path},
+                                {"source": source, "mountpoint": mountpoint, "socket": path,
+                                 "page_cache": cfg.fs_options.cache},
                                 latency=latency, cluster=cluster)
     controller.on_swap.append(lambda p: control.set_admin_group(p.control.admin_gid))
     controller.reloading = functools.partial(_notify_reloading, controller)

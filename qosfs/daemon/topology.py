@@ -27,11 +27,9 @@ from __future__ import annotations
 import os
 
 from qosfs.core.errors import EXIT_MOUNTPOINT, EXIT_SOURCE, QosfsError
-from qosfs.core.mountinfo import MountEntry, containing, mounts
+from qosfs.core.mountinfo import QOSFS_FSTYPE, MountEntry, containing, mounts
 
 __all__ = ["QOSFS_FSTYPE", "check_before_stat", "check_topology"]
-
-QOSFS_FSTYPE = "fuse.qosfs"
 
 
 def _stacked(source: str, outer: str) -> QosfsError:

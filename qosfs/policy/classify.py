@@ -33,8 +33,8 @@ if TYPE_CHECKING:  # the types only: qosfs.policy.build imports this module
     from qosfs.policy.model import ClassRule, IdRange, Policy, Tenant
 
 __all__ = [
-    "Classifier", "GlobError", "JobCache", "JobInfo", "compile_cgroup_glob", "compile_glob",
-    "compile_path_globs", "compile_value_glob", "read_job_info",
+    "Classifier", "Decision", "GlobError", "JobCache", "JobInfo", "compile_cgroup_glob",
+    "compile_glob", "compile_path_globs", "compile_value_glob", "read_job_info",
 ]
 
 
@@ -322,6 +322,26 @@ class _Rule:
         self.jobs = _any_of(rule.jobs, compile_value_glob)
         self.cgroups = _any_of(rule.cgroups, compile_cgroup_glob)
 
+    def miss(self, path: str, caller: CallerKey, job: JobInfo | None,
+             tenant: Tenant | None) -> str | None:
+        """The first criterion (its key) the request fails, in the order they are checked;
+        None if it meets every one. *tenant* is the caller's, for ``tenants``."""
+        if self.ops and caller.op not in self.ops:
+            return "ops"
+        if self.paths is not None and self.paths.fullmatch(path) is None:
+            return "paths"
+        if self.uids and not _in_ranges(caller.uid, self.uids):
+            return "uids"
+        if self.gids and not _in_ranges(caller.gid, self.gids):
+            return "gids"
+        if self.tenants and (tenant is None or tenant.name not in self.tenants):
+            return "tenants"
+        if self.job_env is not None and not _in_jobs(self.job_env, self.jobs, job):
+            return _job_miss(self.job_env, job)
+        if self.cgroups is not None and (job is None or not _in_cgroups(self.cgroups, job)):
+            return "cgroups"
+        return None
+
 
 class _Member:
     __slots__ = ("cgroups", "gids", "job_env", "jobs", "paths", "tenant", "uids")
@@ -335,11 +355,30 @@ class _Member:
         self.job_env = tenant.job_env
         self.jobs = _any_of(tenant.jobs, compile_value_glob)
 
+    def miss(self, path: str, caller: CallerKey, job: JobInfo | None) -> str | None:
+        """The first criterion (its key) the caller fails, None if it is a member:
+        ``uids`` (or ``gids`` when the tenant has only those) when neither id is in."""
+        if (self.uids or self.gids) and not (
+                _in_ranges(caller.uid, self.uids) or _in_ranges(caller.gid, self.gids)):
+            return "uids" if self.uids else "gids"
+        if self.paths is not None and self.paths.fullmatch(path) is None:
+            return "paths"
+        if self.cgroups is not None and (job is None or not _in_cgroups(self.cgroups, job)):
+            return "cgroups"
+        if self.job_env is not None and not _in_jobs(self.job_env, self.jobs, job):
+            return _job_miss(self.job_env, job)
+        return None
+
 
 def _in_jobs(job_env: str, jobs: re.Pattern[str] | None, job: JobInfo | None) -> bool:
     """Whether the caller set *job_env* (to a value one of the *jobs* globs matches)."""
     value = job.value(job_env) if job is not None else None
     return value is not None and (jobs is None or jobs.fullmatch(value) is not None)
+
+
+def _job_miss(job_env: str, job: JobInfo | None) -> str:
+    """Which job criterion a caller outside it fails: the variable unset, or its value."""
+    return "job_env" if job is None or job.value(job_env) is None else "jobs"
 
 
 def _in_cgroups(pattern: re.Pattern[str], job: JobInfo) -> bool:
@@ -364,6 +403,21 @@ class CallerKey(NamedTuple):
     # The caller's pid when the policy reads jobs (environment, cgroups), else 0: with a
     # pid in the key every process would classify afresh for nothing.
     pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """How a request was classified (:meth:`Classifier.decide`), for ``qosfs explain``."""
+
+    rule: ClassRule
+    tenant: Tenant | None
+    # The path the class was decided on: the request's, or the name a temporary name of
+    # an atomic save will get (final_name) when only the default class matched it.
+    path: str
+    # (name, key of the first criterion it failed) of the classes, then the tenants,
+    # passed over before the one chosen, in policy order.
+    skipped_classes: tuple[tuple[str, str], ...] = ()
+    skipped_tenants: tuple[tuple[str, str], ...] = ()
 
 
 class Classifier:
@@ -411,49 +465,54 @@ class Classifier:
         """The class and the tenant of *caller* acting on *path* (what the engine asks)."""
         return self._classify(path, caller, job), self._tenant_of(path, caller, job)
 
+    def decide(self, path: str, caller: CallerKey, job: JobInfo | None = None) -> Decision:
+        """What :meth:`resolve` answers, with how it got there (``qosfs explain``): the
+        classes and tenants passed over and the criterion each failed. Not memoized."""
+        passed: list[tuple[str, str]] = []
+        tenant = self._tenant_decided(path, caller, job, passed)
+        skipped: list[tuple[str, str]] = []
+        rule, decided_on = self._class_decided(path, caller, job, skipped)
+        return Decision(rule, tenant, decided_on, tuple(skipped), tuple(passed))
+
     def _tenant_of_uncached(self, path: str, caller: CallerKey,
                             job: JobInfo | None) -> Tenant | None:
-        uid, gid = caller.uid, caller.gid
+        return self._tenant_decided(path, caller, job, None)
+
+    def _tenant_decided(self, path: str, caller: CallerKey, job: JobInfo | None,
+                        skipped: list[tuple[str, str]] | None) -> Tenant | None:
         for m in self._members:
-            if (m.uids or m.gids) and not (_in_ranges(uid, m.uids) or _in_ranges(gid, m.gids)):
-                continue
-            if m.paths is not None and m.paths.fullmatch(path) is None:
-                continue
-            if m.cgroups is not None and (job is None or not _in_cgroups(m.cgroups, job)):
-                continue
-            if m.job_env is not None and not _in_jobs(m.job_env, m.jobs, job):
-                continue
-            return m.tenant
+            miss = m.miss(path, caller, job)
+            if miss is None:
+                return m.tenant
+            if skipped is not None:
+                skipped.append((m.tenant.name, miss))
         return None
 
     def _classify_uncached(self, path: str, caller: CallerKey,
                            job: JobInfo | None) -> ClassRule:
-        rule = self._first_match(path, caller, job)
+        return self._class_decided(path, caller, job, None)[0]
+
+    def _class_decided(self, path: str, caller: CallerKey, job: JobInfo | None,
+                       skipped: list[tuple[str, str]] | None) -> tuple[ClassRule, str]:
+        """The class, and the path it was decided on."""
+        rule = self._first_match(path, caller, job, skipped)
         if rule is self.policy.classes[-1]:
             # Only the default matched: a temporary name of an atomic save takes the class
             # of the name it will be renamed to (written before the rename, or never).
             final = final_name(path)
             if final is not None:
-                return self._first_match(final, caller, job)
-        return rule
+                if skipped is not None:
+                    skipped.clear()  # what counts is how the final name fared
+                return self._first_match(final, caller, job, skipped), final
+        return rule, path
 
-    def _first_match(self, path: str, caller: CallerKey, job: JobInfo | None) -> ClassRule:
-        op, uid, gid = caller.op, caller.uid, caller.gid
+    def _first_match(self, path: str, caller: CallerKey, job: JobInfo | None,
+                     skipped: list[tuple[str, str]] | None = None) -> ClassRule:
         tenant = self._tenant_of(path, caller, job) if self._uses_tenants else None
         for r in self._rules:
-            if r.ops and op not in r.ops:
-                continue
-            if r.paths is not None and r.paths.fullmatch(path) is None:
-                continue
-            if r.uids and not _in_ranges(uid, r.uids):
-                continue
-            if r.gids and not _in_ranges(gid, r.gids):
-                continue
-            if r.tenants and (tenant is None or tenant.name not in r.tenants):
-                continue
-            if r.job_env is not None and not _in_jobs(r.job_env, r.jobs, job):
-                continue
-            if r.cgroups is not None and (job is None or not _in_cgroups(r.cgroups, job)):
-                continue
-            return r.rule
+            miss = r.miss(path, caller, job, tenant)
+            if miss is None:
+                return r.rule
+            if skipped is not None:
+                skipped.append((r.rule.name, miss))
         return self.policy.classes[-1]  # "default" has no criteria; kept for type safety

@@ -60,6 +60,7 @@ by default 100 ms of the cap but at least 8 ops (see :meth:`Limits.bandwidth_bur
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import stat
@@ -112,10 +113,11 @@ def parse_policy(text: str, source: str = "<string>") -> Policy:
     except RecursionError:
         raise PolicyError("invalid TOML: nested too deeply", source=source) from None
     try:
-        return build_policy(raw, source)
+        policy = build_policy(raw, source)
     except PolicyError as exc:
         raise PolicyError(exc.reason, source=source, line=locate_key(text, exc.key),
                           key=exc.key) from None
+    return dataclasses.replace(policy, text=text)
 
 
 def load_policy(path: str | PathLike[str]) -> Policy:
@@ -250,9 +252,10 @@ def with_changes(policy: Policy, target_kind: str, name: str | None,
             numeric = key == "priority" and isinstance(value, str) and value.isdecimal()
             table[key] = int(value) if numeric else value
     try:
-        return build_policy(raw, policy.source)
+        changed = build_policy(raw, policy.source)
     except PolicyError as exc:
         raise PolicyError(exc.reason, source="ctl", key=exc.key) from None
+    return dataclasses.replace(changed, text=policy.text)  # settings only: the lines hold
 
 
 def _not_settable(key: str, target_kind: str) -> str:

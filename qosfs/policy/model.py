@@ -82,6 +82,10 @@ class Limits(KeyedValues["float | None"]):
         """True when no cap is set (bursts alone limit nothing)."""
         return all(self.get(key) is None for key in CAP_KEYS)
 
+    def caps(self) -> dict[str, float]:
+        """The caps set, keyed like the file, in the table's order (bursts left out)."""
+        return {key: value for key in CAP_KEYS if (value := self.get(key)) is not None}
+
     def burst_of(self, kind: LimitKind, cap: float) -> float:
         """Bucket depth for a cap of *kind*: its burst key if set, else the default
         (100 ms of the cap, at least 1 MiB or 8 ops). Derived rather than stored so a
@@ -177,9 +181,27 @@ class ClassRule:
     detect_streaming_writes: int | None = None
 
     @property
+    def reads_bypass_cache(self) -> bool:
+        """Whether every open of this class bypasses the page cache (``direct_io``):
+        ``cache = "direct"``, or ``"auto"`` with a read cap, so that a re-read cannot
+        escape the cap through cached pages."""
+        return self.cache == "direct" or (self.cache == "auto" and (
+            self.limits.read_bandwidth is not None or self.limits.read_iops is not None))
+
+    @property
     def latency_protected(self) -> bool:
         """Whether a latency target (absolute or relative) protects this class's reads."""
         return self.target_read_latency is not None or self.target_read_slowdown is not None
+
+
+def stream_threshold(rule: ClassRule, target: ClassRule | None) -> int:
+    """Bytes of mostly sequential writes after which a writable open of class *rule* moves
+    to *target*, the policy's :attr:`~Policy.streaming_target` (qosfs.streaming); 0: never
+    (no such class, or *rule* is that class or caps writes itself)."""
+    if target is None or rule.name == target.name \
+            or rule.limits.write_bandwidth is not None or rule.limits.write_iops is not None:
+        return 0
+    return target.detect_streaming_writes or 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +258,9 @@ class Policy:
     control: Control = Control()
     exported: Exported = Exported()
     cluster: Cluster | None = None
+    # The TOML it was read from, for the lines ``qosfs explain`` names (None: built from
+    # tables). A ``ctl set`` keeps it: it changes settings, never a criterion or a name.
+    text: str | None = field(default=None, compare=False, repr=False)
 
     def class_by_name(self, name: str) -> ClassRule | None:
         """The class called ``name``, or None."""
@@ -250,6 +275,15 @@ class Policy:
         """The class that takes streaming writers (at most one has
         ``detect_streaming_writes``), or None."""
         return next((c for c in self.classes if c.detect_streaming_writes is not None), None)
+
+    @property
+    def meta_limited(self) -> bool:
+        """Whether anything caps ``meta_iops``: metadata requests are classified and
+        charged only then (each costs a path lookup)."""
+        limits = [r.limits for r in self.classes] + [t.limits for t in self.tenants]
+        if self.backend is not None:
+            limits.append(self.backend.limits)
+        return any(lim.meta_iops is not None for lim in limits)
 
     @property
     def needs_job_lookup(self) -> bool:

@@ -65,8 +65,10 @@ def split_key(text: str) -> tuple[str, ...] | None:
     return None
 
 
-def locate_key(text: str, key: str | None) -> int | None:
-    """Best-effort line of ``key`` (or of its nearest enclosing table) in the source text."""
+def locate_key(text: str, key: str | None, *, within: int = 1) -> int | None:
+    """Best-effort line of ``key`` (or of its nearest enclosing table) in the source text;
+    an enclosing table counts only if it has at least *within* parts (2 for
+    ``classes.NAME.paths``: that class's table, never the first ``[classes.*]``)."""
     target = None if key is None else split_key(key)
     if not target:
         return None
@@ -84,7 +86,7 @@ def locate_key(text: str, key: str | None) -> int | None:
             continue
         for size in range(1, len(key_path) + 1):  # [a.b] also declares a
             found.setdefault(key_path[:size], number)
-    for size in range(len(target), 0, -1):
+    for size in range(len(target), within - 1, -1):
         if target[:size] in found:
             return found[target[:size]]
     return None

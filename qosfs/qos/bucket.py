@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from qosfs.core.limit_kinds import BUCKETS, DEFAULT_BURST_SECONDS, KeyedValues
+from qosfs.core.limit_kinds import BUCKETS, DEFAULT_BURST_SECONDS, LIMIT_KINDS, KeyedValues
 
 __all__ = [
     "DEFAULT_BURST_SECONDS",
@@ -245,6 +245,12 @@ class LevelLimits(KeyedValues[Limit]):
     def scaled(self, factor: float) -> LevelLimits:
         """Every limit times ``factor``; unlimited stays unlimited."""
         return LevelLimits(**{name: limit.scaled(factor) for name, limit in self.items()})
+
+    def caps(self) -> dict[str, float]:
+        """The finite caps, keyed like the policy file (``write_bandwidth``: bytes/s,
+        ``*_iops``: ops/s), in the table's order: what status and explain show."""
+        return {kind.key: rate for kind in LIMIT_KINDS
+                if (rate := self.get(kind.bucket).rate) != _INF}
 
 
 NO_LIMITS = LevelLimits()

@@ -40,6 +40,7 @@ from qosfs.core.interrupts import Caller, cancelled_if_killed, current_caller
 from qosfs.core.limit_kinds import BY_KEY, LIMIT_KINDS, default_burst
 from qosfs.policy.classify import CallerKey, Classifier, JobCache, compile_path_globs
 from qosfs.policy.loading import ClassRule, Limits, Policy, PolicyError
+from qosfs.policy.model import stream_threshold
 from qosfs.qos.accounting import AccountKey, Accounts
 from qosfs.qos.backend import BackendLevel, ClassPort, Share
 from qosfs.qos.bounds import ParkingLot
@@ -191,11 +192,6 @@ class ClassState:
         else:
             self.level.set_limits(limits)
 
-    @property
-    def read_capped(self) -> bool:
-        lim = self.rule.limits
-        return lim.read_bandwidth is not None or lim.read_iops is not None
-
 
 class PolicyFlow:
     """What one (class, tenant, uid) is charged to; shared by all its open files."""
@@ -233,8 +229,7 @@ class PolicyFlow:
     def bind(self, cls: ClassState) -> None:
         """(Re)attach to a class, e.g. after a swap removed the old one."""
         self.cls = cls
-        cache = cls.rule.cache
-        self.direct_io = cache == "direct" or (cache == "auto" and cls.read_capped)
+        self.direct_io = cls.rule.reads_bypass_cache
         self.threads = cls.threads
         # Traffic counters (qosfs.qos.accounting): per uid only where the class is per-user.
         self.stats = self._accounts.get(cls.rule.name, self.tenant_name,
@@ -443,10 +438,7 @@ class PolicyQos:
         self._job_envs = policy.job_envs
         self._streaming = policy.streaming_target  # the class streaming writers move to
         self.classes, self.tenants, self.backend = classes, tenants, backend
-        self.meta_limited = any(c.limits.meta_iops is not None for c in policy.classes) or any(
-            t.limits.meta_iops is not None for t in policy.tenants) or (
-            backend is not None and policy.backend is not None
-            and policy.backend.limits.meta_iops is not None)
+        self.meta_limited = policy.meta_limited
         self.cache_timeouts = _cache_timeouts(policy)
         self._rebind(old_classes, old_tenants)
         for key in self.accounts.set_user_series(policy.exported.user_series):
@@ -579,14 +571,7 @@ class PolicyQos:
         to the streaming class (qosfs.streaming); 0: never (no such class, or *flow*'s
         class caps writes itself or is that class)."""
         assert isinstance(flow, PolicyFlow)  # this engine's open_flow made it
-        target = self._streaming
-        if target is None:
-            return 0
-        rule = flow.cls.rule
-        if rule.name == target.name or rule.limits.write_bandwidth is not None \
-                or rule.limits.write_iops is not None:
-            return 0
-        return target.detect_streaming_writes or 0
+        return stream_threshold(flow.cls.rule, self._streaming)
 
     def moved_to_streaming(self, flow: Flow) -> PolicyFlow:
         """The flow an open of *flow* continues in once it is seen streaming (same tenant

@@ -231,38 +231,6 @@ def test_bad_policy_is_refused_before_mounting(tmp_tree: Path) -> None:
     assert not os.path.ismount(mnt)
 
 
-CGROUP2 = Path("/sys/fs/cgroup/unified") if Path("/sys/fs/cgroup/unified/cgroup.procs").exists() \
-    else Path("/sys/fs/cgroup")
-
-
-V1_MEMORY = Path("/sys/fs/cgroup/memory")
-
-
-@pytest.fixture(params=["v2", "v1"])
-def job_cgroup(request: pytest.FixtureRequest) -> Any:
-    """A cgroup "/qosfs-test-PID/job_771", as a scheduler would make for job 771: in the
-    v2 hierarchy, or in a v1 controller's (Slurm's cgroup/v1 plugin; hybrid hosts)."""
-    root = CGROUP2 if request.param == "v2" else V1_MEMORY
-    if not (root / "cgroup.procs").exists():
-        pytest.skip(f"no writable cgroup {request.param} hierarchy")
-    top = root / f"qosfs-test-{os.getpid()}"
-    job = top / "job_771"
-    try:
-        job.mkdir(parents=True)
-    except OSError as exc:
-        pytest.skip(f"cannot create a cgroup: {exc}")
-    try:
-        yield job
-    finally:
-        for cg in (job, top):
-            for _ in range(50):  # a cgroup can be removed once its processes are reaped
-                try:
-                    cg.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.05)
-
-
 @pytest.mark.root
 def test_a_job_pinned_by_cgroup_cannot_escape_by_setting_its_job_id(
         tmp_tree: Path, job_cgroup: Path) -> None:
