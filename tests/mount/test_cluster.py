@@ -209,12 +209,14 @@ def test_four_mounts_share_a_cluster_cap_follow_a_change_and_survive_redis(
     t0, t1 = measure(10.0)
     marks = others.stop()
     stopped = max(m[-1][0] for m in marks)
-    # 2. Three stop: the fourth has >= 90% of the cap within a second.
+    # 2. Three stop: the fourth is granted >= 90% of the cap within a second, and gets it
+    # (measured over 2.5 s, as the other phases: over 1 s, a writer starved of CPU on a
+    # machine at load 600 got 15 MiB/s with 100 granted).
     wait_for("the lone writer's grant to reach 90% of the cap", lambda: grants(nodes[:1])[0],
              until=lambda g: g is not None and g >= 0.9 * CAP * MiB, timeout=5.0)
     granted = time.time()
     assert granted - stopped <= 1.0, granted - stopped
-    a0, a1 = measure(1.0)
+    a0, a1 = measure(2.5)
     marks.insert(0, first.stop()[0])
     shares = [rate(m, t0, t1) for m in marks]
     total = sum(shares)
