@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,17 +38,40 @@ def _no_unexpected_warnings(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     assert not bad, f"unexpected log records: {[r.getMessage() for r in bad]}"
 
 
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item) -> Iterator[pytest.TestReport]:
+    report: pytest.TestReport = yield
+    if report.failed:
+        item.stash[_FAILED] = True
+    return report
+
+
 @pytest.fixture
-def tmp_tree(tmp_path: Path) -> Path:
-    """A directory for sources and mountpoints, readable by other users (for uid tests)."""
-    os.chmod(tmp_path, 0o755)
-    for parent in tmp_path.parents:
+def tmp_tree(request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A directory for sources and mountpoints that other users can reach (for uid tests).
+
+    It is made in the system's temporary directory, not under ``tmp_path``: every pytest
+    session that starts on the machine resets ``/tmp/pytest-of-<user>`` to 0700, which cut
+    off the uids of tests already running in other sessions (EACCES in mid-test). Removed
+    after the test, unless it failed (kept for the daemon logs, as ``tmp_path`` would be)
+    or something is still mounted under it."""
+    name = re.sub(r"[^\w.-]", "_", request.node.name)[:30]
+    path = Path(tempfile.mkdtemp(prefix=f"qosfs-{name}-"))
+    os.chmod(path, 0o755)
+    for parent in path.parents:  # a TMPDIR of 0700 parents: open a path through them
         if parent == Path("/"):
             break
         mode = parent.stat().st_mode
         if not mode & 0o001:
             os.chmod(parent, mode | 0o711)
-    return tmp_path
+    yield path
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        mounted = any(line.split()[4].startswith(f"{path}/") for line in f)
+    if not mounted and not request.node.stash.get(_FAILED, False):
+        shutil.rmtree(path)
 
 
 @pytest.fixture

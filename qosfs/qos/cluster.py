@@ -159,6 +159,7 @@ class ClusterShare:
         self.fallback: int | None = fallback_nodes
         self.lifted = False
         self.pending = "init"  # what the next renewal does with the caps: init/set/keep
+        self.changes = 0  # local cap changes so far: a renewal sent before one must not undo it
         self.group: FairShareGroup | None = None  # a cluster per_user class's users
         self.weight_of: Callable[[], int] = lambda: 1
         self.seen = 0  # the level's (and its users') waits at the last renewal
@@ -173,6 +174,7 @@ class ClusterShare:
             if limits != self.configured:  # a change here (ctl set, reload): push it
                 self.configured = self.caps = limits
                 self.pending = "set"
+                self.changes += 1
         self.apply()
 
     def coordinated(self) -> list[str]:
@@ -223,6 +225,7 @@ class _Report:
     demand: float
     mode: str
     cap: float
+    changes: int  # the share's local changes when this report was built
 
 
 @dataclass
@@ -321,10 +324,15 @@ class ClusterCoordinator:
         touched = set()
         for report, (grant, cap) in zip(reports, grants, strict=True):
             share = report.share
-            share.pending = "keep"
             share.grants[report.bucket] = grant
             if report.saturated:
                 self.stats.denials += 1
+            touched.add(share)
+            if share.changes != report.changes:
+                # Changed here while this renewal was in flight: Redis answered with the
+                # cap from before the change. Keep ours and push it at the next renewal.
+                continue
+            share.pending = "keep"
             known = share.caps.get(report.bucket)
             if cap != (known.rate if known.rate != _INF else _UNLIMITED):
                 # Another mount changed the cluster cap: adopt it (and its burst default).
@@ -332,7 +340,6 @@ class ClusterCoordinator:
                 caps = dict(share.caps.set_items())
                 caps[report.bucket] = Limit(rate) if rate == _INF else Limit(rate, known.burst)
                 share.caps = LevelLimits(**caps)
-            touched.add(share)
         for share in touched:
             share.apply()
         return True
@@ -363,7 +370,8 @@ class ClusterCoordinator:
                     demand = max(counters[attr] - last[1][name][attr], 0) / (now - last[0])
                 cap = share.caps.get(bucket).rate
                 reports.append(_Report(share, bucket, busy, max(1, share.weight_of()), demand,
-                                       share.pending, _UNLIMITED if cap == _INF else cap))
+                                       share.pending, _UNLIMITED if cap == _INF else cap,
+                                       share.changes))
         self._last = (now, used)
         return reports
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 
 from qosfs.control.ctl import Client
 from tests.mounting import QosfsMount
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.root]
 
@@ -78,15 +78,6 @@ def class_written(text: str) -> float:
         r'^qosfs_write_bytes_total\{class="scratch"[^}]*\} (\S+)$', text, re.MULTILINE))
 
 
-def wait_for(what: Any, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = what()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.2)
-
-
 @pytest.mark.parametrize("mounted", ['[metrics]\nuser_series = 2000\nuser_series_idle = "3s"'],
                          indirect=True)
 def test_idle_uids_leave_the_series_and_their_totals_stay(mounted: Mount) -> None:
@@ -106,7 +97,8 @@ def test_idle_uids_leave_the_series_and_their_totals_stay(mounted: Mount) -> Non
           f"/metrics with 1,000 uids: {len(busy.splitlines())} lines")
     assert per_uid > 50  # the cost this bounds
 
-    assert wait_for(lambda: mounted.status()["user_accounts"] == 0), mounted.status()
+    wait_for("idle uids to leave", lambda: mounted.status()["user_accounts"], timeout=30,
+             interval=0.2, until=lambda accounts: accounts == 0)
     idle = mounted.metrics()
     assert uid_series(idle) == before
     assert mounted.status()["users_expired"] == 1000

@@ -32,6 +32,7 @@ from qosfs.daemon import cli
 from qosfs.policy.build import build_policy
 from qosfs.policy.loading import load_policy, with_changes
 from tests.mounting import ROOT, QosfsMount, as_user, is_mounted
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.mount
 
@@ -192,12 +193,8 @@ def test_reload_a_file_then_the_mounts_own(ctl_mount: Mounted,
 
 
 def _wait_generation(m: Mounted, generation: int) -> dict[str, Any]:
-    deadline = time.monotonic() + 10
-    while True:
-        status = m.request({"cmd": "status"})
-        if status["generation"] >= generation or time.monotonic() > deadline:
-            return status
-        time.sleep(0.05)
+    return wait_for(f"policy generation {generation}", lambda: m.request({"cmd": "status"}),
+                    until=lambda status: status["generation"] >= generation, interval=0.05)
 
 
 def test_sighup_reloads_the_policy_file(ctl_mount: Mounted) -> None:

@@ -27,6 +27,7 @@ from qosfs.control.ctl import Client
 from qosfs.qos.bounds import ParkingLimits
 from tests.mount.test_scale import Reader, p99, reader_alone, rss_mib
 from tests.mounting import QosfsMount, as_user
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.root]
 
@@ -47,15 +48,6 @@ LIMITS = ParkingLimits()
 def status(sock: Path) -> dict[str, Any]:
     with Client(str(sock)) as client:
         return client.request({"cmd": "status"})
-
-
-def wait_for(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def flood(tmp_tree: Path, uids: list[int], threads_per_uid: int) -> dict[str, Any]:
@@ -92,9 +84,10 @@ def flood(tmp_tree: Path, uids: list[int], threads_per_uid: int) -> dict[str, An
             # the cap's pace (how many depends on how fast this machine takes the burst).
             # (Opens past a uid's share of the daemon's descriptors are refused: at this
             # machine's limit of 20,000, 7,500 per uid.)
-            wait_for(lambda: (s := status(sock))["parked_requests"] + s["parking_refused"]
-                     + s["open_refused"] >= total * 9 // 10, 120,
-                     "the flooding writes to park or fail")
+            wait_for("the flooding writes to park or fail",
+                     lambda: (s := status(sock))["parked_requests"] + s["parking_refused"]
+                     + s["open_refused"], timeout=120, interval=0.05,
+                     until=lambda stopped: stopped >= total * 9 // 10)
             st = status(sock)
             figures["parked"], figures["refused"] = st["parked_requests"], st["parking_refused"]
             figures["open_refused"] = st["open_refused"]
@@ -128,7 +121,8 @@ def flood(tmp_tree: Path, uids: list[int], threads_per_uid: int) -> dict[str, An
                     proc.wait()
                 assert proc.stdout is not None
                 proc.stdout.close()
-        wait_for(lambda: status(sock)["parked_requests"] == 0, 10, "the lot to empty")
+        wait_for("the lot to empty", lambda: status(sock)["parked_requests"], timeout=10,
+                 interval=0.05, until=lambda parked: parked == 0)
         figures["killed_callers"] = status(sock)["killed_callers"]
     # Underneath, each file holds a prefix of what its writer wrote: an unaligned 1 MiB
     # O_DIRECT write reaches us as two requests (1 MiB - 48 and 48 bytes), and a refused
@@ -204,8 +198,8 @@ def test_sigterm_completes_every_parked_write_whole(tmp_tree: Path) -> None:
             [python, "-c", FLOODER.read_text(), str(mnt / "slow"), str(writers),
              str(1 << 20)], stdout=subprocess.PIPE, text=True, cwd="/",
             preexec_fn=as_user(5001))
-        wait_for(lambda: status(sock)["parked_requests"] >= writers - 2, 30,
-                 "the writers to park")
+        wait_for("the writers to park", lambda: status(sock)["parked_requests"], timeout=30,
+                 interval=0.05, until=lambda parked: parked >= writers - 2)
         assert m.proc is not None
         m.proc.send_signal(signal.SIGTERM)
         assert m.proc.wait(30) == 0

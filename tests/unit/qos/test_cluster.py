@@ -8,6 +8,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -105,6 +106,36 @@ def test_a_cap_changed_on_one_mount_is_in_force_on_the_others_at_their_next_rene
         b.qos.swap(parse_policy(policy(redis_server)))  # b re-reads its unchanged file:
         assert await b.renew(busy=True)  # that is not a change, the cluster cap stays
         assert b.share.caps.write_bytes.rate == 200 * MiB
+
+    trio.run(main)
+
+
+def test_a_cap_changed_while_a_renewal_is_in_flight_is_kept_and_pushed(
+        redis_server: RedisServer) -> None:
+    """A ``ctl set`` that lands while a renewal is on its worker thread: the reply carries
+    the cap from before the change. It used to overwrite the change on this mount and
+    mark it pushed, so the new cap was in force nowhere (slow renewals, under load)."""
+    a, b = Mount(policy(redis_server), "a"), Mount(policy(redis_server), "b")
+    renew = a.coordinator._renew
+
+    def renew_then_change(reports: list[Any]) -> list[Any]:
+        replies = renew(reports)  # answered; the trio thread has not seen it yet
+        trio.from_thread.run_sync(
+            a.qos.swap, parse_policy(policy(redis_server, cap="40MiB/s")))
+        return replies
+
+    async def main() -> None:
+        for m in (a, b):
+            assert await m.renew(busy=True)
+        a.coordinator._renew = renew_then_change  # type: ignore[method-assign]
+        assert await a.renew(busy=True)
+        a.coordinator._renew = renew  # type: ignore[method-assign]
+        assert a.share.caps.write_bytes.rate == 40 * MiB
+        for m in (a, b):
+            assert await m.renew(busy=True)
+        for m in (a, b):
+            assert m.share.caps.write_bytes.rate == 40 * MiB
+            assert m.enforced < 40 * MiB
 
     trio.run(main)
 
