@@ -9,19 +9,18 @@ that the mount comes down cleanly (exit 0).
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from qosfs.control.ctl import call
+from tests.mount.test_faults import errno_of
 from tests.mounting import ROOT, QosfsMount, is_mounted
 
 pytestmark = [pytest.mark.mount, pytest.mark.root]
@@ -42,15 +41,6 @@ paths = ["closing", "closing/**"]
 paths = ["data", "data/**"]
 cache = "direct"
 """
-
-
-def errno_of(fn: Callable[[], Any]) -> str:
-    """The errno name *fn* fails with, or "ok"."""
-    try:
-        fn()
-    except OSError as exc:
-        return errno.errorcode[exc.errno or 0]
-    return "ok"
 
 
 @contextmanager
