@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["QOSFS_FSTYPE", "MountEntry", "containing", "mounts"]
+__all__ = ["QOSFS_FSTYPE", "MountEntry", "containing", "lies_within", "mounts"]
 
 MOUNTINFO = "/proc/self/mountinfo"
 QOSFS_FSTYPE = "fuse.qosfs"  # the type of a qosfs mount in the table (subtype=qosfs)
@@ -47,6 +47,12 @@ def mounts(path: str = MOUNTINFO) -> list[MountEntry]:
     return entries
 
 
+def lies_within(path: str, top: str) -> bool:
+    """Whether *path* is the directory *top* or below it, by the strings alone (both
+    absolute and normalized: no system call, so a hung mount on either cannot block)."""
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
 def containing(path: str, entries: list[MountEntry]) -> MountEntry | None:
     """The mount *path* lies in, read from the table alone: of the mounts whose mountpoint
     is *path* or a directory above it, the deepest, and of several on that same path the
@@ -56,8 +62,7 @@ def containing(path: str, entries: list[MountEntry]) -> MountEntry | None:
     depth = -1
     for entry in entries:
         top = entry.mountpoint
-        inside = path == top or path.startswith(top.rstrip("/") + "/")
-        if inside and len(top) >= depth:
+        if lies_within(path, top) and len(top) >= depth:
             found, depth = entry, len(top)
     return found
 

@@ -52,7 +52,7 @@ from qosfs.core.errors import (
     QosfsError,
 )
 from qosfs.core.failures import Failures
-from qosfs.core.mountinfo import mounts
+from qosfs.core.mountinfo import lies_within, mounts
 from qosfs.daemon import tuning
 from qosfs.daemon.notify import notify, reloading
 from qosfs.daemon.privileges import shed_resource_privileges
@@ -150,7 +150,7 @@ def check_own_paths(mountpoint: str, paths: dict[str, str | None]) -> None:
         if path is None:
             continue
         where = os.path.realpath(path)
-        if where == top or where.startswith(top.rstrip("/") + "/"):
+        if lies_within(where, top):
             raise QosfsError(f"{what} {path} is under the mountpoint {mountpoint}: the "
                              "daemon would wait on its own mount; put it elsewhere",
                              EXIT_USAGE)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 
 from qosfs.core.errors import EXIT_MOUNTPOINT, EXIT_SOURCE, QosfsError
-from qosfs.core.mountinfo import QOSFS_FSTYPE, MountEntry, containing, mounts
+from qosfs.core.mountinfo import QOSFS_FSTYPE, MountEntry, containing, lies_within, mounts
 
 __all__ = ["QOSFS_FSTYPE", "check_before_stat", "check_topology"]
 
@@ -66,8 +66,7 @@ def check_topology(source: str, mountpoint: str, allow_stacked: bool,
             if entry.dev == dev and entry.fstype == QOSFS_FSTYPE:
                 raise _stacked(source, entry.mountpoint)
     real_source, real_mountpoint = os.path.realpath(source), os.path.realpath(mountpoint)
-    if real_mountpoint != real_source and \
-            os.path.commonpath([real_source, real_mountpoint]) == real_source:
+    if real_mountpoint != real_source and lies_within(real_mountpoint, real_source):
         raise QosfsError(f"mountpoint {mountpoint} is inside the source {source}: the "
                          "daemon's own lookups of it would wait for its own mount and hang "
                          "(mount outside the source, or in place over it)", EXIT_MOUNTPOINT)

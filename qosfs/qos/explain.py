@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from qosfs.core.mountinfo import lies_within
 from qosfs.core.units import format_size
 from qosfs.policy.classify import (
     CallerKey,
@@ -62,7 +63,7 @@ def mount_relative(path: str, mountpoint: str | None) -> str:
                              "(or a path in a qosfs mount)")
         top = posixpath.normpath(mountpoint)
         norm = posixpath.normpath("/" + path.lstrip("/"))
-        if norm != top and not norm.startswith(top.rstrip("/") + "/"):
+        if not lies_within(norm, top):
             raise ValueError(f"{path} is not in the mount {mountpoint}")
         rel = posixpath.relpath(norm, top)
         return "" if rel == "." else rel
