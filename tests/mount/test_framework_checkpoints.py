@@ -10,6 +10,7 @@ the backing files with the same save made outside the mount.
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ SIZE = 3 * fw.MiB
 
 
 class Mounted:
+    """Where jobs write (``mnt``) and where the same tree is seen underneath (``src``)."""
+
     def __init__(self, src: Path, mnt: Path, sock: Path, ref: Path) -> None:
         self.src, self.mnt, self.sock, self.ref = src, mnt, sock, ref
 
@@ -39,20 +42,30 @@ class Mounted:
         return stats
 
 
-@pytest.fixture(scope="module")
-def default_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mounted]:
-    """One mount of the embedded default policy for the module: each test writes its own
-    directory and looks only at what its writes moved."""
+@pytest.fixture(scope="module", params=["separate", "inplace"])
+def default_mount(request: pytest.FixtureRequest,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mounted]:
+    """One mount of the embedded default policy for the module, source -> mountpoint or
+    in place (as systemd and the DaemonSet run it; the tree underneath is then seen
+    through a bind mount taken before): each test writes its own directory and looks
+    only at what its writes moved."""
     tmp = tmp_path_factory.mktemp("frameworks")
-    mounted = Mounted(tmp / "src", tmp / "mnt", tmp / "ctl.sock", tmp / "ref")
-    for d in (mounted.src, mounted.mnt, mounted.ref):
+    source, view = tmp / "src", tmp / "view"
+    in_place = request.param == "inplace"
+    mnt = source if in_place else tmp / "mnt"
+    mounted = Mounted(view if in_place else source, mnt, tmp / "ctl.sock", tmp / "ref")
+    for d in {source, mnt, mounted.src, mounted.ref}:
         d.mkdir()
-    m = QosfsMount(mounted.src, mounted.mnt, "--socket", str(mounted.sock))
-    m.start()
+    if in_place:
+        subprocess.run(["mount", "--bind", str(source), str(view)], check=True)
+    m = QosfsMount(source, mnt, "--socket", str(mounted.sock))
     try:
+        m.start()
         yield mounted
     finally:
         code = m.stop()
+        if in_place:
+            subprocess.run(["umount", str(view)], check=False)
         assert code == 0, f"daemon exited with {code}: {m.log()}"
         assert "Traceback" not in m.log(), m.log()
 
