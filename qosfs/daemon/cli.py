@@ -218,14 +218,9 @@ def _cmd_mount(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from qosfs.policy.loading import (
-        PolicyError,
-        parse_policy,
-        policy_notes,
-        policy_warnings,
-        read_policy_text,
-    )
-    from qosfs.policy.model import policy_to_raw
+    from qosfs.policy.lint import policy_warnings
+    from qosfs.policy.loading import parse_policy, policy_notes, read_policy_text
+    from qosfs.policy.model import PolicyError, policy_to_raw
 
     try:
         text = read_policy_text(args.file)
@@ -262,7 +257,7 @@ def _print_json(body: dict[str, Any]) -> None:
 
 
 def _cmd_policy(args: argparse.Namespace) -> int:
-    from qosfs.policy.loading import DEFAULT_POLICY_TEXT
+    from qosfs.policy.text import DEFAULT_POLICY_TEXT
 
     sys.stdout.write(DEFAULT_POLICY_TEXT)
     return 0
