@@ -32,7 +32,7 @@ from qosfs.plan.planner import (
     parse_params,
 )
 
-log = logging.getLogger("qosfs")
+log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,8 +175,10 @@ def _add_plan_parser(sub: Any) -> None:
 
 
 def _cmd_mount(args: argparse.Namespace) -> int:
-    # Imported in the commands that need them: `qosfs ctl set` is timed from the shell
-    # (DESIGN 4.4), so it must not pay for pyfuse3, trio or the policy parser at start.
+    # Imported in the commands that need them: a `qosfs ctl set` is in force within
+    # 100 ms counted from the shell (the design's "Live change" guarantee, see
+    # docs/control-and-metrics.md), so it must not pay for pyfuse3, trio or the policy
+    # parser at start.
     from qosfs.control.exporter import parse_address
     from qosfs.daemon.mount import (
         MountConfig,

@@ -1,9 +1,11 @@
-"""The qosfs policy: frozen dataclasses, a strict TOML parser, a renderer, live changes.
+"""Loading a policy: parse its TOML, read its file, the embedded default, live changes.
 
-Validate once at the edge, trust inside: everything the scheduler and classifier read has
-been type-, unit- and range-checked here, and a bad file is rejected as a whole (a live
-reload that fails leaves the running policy untouched). Errors are one line that names the
-file, line and dotted key: ``mlfs.toml:12: classes.ckpt.write_bandwidth: expected ...``.
+The model itself is :mod:`qosfs.policy.model`; this module is the way in. Validate once at
+the edge, trust inside: everything the QoS engine and the classifier read has been type-,
+unit- and range-checked on the way in (:mod:`qosfs.policy.build`), and a bad file is
+rejected as a whole (a live reload that fails leaves the running policy untouched).
+Errors are one line that names the file, line and dotted key:
+``mlfs.toml:12: classes.ckpt.write_bandwidth: expected ...``.
 
 Schema (every key optional)::
 

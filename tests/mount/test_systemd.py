@@ -30,6 +30,7 @@ import xxhash
 
 from qosfs.control.ctl import Client
 from qosfs.control.protocol import default_socket_path
+from qosfs.daemon import mount
 from qosfs.daemon.mount import mount_type
 from tests.mount import posix_scenarios
 from tests.mount.test_fidelity import SCENARIOS, TEST_GID, TEST_UID, _run_as_user
@@ -205,7 +206,8 @@ def test_ready_only_once_mount_control_socket_and_metrics_answer(instance: Insta
     assert (instance.mnt / "hello").read_text() == "world"
     lines = [line for line in instance.log().splitlines() if line]
     assert lines and all(re.match(r"<[0-7]>\S", line) for line in lines), lines
-    assert any(line.startswith("<6>qosfs.mount: qosfs serving") for line in lines), lines
+    serving = f"<6>{mount.log.name}: qosfs serving"  # the logger is the module's name
+    assert any(line.startswith(serving) for line in lines), lines
 
 
 def test_reload_by_sighup_and_by_exec_reload_is_bracketed(instance: Instance) -> None:
@@ -281,8 +283,8 @@ def test_restart_after_kill_9_cleans_the_stale_mount_and_keeps_fsynced_data(
 
     again = instance.start()
     instance.await_ready(again)
-    assert re.search(r"^<4>qosfs\.mount: .* is a stale mount", instance.log(), re.MULTILINE), \
-        instance.log()
+    stale = rf"^<4>{re.escape(mount.log.name)}: .* is a stale mount"
+    assert re.search(stale, instance.log(), re.MULTILINE), instance.log()
     for path, digest in digests.items():
         assert xxhash.xxh3_128_hexdigest(path.read_bytes()) == digest
     again.send_signal(signal.SIGTERM)
