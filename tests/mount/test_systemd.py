@@ -43,6 +43,7 @@ from tests.systemd_units import (
     parse_unit,
     specifiers,
 )
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.root]
 
@@ -123,10 +124,11 @@ class Instance:
     def await_ready(self, proc: subprocess.Popen[bytes]) -> None:
         """Wait for the first notification and check, at that moment, that all three
         services answer; nothing may come before it."""
-        deadline = time.monotonic() + 30
-        while not self.notify.ready(0.01):
+        def notified() -> bool:
             assert proc.poll() is None, f"exited with {proc.returncode}: {self.log()}"
-            assert time.monotonic() < deadline, f"no READY=1: {self.log()}"
+            return self.notify.ready(0.01)
+
+        wait_for(f"a notification (log: {self.logs[-1]})", notified, timeout=30, interval=0)
         assert self.notify.next() == "READY=1"
         assert mount_type(str(self.mnt)) == "fuse.qosfs"
         os.stat(self.mnt)  # answers (a dead or half-made mount would raise or hang)
@@ -374,10 +376,7 @@ def test_background_mount_hands_the_main_pid_to_systemd(tmp_tree: Path) -> None:
             assert b"mount" in f.read()
         os.kill(daemon, signal.SIGTERM)
         assert notify.next() == "STOPPING=1"
-        deadline = time.monotonic() + 20
-        while is_mounted(mnt) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not is_mounted(mnt)
+        wait_for("the unmount", lambda: not is_mounted(mnt), timeout=20, interval=0.05)
     finally:
         if is_mounted(mnt):
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
