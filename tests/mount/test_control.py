@@ -124,8 +124,8 @@ def test_status_set_and_stats(ctl_mount: Mounted, capsys: pytest.CaptureFixture[
     capped = next(a for a in stats["accounts"] if a["class"] == "capped")
     assert capped["write_bytes"] == 3 * MiB and capped["write_ops"] >= 3
     # Histograms count requests; write_ops counts the caller's writes: one 3 MiB write
-    # from an unaligned buffer arrives as 4 requests, charged 3 ops (the tail the kernel
-    # cut off at a page boundary is not charged an op of its own).
+    # from an unaligned buffer arrives as 4 requests, charged 3 ops
+    # (qosfs.passthrough.operations._split_tail).
     requests = capped["latency"]["write_backend"]["count"]
     assert capped["write_ops"] <= requests <= capped["write_ops"] + 1
     code, out, _ = ctl(capsys, sock, "stats")
