@@ -3,6 +3,8 @@
 
 - ``interface``: what the filesystem sees of an engine.
 - ``engine``: the engine of a policy, binding a classified open file to its chain of levels.
+- ``charge``: the QoS bookkeeping of one open file, which the filesystem reports to.
+- ``stats``: what an engine reports of itself, typed, for status, stats and metrics.
 - ``levels``: rate levels and admission: FIFO waiting, live limit changes.
 - ``bucket``: token-bucket arithmetic and the limit values buckets are built from.
 - ``waiting``: the one way a request waits for tokens.
