@@ -6,6 +6,7 @@ and admits every request."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import pyfuse3
 import pytest
 
 from qosfs.core import syscalls
+from qosfs.passthrough.operations import FsOptions
 from tests.inprocess_fs import ENGINES, Caller, Fields, InProcessFs, open_fds
 
 ROOT = pyfuse3.ROOT_INODE
@@ -264,3 +266,141 @@ def test_readdir_offsets_stay_stable_while_entries_come_and_go(
         assert ops.dirs == {}
 
     fs.run(main)
+
+
+def test_dotdot_comes_from_the_inode_table_and_follows_renames(fs: InProcessFs) -> None:
+    for path in ("a/b", "c"):
+        (fs.root / path).mkdir(parents=True)
+    ops, ctx = fs.ops, fs.ctx
+
+    async def main() -> None:
+        a, b, c = [await fs.lookup(p) for p in ("a", "a/b", "c")]
+        up = await ops.lookup(b.st_ino, b"..", ctx)
+        assert up.st_ino == a.st_ino and ops.inodes.get(a.st_ino).lookups == 3  # one more
+        await ops.rename(a.st_ino, b"b", c.st_ino, b"b", 0, ctx)
+        assert (await ops.lookup(b.st_ino, b"..", ctx)).st_ino == c.st_ino
+        listing = Listing()
+        fh = await ops.opendir(b.st_ino, ctx)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(pyfuse3, "readdir_reply", listing.reply)
+            await ops.readdir(fh, 0, None)  # type: ignore[arg-type]
+        await ops.releasedir(fh)
+        assert listing.entries[1][:2] == (b"..", c.st_ino)
+        # The kernel forgets c: a '..' from b opens it again by its file handle.
+        await ops.forget([(c.st_ino, ops.inodes.get(c.st_ino).lookups)])
+        again = await ops.lookup(b.st_ino, b"..", ctx)
+        assert again.st_ino == c.st_ino == os.stat(fs.root / "c").st_ino
+        assert (await ops.lookup(ROOT, b"..", ctx)).st_ino == ROOT  # never above the root
+
+    fs.run(main)
+
+
+def test_evicted_inode_descriptors_reopen_by_handle(tmp_path: Path) -> None:
+    """A tree larger than the descriptor budget: every inode still answers, through a
+    descriptor reopened from its file handle, and the cache stays within the budget."""
+    for i in range(40):
+        (tmp_path / f"f{i}").write_bytes(b"%d" % i)
+    before = open_fds()
+    fs = InProcessFs(tmp_path, ENGINES["policy"](), FsOptions(fd_budget=8))
+    ops, ctx = fs.ops, fs.ctx
+    if not ops.inodes.handles:
+        fs.close()
+        pytest.skip("no file handles here (not root, or the filesystem exports none)")
+
+    async def main() -> None:
+        nodes = [(await fs.lookup(f"f{i}")).st_ino for i in range(40)]
+        for i, ino in enumerate(nodes):  # each request starts by trimming the cache
+            assert (await ops.getattr(ino, ctx)).st_ino == (tmp_path / f"f{i}").stat().st_ino
+            assert len(ops.inodes.cache) <= 8 + 1
+        assert ops.inodes.reopens >= 30
+        info = await ops.open(nodes[0], os.O_RDONLY, ctx)
+        assert bytes(await ops.read(info.fh, 0, 10)) == b"0"
+        await ops.release(info.fh)
+        await ops.forget([(ino, 1) for ino in nodes])
+        assert len(ops.inodes) == 1 and ops.inodes.fds_held == 2
+
+    fs.run(main)
+    fs.close()
+    assert open_fds() == before
+
+
+def test_every_descriptor_is_given_back_when_the_kernel_lets_go(fs: InProcessFs) -> None:
+    ops, ctx = fs.ops, fs.ctx
+    (fs.root / "d").mkdir()
+
+    async def main() -> None:
+        baseline = open_fds()  # trio's own descriptors included
+        d = await fs.lookup("d")
+        files = []
+        for i in range(5):
+            info, entry = await ops.create(d.st_ino, b"f%d" % i, FILE_MODE, RW_CREATE, ctx)
+            await ops.write(info.fh, 0, b"x" * 100)
+            second = await ops.open(entry.st_ino, os.O_RDONLY, ctx)
+            files += [info.fh, second.fh]
+        fh = await ops.opendir(d.st_ino, ctx)
+        listing = Listing()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(pyfuse3, "readdir_reply", listing.reply)
+            await ops.readdir(fh, 0, None)  # type: ignore[arg-type]
+        assert open_fds() > baseline + 10
+        await ops.releasedir(fh)
+        for f in files:
+            await ops.release(f)
+        assert ops.files == {} and ops.dirs == {}
+        # Each name was looked up twice (create, readdir), the directory once.
+        await ops.forget([(ino, 2) for name, ino, _ in listing.entries if name[0] == ord("f")])
+        await ops.forget([(d.st_ino, 1)])
+        assert len(ops.inodes) == 1 and ops.inodes.fds_held == 2
+        assert open_fds() == baseline
+
+    fs.run(main)
+
+
+def test_a_uid_past_its_share_of_open_files_gets_enfile(fs: InProcessFs) -> None:
+    (fs.root / "f").write_bytes(b"x")
+    ops, root = fs.ops, Caller(uid=0, gid=0)
+    user = Caller(uid=4321, gid=4321)
+    ops.open_quota.per_uid = 2
+
+    async def main() -> None:
+        ino = (await fs.lookup("f")).st_ino
+        held = [(await ops.open(ino, os.O_RDONLY, user)).fh,
+                (await ops.open(ino, os.O_RDONLY, user)).fh]
+        fds = open_fds()
+        assert await errno_of(ops.open(ino, os.O_RDONLY, user)) == errno.ENFILE
+        assert await errno_of(ops.opendir(ROOT, user)) == errno.ENFILE
+        assert await errno_of(ops.create(ROOT, b"new", FILE_MODE, RW_CREATE, user)
+                              ) == errno.ENFILE
+        assert not (fs.root / "new").exists() and open_fds() == fds  # nothing taken
+        assert ops.open_quota.refused == 3
+        other = await ops.open(ino, os.O_RDONLY, root)  # root is not counted
+        await ops.release(held.pop())
+        held.append((await ops.open(ino, os.O_RDONLY, user)).fh)  # room again
+        for fh in [*held, other.fh]:
+            await ops.release(fh)
+        assert ops.open_quota.held(4321) == 0
+
+    fs.run(main)
+
+
+def test_unaligned_requests_on_an_o_direct_open_go_through_one_buffered_twin(
+        fs: InProcessFs) -> None:
+    ops, ctx = fs.ops, fs.ctx
+
+    async def main() -> None:
+        info, _ = await ops.create(ROOT, b"f", FILE_MODE, RW_CREATE | os.O_DIRECT, ctx)
+        if not fcntl.fcntl(info.fh, fcntl.F_GETFL) & os.O_DIRECT:
+            await ops.release(info.fh)
+            pytest.skip("the temporary directory refuses O_DIRECT")
+        assert await ops.write(info.fh, 0, b"a" * 4096) == 4096  # aligned: O_DIRECT itself
+        fds = open_fds()
+        assert await ops.write(info.fh, 4096, b"tail") == 4  # EINVAL under O_DIRECT
+        assert open_fds() == fds + 1  # the twin, opened at the first such request
+        assert bytes(await ops.read(info.fh, 4090, 10)) == b"aaaaaatail"
+        assert bytes(await ops.read(info.fh, 0, 4096)) == b"a" * 4096
+        assert open_fds() == fds + 1  # one per open, kept
+        await ops.release(info.fh)
+        assert open_fds() == fds - 1  # both closed
+
+    fs.run(main)
+    assert (fs.root / "f").read_bytes() == b"a" * 4096 + b"tail"
