@@ -70,7 +70,7 @@ def names_only(tree: Tree) -> Tree:
 
 def expect_logged(caplog: pytest.LogCaptureFixture) -> None:
     for record in caplog.records:
-        record.expected = True  # type: ignore[attr-defined]
+        record.expected = True
 
 
 def stale(node: Inode) -> bool:
