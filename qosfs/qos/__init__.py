@@ -40,7 +40,6 @@ if TYPE_CHECKING:
         LevelStatistics,
         RateLevel,
         Stage,
-        admit,
         admit_rest,
         local_level,
         refund_bytes,
@@ -58,7 +57,7 @@ _EXPORTS = {
     ),
     "levels": (
         "FairShareGroup", "Level", "LevelFactory", "LevelStatistics", "RateLevel", "Stage",
-        "admit", "admit_rest", "local_level", "refund_bytes", "try_admit"
+        "admit_rest", "local_level", "refund_bytes", "try_admit"
     ),
     "bucket": ("NO_LIMITS", "UNLIMITED", "LevelLimits", "Limit", "TokenBucket"),
     "backend": ("BackendLevel", "ClassPort", "Share"),
@@ -105,7 +104,6 @@ __all__ = [
     "Ticket",
     "TokenBucket",
     "Turn",
-    "admit",
     "admit_rest",
     "class_limits",
     "level_limits",
