@@ -25,8 +25,10 @@ Design, and why:
   per-level :class:`trio.Event` that every queue head sleeps on, so a request parked under
   1 MiB/s goes through in the same instant the cap is raised to 1 GiB/s; the waiters
   behind it follow in FIFO order, each re-checking as it becomes head.
-* **Fast path**: when no one is queued and the buckets cover the request, :func:`admit`
-  charges and returns without a checkpoint, a log call or an allocation of its own.
+* **Fast path**: when no one is queued and the buckets cover the request, :func:`try_admit`
+  charges and returns without a checkpoint, a log call or an allocation of its own; only
+  a request that must wait goes on to :func:`admit_rest` (the engine calls both:
+  :class:`qosfs.qos.engine.PolicyFlow`).
 * No background refill task, no polling: buckets refill lazily from elapsed time, read
   through :func:`trio.current_time`, so tests run exactly and instantly on
   :class:`trio.testing.MockClock`.
@@ -65,7 +67,6 @@ __all__ = [  # the limit values are re-exported from qosfs.qos.bucket for conven
     "Limit",
     "RateLevel",
     "Stage",
-    "admit",
     "admit_rest",
     "local_level",
     "refund_bytes",
@@ -96,8 +97,9 @@ class LevelStatistics:
 
 
 class Stage(Protocol):
-    """What :func:`admit` charges: every :class:`Level`, and a class's port to the
-    backend (:class:`qosfs.qos.backend.ClassPort`), which dispatches by priority.
+    """What admission (:func:`try_admit`, :func:`admit_rest`) charges: every
+    :class:`Level`, and a class's port to the backend
+    (:class:`qosfs.qos.backend.ClassPort`), which dispatches by priority.
 
     ``limited`` and ``parked`` are indexed by :class:`Kind` and read on the fast path:
     a stage that neither limits a kind nor has a request of that kind parked is only
@@ -395,29 +397,13 @@ def local_level(name: str, limits: LevelLimits = NO_LIMITS, scope: str = "node")
     return RateLevel(name, limits)
 
 
-async def admit(levels: Sequence[Stage], kind: Kind, nbytes: int) -> float:
-    """Charge a request at every level, in order, waiting wherever a level is short.
-
-    Args:
-        levels: Most specific first, e.g. ``[user, class, tenant, backend]``; a request
-            is charged at a level when it passes it (see the module docstring for why).
-        kind: READ and WRITE charge ``nbytes`` plus one op; META charges one meta op.
-        nbytes: Bytes requested (ignored for META).
-
-    Returns:
-        Seconds spent waiting (0.0 on the fast path, which never checkpoints).
-
-    Raises:
-        trio.Cancelled: if cancelled while waiting; every level already passed is
-            refunded and the waiter leaves its queue, so nothing is lost or stuck.
-    """
-    start = try_admit(levels, kind, nbytes)
-    return 0.0 if start < 0 else await admit_rest(levels, start, kind, nbytes)
-
-
 def try_admit(levels: Sequence[Stage], kind: Kind, nbytes: int) -> int:
-    """The fast path of :func:`admit`, without a coroutine: charge the levels, in order,
-    that admit the request at once.
+    """The fast path of admission, without a coroutine: charge the levels, in order, that
+    admit the request at once.
+
+    *levels* are most specific first, e.g. ``[user, class, tenant, backend]``; a request
+    is charged at a level when it passes it (see the module docstring for why). READ and
+    WRITE charge *nbytes* plus one op; META charges one meta op.
 
     Returns -1 if every level did (the request may go), else the index of the first one
     that did not: the levels before it are charged, and the caller must finish with
@@ -438,7 +424,12 @@ def try_admit(levels: Sequence[Stage], kind: Kind, nbytes: int) -> int:
 
 async def admit_rest(levels: Sequence[Stage], start: int, kind: Kind, nbytes: int) -> float:
     """Finish an admission :func:`try_admit` could not complete: wait at ``levels[start]``,
-    which could not admit at once, then pass the rest (see :func:`admit`)."""
+    which could not admit at once, then pass the rest; returns the seconds spent waiting.
+
+    Raises:
+        trio.Cancelled: if cancelled while waiting; every level already passed is
+            refunded and the waiter leaves its queue, so nothing is lost or stuck.
+    """
     passed = start  # levels[:passed] have charged this request
     waited = 0.0
     try:

@@ -1,9 +1,11 @@
-"""RateLevel / admit / FairShareGroup on trio's mock clock: exact, instant timing tests."""
+"""Levels and FairShareGroup on trio's mock clock, charged the way the product charges
+them: through the flow of a file opened under a policy (tests.admission), so each test
+also runs the fast path, the parking lot and the killed-caller scope of a real request."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import pytest
 import trio
@@ -11,6 +13,8 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from qosfs.qos.bounds import ParkingLimits
+from qosfs.qos.engine import PolicyFlow, PolicyQos
 from qosfs.qos.levels import (
     FairShareGroup,
     Kind,
@@ -18,17 +22,24 @@ from qosfs.qos.levels import (
     LevelStatistics,
     Limit,
     RateLevel,
-    admit,
-    refund_bytes,
 )
+from tests.admission import GiB, MiB, class_level, engine, klass, open_flow, table
 from tests.mock_clock import mock_clock
 
-MiB = 1024 * 1024
-GiB = 1024 * MiB
+
+def writes_capped(rate: str, burst: str, name: str = "c", parking: ParkingLimits | None = None,
+                  ) -> tuple[PolicyFlow, RateLevel]:
+    """A file in class *name*, whose writes are capped at *rate* with *burst*; the flow
+    it is charged to, and the class's level."""
+    qos = engine(klass(name, write_bandwidth=rate, burst=burst), parking=parking)
+    return open_flow(qos, f"{name}/f"), class_level(qos, name)
 
 
-def wlevel(rate: float, burst: float, name: str = "w") -> RateLevel:
-    return RateLevel(name, LevelLimits(write_bytes=Limit(rate, burst)))
+def class_and_tenant(cls: Mapping[str, object], tenant: Mapping[str, object],
+                     ) -> tuple[PolicyQos, PolicyFlow]:
+    """A file charged at class ``c`` and then at tenant ``t``, with these settings."""
+    qos = engine(klass("c", **cls), table("tenants.t", paths=["c/**"], **tenant))
+    return qos, open_flow(qos)
 
 
 async def at(t: float, fn: Callable[[], Awaitable[object]]) -> None:
@@ -39,29 +50,34 @@ async def at(t: float, fn: Callable[[], Awaitable[object]]) -> None:
 
 @mock_clock
 async def test_unlimited_fast_path_never_checkpoints() -> None:
-    levels = [RateLevel("user"), RateLevel("class"), RateLevel("backend")]
+    qos, flow = class_and_tenant({"per_user": "fair"}, {})
     with trio.testing.assert_no_checkpoints():
         for _ in range(1000):
-            assert await admit(levels, Kind.READ, MiB) == 0.0
+            assert await flow.admit_read(MiB) == 0.0
+    state = qos.classes["c"]
+    assert state.group is not None
+    levels = [state.group.children[0], state.level, qos.tenants["t"]]
     assert [lv.bytes_read for lv in levels] == [1000 * MiB] * 3
     assert all(lv.waits == 0 and lv.ops_read == 1000 for lv in levels)
+    assert qos.parking.statistics().refused == 0 and qos.parking.requests == 0
 
 
 @mock_clock
 async def test_limited_fast_path_with_tokens_never_checkpoints() -> None:
-    level = RateLevel("c", LevelLimits(read_bytes=Limit(GiB, 8 * MiB), read_ops=Limit(1000, 10)))
+    qos = engine(klass(read_bandwidth="1GiB/s", burst="8MiB", read_iops=1000, burst_iops=10))
+    flow = open_flow(qos, writing=False)
     with trio.testing.assert_no_checkpoints():
         for _ in range(8):
-            assert await admit([level], Kind.READ, MiB) == 0.0
-    assert level.waits == 0
+            assert await flow.admit_read(MiB) == 0.0
+    assert class_level(qos).waits == 0
 
 
 @mock_clock
 async def test_sequential_requests_get_the_exact_rate() -> None:
-    level = wlevel(10 * MiB, MiB)
+    flow, level = writes_capped("10MiB/s", "1MiB")
     start = trio.current_time()
     for _ in range(100):
-        await admit([level], Kind.WRITE, MiB)
+        await flow.admit_write(MiB)
     # First from the burst, then one per 0.1 s: 9.9 s, i.e. 10 s minus the burst.
     assert trio.current_time() - start == pytest.approx(9.9)
     assert level.bytes_written == 100 * MiB and level.ops_write == 100
@@ -71,11 +87,13 @@ async def test_sequential_requests_get_the_exact_rate() -> None:
 
 @mock_clock
 async def test_concurrent_requests_get_the_exact_rate() -> None:
-    level = wlevel(10 * MiB, MiB)
+    # 99 MiB parked at once: past the 64 MiB a uid may park (qosfs.qos.bounds, tested in
+    # test_parking.py), so this test's lot is larger.
+    flow, _ = writes_capped("10MiB/s", "1MiB", parking=ParkingLimits(per_uid_bytes=GiB))
     done: list[float] = []
 
     async def one() -> None:
-        await admit([level], Kind.WRITE, MiB)
+        await flow.admit_write(MiB)
         done.append(trio.current_time())
 
     async with trio.open_nursery() as nursery:
@@ -90,21 +108,21 @@ async def test_concurrent_requests_get_the_exact_rate() -> None:
 
 @mock_clock
 async def test_oversized_request_goes_through_in_debt_and_next_waits() -> None:
-    level = wlevel(MiB, MiB)
-    assert await admit([level], Kind.WRITE, 10 * MiB) == 0.0  # full bucket: through now
+    flow, level = writes_capped("1MiB/s", "1MiB")
+    assert await flow.admit_write(10 * MiB) == 0.0  # full bucket: through now
     assert level.buckets["write_bytes"].tokens == -9 * MiB
-    waited = await admit([level], Kind.WRITE, MiB)
+    waited = await flow.admit_write(MiB)
     assert waited == pytest.approx(10.0)  # 9 s of debt + its own 1 MiB
 
 
 @mock_clock
 async def test_oversized_request_is_not_starved_by_small_ones() -> None:
-    level = wlevel(MiB, MiB)
-    await admit([level], Kind.WRITE, MiB)  # drain
+    flow, _ = writes_capped("1MiB/s", "1MiB")
+    await flow.admit_write(MiB)  # drain
     order: list[str] = []
 
     async def req(name: str, n: int) -> None:
-        await admit([level], Kind.WRITE, n)
+        await flow.admit_write(n)
         order.append(name)
 
     async with trio.open_nursery() as nursery:
@@ -116,12 +134,12 @@ async def test_oversized_request_is_not_starved_by_small_ones() -> None:
 
 @mock_clock
 async def test_waiters_are_served_fifo() -> None:
-    level = wlevel(MiB, MiB)
-    await admit([level], Kind.WRITE, MiB)
+    flow, _ = writes_capped("1MiB/s", "1MiB")
+    await flow.admit_write(MiB)
     order: list[int] = []
 
     async def req(i: int) -> None:
-        await admit([level], Kind.WRITE, (i % 3 + 1) * 100_000)
+        await flow.admit_write((i % 3 + 1) * 100_000)
         order.append(i)
 
     async with trio.open_nursery() as nursery:
@@ -132,48 +150,52 @@ async def test_waiters_are_served_fifo() -> None:
 
 @mock_clock
 async def test_kinds_do_not_queue_behind_each_other() -> None:
-    level = RateLevel("c", LevelLimits(write_bytes=Limit(MiB, MiB)))
-    await admit([level], Kind.WRITE, MiB)
+    flow, level = writes_capped("1MiB/s", "1MiB")
+    await flow.admit_write(MiB)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(admit, [level], Kind.WRITE, MiB)
+        nursery.start_soon(flow.admit_write, MiB)
         await trio.sleep(0.1)
         with trio.testing.assert_no_checkpoints():
-            assert await admit([level], Kind.READ, MiB) == 0.0
-            assert await admit([level], Kind.META, 0) == 0.0
+            assert await flow.admit_read(MiB) == 0.0
+            await flow.admit_meta()
     assert (level.ops_read, level.ops_meta, level.ops_write) == (1, 1, 2)
 
 
 @mock_clock
 async def test_write_iops_cap() -> None:
-    level = RateLevel("c", LevelLimits(write_ops=Limit(100, 10)))
+    qos = engine(klass(write_iops=100, burst_iops=10))
+    flow, level = open_flow(qos), class_level(qos)
     start = trio.current_time()
     async with trio.open_nursery() as nursery:
-        for _ in range(1010):
-            nursery.start_soon(admit, [level], Kind.WRITE, 4096)
-    assert trio.current_time() - start == pytest.approx(10.0)
-    assert level.ops_write == 1010 and level.bytes_written == 1010 * 4096
+        for _ in range(210):  # below the parking lot's 256 per uid: none refused
+            nursery.start_soon(flow.admit_write, 4096)
+    assert trio.current_time() - start == pytest.approx(2.0)
+    assert level.ops_write == 210 and level.bytes_written == 210 * 4096
 
 
 @mock_clock
 async def test_meta_iops_cap_ignores_bytes() -> None:
-    level = RateLevel("c", LevelLimits(meta_ops=Limit(50, 1), write_bytes=Limit(1, 1)))
+    qos = engine(klass(meta_iops=50, burst_iops=1, write_bandwidth="1B/s", burst=1))
+    flow, level = open_flow(qos), class_level(qos)
     start = trio.current_time()
     for _ in range(51):
-        await admit([level], Kind.META, 0)
+        await flow.admit_meta()
     assert trio.current_time() - start == pytest.approx(1.0)
     assert level.ops_meta == 51 and level.bytes_written == 0
+    assert flow.stats.meta_ops == 51
 
 
 @mock_clock
 async def test_bytes_and_ops_both_bind() -> None:
-    level = RateLevel("c", LevelLimits(read_bytes=Limit(10 * MiB, MiB), read_ops=Limit(10, 1)))
+    qos = engine(klass(read_bandwidth="10MiB/s", burst="1MiB", read_iops=10, burst_iops=1))
+    flow = open_flow(qos, writing=False)
     start = trio.current_time()
     for _ in range(21):  # 4 KiB reads: the ops cap governs, 2 s
-        await admit([level], Kind.READ, 4096)
+        await flow.admit_read(4096)
     assert trio.current_time() - start == pytest.approx(2.0)
     start = trio.current_time()
     for _ in range(10):  # 4 MiB reads: one op token (0.1 s), then the bytes cap, 0.4 s each
-        await admit([level], Kind.READ, 4 * MiB)
+        await flow.admit_read(4 * MiB)
     assert trio.current_time() - start == pytest.approx(0.1 + 9 * 0.4)
 
 
@@ -181,57 +203,66 @@ async def test_bytes_and_ops_both_bind() -> None:
 def test_slowest_level_governs(slow_first: bool) -> None:
     @mock_clock
     async def body() -> None:
-        fast, slow = wlevel(10 * MiB, MiB, "fast"), wlevel(5 * MiB, MiB, "slow")
-        levels = [slow, fast] if slow_first else [fast, slow]
+        fast = {"write_bandwidth": "10MiB/s", "burst": "1MiB"}
+        slow = {"write_bandwidth": "5MiB/s", "burst": "1MiB"}
+        qos, flow = class_and_tenant(slow, fast) if slow_first else class_and_tenant(fast, slow)
         async with trio.open_nursery() as nursery:
             for _ in range(50):
-                nursery.start_soon(admit, levels, Kind.WRITE, MiB)
+                nursery.start_soon(flow.admit_write, MiB)
         assert trio.current_time() == pytest.approx(49 / 5)
-        assert fast.bytes_written == slow.bytes_written == 50 * MiB
+        levels = (class_level(qos), qos.tenants["t"])
+        assert [lv.bytes_written for lv in levels] == [50 * MiB] * 2
 
     body()
 
 
 @mock_clock
 async def test_waiting_request_holds_no_reservation_at_later_levels() -> None:
-    cls, backend = wlevel(MiB, MiB, "class"), wlevel(100 * MiB, 10 * MiB, "backend")
+    qos, flow = class_and_tenant({"write_bandwidth": "1MiB/s", "burst": "1MiB"},
+                                 {"write_bandwidth": "100MiB/s", "burst": "10MiB"})
+    cls, later = class_level(qos), qos.tenants["t"]
+    assert isinstance(later, RateLevel)
     async with trio.open_nursery() as nursery:
         for _ in range(5):
-            nursery.start_soon(admit, [cls, backend], Kind.WRITE, MiB)
+            nursery.start_soon(flow.admit_write, MiB)
         await trio.sleep(0.5)
         assert cls.queue_depth == 4
-        assert backend.bytes_written == MiB  # only the one that passed its class
-        assert backend.buckets["write_bytes"].delay_for(10 * MiB, trio.current_time()) == 0.0
+        assert later.bytes_written == MiB  # only the one that passed its class
+        assert later.buckets["write_bytes"].delay_for(10 * MiB, trio.current_time()) == 0.0
 
 
 @mock_clock
 async def test_cancelled_waiter_refunds_passed_levels() -> None:
-    a, b = wlevel(100 * MiB, 10 * MiB, "a"), wlevel(MiB, MiB, "b")
-    await admit([a, b], Kind.WRITE, MiB)  # b is now empty
+    qos, flow = class_and_tenant({"write_bandwidth": "100MiB/s", "burst": "10MiB"},
+                                 {"write_bandwidth": "1MiB/s", "burst": "1MiB"})
+    a, b = class_level(qos), qos.tenants["t"]
+    assert isinstance(b, RateLevel)
+    await flow.admit_write(MiB)  # b is now empty
     tokens_a = a.buckets["write_bytes"].tokens
     with trio.move_on_after(0.5) as scope:
-        await admit([a, b], Kind.WRITE, MiB)
+        await flow.admit_write(MiB)
     assert scope.cancelled_caught
     assert a.bytes_written == b.bytes_written == MiB and a.ops_write == b.ops_write == 1
     assert a.buckets["write_bytes"].tokens == tokens_a
     assert b.queue_depth == 0 and b.waits == 1
     assert b.throttled_seconds == pytest.approx(0.5)
+    assert qos.parking.requests == 0  # it left the parking lot too
     # b earned 0.5 MiB meanwhile and nobody queues: the next request waits only 0.5 s.
-    assert await admit([a, b], Kind.WRITE, MiB) == pytest.approx(0.5)
+    assert await flow.admit_write(MiB) == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("victim", [0, 1])
 def test_cancelled_waiter_does_not_stick_the_queue(victim: int) -> None:
     @mock_clock
     async def body() -> None:
-        level = wlevel(MiB, MiB)
-        await admit([level], Kind.WRITE, MiB)
+        flow, level = writes_capped("1MiB/s", "1MiB")
+        await flow.admit_write(MiB)
         done: dict[int, float] = {}
         scopes = [trio.CancelScope() for _ in range(3)]
 
         async def req(i: int) -> None:
             with scopes[i]:
-                await admit([level], Kind.WRITE, MiB)
+                await flow.admit_write(MiB)
                 done[i] = trio.current_time()
 
         async with trio.open_nursery() as nursery:
@@ -248,12 +279,12 @@ def test_cancelled_waiter_does_not_stick_the_queue(victim: int) -> None:
 
 @mock_clock
 async def test_raising_a_cap_wakes_parked_requests_in_the_same_instant() -> None:
-    level = wlevel(MiB, MiB)
-    await admit([level], Kind.WRITE, MiB)
+    flow, level = writes_capped("1MiB/s", "1MiB")
+    await flow.admit_write(MiB)
     done: list[float] = []
 
     async def req() -> None:
-        await admit([level], Kind.WRITE, MiB)
+        await flow.admit_write(MiB)
         done.append(trio.current_time())
 
     async with trio.open_nursery() as nursery:
@@ -268,12 +299,12 @@ async def test_raising_a_cap_wakes_parked_requests_in_the_same_instant() -> None
 
 @mock_clock
 async def test_raising_a_cap_shortens_a_debt_wait() -> None:
-    level = wlevel(MiB, MiB)
-    await admit([level], Kind.WRITE, 10 * MiB)  # 9 MiB of debt
+    flow, level = writes_capped("1MiB/s", "1MiB")
+    await flow.admit_write(10 * MiB)  # 9 MiB of debt
     done: list[float] = []
 
     async def req() -> None:
-        await admit([level], Kind.WRITE, MiB)
+        await flow.admit_write(MiB)
         done.append(trio.current_time())
 
     async with trio.open_nursery() as nursery:
@@ -286,35 +317,36 @@ async def test_raising_a_cap_shortens_a_debt_wait() -> None:
 
 @mock_clock
 async def test_lowering_a_cap_applies_to_the_next_request() -> None:
-    level = wlevel(GiB, 64 * MiB)
-    await admit([level], Kind.WRITE, 64 * MiB)
+    flow, level = writes_capped("1GiB/s", "64MiB")
+    await flow.admit_write(64 * MiB)
     await trio.sleep(1.0)  # full again
     level.set_limits(LevelLimits(write_bytes=Limit(MiB, MiB)))
     start = trio.current_time()
     for _ in range(3):
-        await admit([level], Kind.WRITE, MiB)
+        await flow.admit_write(MiB)
     assert trio.current_time() - start == pytest.approx(2.0)
 
 
 @mock_clock
 async def test_lifting_a_cap_releases_waiters_and_restores_the_fast_path() -> None:
-    level = wlevel(MiB, MiB)
-    await admit([level], Kind.WRITE, 10 * MiB)
+    flow, level = writes_capped("1MiB/s", "1MiB")
+    await flow.admit_write(10 * MiB)
     async with trio.open_nursery() as nursery:
         for _ in range(3):
-            nursery.start_soon(admit, [level], Kind.WRITE, MiB)
+            nursery.start_soon(flow.admit_write, MiB)
         await trio.sleep(1.0)
         level.set_limits(LevelLimits())
     assert trio.current_time() == 1.0
     with trio.testing.assert_no_checkpoints():
-        await admit([level], Kind.WRITE, GiB)
+        await flow.admit_write(GiB)
 
 
 @mock_clock
-async def test_refund_bytes_gives_back_unused_bytes_but_keeps_the_op() -> None:
-    level = RateLevel("c", LevelLimits(read_bytes=Limit(MiB, MiB), read_ops=Limit(10, 10)))
-    await admit([level], Kind.READ, 128 * 1024)
-    refund_bytes([level], Kind.READ, 124 * 1024)  # short read at EOF: 4 KiB transferred
+async def test_a_short_read_gives_back_unused_bytes_but_keeps_the_op() -> None:
+    qos = engine(klass(read_bandwidth="1MiB/s", burst="1MiB", read_iops=10, burst_iops=10))
+    flow, level = open_flow(qos, writing=False), class_level(qos)
+    await flow.admit_read(128 * 1024)
+    flow.refund_read(124 * 1024)  # short read at EOF: 4 KiB transferred
     assert level.bytes_read == 4096 and level.ops_read == 1
     assert level.buckets["read_bytes"].tokens == MiB - 4096
     assert level.buckets["read_ops"].tokens == 9
@@ -322,9 +354,9 @@ async def test_refund_bytes_gives_back_unused_bytes_but_keeps_the_op() -> None:
 
 @mock_clock
 async def test_statistics_snapshot_and_repr() -> None:
-    level = RateLevel("checkpoints", LevelLimits(write_bytes=Limit(MiB, MiB)))
-    await admit([level], Kind.WRITE, 2 * MiB)
-    await admit([level], Kind.WRITE, MiB)
+    flow, level = writes_capped("1MiB/s", "1MiB", name="checkpoints")
+    await flow.admit_write(2 * MiB)
+    await flow.admit_write(MiB)
     stats = level.statistics()
     assert stats == LevelStatistics(
         name="checkpoints",
@@ -354,23 +386,33 @@ def test_limit_validation_and_default_burst() -> None:
     assert Limit().scaled(0.5) == Limit()
 
 
-async def _stream(level_for: Callable[[], RateLevel], parent: RateLevel, until: float) -> int:
+async def _stream(flow: PolicyFlow, until: float) -> int:
     """One user's closed-loop writer: 256 KiB writes back to back until ``until``."""
     moved = 0
     while trio.current_time() < until:
-        await admit([level_for(), parent], Kind.WRITE, 256 * 1024)
+        await flow.admit_write(256 * 1024)
         moved += 256 * 1024
     return moved
 
 
+def _fair(write_bandwidth: str, burst: str) -> tuple[PolicyQos, FairShareGroup]:
+    """A per-user class ``c`` with a write cap, and its group of per-user levels."""
+    qos = engine(klass(per_user="fair", write_bandwidth=write_bandwidth, burst=burst))
+    group = qos.classes["c"].group
+    assert group is not None
+    return qos, group
+
+
 @mock_clock
 async def test_fair_share_splits_between_active_users_and_reclaims_idle_shares() -> None:
-    group = FairShareGroup("checkpoints", LevelLimits(write_bytes=Limit(30 * MiB, 3 * MiB)))
+    qos, group = _fair("30MiB/s", "3MiB")
     moved: dict[int, int] = {}
 
     async def user(uid: int, until: float, streams: int) -> None:
+        flow = open_flow(qos, uid=uid)
+
         async def one() -> None:
-            got = await _stream(lambda: group.level_for(uid), group.parent, until)
+            got = await _stream(flow, until)
             moved[uid] = moved.get(uid, 0) + got
 
         async with trio.open_nursery() as nursery:
@@ -400,15 +442,18 @@ async def test_fair_share_splits_between_active_users_and_reclaims_idle_shares()
 
 @mock_clock
 async def test_fair_share_resplit_wakes_waiters_and_parked_users_stay_active() -> None:
-    group = FairShareGroup("c", LevelLimits(write_bytes=Limit(2 * MiB, 2 * MiB)), idle_after=1.0)
-    group.level_for(1)
-    b = group.level_for(2)
+    qos, group = _fair("2MiB/s", "2MiB")
+    group.idle_after = 1.0
+    first, second = open_flow(qos, uid=1), open_flow(qos, uid=2)
+    await first.admit_meta()  # a request of each makes both users active
+    await second.admit_meta()
+    b = group.children[2]
     assert b.limits.write_bytes == Limit(MiB, MiB)
-    await admit([b, group.parent], Kind.WRITE, 3 * MiB)  # user 2: 2 MiB of debt
+    await second.admit_write(3 * MiB)  # user 2: 2 MiB of debt
     done: list[float] = []
 
     async def parked() -> None:
-        await admit([b, group.parent], Kind.WRITE, MiB)  # 3 s at 1 MiB/s
+        await second.admit_write(MiB)  # 3 s at 1 MiB/s
         done.append(trio.current_time())
 
     async with trio.open_nursery() as nursery:
@@ -421,8 +466,8 @@ async def test_fair_share_resplit_wakes_waiters_and_parked_users_stay_active() -
     assert done == [pytest.approx(2.25)]
     await trio.sleep_until(2.5)
     assert group.expire() == 1 and group.children == {}
-    c = group.level_for(3)
-    assert c.limits.write_bytes == Limit(2 * MiB, 2 * MiB)
+    await open_flow(qos, uid=3).admit_meta()
+    assert group.children[3].limits.write_bytes == Limit(2 * MiB, 2 * MiB)
     assert repr(group) == "<FairShareGroup 'c' active_users=1>"
 
 
@@ -455,10 +500,10 @@ def test_any_arrival_pattern_stays_in_the_envelope_and_fifo(
 
     @mock_clock
     async def body() -> None:
-        level = wlevel(rate, burst)
+        flow, _ = writes_capped("2MiB/s", "1MiB")
 
         async def req(i: int, n: int) -> None:
-            await admit([level], Kind.WRITE, n)
+            await flow.admit_write(n)
             done.append((trio.current_time(), i))
 
         async with trio.open_nursery() as nursery:
@@ -480,10 +525,10 @@ def test_any_arrival_pattern_stays_in_the_envelope_and_fifo(
 async def test_bytes_charged_after_the_fact_are_paid_by_the_next_requests() -> None:
     """Bytes written under a name that said nothing are charged at the rename: the debt
     must survive the tokens the idle bucket earned meanwhile (refill first, then take)."""
-    level = wlevel(MiB, MiB)
+    flow, level = writes_capped("1MiB/s", "1MiB")
     await trio.sleep(10)  # idle: the bucket is full, and would be far more without its cap
     level.charge_bytes(Kind.WRITE, 4 * MiB)
     assert level.bytes_written == 4 * MiB and level.ops_write == 0
     start = trio.current_time()
-    await admit([level], Kind.WRITE, MiB)
+    await flow.admit_write(MiB)
     assert trio.current_time() - start == pytest.approx(4.0)  # -3 MiB, then 1 MiB to earn
