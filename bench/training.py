@@ -203,7 +203,7 @@ def planned_seconds(nbytes: float, cap: float, replicas: int = 1) -> float:
     """What ``qosfs plan`` predicts for a checkpoint of *nbytes* under *cap* (bytes/s):
     the plan of a job writing that many bytes with storage that delivers the cap
     (efficiency 1), whose write time at its highest cap is T = size x replicas / rate."""
-    from qosfs.plan import PlanInputs, make_plan
+    from qosfs.plan.planner import PlanInputs, make_plan
 
     plan = make_plan(PlanInputs(params=nbytes, bytes_per_param=1.0, replicas=replicas,
                                 backend_write=cap, efficiency=1.0,
@@ -334,7 +334,7 @@ _CAP_LINE = 'write_bandwidth = "400MiB/s"'
 
 
 def _default_text(*needed: str) -> str:
-    from qosfs.policy import DEFAULT_POLICY_TEXT
+    from qosfs.policy.text import DEFAULT_POLICY_TEXT
 
     for line in needed:
         if line not in DEFAULT_POLICY_TEXT:
@@ -369,7 +369,7 @@ def policy_for(serve: str) -> str | None:
 
 def checkpoint_cap(policy_text: str | None) -> tuple[float, float]:
     """(write cap, burst) of the checkpoints class in *policy_text* (None: the default)."""
-    from qosfs.policy import default_policy, parse_policy
+    from qosfs.policy.loading import default_policy, parse_policy
 
     policy = default_policy() if policy_text is None else parse_policy(policy_text)
     ckpt = policy.class_by_name("checkpoints")

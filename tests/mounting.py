@@ -7,9 +7,10 @@ import resource
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,17 +63,20 @@ class QosfsMount:
         limit = self.nofile
         preexec = None if limit is None else (
             lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)))
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     preexec_fn=preexec)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"qosfs exited with {self.proc.returncode}: {self.log()}")
-            if is_mounted(self.mountpoint) and b"serving" in self.log_path.read_bytes():
-                return self
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"qosfs did not become ready: {self.log()}")
+        self.proc = proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                            cwd=ROOT, preexec_fn=preexec)
+
+        def serving() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"qosfs exited with {proc.returncode}: {self.log()}")
+            return is_mounted(self.mountpoint) and b"serving" in self.log_path.read_bytes()
+
+        try:
+            wait_for("qosfs to serve", serving, timeout=timeout, interval=0.05)
+        except AssertionError:
+            self.stop()
+            raise RuntimeError(f"qosfs did not become ready: {self.log()}") from None
+        return self
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

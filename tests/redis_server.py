@@ -7,10 +7,11 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import redis
+
+from tests.waiting import wait_for
 
 
 class RedisServer:
@@ -27,22 +28,21 @@ class RedisServer:
     def start(self, timeout: float = 10.0) -> None:
         binary = shutil.which("redis-server")
         assert binary is not None, "redis-server is installed by `make deps` (Makefile)"
-        self.proc = subprocess.Popen(
+        self.proc = proc = subprocess.Popen(
             [binary, "--port", "0", "--unixsocket", self.socket, "--unixsocketperm", "700",
              "--save", "", "--appendonly", "no", "--dir", str(self.directory), *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def answers() -> bool:
             try:
-                if redis.Redis(unix_socket_path=self.socket).ping():
-                    return
+                return bool(redis.Redis(unix_socket_path=self.socket).ping())
             except redis.AuthenticationError:
-                return  # up, and asking for the password it was given
+                return True  # up, and asking for the password it was given
             except redis.RedisError:
-                pass
-            assert self.proc.poll() is None, "redis-server exited at start"
-            assert time.monotonic() < deadline, "redis-server did not answer"
-            time.sleep(0.02)
+                assert proc.poll() is None, "redis-server exited at start"
+                return False
+
+        wait_for("redis-server to answer", answers, timeout=timeout)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -1,47 +1,13 @@
-"""Control and observability: the control socket and its line protocol, the service
-that answers it (status, stats, set, reload), the ``ctl`` and ``top`` clients, snapshots
-of the engine, and Prometheus metrics."""
+"""Control: observing and steering a running mount. Imports ``qos``, ``policy`` and
+``core``; a sibling of ``passthrough`` and ``plan``, which it does not import.
 
-from __future__ import annotations
+- ``server``: the control socket, served on the daemon's trio loop.
+- ``protocol``: its JSON-lines protocol, parsed and validated.
+- ``service``: what the daemon does for each request: status, stats, set, reload.
+- ``snapshot``: a frozen picture of a running engine, its rates and its JSON form.
+- ``metrics``, ``exporter``: Prometheus metrics, and ``/metrics`` served over HTTP.
+- ``ctl``, ``top``, ``explain``: the clients behind ``qosfs ctl``, ``qosfs top`` and
+  ``qosfs explain`` (``columns`` fits ``top``'s table to the terminal).
 
-from typing import TYPE_CHECKING
-
-from qosfs.core.faces import lazy_face
-
-if TYPE_CHECKING:
-    from qosfs.control.ctl import Client, call, checked
-    from qosfs.control.exporter import MetricsServer
-    from qosfs.control.metrics import render
-    from qosfs.control.protocol import (
-        Peer,
-        ProtocolError,
-        Request,
-        default_socket_path,
-        encode,
-        error_reply,
-        parse_request,
-    )
-    from qosfs.control.server import ControlSocket
-    from qosfs.control.service import ControlService
-    from qosfs.control.snapshot import RateSampler, Snapshot, take_snapshot, to_json
-
-_EXPORTS = {
-    "server": ("ControlSocket",),
-    "service": ("ControlService",),
-    "protocol": (
-        "Peer", "ProtocolError", "Request", "default_socket_path", "encode", "error_reply",
-        "parse_request"
-    ),
-    "ctl": ("Client", "call", "checked"),
-    "snapshot": ("RateSampler", "Snapshot", "take_snapshot", "to_json"),
-    "metrics": ("render",),
-    "exporter": ("MetricsServer",),
-}
-__all__ = [
-    "Client", "ControlService", "ControlSocket", "MetricsServer", "Peer", "ProtocolError",
-    "RateSampler", "Request", "Snapshot", "call", "checked", "default_socket_path", "encode",
-    "error_reply", "parse_request", "render", "take_snapshot", "to_json",
-]
-
-if not TYPE_CHECKING:  # type checkers read the imports above
-    __getattr__, __dir__ = lazy_face(__name__, _EXPORTS)
+This file only describes the layer: import names from the module that defines them.
+"""

@@ -34,7 +34,7 @@ from qosfs.control.metrics import render_for
 from qosfs.control.snapshot import Snapshot
 from qosfs.core.errors import EXIT_CONTROL, EXIT_USAGE, QosfsError
 
-log = logging.getLogger("qosfs.exporter")  # what journald shows: kept across moves
+log = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 HEAD_LIMIT = 8192

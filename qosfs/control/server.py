@@ -59,7 +59,7 @@ from qosfs.core import syscalls
 from qosfs.core.errors import EXIT_CONTROL, QosfsError
 from qosfs.qos.bucket import TokenBucket
 
-log = logging.getLogger("qosfs.control")  # what journald shows: kept across moves
+log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT = 60.0  # seconds a connection may stay without starting a request
 REQUEST_TIMEOUT = 10.0  # seconds from a request's first byte to its newline

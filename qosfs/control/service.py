@@ -54,15 +54,8 @@ from qosfs.control.protocol import (
     error_reply,
 )
 from qosfs.control.snapshot import RateSampler, Snapshot, take_snapshot, to_json
-from qosfs.policy.loading import (
-    Policy,
-    PolicyError,
-    default_policy,
-    load_policy,
-    parse_policy,
-    with_changes,
-)
-from qosfs.policy.model import policy_to_raw
+from qosfs.policy.loading import default_policy, load_policy, parse_policy, with_changes
+from qosfs.policy.model import Policy, PolicyError, policy_to_raw
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.explain import Asked, explain
 from qosfs.qos.interface import PassThroughQos

@@ -21,7 +21,7 @@ import logging
 
 __all__ = ["Failures"]
 
-log = logging.getLogger("qosfs.failures")  # what journald shows: kept across moves
+log = logging.getLogger(__name__)
 
 
 def _innermost(exc: BaseException) -> BaseException:

@@ -1,24 +1,14 @@
-"""The daemon: the command line, the mount's lifecycle (descriptors, privileges, the
-nursery of servers, clean unmount), logging, systemd notification, FUSE connection
-tuning."""
+"""Daemon: the process, from the command line to a clean unmount. The top layer: it may
+import every other.
 
-from __future__ import annotations
+- ``cli``: the command line (``completion`` marks its path arguments for shell completion).
+- ``mount``: the mount's lifecycle: checks, daemonizing, the trio loop, signals, unmount.
+- ``topology``: the source and mountpoint layouts that cannot work, refused.
+- ``supervise``: the services on the event loop, restarted when they fail.
+- ``logsetup``: logging to stderr, journald/syslog or a file.
+- ``notify``: telling systemd the daemon's state, without libsystemd.
+- ``tuning``: the FUSE connection's kernel-side knobs, set through sysfs.
+- ``privileges``: root's resource privileges, kept from the users it serves.
 
-from typing import TYPE_CHECKING
-
-from qosfs.core.faces import lazy_face
-
-if TYPE_CHECKING:
-    from qosfs.daemon.cli import main
-    from qosfs.daemon.mount import MountConfig, daemonize_and_mount, mount_type, run_mount
-
-_EXPORTS = {
-    "cli": ("main",),
-    "mount": ("MountConfig", "daemonize_and_mount", "mount_type", "run_mount"),
-}
-__all__ = [
-    "MountConfig", "daemonize_and_mount", "main", "mount_type", "run_mount",
-]
-
-if not TYPE_CHECKING:  # type checkers read the imports above
-    __getattr__, __dir__ = lazy_face(__name__, _EXPORTS)
+This file only describes the layer: import names from the module that defines them.
+"""

@@ -22,7 +22,7 @@ import time
 
 __all__ = ["notify", "reloading"]
 
-log = logging.getLogger("qosfs.notify")  # what journald shows: kept across moves
+log = logging.getLogger(__name__)
 
 SEND_TIMEOUT = 1.0  # seconds: the loop serving the mount must never wait long on this
 

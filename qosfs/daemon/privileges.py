@@ -30,7 +30,7 @@ import os
 
 from qosfs.core import syscalls
 
-log = logging.getLogger("qosfs.privileges")  # what journald shows: kept across moves
+log = logging.getLogger(__name__)
 
 CAP_SETPCAP = 8
 CAP_SYS_RESOURCE = 24

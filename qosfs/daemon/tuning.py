@@ -18,7 +18,7 @@ import logging
 import os
 import subprocess
 
-log = logging.getLogger("qosfs.tuning")  # what journald shows: kept across moves
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BACKGROUND = 256
 DEFAULT_READ_AHEAD_KB = 1024

@@ -1,34 +1,13 @@
-"""The FUSE pass-through: the pyfuse3 operations, inodes held by file handle, open
-files, paths for classification, and the backing I/O (descriptors opened before the
-mount, reads and writes on the loop or on worker threads)."""
+"""Pass-through: the FUSE filesystem that serves a backing directory tree. Imports ``qos``
+(what the filesystem sees of an engine) and ``core``; a sibling of ``control`` and
+``plan``, which it does not import.
 
-from __future__ import annotations
+- ``operations``: the pyfuse3 ``Operations``, a faithful pass-through.
+- ``inodes``, ``fdcache``: the inode table, held by ``O_PATH`` descriptors, a bounded set.
+- ``handles``: open files and directories, what a FUSE file handle stands for.
+- ``paths``: where an inode is in the tree, for classification by path.
+- ``backing_io``: the data-path syscalls, without stalling the one event loop.
+- ``interrupts``: who sent a parked request, and FUSE INTERRUPT for it.
 
-from typing import TYPE_CHECKING
-
-from qosfs.core.faces import lazy_face
-
-if TYPE_CHECKING:
-    from qosfs.passthrough.backing_io import BackingIO, IoMode, backing_mount, choose_io_mode
-    from qosfs.passthrough.fdcache import DeferredClose, FdCache
-    from qosfs.passthrough.handles import DirHandle, FileHandle, OpenQuota
-    from qosfs.passthrough.inodes import Inode, InodeTable
-    from qosfs.passthrough.operations import FsOptions, PassthroughOperations
-    from qosfs.passthrough.paths import PathBook
-
-_EXPORTS = {
-    "operations": ("FsOptions", "PassthroughOperations"),
-    "backing_io": ("BackingIO", "IoMode", "backing_mount", "choose_io_mode"),
-    "inodes": ("Inode", "InodeTable"),
-    "handles": ("DirHandle", "FileHandle", "OpenQuota"),
-    "paths": ("PathBook",),
-    "fdcache": ("DeferredClose", "FdCache"),
-}
-__all__ = [
-    "BackingIO", "DeferredClose", "DirHandle", "FdCache", "FileHandle", "FsOptions", "Inode",
-    "InodeTable", "IoMode", "OpenQuota", "PassthroughOperations", "PathBook", "backing_mount",
-    "choose_io_mode",
-]
-
-if not TYPE_CHECKING:  # type checkers read the imports above
-    __getattr__, __dir__ = lazy_face(__name__, _EXPORTS)
+This file only describes the layer: import names from the module that defines them.
+"""

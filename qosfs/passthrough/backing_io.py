@@ -41,7 +41,7 @@ from qosfs.core.mountinfo import mounts
 from qosfs.core.syscalls import setfsuid
 from qosfs.passthrough.fdcache import DeferredClose
 
-log = logging.getLogger("qosfs.backing_io")  # what journald shows: kept across moves
+log = logging.getLogger(__name__)
 
 MAX_REQUEST = 1 << 20  # FUSE sends at most max_pages (256) * 4 KiB per read/write
 

@@ -1,10 +1,10 @@
 """Decide which class and tenant a request belongs to: pure, precompiled, cached.
 
-Why at open time: FUSE gives ``read``/``write`` no caller context, so ``fs.py`` classifies
-once in ``open``/``create`` (where uid, gid and pid are known) and keeps the class in the
-handle; metadata requests are classified per request with ``op="meta"``. Only the primary
-(fs)gid is visible through FUSE, so ``gids`` criteria see that one group, not supplementary
-groups.
+Why at open time: FUSE gives ``read``/``write`` no caller context, so the filesystem
+(:mod:`qosfs.passthrough.operations`) has an open classified once in ``open``/``create``
+(where uid, gid and pid are known) and keeps the class in the handle; metadata requests are
+classified per request with ``op="meta"``. Only the primary (fs)gid is visible through FUSE,
+so ``gids`` criteria see that one group, not supplementary groups.
 
 Globs (``compile_glob``) are path-aware, unlike :mod:`fnmatch` whose ``*`` crosses ``/``:
 

@@ -1,9 +1,11 @@
-"""The qosfs policy: frozen dataclasses, a strict TOML parser, a renderer, live changes.
+"""Loading a policy: parse its TOML, read its file, the embedded default, live changes.
 
-Validate once at the edge, trust inside: everything the scheduler and classifier read has
-been type-, unit- and range-checked here, and a bad file is rejected as a whole (a live
-reload that fails leaves the running policy untouched). Errors are one line that names the
-file, line and dotted key: ``mlfs.toml:12: classes.ckpt.write_bandwidth: expected ...``.
+The model itself is :mod:`qosfs.policy.model`; this module is the way in. Validate once at
+the edge, trust inside: everything the QoS engine and the classifier read has been type-,
+unit- and range-checked on the way in (:mod:`qosfs.policy.build`), and a bad file is
+rejected as a whole (a live reload that fails leaves the running policy untouched).
+Errors are one line that names the file, line and dotted key:
+``mlfs.toml:12: classes.ckpt.write_bandwidth: expected ...``.
 
 Schema (every key optional)::
 
@@ -67,40 +69,22 @@ import stat
 import tomllib
 from os import PathLike
 
-from qosfs.core.limit_kinds import CAP_KEYS
 from qosfs.core.units import show_value
 from qosfs.policy.build import build_policy, unknown_key
-from qosfs.policy.lint import PolicyWarning, policy_warnings
 from qosfs.policy.model import (
-    CACHE_MODES,
     CLASS_KEYS,
-    CLASS_SETTINGS,
-    LATENCY_MEASURES,
     LIMIT_KEYS,
-    MATCH_KEYS,
-    OPS,
-    PRIORITY_WEIGHTS,
     SETTABLE,
     TENANT_KEYS,
-    Backend,
-    ClassRule,
-    Control,
-    Exported,
-    IdRange,
-    Limits,
     Policy,
     PolicyError,
-    Tenant,
     policy_to_raw,
 )
 from qosfs.policy.text import DEFAULT_POLICY_TEXT, locate_key, quote_key
 
 __all__ = [
-    "CACHE_MODES", "CAP_KEYS", "CLASS_KEYS", "CLASS_SETTINGS", "DEFAULT_POLICY_TEXT",
-    "LATENCY_MEASURES", "LIMIT_KEYS", "MATCH_KEYS", "OPS", "PRIORITY_WEIGHTS", "SETTABLE",
-    "TENANT_KEYS", "Backend", "ClassRule", "Control", "Exported", "IdRange", "Limits", "Policy",
-    "PolicyError", "PolicyWarning", "Tenant", "default_policy", "load_policy", "parse_policy",
-    "policy_notes", "policy_warnings", "read_policy_text", "with_changes",
+    "MAX_POLICY_BYTES", "default_policy", "load_policy", "parse_policy", "policy_notes",
+    "read_policy_text", "with_changes",
 ]
 
 

@@ -1,8 +1,8 @@
 """The policy model: frozen dataclasses, the key vocabulary, and :class:`PolicyError`.
 
-Everything the scheduler and the classifier read of a policy is defined here; parsing and
-validation live in :mod:`qosfs.policy.build`, TOML text in :mod:`qosfs.policy.text`, and
-:mod:`qosfs.policy.loading` is the public face (import from there).
+Everything the QoS engine and the classifier read of a policy is defined here; parsing
+and validation live in :mod:`qosfs.policy.build`, TOML text in :mod:`qosfs.policy.text`,
+and :mod:`qosfs.policy.loading` parses, loads and changes a policy.
 """
 
 from __future__ import annotations
@@ -177,7 +177,8 @@ class ClassRule:
     latency_percentile: float = 99.0
     latency_measure: str = "request"
     # Bytes of (mostly) sequential writes after which a writable open of an uncapped class
-    # moves into this class (qosfs.streaming); None: this class takes no streams.
+    # moves into this class (docs/policy.md, "Streaming writers, whatever their names");
+    # None: this class takes no streams.
     detect_streaming_writes: int | None = None
 
     @property
@@ -196,8 +197,9 @@ class ClassRule:
 
 def stream_threshold(rule: ClassRule, target: ClassRule | None) -> int:
     """Bytes of mostly sequential writes after which a writable open of class *rule* moves
-    to *target*, the policy's :attr:`~Policy.streaming_target` (qosfs.streaming); 0: never
-    (no such class, or *rule* is that class or caps writes itself)."""
+    to *target*, the policy's :attr:`~Policy.streaming_target` (docs/policy.md, "Streaming
+    writers, whatever their names"); 0: never (no such class, or *rule* is that class or
+    caps writes itself)."""
     if target is None or rule.name == target.name \
             or rule.limits.write_bandwidth is not None or rule.limits.write_iops is not None:
         return 0

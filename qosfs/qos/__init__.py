@@ -1,117 +1,19 @@
-"""The QoS engine: token buckets, rate levels and the one way to wait at them, the
-engine that binds a classified open file to its chain of levels, sharing of a declared
-backend, traffic accounting and the latency controller. Knows nothing of FUSE: the
-filesystem reaches it through :mod:`qosfs.qos.interface`."""
+"""QoS: the engine that decides when a request may proceed. Imports only ``policy`` and
+``core``; knows nothing of FUSE (the filesystem reaches it through ``interface``).
 
-from __future__ import annotations
+- ``interface``: what the filesystem sees of an engine.
+- ``engine``: the engine of a policy, binding a classified open file to its chain of levels.
+- ``charge``: the QoS bookkeeping of one open file, which the filesystem reports to.
+- ``stats``: what an engine reports of itself, typed, for status, stats and metrics.
+- ``levels``: rate levels and admission: FIFO waiting, live limit changes.
+- ``bucket``: token-bucket arithmetic and the limit values buckets are built from.
+- ``waiting``: the one way a request waits for tokens.
+- ``bounds``: how many requests may wait at once, per uid, per class and in all.
+- ``backend``: the declared ``[backend]``, shared out by minimums and priority.
+- ``cluster``: caps over every mount, leased through Redis.
+- ``accounting``: per-flow traffic counters and latency histograms.
+- ``latency_control``, ``latency_probe``: latency targets, and the canary that measures them.
+- ``explain``: what a request would get, and why.
 
-from typing import TYPE_CHECKING
-
-from qosfs.core.faces import lazy_face
-
-if TYPE_CHECKING:
-    from qosfs.qos.accounting import AccountKey, Accounts, FlowStats
-    from qosfs.qos.backend import BackendLevel, ClassPort, Share
-    from qosfs.qos.bounds import ParkingLimits, ParkingLot
-    from qosfs.qos.bucket import NO_LIMITS, UNLIMITED, LevelLimits, Limit, TokenBucket
-    from qosfs.qos.engine import (
-        AutoCaps,
-        EngineStatistics,
-        PolicyFlow,
-        PolicyQos,
-        class_limits,
-        level_limits,
-    )
-    from qosfs.qos.interface import (
-        THREADS_PER_FLOW,
-        Classified,
-        CountingFlow,
-        Flow,
-        PassThroughQos,
-        PathSource,
-        QosEngine,
-    )
-    from qosfs.qos.latency_control import LatencyDecider, LatencyLoop
-    from qosfs.qos.latency_probe import PROBE_XATTR, LatencyProbe
-    from qosfs.qos.levels import (
-        FairShareGroup,
-        Level,
-        LevelFactory,
-        LevelStatistics,
-        RateLevel,
-        Stage,
-        admit_rest,
-        local_level,
-        refund_bytes,
-        try_admit,
-    )
-    from qosfs.qos.waiting import Ticket, Turn, until_covered
-
-_EXPORTS = {
-    "interface": (
-        "THREADS_PER_FLOW", "Classified", "CountingFlow", "Flow", "PassThroughQos", "PathSource",
-        "QosEngine"
-    ),
-    "engine": (
-        "AutoCaps", "EngineStatistics", "PolicyFlow", "PolicyQos", "class_limits", "level_limits"
-    ),
-    "levels": (
-        "FairShareGroup", "Level", "LevelFactory", "LevelStatistics", "RateLevel", "Stage",
-        "admit_rest", "local_level", "refund_bytes", "try_admit"
-    ),
-    "bucket": ("NO_LIMITS", "UNLIMITED", "LevelLimits", "Limit", "TokenBucket"),
-    "backend": ("BackendLevel", "ClassPort", "Share"),
-    "waiting": ("Ticket", "Turn", "until_covered"),
-    "accounting": ("AccountKey", "Accounts", "FlowStats"),
-    "bounds": ("ParkingLimits", "ParkingLot"),
-    "latency_control": ("LatencyDecider", "LatencyLoop"),
-    "latency_probe": ("PROBE_XATTR", "LatencyProbe"),
-}
-__all__ = [
-    "NO_LIMITS",
-    "PROBE_XATTR",
-    "THREADS_PER_FLOW",
-    "UNLIMITED",
-    "AccountKey",
-    "Accounts",
-    "AutoCaps",
-    "BackendLevel",
-    "ClassPort",
-    "Classified",
-    "CountingFlow",
-    "EngineStatistics",
-    "FairShareGroup",
-    "Flow",
-    "FlowStats",
-    "LatencyDecider",
-    "LatencyLoop",
-    "LatencyProbe",
-    "Level",
-    "LevelFactory",
-    "LevelLimits",
-    "LevelStatistics",
-    "Limit",
-    "ParkingLimits",
-    "ParkingLot",
-    "PassThroughQos",
-    "PathSource",
-    "PolicyFlow",
-    "PolicyQos",
-    "QosEngine",
-    "RateLevel",
-    "Share",
-    "Stage",
-    "Ticket",
-    "TokenBucket",
-    "Turn",
-    "admit_rest",
-    "class_limits",
-    "level_limits",
-    "local_level",
-    "refund_bytes",
-    "try_admit",
-    "until_covered",
-]
-
-if not TYPE_CHECKING:  # type checkers read the imports above
-    __getattr__, __dir__ = lazy_face(__name__, _EXPORTS)
+This file only describes the layer: import names from the module that defines them.
+"""

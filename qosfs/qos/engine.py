@@ -39,8 +39,7 @@ import trio
 from qosfs.core.interrupts import Caller, cancelled_if_killed, current_caller
 from qosfs.core.limit_kinds import BY_KEY, LIMIT_KINDS, default_burst
 from qosfs.policy.classify import CallerKey, Classifier, JobCache, compile_path_globs
-from qosfs.policy.loading import ClassRule, Limits, Policy, PolicyError
-from qosfs.policy.model import stream_threshold
+from qosfs.policy.model import ClassRule, Limits, Policy, PolicyError, stream_threshold
 from qosfs.qos.accounting import AccountKey, Accounts
 from qosfs.qos.backend import BackendLevel, ClassPort, Share
 from qosfs.qos.bounds import ParkingLot

@@ -77,7 +77,7 @@ from typing import Any, Protocol
 
 import trio
 
-from qosfs.policy.loading import ClassRule, Policy
+from qosfs.policy.model import ClassRule, Policy
 from qosfs.qos.accounting import AccountKey, FineHistogram
 from qosfs.qos.engine import NO_AUTO_CAPS, AutoCaps, PolicyQos
 from qosfs.qos.latency_probe import INTERVAL as PROBE_INTERVAL

@@ -4,8 +4,9 @@ A request of a protected class waits in the kernel's FUSE queue and for the daem
 event loop before its handler runs, behind every other class's requests; a handler cannot
 see that wait. So a canary sends one ``getxattr`` of :data:`PROBE_XATTR` on the mount's
 root every :data:`INTERVAL` and times the round trip: it queues exactly like a data
-request, and ``fs.py`` answers it at once (ENODATA) without charging it or touching the
-backing store when it comes from the canary's pid. The round trips go to a
+request, and the filesystem (:mod:`qosfs.passthrough.operations`) answers it at once
+(ENODATA) without charging it or touching the backing store when it comes from the
+canary's pid. The round trips go to a
 :class:`~qosfs.qos.accounting.FineHistogram` that :class:`qosfs.qos.latency_control.LatencyLoop`
 differences per window.
 
@@ -41,7 +42,7 @@ from qosfs.qos.accounting import FineHistogram
 
 __all__ = ["INTERVAL", "PROBE_XATTR", "LatencyProbe"]
 
-log = logging.getLogger("qosfs.latency_probe")  # what journald shows: kept across moves
+log = logging.getLogger(__name__)
 
 PROBE_XATTR = b"user.qosfs.latency-probe"
 INTERVAL = 0.002  # seconds between the end of one canary request and the next

@@ -183,7 +183,7 @@ def test_plan_check_against_the_cap_in_force() -> None:
 
 
 def test_scenario_policies_change_only_what_they_say() -> None:
-    from qosfs.policy import default_policy, parse_policy
+    from qosfs.policy.loading import default_policy, parse_policy
 
     default = default_policy()
     latency = parse_policy(training.policy_for("latency") or "")

@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ import pytest
 
 from tests.mounting import ROOT, QosfsMount, as_user
 from tests.redis_server import RedisServer
+from tests.waiting import wait_for
 
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 DASHBOARD = ROOT / "deploy" / "grafana" / "qosfs-dashboard.json"
@@ -215,17 +215,6 @@ def _api(base: str, path: str, **params: str) -> Any:
     return body["data"]
 
 
-def _until(what: str, check: Any, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
 def _substituted(expr: str) -> str:
     """``expr`` as Grafana sends it with every variable at "All"."""
     expr = expr.replace("$__rate_interval", "10s")
@@ -285,9 +274,9 @@ def test_every_dashboard_query_returns_series_from_a_live_mount(
     prometheus: subprocess.Popen[bytes] | None = None
     tenant: subprocess.Popen[bytes] | None = None
     try:
-        metrics = _until("the metrics address", lambda: next(
+        metrics = wait_for("the metrics address", lambda: next(
             (word.rsplit("/", 1)[0] for word in m.log().split()
-             if word.startswith("http://127.0.0.1:")), None), 10)
+             if word.startswith("http://127.0.0.1:")), None), timeout=10, interval=0.2)
         writer.start()
         tenant = subprocess.Popen(
             ["sh", "-c", "while :; do dd if=/dev/zero of=t bs=64k count=16 2>/dev/null; done"],
@@ -316,7 +305,7 @@ def test_every_dashboard_query_returns_series_from_a_live_mount(
                 return False
             return bool(found) and float(found[0]["value"][1]) >= 8
 
-        _until("eight scrapes", scraped)
+        wait_for("eight scrapes", scraped, timeout=60, interval=0.2)
         targets = _api(base, "/api/v1/targets")["activeTargets"]
         assert [(t["health"], t["lastError"]) for t in targets] == [("up", "")], targets
         # Prometheus asked for OpenMetrics and parsed it: only that format has an "info"
@@ -325,7 +314,8 @@ def test_every_dashboard_query_returns_series_from_a_live_mount(
         families = _api(base, "/api/v1/metadata")
         assert [m["type"] for m in families.get("qosfs_build", [])] == ["info"], families
         assert [m["unit"] for m in families.get("qosfs_read_bytes", [])] == ["bytes"], families
-        _until("every rule evaluated cleanly", lambda: _rules_healthy(base))
+        wait_for("every rule evaluated cleanly", lambda: _rules_healthy(base), timeout=60,
+                 interval=0.2)
 
         # The dashboard's variables: each label_values() finds values on this mount.
         for var in _dashboard()["templating"]["list"]:
@@ -345,10 +335,8 @@ def test_every_dashboard_query_returns_series_from_a_live_mount(
             return empty
 
         # The latency controller needs a few windows to cap; wait for it, not a time.
-        deadline = time.monotonic() + 60
-        while (empty := empty_panels()) and time.monotonic() < deadline:
-            time.sleep(1)
-        assert not empty, empty
+        wait_for("data in every panel", empty_panels, until=lambda empty: not empty,
+                 timeout=60, interval=1)
         marked = {p["title"] for p in _dashboard()["panels"]
                   if p.get("description", "").startswith("Conditional:")}
         assert marked == CONDITIONAL, marked ^ CONDITIONAL

@@ -21,7 +21,8 @@ from typing import Any
 
 from qosfs.control.protocol import ProtocolError, parse_assignments, parse_target
 from qosfs.daemon.cli import _build_parser
-from qosfs.policy.loading import PolicyError, parse_policy, with_changes
+from qosfs.policy.loading import parse_policy, with_changes
+from qosfs.policy.model import PolicyError
 from tests.mounting import ROOT
 
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "bench").glob("*.md")])

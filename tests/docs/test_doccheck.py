@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from qosfs.policy.loading import PolicyError, parse_policy
+from qosfs.policy.loading import parse_policy
+from qosfs.policy.model import PolicyError
 from tests.docs.doccheck import (
     INVALID_MARK,
     bench_problems,

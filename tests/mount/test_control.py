@@ -58,13 +58,10 @@ class Mounted:
             return client.request(body)
 
     def metrics_url(self) -> str:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            found = re.search(r"serving metrics on (http://\S+)", self.mount.log())
-            if found:
-                return found[1]
-            time.sleep(0.05)
-        raise AssertionError(self.mount.log())
+        found = wait_for("the metrics address in the log",
+                         lambda: re.search(r"serving metrics on (http://\S+)", self.mount.log()),
+                         timeout=5, interval=0.05)
+        return found[1]
 
 
 @pytest.fixture
@@ -197,6 +194,11 @@ def _wait_generation(m: Mounted, generation: int) -> dict[str, Any]:
                     until=lambda status: status["generation"] >= generation, interval=0.05)
 
 
+def _wait_logged(m: Mounted, text: str) -> None:
+    wait_for(f"{text!r} in the mount's log", m.mount.log, until=lambda log: text in log,
+             interval=0.05)
+
+
 def test_sighup_reloads_the_policy_file(ctl_mount: Mounted) -> None:
     assert ctl_mount.mount.proc is not None
     pid = ctl_mount.mount.proc.pid
@@ -207,10 +209,7 @@ def test_sighup_reloads_the_policy_file(ctl_mount: Mounted) -> None:
     assert status["generation"] == 2 and capped["limits"] == {"write_bandwidth": 16 * MiB}
     ctl_mount.policy.write_text("[classes.default]\nwrite_bandwidth = 1\n")  # invalid
     os.kill(pid, signal.SIGHUP)
-    deadline = time.monotonic() + 10
-    while "SIGHUP reload rejected" not in ctl_mount.mount.log():
-        assert time.monotonic() < deadline, ctl_mount.mount.log()
-        time.sleep(0.05)
+    _wait_logged(ctl_mount, "SIGHUP reload rejected")
     status = ctl_mount.request({"cmd": "status"})
     assert status["generation"] == 2 and status["last_reload_ok"] is False
     assert ctl_mount.mount.proc.poll() is None  # still serving
@@ -221,10 +220,8 @@ def test_a_failed_sighup_reload_says_why_in_status(
     assert ctl_mount.mount.proc is not None
     ctl_mount.policy.write_text(POLICY.replace('"2MiB/s"', '"2MiB"'))  # line 6: no "/s"
     os.kill(ctl_mount.mount.proc.pid, signal.SIGHUP)
-    deadline = time.monotonic() + 10
-    while ctl_mount.request({"cmd": "status"})["last_reload_ok"]:
-        assert time.monotonic() < deadline, ctl_mount.mount.log()
-        time.sleep(0.05)
+    wait_for("the reload to fail", lambda: ctl_mount.request({"cmd": "status"}),
+             until=lambda status: not status["last_reload_ok"], interval=0.05)
     code, out, _ = ctl(capsys, ctl_mount.sock, "status", "--json")
     failure = json.loads(out)["last_reload_failure"]
     assert code == 0 and failure["by"] == "SIGHUP"
@@ -254,10 +251,7 @@ def test_sighup_reload_of_a_fifo_or_endless_file_is_refused_and_serving_goes_on(
     else:
         ctl_mount.policy.symlink_to("/dev/zero")  # reading it would eat all memory
     os.kill(ctl_mount.mount.proc.pid, signal.SIGHUP)
-    deadline = time.monotonic() + 10
-    while "SIGHUP reload rejected" not in ctl_mount.mount.log():
-        assert time.monotonic() < deadline, ctl_mount.mount.log()
-        time.sleep(0.05)
+    _wait_logged(ctl_mount, "SIGHUP reload rejected")
     assert "not a regular file" in ctl_mount.mount.log()
     status = ctl_mount.request({"cmd": "status"})
     assert status["generation"] == 1 and status["last_reload_ok"] is False
@@ -371,10 +365,8 @@ def test_raised_cap_takes_effect_for_a_parked_writer(ctl_mount: Mounted) -> None
     thread.start()
     try:
         # Wait for the state the test needs (a write parked at the cap), not for a time.
-        deadline = time.monotonic() + 10
-        while _queue_depth(ctl_mount, "capped") < 1:
-            assert time.monotonic() < deadline, "the writer never parked"
-            time.sleep(0.01)
+        wait_for("the writer to park", lambda: _queue_depth(ctl_mount, "capped"),
+                 until=lambda depth: depth >= 1, interval=0.01)
         assert not done
         reply = ctl_mount.request({"cmd": "set", "target": "class", "name": "capped",
                                    "changes": {"write_bandwidth": "1GiB/s"}})

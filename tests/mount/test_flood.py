@@ -93,8 +93,8 @@ def flood(tmp_tree: Path, uids: list[int], threads_per_uid: int) -> dict[str, An
             figures["open_refused"] = st["open_refused"]
             figures["parked_mib"] = st["parked_bytes"] / (1 << 20)
             steady = len(reader.latencies)
-            while len(reader.latencies) < steady + 2000:
-                time.sleep(0.05)
+            wait_for("2000 reads during the flood", lambda: len(reader.latencies),
+                     until=lambda done: done >= steady + 2000, timeout=120, interval=0.05)
             # A file of the unthrottled class nobody has looked up yet.
             start = time.monotonic()
             assert (mnt / "data" / "unseen").read_bytes() == b"hello\n"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 from qosfs.control.ctl import call
 from tests.mount.test_faults import errno_of
 from tests.mounting import ROOT, QosfsMount, is_mounted
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.root]
 
@@ -118,10 +118,8 @@ def test_a_bug_on_the_metadata_path_answers_eio_and_the_mount_keeps_serving(
             assert (mnt / "closing" / "f").read_bytes() == b"closing" * 1024
         # The daemon let go of each open's descriptor; the inode's own O_PATH one stays.
         # (The kernel sends a release after close() returned: the last may be on its way.)
-        deadline = time.monotonic() + 5
-        while len(held := _descriptors_of(m, "/src/closing/f")) > 1:
-            assert time.monotonic() < deadline, held
-            time.sleep(0.05)
+        wait_for("the releases", lambda: _descriptors_of(m, "/src/closing/f"),
+                 until=lambda held: len(held) <= 1, timeout=5, interval=0.05)
         assert sorted(os.listdir(mnt)) == ["broken", "closing", "data"]
         assert os.stat(mnt / "data" / "f").st_size == 4096
         assert (mnt / "data" / "f").read_bytes() == b"data" * 1024
@@ -140,9 +138,8 @@ def test_a_failing_service_is_restarted_and_the_mount_keeps_serving(tmp_tree: Pa
     trigger = tmp_tree / "break-sampler"
     with faulty_mount(tmp_tree, f"sampler={trigger}") as (m, mnt, sock):
         trigger.touch()
-        deadline = time.monotonic() + 10
-        while not internal_errors(sock).get("control") and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for("the sampler to fail", lambda: internal_errors(sock).get("control"),
+                 interval=0.1)
         assert (mnt / "data" / "f").read_bytes() == b"data" * 1024
         trigger.unlink()
         errors = internal_errors(sock)
@@ -151,11 +148,16 @@ def test_a_failing_service_is_restarted_and_the_mount_keeps_serving(tmp_tree: Pa
         # Restarted: the service that failed also answers SIGHUP, and reloads again (a
         # SIGHUP during the pause before the restart is ignored, so ask until it works).
         assert m.proc is not None
-        deadline = time.monotonic() + 10
-        while call(str(sock), {"cmd": "status"})["generation"] == 1:
-            assert time.monotonic() < deadline, m.log()
-            os.kill(m.proc.pid, signal.SIGHUP)
-            time.sleep(0.5)
+        pid = m.proc.pid
+
+        def generation() -> int:
+            found: int = call(str(sock), {"cmd": "status"})["generation"]
+            if found == 1:
+                os.kill(pid, signal.SIGHUP)
+            return found
+
+        wait_for("a reload by SIGHUP", generation, until=lambda found: found > 1,
+                 interval=0.5)
         (mnt / "data" / "new").write_bytes(b"n" * 4096)
         assert is_mounted(mnt)
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
 from qosfs.control.ctl import Client
 from tests.mounting import QosfsMount, is_mounted
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.mount
 
@@ -64,16 +64,14 @@ def test_the_canary_measures_while_a_protected_class_reads_then_leaves(tmp_tree:
         assert m.proc is not None
         assert _latency_status(sock)["probe_running"] is False  # nothing protected is open
         with open(mnt / "data" / "shard", "rb") as f:
-            deadline = time.monotonic() + 10
-            status = _latency_status(sock)
-            while time.monotonic() < deadline:
+            def status_after_a_read() -> dict:
                 f.seek(0)
                 f.read(4096)
-                status = _latency_status(sock)
-                if status["probe_running"] and status["protected"][0]["queue_seconds"]:
-                    break
-                time.sleep(0.1)
-            assert status["probe_running"], status
+                return _latency_status(sock)
+
+            status = wait_for("the canary's first measure", status_after_a_read,
+                              until=lambda s: s["probe_running"]
+                              and s["protected"][0]["queue_seconds"], interval=0.1)
             assert len(_canaries(m.proc.pid)) == 1
             queue = status["protected"][0]["queue_seconds"]
             # An idle mount answers the canary in well under the 50 ms target.

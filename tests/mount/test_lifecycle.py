@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.mounting import ROOT, QosfsMount, is_mounted
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.mount
 
@@ -163,16 +164,13 @@ def test_forgotten_inodes_release_their_descriptors(qmount) -> None:
     pid = qmount.proc.pid
     before = len(os.listdir(f"/proc/{pid}/fd"))
     assert before > 3000
-    deadline = time.monotonic() + 10
-    after = before
-    while time.monotonic() < deadline:
+    def descriptors_after_forgetting() -> int:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("2\n")
-        after = len(os.listdir(f"/proc/{pid}/fd"))
-        if after < 100:
-            break
-        time.sleep(0.2)
-    assert after < 100, f"{before} descriptors before, {after} after the kernel forgot"
+        return len(os.listdir(f"/proc/{pid}/fd"))
+
+    wait_for(f"the daemon's descriptors ({before}) to go once the kernel forgot",
+             descriptors_after_forgetting, until=lambda after: after < 100, interval=0.2)
     # And the tree still works after the forgets.
     assert (qmount.mountpoint / "many" / "f2999").stat().st_size == 0
 

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from tests.mounting import QosfsMount, as_user
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.root]
 
@@ -128,8 +129,8 @@ def p99(samples: list[float]) -> float:
 def reader_alone(path: Path, count: int = 2000) -> float:
     reader = Reader(path)
     reader.start()
-    while len(reader.latencies) < count:
-        time.sleep(0.05)
+    wait_for(f"{count} reads", lambda: len(reader.latencies),
+             until=lambda done: done >= count, timeout=120, interval=0.05)
     return p99(reader.stop())
 
 

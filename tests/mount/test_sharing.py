@@ -16,6 +16,7 @@ import pytest
 from qosfs.control.ctl import Client
 from qosfs.control.protocol import default_socket_path
 from tests.mounting import QosfsMount, as_user, is_mounted
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.mount
 
@@ -72,6 +73,13 @@ def _rate(marks: list[tuple[float, int]], t0: float, t1: float) -> float:
         return max((b for s, b in marks if s <= t), default=0)
 
     return (done_at(t1) - done_at(t0)) / MiB / (t1 - t0)
+
+
+def _parked(mnt: Path) -> dict[str, int]:
+    """Requests parked at each class's level of the mount."""
+    with Client(default_socket_path(str(mnt))) as client:
+        levels = client.request({"cmd": "status"})["levels"]
+    return {lv["name"]: lv["queue_depth"] for lv in levels if lv["level"] == "class"}
 
 
 SHARING_POLICY = """
@@ -139,14 +147,8 @@ def test_sigterm_serves_parked_requests_at_once_and_loses_nothing(tmp_tree: Path
         start = time.time() + 0.2
         writers = [_start_writer(mnt / "ckpt" / f"w{i}", 30.0, start) for i in range(8)]
         # 8 writers at 2 MiB/s in total: wait until most of them are parked.
-        deadline = time.monotonic() + 15
-        while True:
-            with Client(default_socket_path(str(mnt))) as client:
-                levels = client.request({"cmd": "status"})["levels"]
-            if next(lv for lv in levels if lv["name"] == "ckpt")["queue_depth"] >= 4:
-                break
-            assert time.monotonic() < deadline, levels
-            time.sleep(0.02)
+        wait_for("4 writers parked", lambda: _parked(mnt),
+                 until=lambda parked: parked["ckpt"] >= 4, timeout=15)
         assert m.proc is not None
         t = time.monotonic()
         m.proc.send_signal(signal.SIGTERM)
@@ -202,15 +204,8 @@ def test_sigterm_drains_parked_reads_and_writes_alike(tmp_tree: Path) -> None:
                                      str(mnt / "data" / "set")], stdout=subprocess.PIPE,
                                     text=True) for _ in range(4)]
         # Both classes far over their caps: wait until reads and writes are parked.
-        deadline = time.monotonic() + 15
-        while True:
-            with Client(default_socket_path(str(mnt))) as client:
-                levels = client.request({"cmd": "status"})["levels"]
-            parked = {lv["name"]: lv["queue_depth"] for lv in levels if lv["level"] == "class"}
-            if parked["ckpt"] >= 1 and parked["data"] >= 1:
-                break
-            assert time.monotonic() < deadline, parked
-            time.sleep(0.02)
+        wait_for("a read and a write parked", lambda: _parked(mnt),
+                 until=lambda parked: parked["ckpt"] >= 1 and parked["data"] >= 1, timeout=15)
         assert m.proc is not None
         t = time.monotonic()
         m.proc.send_signal(signal.SIGTERM)

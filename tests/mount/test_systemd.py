@@ -30,6 +30,7 @@ import xxhash
 
 from qosfs.control.ctl import Client
 from qosfs.control.protocol import default_socket_path
+from qosfs.daemon import mount
 from qosfs.daemon.mount import mount_type
 from tests.mount import posix_scenarios
 from tests.mount.test_fidelity import SCENARIOS, TEST_GID, TEST_UID, _run_as_user
@@ -42,6 +43,7 @@ from tests.systemd_units import (
     parse_unit,
     specifiers,
 )
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.root]
 
@@ -122,10 +124,11 @@ class Instance:
     def await_ready(self, proc: subprocess.Popen[bytes]) -> None:
         """Wait for the first notification and check, at that moment, that all three
         services answer; nothing may come before it."""
-        deadline = time.monotonic() + 30
-        while not self.notify.ready(0.01):
+        def notified() -> bool:
             assert proc.poll() is None, f"exited with {proc.returncode}: {self.log()}"
-            assert time.monotonic() < deadline, f"no READY=1: {self.log()}"
+            return self.notify.ready(0.01)
+
+        wait_for(f"a notification (log: {self.logs[-1]})", notified, timeout=30, interval=0)
         assert self.notify.next() == "READY=1"
         assert mount_type(str(self.mnt)) == "fuse.qosfs"
         os.stat(self.mnt)  # answers (a dead or half-made mount would raise or hang)
@@ -205,7 +208,8 @@ def test_ready_only_once_mount_control_socket_and_metrics_answer(instance: Insta
     assert (instance.mnt / "hello").read_text() == "world"
     lines = [line for line in instance.log().splitlines() if line]
     assert lines and all(re.match(r"<[0-7]>\S", line) for line in lines), lines
-    assert any(line.startswith("<6>qosfs.mount: qosfs serving") for line in lines), lines
+    serving = f"<6>{mount.log.name}: qosfs serving"  # the logger is the module's name
+    assert any(line.startswith(serving) for line in lines), lines
 
 
 def test_reload_by_sighup_and_by_exec_reload_is_bracketed(instance: Instance) -> None:
@@ -281,8 +285,8 @@ def test_restart_after_kill_9_cleans_the_stale_mount_and_keeps_fsynced_data(
 
     again = instance.start()
     instance.await_ready(again)
-    assert re.search(r"^<4>qosfs\.mount: .* is a stale mount", instance.log(), re.MULTILINE), \
-        instance.log()
+    stale = rf"^<4>{re.escape(mount.log.name)}: .* is a stale mount"
+    assert re.search(stale, instance.log(), re.MULTILINE), instance.log()
     for path, digest in digests.items():
         assert xxhash.xxh3_128_hexdigest(path.read_bytes()) == digest
     again.send_signal(signal.SIGTERM)
@@ -372,10 +376,7 @@ def test_background_mount_hands_the_main_pid_to_systemd(tmp_tree: Path) -> None:
             assert b"mount" in f.read()
         os.kill(daemon, signal.SIGTERM)
         assert notify.next() == "STOPPING=1"
-        deadline = time.monotonic() + 20
-        while is_mounted(mnt) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not is_mounted(mnt)
+        wait_for("the unmount", lambda: not is_mounted(mnt), timeout=20, interval=0.05)
     finally:
         if is_mounted(mnt):
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)

@@ -11,13 +11,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.mounting import ROOT, QosfsMount, as_user
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.mount,
               pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux missing")]
@@ -65,15 +65,11 @@ class Terminal:
     def keys(self, *keys: str) -> None:
         self.tmux("send-keys", "-t", "top", *keys)
 
-    def wait_for(self, what: str, check: re.Pattern[str] | str, timeout: float = 20) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            screen = self.screen()
-            if re.search(check, screen, re.MULTILINE):
-                return screen
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: not on screen:\n{screen}")
-            time.sleep(0.1)
+    def wait_for_screen(self, what: str, check: re.Pattern[str] | str,
+                        timeout: float = 20) -> str:
+        """The screen, once a line of it matches *check*."""
+        return wait_for(what, self.screen, timeout=timeout, interval=0.1,
+                        until=lambda screen: re.search(check, screen, re.MULTILINE))
 
     def close(self) -> None:
         subprocess.run(["tmux", "-L", self.server, "kill-server"], capture_output=True,
@@ -94,11 +90,8 @@ def terminal(tmp_path: Path) -> Iterator[Terminal]:
 
 def _written(path: Path, timeout: float = 10) -> str:
     """The text of a file another process is writing, once there is some."""
-    deadline = time.monotonic() + timeout
-    while not (path.exists() and (text := path.read_text())):
-        assert time.monotonic() < deadline, f"{path} not written"
-        time.sleep(0.05)
-    return text
+    return wait_for(f"{path} to be written", lambda: path.exists() and path.read_text(),
+                    timeout=timeout, interval=0.05)
 
 
 def _uid_rows(screen: str) -> list[str]:
@@ -139,14 +132,14 @@ def busy_socket(tmp_tree: Path) -> Iterator[Path]:
 
 def _wait_gone(pgid: int, timeout: float = 20) -> None:
     """Until no process is left in the process group (an unmount meanwhile is refused)."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def gone() -> bool:
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
-            return
-        assert time.monotonic() < deadline, f"process group {pgid} still there"
-        time.sleep(0.05)
+            return True
+        return False
+
+    wait_for(f"process group {pgid} to be gone", gone, timeout=timeout, interval=0.05)
 
 
 def _top(sock: Path, *args: str) -> str:
@@ -160,7 +153,7 @@ def test_top_in_a_terminal(tmp_tree: Path, busy_socket: Path, terminal: Terminal
     terminal.start(f"cd {shlex.quote(str(ROOT))}; stty -g > {tmp_tree}/before; {top}; "
                    f"echo EXIT=$?; stty -g > {tmp_tree}/after; read -r _; {top}; "
                    f"echo SECOND_EXIT=$?; stty -g > {tmp_tree}/after2; sleep 30")
-    first = terminal.wait_for("the first frame", r"^CLASS\s")
+    first = terminal.wait_for_screen("the first frame", r"^CLASS\s")
     # The first frame already has rates: the daemon's own, over its last sample.
     busy = re.findall(r"^ckpt\s+(\d+)\s.*?(\d[\d.]*)(KiB|MiB)/s", first, re.MULTILINE)
     assert {uid for uid, _, _ in busy} >= {str(u) for u in BUSY}, first
@@ -171,38 +164,38 @@ def test_top_in_a_terminal(tmp_tree: Path, busy_socket: Path, terminal: Terminal
     # Busiest first: the writers above the idle users.
     assert "sort: IO/s descending" in first
     terminal.keys("i")
-    unfolded = terminal.wait_for("idle users shown", r"idle users: shown")
+    unfolded = terminal.wait_for_screen("idle users shown", r"idle users: shown")
     assert set(_uid_rows(unfolded)) >= {str(u) for u in (*BUSY, *IDLE)}, unfolded
     assert not re.search(r"\d+ idle users?\s", unfolded), unfolded
     # Sort by UID (two columns left of IO/s), A to Z, then reversed: the idle
     # users, below the writers by IO/s, now come first.
     terminal.keys("<", "<")
-    by_uid = terminal.wait_for("sort by UID", r"sort: UID ascending")
+    by_uid = terminal.wait_for_screen("sort by UID", r"sort: UID ascending")
     assert _uid_rows(by_uid) == sorted(_uid_rows(by_uid)), by_uid
     terminal.keys("r")
-    reverse = terminal.wait_for("reversed", r"sort: UID descending")
+    reverse = terminal.wait_for_screen("reversed", r"sort: UID descending")
     assert _uid_rows(reverse) == sorted(_uid_rows(reverse), reverse=True), reverse
     assert _uid_rows(reverse)[0] == str(IDLE[-1]), reverse
     # s moves the sort to the next column.
     terminal.keys("s")
-    terminal.wait_for("s: next column", r"sort: LIMITS ascending")
+    terminal.wait_for_screen("s: next column", r"sort: LIMITS ascending")
     # Filter to one class: the other rows go; Esc brings them back.
     terminal.keys("/", "class=data", "Enter")
-    filtered = terminal.wait_for("filtered", r"filter: class=data")
+    filtered = terminal.wait_for_screen("filtered", r"filter: class=data")
     assert not _uid_rows(filtered) and re.search(r"^data\s", filtered, re.MULTILINE)
     terminal.keys("Escape")
-    cleared = terminal.wait_for("filter cleared", r"filter: none")
+    cleared = terminal.wait_for_screen("filter cleared", r"filter: none")
     assert set(_uid_rows(cleared)) >= {str(u) for u in BUSY}, cleared
     terminal.keys("q")
-    terminal.wait_for("exit", r"^EXIT=0$", timeout=10)
+    terminal.wait_for_screen("exit", r"^EXIT=0$", timeout=10)
     # The terminal is back in the mode it was in before top.
     before = _written(tmp_tree / "before")
     assert _written(tmp_tree / "after") == before
     # Ctrl-C also ends it, with the terminal restored.
     terminal.keys("again", "Enter")
-    terminal.wait_for("the second top", r"^CLASS\s")
+    terminal.wait_for_screen("the second top", r"^CLASS\s")
     terminal.keys("C-c")
-    terminal.wait_for("exit on Ctrl-C", r"^SECOND_EXIT=0$", timeout=10)
+    terminal.wait_for_screen("exit on Ctrl-C", r"^SECOND_EXIT=0$", timeout=10)
     assert _written(tmp_tree / "after2") == before
     # The options filter too, and --once is plain text for scripts.
     once = subprocess.run([sys.executable, "-m", "qosfs", "top", "--once", "--socket",
@@ -251,12 +244,12 @@ def test_top_fits_the_terminal(tmp_tree: Path, busy_socket: Path, terminal: Term
                    f"{_top(busy_socket, '--once')}; echo ONCE_EXIT=$?; sleep 30",
                    width=width, height=30)
     # The live view: a frame in which the writers have rates.
-    live = terminal.wait_for("a busy user's rate", rf"^ckpt\s+{BUSY[-1]}\s.*\s{RATE}")
+    live = terminal.wait_for_screen("a busy user's rate", rf"^ckpt\s+{BUSY[-1]}\s.*\s{RATE}")
     _assert_fits(live, width)
     assert "sort: IO/s descending" in live  # the status line is whole
     assert "q quit  s/</> sort column" in live  # and the keys
     terminal.keys("q")
     # --once writes to the same terminal (the live view's screen is gone): fitted too.
-    once = terminal.wait_for("--once", r"^ONCE_EXIT=0$")
+    once = terminal.wait_for_screen("--once", r"^ONCE_EXIT=0$")
     assert re.search(r"^EXIT=0$", once, re.MULTILINE), once
     _assert_fits(once, width)

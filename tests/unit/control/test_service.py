@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from qosfs.control.protocol import Peer, ReloadRequest, SetRequest, SimpleRequest, encode
 from qosfs.control.service import ControlService
-from qosfs.policy.loading import Policy, parse_policy
+from qosfs.policy.loading import parse_policy
+from qosfs.policy.model import Policy
 from qosfs.qos.engine import PolicyFlow, PolicyQos
 from qosfs.qos.interface import PassThroughQos
 from tests.mock_clock import mock_clock

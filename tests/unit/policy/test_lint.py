@@ -18,7 +18,8 @@ from qosfs.plan.planner import PlanInputs, make_plan
 from qosfs.plan.text import plan_policy_text
 from qosfs.policy.classify import compile_glob
 from qosfs.policy.lint import glob_covers, policy_warnings
-from qosfs.policy.loading import DEFAULT_POLICY_TEXT, parse_policy
+from qosfs.policy.loading import parse_policy
+from qosfs.policy.text import DEFAULT_POLICY_TEXT
 from tests.mounting import ROOT
 
 

@@ -15,8 +15,14 @@ from hypothesis import strategies as st
 
 from qosfs.core.errors import EXIT_POLICY, QosfsError
 from qosfs.policy.loading import (
+    default_policy,
+    load_policy,
+    parse_policy,
+    policy_notes,
+    with_changes,
+)
+from qosfs.policy.model import (
     CLASS_KEYS,
-    DEFAULT_POLICY_TEXT,
     LIMIT_KEYS,
     TENANT_KEYS,
     Backend,
@@ -27,12 +33,8 @@ from qosfs.policy.loading import (
     Policy,
     PolicyError,
     Tenant,
-    default_policy,
-    load_policy,
-    parse_policy,
-    policy_notes,
-    with_changes,
 )
+from qosfs.policy.text import DEFAULT_POLICY_TEXT
 
 MIB, GIB = 2**20, 2**30
 

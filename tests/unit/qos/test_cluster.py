@@ -19,6 +19,7 @@ from qosfs.qos.cluster import ClusterCoordinator, connect, share_of
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.levels import RateLevel
 from tests.redis_server import RedisServer
+from tests.waiting import wait_for
 
 MiB = float(1 << 20)
 CAP = 100 * MiB
@@ -271,14 +272,16 @@ def test_a_rediss_url_speaks_tls_to_redis(tmp_path: Path) -> None:
          str(cert), "--tls-auth-clients", "no", "--save", "", "--appendonly", "no",
          "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 10
-        while True:  # until it listens (a renewal before would log a fallback)
+        def listens() -> bool:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
+                return True
             except OSError:
-                assert time.monotonic() < deadline and server.poll() is None
-                time.sleep(0.02)
+                assert server.poll() is None, "redis-server exited at start"
+                return False
+
+        # Until it listens (a renewal before would log a fallback).
+        wait_for("redis-server to listen on TLS", listens)
         text = policy(RedisServer(tmp_path)).replace(
             f'"unix://{tmp_path}/redis.sock"',
             f'"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}"')

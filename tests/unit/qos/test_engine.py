@@ -11,7 +11,7 @@ import trio
 
 from qosfs.passthrough.paths import PATH_MEMO_SECONDS
 from qosfs.policy.loading import default_policy, parse_policy
-from qosfs.qos import engine as scheduler
+from qosfs.qos import engine as engine_module
 from qosfs.qos.engine import PolicyFlow, PolicyQos
 from tests.mock_clock import mock_clock
 
@@ -55,7 +55,7 @@ class FakeFs:
     def relpath_until(self, inode: Any) -> tuple[str, float]:
         """The path, trusted for PATH_MEMO_SECONDS from now (as a path read from /proc)."""
         self.lookups += 1
-        return str(inode.path), scheduler._monotonic() + PATH_MEMO_SECONDS
+        return str(inode.path), engine_module._monotonic() + PATH_MEMO_SECONDS
 
 
 def fake_inode(path: str) -> Any:
@@ -99,7 +99,7 @@ async def _swap(qos: PolicyQos, text: str) -> None:
 def test_an_inodes_classification_is_memoized_until_a_rename_swap_or_a_second(
         monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [100.0]
-    monkeypatch.setattr(scheduler, "_monotonic", lambda: clock[0])
+    monkeypatch.setattr(engine_module, "_monotonic", lambda: clock[0])
     qos, fs, node = PolicyQos(parse_policy(POLICY)), FakeFs(), fake_inode("ckpt/x")
     root, other = SimpleNamespace(uid=0, gid=0, pid=1), SimpleNamespace(uid=42, gid=42, pid=2)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import os
 import subprocess
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,6 +21,7 @@ from qosfs.qos.engine import AutoCaps, PolicyQos
 from qosfs.qos.explain import PASSTHROUGH_ABSENT, Asked, explain, job_of, mount_relative
 from tests.mock_clock import mock_clock
 from tests.unit.qos.test_engine import FakeFs, fake_inode
+from tests.waiting import wait_for
 
 MiB = 1 << 20
 
@@ -315,10 +315,9 @@ def test_keys_left_out_are_the_asking_processs_own() -> None:
     proc = subprocess.Popen(["sleep", "30"], env={"QOSFS_CLASS": "gold", "OTHER": "x"})
     try:
         environ = Path(f"/proc/{proc.pid}/environ")
-        for _ in range(200):  # until it has exec'd (its environ is then sleep's own)
-            if b"QOSFS_CLASS=gold" in environ.read_bytes():
-                break
-            time.sleep(0.01)
+        # Until it has exec'd (its environ is then sleep's own).
+        wait_for("sleep to exec", lambda: b"QOSFS_CLASS=gold" in environ.read_bytes(),
+                 interval=0.01)
         body = explain(Classifier(POLICY), Asked("x"), pid=proc.pid, uid=321, gid=654)
     finally:
         proc.kill()
