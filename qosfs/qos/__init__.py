@@ -14,14 +14,7 @@ if TYPE_CHECKING:
     from qosfs.qos.backend import BackendLevel, ClassPort, Share
     from qosfs.qos.bounds import ParkingLimits, ParkingLot
     from qosfs.qos.bucket import NO_LIMITS, UNLIMITED, LevelLimits, Limit, TokenBucket
-    from qosfs.qos.engine import (
-        AutoCaps,
-        EngineStatistics,
-        PolicyFlow,
-        PolicyQos,
-        class_limits,
-        level_limits,
-    )
+    from qosfs.qos.engine import PolicyFlow, PolicyQos, class_limits, level_limits
     from qosfs.qos.interface import (
         THREADS_PER_FLOW,
         Classified,
@@ -38,6 +31,7 @@ if TYPE_CHECKING:
         Level,
         LevelFactory,
         LevelStatistics,
+        LocalLevels,
         RateLevel,
         Stage,
         admit,
@@ -46,6 +40,7 @@ if TYPE_CHECKING:
         refund_bytes,
         try_admit,
     )
+    from qosfs.qos.stats import AutoCaps, EngineCounters, EngineStatistics
     from qosfs.qos.waiting import Ticket, Turn, until_covered
 
 _EXPORTS = {
@@ -54,14 +49,15 @@ _EXPORTS = {
         "QosEngine"
     ),
     "engine": (
-        "AutoCaps", "EngineStatistics", "PolicyFlow", "PolicyQos", "class_limits", "level_limits"
+        "PolicyFlow", "PolicyQos", "class_limits", "level_limits"
     ),
     "levels": (
-        "FairShareGroup", "Level", "LevelFactory", "LevelStatistics", "RateLevel", "Stage",
-        "admit", "admit_rest", "local_level", "refund_bytes", "try_admit"
+        "FairShareGroup", "Level", "LevelFactory", "LevelStatistics", "LocalLevels", "RateLevel",
+        "Stage", "admit", "admit_rest", "local_level", "refund_bytes", "try_admit"
     ),
     "bucket": ("NO_LIMITS", "UNLIMITED", "LevelLimits", "Limit", "TokenBucket"),
     "backend": ("BackendLevel", "ClassPort", "Share"),
+    "stats": ("AutoCaps", "EngineCounters", "EngineStatistics"),
     "waiting": ("Ticket", "Turn", "until_covered"),
     "accounting": ("AccountKey", "Accounts", "FlowStats"),
     "bounds": ("ParkingLimits", "ParkingLot"),
@@ -80,6 +76,7 @@ __all__ = [
     "ClassPort",
     "Classified",
     "CountingFlow",
+    "EngineCounters",
     "EngineStatistics",
     "FairShareGroup",
     "Flow",
@@ -92,6 +89,7 @@ __all__ = [
     "LevelLimits",
     "LevelStatistics",
     "Limit",
+    "LocalLevels",
     "ParkingLimits",
     "ParkingLot",
     "PassThroughQos",

@@ -205,7 +205,7 @@ def test_ready_only_once_mount_control_socket_and_metrics_answer(instance: Insta
     assert (instance.mnt / "hello").read_text() == "world"
     lines = [line for line in instance.log().splitlines() if line]
     assert lines and all(re.match(r"<[0-7]>\S", line) for line in lines), lines
-    assert any(line.startswith("<6>qosfs.mount: qosfs serving") for line in lines), lines
+    assert any(line.startswith("<6>qosfs.daemon.mount: qosfs serving") for line in lines), lines
 
 
 def test_reload_by_sighup_and_by_exec_reload_is_bracketed(instance: Instance) -> None:
