@@ -107,7 +107,7 @@ class LevelStatistics:
 
 
 class Stage(Protocol):
-    """What :func:`admit` charges: every :class:`Level`, and a class's port to the
+    """What admission charges: every :class:`Level`, and a class's port to the
     backend (:class:`qosfs.qos.backend.ClassPort`), which dispatches by priority.
 
     ``limited`` and ``parked`` are indexed by :class:`Kind` and read on the fast path:
