@@ -281,8 +281,8 @@ def test_restart_after_kill_9_cleans_the_stale_mount_and_keeps_fsynced_data(
 
     again = instance.start()
     instance.await_ready(again)
-    assert re.search(r"^<4>qosfs\.daemon\.mount: .* is a stale mount", instance.log(), re.MULTILINE), \
-        instance.log()
+    assert re.search(r"^<4>qosfs\.daemon\.mount: .* is a stale mount", instance.log(),
+                     re.MULTILINE), instance.log()
     for path, digest in digests.items():
         assert xxhash.xxh3_128_hexdigest(path.read_bytes()) == digest
     again.send_signal(signal.SIGTERM)
