@@ -318,7 +318,7 @@ class SnapshotCollector:
 
     def _resources(self) -> Iterator[Metric]:
         """What the daemon holds against its limits (``ctl status`` shows the same)."""
-        info = self.snap.info
+        info = self.snap.figures()
         for key, name, kind, text in _RESOURCES:
             if key in info:
                 family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily

@@ -3,7 +3,7 @@ SIGHUP.
 
 A change is built and validated whole, off to the side (:func:`qosfs.policy.loading.with_changes`,
 :func:`qosfs.policy.loading.parse_policy`), and only a valid policy reaches the one synchronous
-:meth:`PolicyQos.swap <qosfs.qos.engine.PolicyQos.swap>`; a rejected change therefore leaves
+:meth:`QosEngine.swap <qosfs.qos.interface.QosEngine.swap>`; a rejected change therefore leaves
 the running policy exactly as it was. The swap wakes every parked request, so a raised
 cap is in force for requests already waiting in the same instant.
 
@@ -56,15 +56,14 @@ from qosfs.control.protocol import (
 from qosfs.control.snapshot import RateSampler, Snapshot, take_snapshot, to_json
 from qosfs.policy.loading import default_policy, load_policy, parse_policy, with_changes
 from qosfs.policy.model import Policy, PolicyError, policy_to_raw
-from qosfs.qos.engine import PolicyQos
-from qosfs.qos.explain import Asked, explain
-from qosfs.qos.interface import PassThroughQos
+from qosfs.qos.explain import Asked
 
 if TYPE_CHECKING:
     from qosfs.qos.cluster import ClusterCoordinator
+    from qosfs.qos.interface import QosEngine
     from qosfs.qos.latency_control import LatencyLoop
 
-log = logging.getLogger("qosfs.controller")  # what journald shows: kept across moves
+log = logging.getLogger(__name__)
 
 SAMPLE_INTERVAL = 1.0  # seconds between rate samples ("current rates" cover this window)
 
@@ -73,20 +72,18 @@ class ControlService:
     """The control commands of one mount, run on its event loop.
 
     Args:
-        engine: a :class:`~qosfs.qos.engine.PolicyQos`, or a
-            :class:`~qosfs.qos.interface.PassThroughQos` for ``--no-qos``.
+        engine: the mount's engine (:class:`~qosfs.qos.interface.QosEngine`); one without
+            a policy (``--no-qos``) has nothing to change or explain.
         policy_path: the file the mount was started with (``reload`` without a file and
             SIGHUP re-read it); None: the embedded default policy.
         info: shown in status (source, mountpoint, socket...).
         latency: the mount's :class:`~qosfs.qos.latency_control.LatencyLoop` (status only).
     """
 
-    def __init__(self, engine: PolicyQos | PassThroughQos, policy_path: str | None = None,
+    def __init__(self, engine: QosEngine, policy_path: str | None = None,
                  info: dict[str, Any] | None = None, latency: LatencyLoop | None = None,
                  cluster: ClusterCoordinator | None = None) -> None:
         self.engine = engine
-        # The engine when it enforces a policy (what set, reload and expiry act on).
-        self.policy_engine = engine if isinstance(engine, PolicyQos) else None
         self.latency = latency  # shown in status
         self.cluster = cluster  # shown in status; `ctl status --cluster` reads Redis through it
         self.policy_path = policy_path
@@ -101,19 +98,18 @@ class ControlService:
         # Entered around every reload, accepted or not (systemd: RELOADING=1 ... READY=1).
         self.reloading: Callable[[], AbstractContextManager[object]] = nullcontext
         self._started: float | None = None  # set when run() starts
-        # More live figures for status (the filesystem's descriptors, the parking lot).
+        # More live figures for status (the filesystem's descriptors and handles).
         self.info_sources: list[Callable[[], dict[str, Any]]] = []
         # The policy in force as raw tables and its hash, per generation (computed once).
         self._in_force: tuple[int, str, dict[str, Any]] = (-1, "", {})
 
     def __repr__(self) -> str:
-        generation = self.policy_engine.generation if self.policy_engine is not None else 0
-        return (f"<ControlService generation={generation} "
+        return (f"<ControlService generation={self.engine.generation} "
                 f"changes={dict(self.changes)}>")
 
     @property
     def has_policy(self) -> bool:
-        return self.policy_engine is not None
+        return self.engine.policy is not None
 
     @property
     def last_reload_ok(self) -> bool:
@@ -129,10 +125,10 @@ class ControlService:
             line = (f"policy reload refused at {when} ({failure['by']}), previous policy "
                     f"kept: {failure['error']}")
             return " ".join(line.split())  # one line, whatever the reason held
-        engine = self.policy_engine
-        if engine is None:
+        policy = self.engine.policy
+        if policy is None:
             return "serving without a policy (--no-qos)"
-        return f"serving; policy {engine.policy.source} generation {engine.generation}"
+        return f"serving; policy {policy.source} generation {self.engine.generation}"
 
     # ------------------------------------------------------------------ observation
 
@@ -144,7 +140,7 @@ class ControlService:
                 "uptime_seconds": now - started}
         for source in self.info_sources:
             info.update(source())
-        if self.policy_engine is not None:
+        if self.has_policy:
             info["policy_hash"] = self._policy_hash()
         info["last_reload_failure"] = self.reload_failure
         return take_snapshot(self.engine, now, changes=dict(self.changes),
@@ -159,10 +155,10 @@ class ControlService:
 
     def _policy_in_force(self) -> tuple[str, dict[str, Any]]:
         """The policy in force: its hash and its raw tables, computed once per generation."""
-        engine = self.policy_engine
-        assert engine is not None
+        engine = self.engine
+        policy = engine.policy
+        assert policy is not None  # asked only of a mount with a policy
         if self._in_force[0] != engine.generation:
-            policy = engine.policy
             text = policy.render().split("\n", 1)[1]  # without the source line
             self._in_force = (engine.generation, hashlib.sha256(text.encode()).hexdigest()[:16],
                               policy_to_raw(policy))
@@ -184,10 +180,9 @@ class ControlService:
                                     reply["error"])
 
     async def _sample_rates(self) -> None:
-        engine = self.policy_engine
         while True:
-            if engine is not None:  # idle uids leave the per-uid series (qosfs.qos.accounting)
-                engine.expire_idle_users(time.monotonic())
+            # Idle uids leave the per-uid series (qosfs.qos.accounting).
+            self.engine.expire_idle_users(time.monotonic())
             self.sampler.sample(self.snapshot())
             await trio.sleep(SAMPLE_INTERVAL)
 
@@ -197,15 +192,15 @@ class ControlService:
         """Root, or a member of the running policy's admin group."""
         if peer.uid == 0:
             return True
-        engine = self.policy_engine
-        gid = engine.policy.control.admin_gid if engine is not None else None
+        policy = self.engine.policy
+        gid = policy.control.admin_gid if policy is not None else None
         return gid is not None and peer.in_group(gid)
 
     async def handle(self, request: Request, peer: Peer) -> dict[str, Any]:
         """The reply to one validated request from ``peer``."""
         if request.cmd == "status":
             body = to_json(self.snapshot(), self.sampler, accounts=False)
-            if self.policy_engine is not None:
+            if self.has_policy:
                 # Every setting in force, in the policy's own spelling: it parses back to
                 # the same policy (what `ctl status --json` round-trips).
                 body["policy"] = self._policy_in_force()[1]
@@ -246,19 +241,18 @@ class ControlService:
         """What a request would get on this mount, from the policy and the classifier in
         force (the keys left out are the peer's own). Read-only: every peer may ask, as
         ``status`` already shows the whole policy."""
-        engine = self.policy_engine
-        if engine is None:
-            return error_reply("this mount has no policy (mounted with --no-qos): nothing "
-                               "is classified or throttled, traffic is only counted",
-                               "unavailable")
         asked = Asked(request.path, request.op, request.uid, request.gid, request.env,
                       request.cgroups)
         try:
-            body = explain(engine.classifier, asked, pid=peer.pid, uid=peer.uid,
-                           gid=peer.gid, mountpoint=self.info.get("mountpoint"),
-                           engine=engine, mount_cache=self.info.get("page_cache", "auto"))
+            body = self.engine.explain(asked, pid=peer.pid, uid=peer.uid, gid=peer.gid,
+                                       mountpoint=self.info.get("mountpoint"),
+                                       mount_cache=self.info.get("page_cache", "auto"))
         except ValueError as exc:
             return error_reply(str(exc), "path")
+        if body is None:
+            return error_reply("this mount has no policy (mounted with --no-qos): nothing "
+                               "is classified or throttled, traffic is only counted",
+                               "unavailable")
         return {"ok": True, **body}
 
     def _unavailable(self, cmd: str) -> dict[str, Any] | None:
@@ -273,12 +267,12 @@ class ControlService:
         refused = self._unavailable("set")
         if refused is not None:
             return refused
-        engine = self.policy_engine
-        assert engine is not None  # _unavailable() said so
+        running = self.engine.policy
+        assert running is not None  # _unavailable() said so
         changes = dict(request.changes)
         what = request.target if request.name is None else f"{request.target} {request.name}"
         try:
-            policy = with_changes(engine.policy, request.target, request.name,
+            policy = with_changes(running, request.target, request.name,
                                   changes)  # type: ignore[arg-type]
         except PolicyError as exc:
             self.changes[("set", "rejected")] += 1
@@ -344,8 +338,7 @@ class ControlService:
     def _swap_reporting(self, policy: Policy, cmd: str
                         ) -> tuple[dict[str, Any], PolicyError | None]:
         """Swap *policy* in; the reply, and the PolicyError that refused it if one did."""
-        engine = self.policy_engine
-        assert engine is not None  # _unavailable() said so
+        engine = self.engine
         try:
             engine.swap(policy)
         except PolicyError as exc:  # valid alone, but not a change this mount can make

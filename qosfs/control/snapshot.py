@@ -10,6 +10,11 @@ limits in force, queue depth and throttled time, and their admitted traffic. *Ac
 are who the traffic belongs to (class, tenant, and uid for ``per_user`` classes): bytes
 and ops really moved, time spent waiting, latency histograms (:mod:`qosfs.qos.accounting`).
 
+The engine is read through its one interface (:class:`qosfs.qos.interface.QosEngine`):
+its policy, accounts, level statistics and own counters, all typed. An engine without a
+policy (``--no-qos``) answers with no policy and no levels; its status then shows the
+counted traffic only, as it always has (no engine counters either).
+
 "Current rates" come from :class:`RateSampler`, which the daemon feeds one snapshot per
 second: a rate is the difference of two consecutive samples over their interval.
 """
@@ -18,34 +23,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 from qosfs.core.limit_kinds import LIMIT_KINDS
 from qosfs.qos.accounting import BUCKET_BOUNDS_SECONDS, AccountKey, FlowSnapshot, HistogramSnapshot
-from qosfs.qos.levels import LevelStatistics
 
 if TYPE_CHECKING:
-    from qosfs.policy.model import Policy
-    from qosfs.qos.accounting import Accounts
-    from qosfs.qos.engine import EngineStatistics
-
-
-class Counted(Protocol):
-    """What every engine shows: the traffic it counted (a mount without policy too)."""
-
-    @property
-    def accounts(self) -> Accounts: ...
-
-
-@runtime_checkable
-class Enforcing(Counted, Protocol):
-    """An engine that enforces a policy (:class:`~qosfs.qos.engine.PolicyQos`): its
-    policy and its levels' statistics too."""
-
-    @property
-    def policy(self) -> Policy: ...
-
-    def statistics(self) -> EngineStatistics: ...
+    from qosfs.qos.interface import QosEngine
+    from qosfs.qos.levels import LevelStatistics
+    from qosfs.qos.stats import EngineCounters
 
 __all__ = ["LevelRow", "RateSampler", "Snapshot", "take_snapshot", "to_json"]
 
@@ -97,6 +83,14 @@ class Snapshot:
     info: dict[str, Any] = field(default_factory=dict)  # source, mountpoint, uptime...
     latency: dict[str, Any] | None = None  # LatencyLoop.status(); None: no controller
     cluster: dict[str, Any] | None = None  # ClusterCoordinator.status(); None: no [cluster]
+    counters: EngineCounters | None = None  # the engine's own; None: no policy
+
+    def figures(self) -> dict[str, Any]:
+        """What the daemon holds and did, as ``ctl status`` shows it beside the levels:
+        the filesystem's resources (in ``info``) and the engine's own counters."""
+        if self.counters is None:
+            return dict(self.info)
+        return {**self.info, **self.counters.as_status()}
 
 
 def _row(level: str, name: str, uid: int | None, st: LevelStatistics,
@@ -106,20 +100,20 @@ def _row(level: str, name: str, uid: int | None, st: LevelStatistics,
                     st.throttled_seconds, st.queue_depth, st.waits, settings or {})
 
 
-def take_snapshot(engine: Counted, now: float, *,
+def take_snapshot(engine: QosEngine, now: float, *,
                   changes: dict[tuple[str, str], int] | None = None,
                   last_reload_ok: bool = True, info: dict[str, Any] | None = None,
                   latency: dict[str, Any] | None = None,
                   cluster: dict[str, Any] | None = None) -> Snapshot:
-    """Copy the counters of ``engine`` (an :class:`Enforcing` one, or with accounts only).
+    """Copy the counters of ``engine``.
 
     Must run on the event loop's thread: it iterates the engine's live dicts.
     """
     accounts = tuple(sorted(engine.accounts.snapshot().items(), key=_account_order))
-    if not isinstance(engine, Enforcing):
-        return Snapshot(now, False, 0, None, (), accounts, dict(changes or {}), last_reload_ok,
-                        dict(info or {}))
     policy = engine.policy
+    if policy is None:
+        return Snapshot(now, False, engine.generation, None, (), accounts, dict(changes or {}),
+                        last_reload_ok, dict(info or {}))
     stats = engine.statistics()
     rows: list[LevelRow] = []
     for rule in policy.classes:
@@ -130,7 +124,7 @@ def take_snapshot(engine: Counted, now: float, *,
                                     "per_user": rule.per_user, "cache": rule.cache}
         if rule.scope != "node":
             settings["scope"] = rule.scope
-        auto = getattr(engine, "auto_caps", {}).get(rule.name)
+        auto = stats.auto_caps.get(rule.name)
         if auto is not None:  # the latency controller's caps (limits shows what is in force)
             settings["auto_limits"] = {k: v for k, v in (
                 ("read_bandwidth", auto.read_bandwidth),
@@ -143,7 +137,8 @@ def take_snapshot(engine: Counted, now: float, *,
     if stats.backend is not None:
         rows.append(_row("backend", "backend", None, stats.backend))
     return Snapshot(now, True, stats.generation, policy.source, tuple(rows), accounts,
-                    dict(changes or {}), last_reload_ok, dict(info or {}), latency, cluster)
+                    dict(changes or {}), last_reload_ok, dict(info or {}), latency, cluster,
+                    engine.counters())
 
 
 def _account_order(item: tuple[AccountKey, FlowSnapshot]) -> tuple[str, str, int]:
@@ -207,7 +202,7 @@ def to_json(snap: Snapshot, sampler: RateSampler | None, *, accounts: bool) -> d
         levels.append(item)
     body: dict[str, Any] = {
         "ok": True, "qos": snap.qos, "generation": snap.generation,
-        "policy_source": snap.policy_source, **snap.info,
+        "policy_source": snap.policy_source, **snap.figures(),
         "changes": [{"command": c, "result": r, "count": n}
                     for (c, r), n in sorted(snap.changes.items())],
         "last_reload_ok": snap.last_reload_ok,

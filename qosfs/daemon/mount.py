@@ -68,7 +68,7 @@ from qosfs.qos.latency_control import LatencyLoop
 from qosfs.qos.latency_probe import LatencyProbe
 from qosfs.qos.levels import local_level
 
-log = logging.getLogger("qosfs.mount")  # what journald shows: kept across moves
+log = logging.getLogger(__name__)
 
 # pyfuse3 gives every request its own task, up to max_tasks, and stops reading
 # /dev/fuse when they are all busy. A request parked by QoS holds a task, so the limit
@@ -238,9 +238,11 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
     if cfg.qos and policy.cluster is not None:
         node = f"{socket.gethostname()}:{os.path.realpath(cfg.mountpoint)}"
         cluster = ClusterCoordinator(policy.cluster, node)
-    engine: PolicyQos | PassThroughQos = (
-        PolicyQos(policy, level_factory=cluster or local_level) if cfg.qos
-        else PassThroughQos())
+    # The one place that knows which engine it built: everything after it holds a
+    # QosEngine, except the latency controller, which only a policy has use for.
+    policy_engine = (PolicyQos(policy, level_factory=cluster or local_level) if cfg.qos
+                     else None)
+    engine: QosEngine = policy_engine if policy_engine is not None else PassThroughQos()
     if cfg.qos:  # parked requests of killed callers are answered at once
         interrupts.install()
     # Unexpected failures of handlers and services, answered and counted, not fatal.
@@ -248,8 +250,8 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
     ops = PassthroughOperations(root_fd, BackingIO(mode), engine, cfg.fs_options,
                                 write_as_caller, failures)
     mountpoint = os.path.realpath(cfg.mountpoint)  # resolved before we serve it
-    latency = (LatencyLoop(engine, LatencyProbe(mountpoint, ops.probe_tids))
-               if isinstance(engine, PolicyQos) else None)
+    latency = (LatencyLoop(policy_engine, LatencyProbe(mountpoint, ops.probe_tids))
+               if policy_engine is not None else None)
     with ExitStack() as stack:
         services = _open_services(cfg, mountpoint, engine, stack, latency, ops.resources,
                                   cluster)
@@ -273,7 +275,7 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
     return 0
 
 
-def _open_services(cfg: MountConfig, mountpoint: str, engine: PolicyQos | PassThroughQos,
+def _open_services(cfg: MountConfig, mountpoint: str, engine: QosEngine,
                    stack: ExitStack,
                    latency: LatencyLoop | None = None,
                    resources: Callable[[], dict[str, Any]] | None = None,
@@ -281,7 +283,7 @@ def _open_services(cfg: MountConfig, mountpoint: str, engine: PolicyQos | PassTh
     """Bind the control socket (and metrics port) now; closed when ``stack`` unwinds."""
     source = os.path.abspath(cfg.source)
     path = os.path.abspath(cfg.socket_path or default_socket_path(mountpoint))
-    admin_gid = engine.policy.control.admin_gid if isinstance(engine, PolicyQos) else None
+    admin_gid = engine.policy.control.admin_gid if engine.policy is not None else None
     control = ControlSocket(path, admin_gid)
     stack.callback(control.close)
     controller = ControlService(engine, cfg.policy_path,
@@ -393,10 +395,9 @@ async def _drain(engine: QosEngine) -> bool:
     served too; those that arrive after it find the mount gone.
     """
     engine.drain()
-    parking = getattr(engine, "parking", None)
     deadline = trio.current_time() + DRAIN_DEADLINE
     emptied = True
-    while parking is not None and parking.requests:
+    while engine.counters().parked_requests:
         if trio.current_time() >= deadline:
             emptied = False
             break

@@ -922,9 +922,11 @@ class PassthroughOperations(pyfuse3.Operations):
     # ----------------------------------------------------------------- observation
 
     def resources(self) -> dict[str, Any]:
-        """What the daemon holds now, for ``ctl status`` (descriptors, parked requests)."""
+        """What the filesystem holds now, for ``ctl status`` (inodes, descriptors, handles,
+        the open quota, failures). The engine's figures come from the engine itself
+        (:meth:`qosfs.qos.interface.QosEngine.counters`)."""
         inodes = self.inodes
-        out: dict[str, Any] = {
+        return {
             "inodes": len(inodes), "inode_fds": inodes.fds_held,
             "inode_fd_budget": inodes.cache.capacity, "inode_fd_reopens": inodes.reopens,
             "file_handles": len(self.files), "dir_handles": len(self.dirs),
@@ -933,19 +935,6 @@ class PassthroughOperations(pyfuse3.Operations):
             "killed_callers": interrupts.killed_callers,
             "internal_errors": self.failures.counts(),
         }
-        moves = getattr(self.qos, "stream_moves", None)
-        if moves is not None:  # opens moved as streaming writers, by the class they left
-            out["streaming_moves"] = dict(moves)
-            out["rename_charged_bytes"] = dict(getattr(self.qos, "rename_charges", {}))
-            accounts = getattr(self.qos, "accounts", None)
-            if accounts is not None:  # per-uid series (qosfs.qos.accounting, [metrics])
-                out["user_accounts"] = accounts.uid_keys
-                out["users_expired"] = getattr(self.qos, "users_expired", 0)
-        parking = getattr(self.qos, "parking", None)
-        if parking is not None:
-            out.update(parked_requests=parking.requests, parked_bytes=parking.bytes,
-                       parking_refused=parking.refused)
-        return out
 
     # ----------------------------------------------------------------- shutdown
 

@@ -1,10 +1,11 @@
 """Per-flow traffic counters and latency histograms: bumped on the hot path, read at scrape.
 
 Every open file is bound to a :class:`FlowStats` (through its flow), shared by all files of
-the same (class, tenant, uid). ``fs.py`` calls :meth:`FlowStats.record_read` /
-:meth:`~FlowStats.record_write` once per request with the bytes moved, the seconds the
-request waited for tokens and the nanoseconds the backing syscall took (one
-``time.perf_counter_ns()`` pair around it). What that costs, and why it is built this way:
+the same (class, tenant, uid). The filesystem (:mod:`qosfs.passthrough`) calls
+:meth:`FlowStats.record_read` / :meth:`~FlowStats.record_write` once per request with the
+bytes moved, the seconds the request waited for tokens and the nanoseconds the backing
+syscall took (one ``time.perf_counter_ns()`` pair around it). What that costs, and why it
+is built this way:
 
 * Plain ``int`` attributes and list slots, no lock, no label lookup, no allocation beyond
   the ints themselves: trio runs one task at a time, so the counters need no lock, and a

@@ -32,8 +32,9 @@ Minimums and priorities only mean something when the declared backend capacity i
 real bottleneck; when qosfs's demand stays under it, nothing parks here at all.
 
 :class:`ClassPort` is a class's entrance to the backend: it is a
-:class:`qosfs.qos.levels.Stage`, so admission (:func:`qosfs.qos.levels.try_admit`) charges
-it like any level. Waiting uses the same primitive as every level (:mod:`qosfs.qos.waiting`): one
+:class:`qosfs.qos.levels.Stage`, so admission (:func:`qosfs.qos.levels.try_admit`, then
+:func:`~qosfs.qos.levels.admit_rest` for a request that waits) charges it like any
+level. Waiting uses the same primitive as every level (:mod:`qosfs.qos.waiting`): one
 :class:`~qosfs.qos.waiting.Turn` per kind, handed on by :meth:`BackendLevel._select`
 rather than in arrival order.
 """
@@ -73,7 +74,7 @@ class Share:
 
 
 class ClassPort:
-    """A class's entrance to the backend level, charged like a level by admission."""
+    """A class's entrance to the backend level, charged by admission like any level."""
 
     __slots__ = ("backend", "min_rate", "name", "queues", "reserve_tag", "weight", "weight_tag")
 
@@ -96,7 +97,7 @@ class ClassPort:
         return (f"<ClassPort {self.name!r} weight={self.weight:g} "
                 f"parked={sum(map(len, self.queues))}>")
 
-    # -- the Stage interface admission uses --------------------------------------------
+    # -- the Stage interface admission uses (qosfs.qos.levels) -------------------------
 
     @property
     def limited(self) -> Sequence[bool]:
@@ -144,7 +145,7 @@ class BackendLevel:
         self.level = factory("backend", limits)
         self.ports: dict[str, ClassPort] = {}
         # All parked requests per kind, in arrival order; truthy when anything waits,
-        # which is what try_admit() checks. One of them holds the turn.
+        # which is what admission checks. One of them holds the turn.
         self.parked: tuple[Turn, Turn, Turn] = (Turn(), Turn(), Turn())
         # Classes with a request parked, per kind: what a dispatch decision scans.
         self._backlogged: tuple[dict[ClassPort, None], ...] = ({}, {}, {})

@@ -190,8 +190,8 @@ class TokenBucket:
 
 
 # -- configuration values ---------------------------------------------------------------
-# Pure data, kept here (not in limiter.py) so that the policy parser can build validated
-# limits without importing trio.
+# Pure data, kept here (not in qosfs.qos.levels, which imports trio) so that the policy
+# parser can build validated limits without importing trio.
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,11 @@ When Redis cannot be reached (or answers nonsense), a mount switches within one
 renewal to its fallback -- its last grant, or the cap divided by ``[cluster] fallback``
 nodes -- logs it once, shows it in status and metrics, and retries with backoff (at most
 one second apart). Throttling continues locally: nothing errors, nothing waits for Redis.
+
+The engine knows none of this: the coordinator is its token store
+(:class:`~qosfs.qos.levels.LevelFactory`), which it asks for every level and every
+``per_user`` group; whatever is cluster-specific (the shares, the split by user, the
+renewals) stays in this module.
 """
 
 from __future__ import annotations
@@ -40,7 +45,6 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -48,17 +52,16 @@ import trio
 
 from qosfs.core.limit_kinds import BY_BUCKET, Kind, default_burst
 from qosfs.qos.bucket import NO_LIMITS, LevelLimits, Limit
-from qosfs.qos.levels import Level, RateLevel
+from qosfs.qos.levels import FairShareGroup, Level, LocalLevels, RateLevel
 
 if TYPE_CHECKING:
     import redis
 
     from qosfs.policy.model import Cluster
-    from qosfs.qos.levels import FairShareGroup
 
-__all__ = ["LEASE_SCRIPT", "ClusterCoordinator", "ClusterShare", "connect", "share_of"]
+__all__ = ["LEASE_SCRIPT", "ClusterCoordinator", "ClusterShare", "connect"]
 
-log = logging.getLogger("qosfs.cluster")
+log = logging.getLogger(__name__)
 
 #: The grant of one mount for one bucket of one level, atomically on Redis.
 #: KEYS: the level's caps hash, the bucket's state hash, the bucket's expiry zset.
@@ -161,7 +164,6 @@ class ClusterShare:
         self.pending = "init"  # what the next renewal does with the caps: init/set/keep
         self.changes = 0  # local cap changes so far: a renewal sent before one must not undo it
         self.group: FairShareGroup | None = None  # a cluster per_user class's users
-        self.weight_of: Callable[[], int] = lambda: 1
         self.seen = 0  # the level's (and its users') waits at the last renewal
         self.level = RateLevel(name, self._effective(last_grant=False))
         self.level.steering = self
@@ -176,6 +178,11 @@ class ClusterShare:
                 self.pending = "set"
                 self.changes += 1
         self.apply()
+
+    def weight(self) -> int:
+        """This mount's weight in the split of a saturated cap: 1, or the active users of
+        a ``per_user`` class here, so that the cap is split by user across the cluster."""
+        return max(1, len(self.group.children)) if self.group is not None else 1
 
     def coordinated(self) -> list[str]:
         """The buckets with a cluster cap (the ones renewed)."""
@@ -203,12 +210,6 @@ class ClusterShare:
                 burst = max(cap.burst * rate / cap.rate, 1.0)
             out[bucket] = Limit(max(rate, 1e-3), burst)
         return LevelLimits(**out)
-
-
-def share_of(level: object) -> ClusterShare | None:
-    """The cluster share steering *level*, or None for a level of this mount alone."""
-    steering = getattr(level, "steering", None)
-    return steering if isinstance(steering, ClusterShare) else None
 
 
 _INF = float("inf")
@@ -242,9 +243,12 @@ class CoordinatorStats:
     since: float = field(default_factory=time.monotonic)
 
 
-class ClusterCoordinator:
-    """The mount's side of cluster coordination: builds cluster levels (it is the
-    engine's :data:`~qosfs.qos.levels.LevelFactory`) and renews their grants.
+class ClusterCoordinator(LocalLevels):
+    """The mount's side of cluster coordination: the engine's token store
+    (:class:`~qosfs.qos.levels.LevelFactory`), which builds ``scope = "cluster"`` levels
+    steered by their :class:`ClusterShare` and every other level in-process, and renews
+    the shares' grants. Like the local store it refuses a swap that changes ``[cluster]``
+    (:meth:`~qosfs.qos.levels.LocalLevels.check_swap`): it was built from that table.
 
     Args:
         config: the policy's ``[cluster]``.
@@ -263,14 +267,23 @@ class ClusterCoordinator:
         self._last: tuple[float, dict[str, dict[str, int]]] | None = None
         self._threads = trio.CapacityLimiter(1)
 
-    # -- the level factory -------------------------------------------------------------
+    # -- the token store (qosfs.qos.levels.LevelFactory) --------------------------------
 
-    def __call__(self, name: str, limits: LevelLimits, scope: str = "node") -> Level:
+    def __call__(self, name: str, limits: LevelLimits = NO_LIMITS,
+                 scope: str = "node") -> Level:
         if scope != "cluster":
-            return RateLevel(name, limits)
+            return super().__call__(name, limits, scope)
         share = ClusterShare(name, limits, self.config.fallback_nodes)
         self.shares[name] = share
         return share.level
+
+    def fair_share(self, name: str, limits: LevelLimits, scope: str = "node") -> FairShareGroup:
+        """A ``per_user`` class; in the cluster scope its share weighs this mount by its
+        active users and re-splits them whenever the grant changes."""
+        group = FairShareGroup(name, limits, factory=self, scope=scope)
+        if scope == "cluster":
+            self.shares[name].group = group  # built just now, as the group's parent
+        return group
 
     # -- keys ----------------------------------------------------------------------------
 
@@ -369,7 +382,7 @@ class ClusterCoordinator:
                 if last is not None and name in last[1] and now > last[0]:
                     demand = max(counters[attr] - last[1][name][attr], 0) / (now - last[0])
                 cap = share.caps.get(bucket).rate
-                reports.append(_Report(share, bucket, busy, max(1, share.weight_of()), demand,
+                reports.append(_Report(share, bucket, busy, share.weight(), demand,
                                        share.pending, _UNLIMITED if cap == _INF else cap,
                                        share.changes))
         self._last = (now, used)

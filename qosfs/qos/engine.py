@@ -2,8 +2,10 @@
 
 At open, a file is classified (path, uid, gid, op, job) into a class and a tenant, and
 bound to a :class:`PolicyFlow`: the chain of :class:`~qosfs.qos.levels.Level` it is
-charged to, most specific first (user, class, tenant, backend). Every read/write waits in
-:func:`qosfs.qos.levels.admit` until every level of its chain admits it.
+charged to, most specific first (user, class, tenant, backend). Every read/write is first
+offered to :func:`~qosfs.qos.levels.try_admit`, which charges the whole chain at once when
+it can (most requests); otherwise it parks (:meth:`PolicyFlow._park`, within the parking
+lot's bounds and for as long as its caller lives) until every level has admitted it.
 
 A policy is swapped whole (:meth:`PolicyQos.swap`): levels of classes and tenants that
 survive by name keep their bucket state and get the new limits through ``set_limits``,
@@ -16,10 +18,12 @@ lower of its configured cap and its automatic one, so a swap or ``ctl set`` re-a
 automatic cap at once, bounded by the new configured cap, and the policy stays what the
 administrator wrote.
 
-Every level is built through one :data:`~qosfs.qos.levels.LevelFactory` (the
-``level_factory`` argument; in-process token buckets by default); a shared
-(cluster-wide) backend would replace how a level's buckets are charged, not this module
-or ``fs.py``.
+Every level is built through one token store, a :class:`~qosfs.qos.levels.LevelFactory`
+(the ``level_factory`` argument; in-process token buckets by default): class, per-user
+group, tenant and backend levels alike, each with its policy ``scope``. What a store does
+with a scope, and which policy changes it refuses, is its own business: a new store
+needs no change here. The filesystem and the control layer reach this engine through
+:class:`qosfs.qos.interface.QosEngine` only.
 """
 
 from __future__ import annotations
@@ -31,37 +35,36 @@ import os
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from qosfs.core.interrupts import Caller, cancelled_if_killed, current_caller
 from qosfs.core.limit_kinds import BY_KEY, LIMIT_KINDS, default_burst
 from qosfs.policy.classify import CallerKey, Classifier, JobCache, compile_path_globs
-from qosfs.policy.model import ClassRule, Limits, Policy, PolicyError, stream_threshold
+from qosfs.policy.model import ClassRule, Limits, Policy, stream_threshold
 from qosfs.qos.accounting import AccountKey, Accounts
 from qosfs.qos.backend import BackendLevel, ClassPort, Share
 from qosfs.qos.bounds import ParkingLot
 from qosfs.qos.bucket import LevelLimits, Limit
-from qosfs.qos.cluster import share_of
+from qosfs.qos.explain import Asked, explain
 from qosfs.qos.interface import THREADS_PER_FLOW, Classified, Flow, PathSource
 from qosfs.qos.levels import (
     FairShareGroup,
     Kind,
     Level,
     LevelFactory,
-    LevelStatistics,
     admit_rest,
     local_level,
     refund_bytes,
     try_admit,
 )
+from qosfs.qos.stats import NO_AUTO_CAPS, AutoCaps, EngineCounters, EngineStatistics
 
 if TYPE_CHECKING:
     import pyfuse3
 
-log = logging.getLogger("qosfs.scheduler")  # what journald shows: kept across moves
+log = logging.getLogger(__name__)
 
 
 def level_limits(limits: Limits) -> LevelLimits:
@@ -75,15 +78,6 @@ def level_limits(limits: Limits) -> LevelLimits:
     return LevelLimits(**buckets)
 
 
-@dataclass(frozen=True, slots=True)
-class AutoCaps:
-    """Bandwidth caps set by the latency controller (bytes/s; None: not capped by it)."""
-
-    read_bandwidth: float | None = None
-    write_bandwidth: float | None = None
-
-
-NO_AUTO_CAPS = AutoCaps()
 _READ, _WRITE, _META = Kind.READ, Kind.WRITE, Kind.META
 _monotonic = time.monotonic
 _CALLER_FIELDS = len(CallerKey._fields)
@@ -164,14 +158,9 @@ class ClassState:
         limits = class_limits(rule.limits, auto)
         self.group: FairShareGroup | None = None
         self.level: Level
-        if rule.per_user:
-            group = self.group = FairShareGroup(rule.name, limits, factory=factory,
-                                                scope=rule.scope)
-            self.level = group.parent
-            share = share_of(self.level)
-            if share is not None:  # split the cluster cap by user, across mounts
-                share.group = group
-                share.weight_of = lambda: max(1, len(group.children))
+        if rule.per_user:  # the store builds the split too: it may count users elsewhere
+            self.group = factory.fair_share(rule.name, limits, rule.scope)
+            self.level = self.group.parent
         else:
             self.level = factory(rule.name, limits, rule.scope)
         # Threads for blocking calls are per class: a class whose backend calls hang
@@ -246,7 +235,7 @@ class PolicyFlow:
             return self._chain
         return [group.level_for(self.uid), *self._chain]
 
-    # Each tries the coroutine-free fast path first (limiter.try_admit): most requests
+    # Each tries the coroutine-free fast path first (levels.try_admit): most requests
     # never wait, and an awaited admit() per request was a measurable part of what a
     # policy adds to a lookup (bench/machinery.py).
 
@@ -348,17 +337,6 @@ class PolicyFlow:
         return f"<PolicyFlow class={self.cls.rule.name} uid={self.uid} open={self.open_files}>"
 
 
-@dataclass(frozen=True, slots=True)
-class EngineStatistics:
-    """A snapshot of every level's counters, for status, stats and metrics."""
-
-    generation: int
-    classes: dict[str, LevelStatistics]
-    users: dict[str, dict[int, LevelStatistics]]
-    tenants: dict[str, LevelStatistics]
-    backend: LevelStatistics | None
-
-
 class PolicyQos:
     """The QoS engine for a policy (implements :class:`qosfs.qos.interface.QosEngine`)."""
 
@@ -391,12 +369,11 @@ class PolicyQos:
         """Put *policy* in force at once; parked requests re-check against it.
 
         Raises:
-            PolicyError: the policy changes ``[cluster]``, which takes effect only when a
-                mount starts (the running policy stays).
+            PolicyError: the token store refuses the change (settings it was built from,
+                which take effect only when a mount starts); the running policy stays.
         """
-        if self.generation and policy.cluster != self.policy.cluster:
-            raise PolicyError("[cluster] settings take effect when the mount starts: "
-                              "remount to change them", source=policy.source, key="cluster")
+        if self.generation:
+            self.level_factory.check_swap(self.policy, policy)
         classifier = Classifier(policy)
         classes: dict[str, ClassState] = {}
         for rule in policy.classes:
@@ -409,9 +386,12 @@ class PolicyQos:
             else:
                 classes[rule.name] = ClassState(rule, auto, self.level_factory)
         tenants: dict[str, Level] = {}
+        scopes = {tenant.name: tenant.scope for tenant in self.policy.tenants}  # in force
         for tenant in policy.tenants:
             level = self.tenants.get(tenant.name)
-            if level is None or (share_of(level) is not None) != (tenant.scope == "cluster"):
+            # Another scope is another level (the store may keep it elsewhere), as for a
+            # class (ClassState is rebuilt above when its scope changes).
+            if level is None or scopes.get(tenant.name) != tenant.scope:
                 level = self.level_factory(f"tenant:{tenant.name}",
                                            level_limits(tenant.limits), tenant.scope)
             else:
@@ -531,7 +511,7 @@ class PolicyQos:
         changed (unknown class, same caps, or shutting down: nothing)."""
         state = self.classes.get(name)
         if state is None or self.draining or state.auto == caps or state.rule.scope != "node":
-            return False  # a cluster class's share is the cluster's to decide
+            return False  # a level shared beyond this mount is its store's to steer
         if caps == NO_AUTO_CAPS:
             self.auto_caps.pop(name, None)
         else:
@@ -567,7 +547,7 @@ class PolicyQos:
 
     def stream_threshold(self, flow: Flow) -> int:
         """Bytes of mostly sequential writes after which a writable open of *flow* moves
-        to the streaming class (qosfs.streaming); 0: never (no such class, or *flow*'s
+        to the streaming class (``detect_streaming_writes``); 0: never (no such class, or *flow*'s
         class caps writes itself or is that class)."""
         assert isinstance(flow, PolicyFlow)  # this engine's open_flow made it
         return stream_threshold(flow.cls.rule, self._streaming)
@@ -646,6 +626,7 @@ class PolicyQos:
     # ------------------------------------------------------------------ observation
 
     def statistics(self) -> EngineStatistics:
+        """Every level's counters and limits in force, and the latency controller's caps."""
         users = {
             name: {uid: lvl.statistics() for uid, lvl in st.group.children.items()}
             for name, st in self.classes.items() if st.group is not None
@@ -656,4 +637,27 @@ class PolicyQos:
             users=users,
             tenants={name: lvl.statistics() for name, lvl in self.tenants.items()},
             backend=self.backend.statistics() if self.backend is not None else None,
+            auto_caps=dict(self.auto_caps),
         )
+
+    def counters(self) -> EngineCounters:
+        """This engine's own counters (what ``ctl status`` shows beside the levels)."""
+        parking = self.parking
+        return EngineCounters(
+            streaming_moves=dict(self.stream_moves),
+            rename_charged_bytes=dict(self.rename_charges),
+            user_accounts=self.accounts.uid_keys, users_expired=self.users_expired,
+            parked_requests=parking.requests, parked_bytes=parking.bytes,
+            parking_refused=parking.refused)
+
+    def open_classes(self) -> set[str]:
+        """The classes with a file open through them now (the latency controller runs its
+        canary only while a class it protects has one)."""
+        return {flow.cls.rule.name for flow in list(self._all_flows) if flow.open_files > 0}
+
+    def explain(self, asked: Asked, *, pid: int, uid: int, gid: int, mountpoint: str | None,
+                mount_cache: str) -> dict[str, Any]:
+        """What *asked* gets under the policy in force, with the limits in force here
+        (:func:`qosfs.qos.explain.explain`)."""
+        return explain(self.classifier, asked, pid=pid, uid=uid, gid=gid,
+                       mountpoint=mountpoint, live=self.statistics(), mount_cache=mount_cache)

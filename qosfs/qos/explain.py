@@ -2,11 +2,12 @@
 
 One function, :func:`explain`, answers for a policy file (``qosfs explain --policy``) and
 for a running mount (the control socket's ``explain`` request), so the two cannot say
-different things. For a mount it is given the engine: the class and tenant then come from
-the very :class:`~qosfs.policy.classify.Classifier` the mount uses, and the limits are
-those in force (``ctl set``, automatic caps, a fair share split among active users), not
-those of the file. It reads nothing of a request's path on disk and changes nothing: no
-flow, account or level is made for an explained request.
+different things. For a mount, the engine asks it (:meth:`qosfs.qos.engine.PolicyQos.
+explain`): the class and tenant then come from the very
+:class:`~qosfs.policy.classify.Classifier` the mount uses, and the limits are those in
+force, from the engine's statistics (``ctl set``, automatic caps, a fair share split
+among active users), not those of the file. It reads nothing of a request's path on
+disk and changes nothing: no flow, account or level is made for an explained request.
 
 The answer is plain JSON-ready data (its keys are documented in docs/policy.md, "Which
 class, and why"): the class and tenant with the criteria that matched and their
@@ -39,7 +40,7 @@ from qosfs.policy.model import ClassRule, IdRange, Policy, Tenant, stream_thresh
 from qosfs.policy.text import locate_key, quote_key
 
 if TYPE_CHECKING:
-    from qosfs.qos.engine import PolicyQos
+    from qosfs.qos.stats import EngineStatistics
 
 __all__ = ["PASSTHROUGH_ABSENT", "Asked", "explain", "job_of", "mount_relative"]
 
@@ -160,43 +161,43 @@ def _missed(key: str, path: str, caller: CallerKey, job: JobInfo | None,
 
 
 def _levels(policy: Policy, rule: ClassRule, tenant: Tenant | None, caller: CallerKey,
-            engine: PolicyQos | None) -> list[dict[str, Any]]:
+            live: EngineStatistics | None) -> list[dict[str, Any]]:
     """The levels a request of *rule* and *tenant* passes, in order (user, class, tenant,
-    backend), each with its limits in force (the engine's) or configured (a file's)."""
+    backend), each with its limits in force (*live*, a mount's) or configured (a file's)."""
     levels: list[dict[str, Any]] = []
-    state = engine.classes[rule.name] if engine is not None else None
-    class_caps = state.level.limits.caps() if state is not None else rule.limits.caps()
+    state = live.classes[rule.name] if live is not None else None
+    class_caps = state.limits.caps() if state is not None else rule.limits.caps()
     if rule.per_user:
         user: dict[str, Any] = {"level": "user", "name": rule.name, "uid": caller.uid,
                                 "limits": class_caps, "active_users": None}
-        if state is not None and state.group is not None:
-            active = state.group.children
+        active = live.users.get(rule.name) if live is not None else None
+        if state is not None and active is not None:
             child = active.get(caller.uid)
             users = len(active) + (child is None)  # this uid's request would join them
             user["limits"] = (child.limits.caps() if child is not None
-                              else state.group.parent.limits.scaled(1.0 / users).caps())
+                              else state.limits.scaled(1.0 / users).caps())
             user["active_users"] = users
         levels.append(user)
     level: dict[str, Any] = {"level": "class", "name": rule.name, "limits": class_caps,
                              "configured": rule.limits.caps(), "scope": rule.scope}
-    auto = engine.auto_caps.get(rule.name) if engine is not None else None
+    auto = live.auto_caps.get(rule.name) if live is not None else None
     if auto is not None:
         level["auto_limits"] = {k: v for k, v in (("read_bandwidth", auto.read_bandwidth),
                                                   ("write_bandwidth", auto.write_bandwidth))
                                 if v is not None}
     levels.append(level)
     if tenant is not None:
-        live = engine.tenants.get(tenant.name) if engine is not None else None
+        in_force = live.tenants.get(tenant.name) if live is not None else None
         configured = tenant.limits.caps()
         levels.append({"level": "tenant", "name": tenant.name,
-                       "limits": live.limits.caps() if live is not None else configured,
+                       "limits": in_force.limits.caps() if in_force is not None else configured,
                        "configured": configured, "scope": tenant.scope})
     if policy.backend is not None:
-        backend = engine.backend if engine is not None else None
+        backend = live.backend if live is not None else None
         configured = policy.backend.limits.caps()
         levels.append({
             "level": "backend", "name": "backend",
-            "limits": backend.level.limits.caps() if backend is not None else configured,
+            "limits": backend.limits.caps() if backend is not None else configured,
             "configured": configured,
             # How this class competes there (qosfs.qos.engine.backend_share).
             "priority": rule.priority_name, "weight": rule.priority_weight,
@@ -232,10 +233,10 @@ class Asked:
 
 
 def explain(classifier: Classifier, asked: Asked, *, pid: int, uid: int, gid: int,
-            mountpoint: str | None = None, engine: PolicyQos | None = None,
+            mountpoint: str | None = None, live: EngineStatistics | None = None,
             mount_cache: str = "auto", proc_root: str = "/proc") -> dict[str, Any]:
-    """What the request *asked* gets under the classifier's policy, with *engine* (whose
-    classifier it must be) the limits in force there.
+    """What the request *asked* gets under the classifier's policy, with *live* (the
+    statistics of the engine whose classifier it is) the limits in force there.
 
     Args:
         pid, uid, gid: the asking process: what keys left out default to.
@@ -256,12 +257,12 @@ def explain(classifier: Classifier, asked: Asked, *, pid: int, uid: int, gid: in
                        gid if asked.gid is None else asked.gid, 0)
     from_caller = [key for key in ("uid", "gid", "env", "cgroups")
                    if getattr(asked, key) is None]
-    return _explained(classifier, path, caller, job, engine, mountpoint, from_caller,
+    return _explained(classifier, path, caller, job, live, mountpoint, from_caller,
                       mount_cache)
 
 
 def _explained(classifier: Classifier, path: str, caller: CallerKey, job: JobInfo,
-               engine: PolicyQos | None, mountpoint: str | None, from_caller: list[str],
+               live: EngineStatistics | None, mountpoint: str | None, from_caller: list[str],
                mount_cache: str) -> dict[str, Any]:
     policy = classifier.policy
     # As the engine asks (PolicyQos._classified): no job unless the policy reads jobs.
@@ -305,7 +306,7 @@ def _explained(classifier: Classifier, path: str, caller: CallerKey, job: JobInf
                     "env": dict(job.env), "cgroups": _cgroups(job),
                     "from_caller": from_caller},
         "policy": {"source": policy.source,
-                   "generation": engine.generation if engine is not None else None,
+                   "generation": live.generation if live is not None else None,
                    # What of the caller beyond uid, gid and path it can match on.
                    "job_env": list(policy.job_envs),
                    "cgroups": any(c.cgroups for c in policy.classes)
@@ -320,7 +321,7 @@ def _explained(classifier: Classifier, path: str, caller: CallerKey, job: JobInf
             "name": tenant.name, "line": where.line("tenants", tenant.name),
             "matched": criteria("tenants", tenant, path, None)},
         "tenants_passed": passed("tenants", decision.skipped_tenants, path),
-        "levels": _levels(policy, rule, tenant, caller, engine),
+        "levels": _levels(policy, rule, tenant, caller, live),
         "served_by": _served_by(rule, caller.op, mount_cache),
         "notes": notes,
     }

@@ -1,12 +1,17 @@
-"""The interface between the filesystem and the QoS engine.
+"""The one interface of a QoS engine, and the engine without a policy.
 
-``fs.py`` knows nothing about policies: at open it asks the engine for a *flow* (the set
-of rate levels a file's traffic is charged to), and on every read/write it asks the flow
-to admit the request. Keeping this seam small lets the engine change (local token
-buckets today, a cluster-wide shared backend later) without touching ``fs.py``.
+The filesystem (:mod:`qosfs.passthrough.operations`) knows nothing about policies: at
+open it asks the engine for a *flow* (the set of rate levels a file's traffic is charged
+to), and on every read/write it asks the flow to admit the request. The control layer
+and the daemon (:mod:`qosfs.control.service`, :mod:`qosfs.daemon.mount`) see the same
+engine through the same protocol: the policy in force, swapping it, what a request would
+get (explain), and typed figures (:mod:`qosfs.qos.stats`). Nobody asks which engine
+it is: the engine without a policy answers every question too, with empty or neutral
+values. Token stores (in-process buckets, the cluster's shared caps) sit behind the
+engine, at :class:`qosfs.qos.levels.LevelFactory`, and change nothing here.
 
-:class:`PassThroughQos` is the engine without a policy: every request is counted in one
-flow and nothing waits.
+:class:`PassThroughQos` is the engine without a policy (``--no-qos``): every request is
+counted in one flow and nothing waits.
 """
 
 from __future__ import annotations
@@ -16,10 +21,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
+from qosfs.policy.model import PolicyError
 from qosfs.qos.accounting import Accounts, FlowStats
+from qosfs.qos.stats import NO_COUNTERS, EngineCounters, EngineStatistics
 
 if TYPE_CHECKING:
     import pyfuse3
+
+    from qosfs.policy.model import Policy
+    from qosfs.qos.explain import Asked
 
 # Threads one flow may occupy at once for blocking backing-store calls (fsync, network
 # filesystems). Bounded per flow so that a class whose calls hang cannot take them all.
@@ -110,6 +120,43 @@ class QosEngine(Protocol):
     def drain(self) -> None:
         """Shutdown: let every parked request through now (they are delayed, never dropped)."""
 
+    # -- observation and control (qosfs.control, qosfs.daemon) --------------------------
+
+    @property
+    def policy(self) -> Policy | None:
+        """The policy in force; None: nothing is classified or limited (``--no-qos``)."""
+
+    @property
+    def generation(self) -> int:
+        """Bumped by every swap; 0 without a policy."""
+
+    def swap(self, policy: Policy) -> None:
+        """Put *policy* in force at once (parked requests re-check against it).
+
+        Raises:
+            PolicyError: not a change this engine can make; the running policy stays.
+        """
+
+    def expire_idle_users(self, now: float) -> int:
+        """Fold the per-uid accounts of users gone idle (call it about every second,
+        *now* monotonic); returns how many were folded."""
+
+    def explain(self, asked: Asked, *, pid: int, uid: int, gid: int, mountpoint: str | None,
+                mount_cache: str) -> dict[str, Any] | None:
+        """What the request *asked* would get here (:func:`qosfs.qos.explain.explain`);
+        None when nothing is classified on this mount.
+
+        Raises:
+            ValueError: the path is not in the mount.
+        """
+
+    def statistics(self) -> EngineStatistics:
+        """A frozen snapshot of every level's counters and limits (none without a policy)."""
+
+    def counters(self) -> EngineCounters:
+        """The engine's own counters: streaming moves, rename charges, per-uid series,
+        the parking lot."""
+
 
 class CountingFlow:
     """A flow that never waits and only counts (the traffic of a mount without policy)."""
@@ -152,6 +199,8 @@ class PassThroughQos:
 
     meta_limited = False
     needs_paths = False  # nothing is classified
+    policy: Policy | None = None
+    generation = 0
     # the mount's --attr-timeout for everything
     cache_timeouts: Callable[[str], tuple[float | None, float | None]] | None = None
 
@@ -181,3 +230,20 @@ class PassThroughQos:
 
     def drain(self) -> None:
         return None
+
+    def swap(self, policy: Policy) -> None:
+        raise PolicyError("this mount has no policy (mounted with --no-qos); remount with "
+                          "a policy to change limits", source=policy.source)
+
+    def expire_idle_users(self, now: float) -> int:
+        return 0  # every byte is counted in one uid-less account
+
+    def explain(self, asked: Asked, *, pid: int, uid: int, gid: int, mountpoint: str | None,
+                mount_cache: str) -> dict[str, Any] | None:
+        return None
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(generation=0, classes={}, users={}, tenants={}, backend=None)
+
+    def counters(self) -> EngineCounters:
+        return NO_COUNTERS

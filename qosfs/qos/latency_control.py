@@ -79,13 +79,14 @@ import trio
 
 from qosfs.policy.model import ClassRule, Policy
 from qosfs.qos.accounting import AccountKey, FineHistogram
-from qosfs.qos.engine import NO_AUTO_CAPS, AutoCaps, PolicyQos
+from qosfs.qos.engine import PolicyQos
 from qosfs.qos.latency_probe import INTERVAL as PROBE_INTERVAL
 from qosfs.qos.latency_probe import QUIET_INTERVAL as PROBE_QUIET_INTERVAL
+from qosfs.qos.stats import NO_AUTO_CAPS, AutoCaps
 
 __all__ = ["ClassSample", "LatencyDecider", "LatencyLoop", "ProtectedSample"]
 
-log = logging.getLogger("qosfs.latency_control")  # what journald shows: kept across moves
+log = logging.getLogger(__name__)
 
 WINDOW = 0.5  # seconds per decision
 DECREASE = 0.7  # cap factor per missed window (at most)
@@ -404,6 +405,8 @@ class QueueSource(Protocol):
 
     def stop(self) -> None: ...
 
+    def set_interval(self, interval: float) -> None: ...  # seconds between probes
+
 
 class LatencyLoop:
     """The daemon task: every window, measure the protected classes, decide, apply.
@@ -480,9 +483,7 @@ class LatencyLoop:
         """A protected class measured as "request" has files open."""
         names = {c.name for c in protected_classes(self.engine.policy)
                  if c.latency_measure == "request"}
-        return bool(names) and any(
-            f.open_files > 0 and f.cls.rule.name in names
-            for f in list(self.engine._all_flows))
+        return bool(names) and not names.isdisjoint(self.engine.open_classes())
 
     def _steer_probe(self) -> None:
         if self.probe is None or self.engine.draining:
@@ -494,10 +495,8 @@ class LatencyLoop:
             self.probe.stop()
         # Full rate only while something below a protected class moves (or is capped):
         # a quiet window only feeds a baseline, for which fewer samples do.
-        set_interval = getattr(self.probe, "set_interval", None)
-        if set_interval is not None:
-            busy = self.controller.low or not self.controller.quiet
-            set_interval(PROBE_INTERVAL if busy else PROBE_QUIET_INTERVAL)
+        busy = self.controller.low or not self.controller.quiet
+        self.probe.set_interval(PROBE_INTERVAL if busy else PROBE_QUIET_INTERVAL)
 
     def _sample_levels(self) -> dict[str, ClassSample]:
         now = trio.current_time()

@@ -25,10 +25,14 @@ Design, and why:
   per-level :class:`trio.Event` that every queue head sleeps on, so a request parked under
   1 MiB/s goes through in the same instant the cap is raised to 1 GiB/s; the waiters
   behind it follow in FIFO order, each re-checking as it becomes head.
-* **Fast path**: when no one is queued and the buckets cover the request, :func:`try_admit`
-  charges and returns without a checkpoint, a log call or an allocation of its own; only
-  a request that must wait goes on to :func:`admit_rest` (the engine calls both:
-  :class:`qosfs.qos.engine.PolicyFlow`).
+* **Fast path first**: the request path calls :func:`try_admit`, a plain function: when
+  no one is queued and the buckets cover the request it charges every level and returns,
+  without a coroutine, a checkpoint, a log call or an allocation of its own. Only a
+  request some level cannot admit at once goes on to :func:`admit_rest`, which waits
+  (the engine wraps that in its parking bounds: :meth:`qosfs.qos.engine.PolicyFlow.
+  admit_read`).
+* **Levels come from a store** (:class:`LevelFactory`): in-process buckets
+  (:data:`local_level`) or levels shared between mounts (:mod:`qosfs.qos.cluster`).
 * No background refill task, no polling: buckets refill lazily from elapsed time, read
   through :func:`trio.current_time`, so tests run exactly and instantly on
   :class:`trio.testing.MockClock`.
@@ -39,11 +43,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from qosfs.core.limit_kinds import LIMIT_KINDS, Kind
+from qosfs.policy.model import PolicyError
 from qosfs.qos.bucket import (
     DEFAULT_BURST_SECONDS,
     NO_LIMITS,
@@ -53,6 +58,9 @@ from qosfs.qos.bucket import (
     TokenBucket,
 )
 from qosfs.qos.waiting import Ticket, Turn, until_covered
+
+if TYPE_CHECKING:
+    from qosfs.policy.model import Policy
 
 __all__ = [  # the limit values are re-exported from qosfs.qos.bucket for convenience
     "DEFAULT_BURST_SECONDS",
@@ -65,6 +73,7 @@ __all__ = [  # the limit values are re-exported from qosfs.qos.bucket for conven
     "LevelLimits",
     "LevelStatistics",
     "Limit",
+    "LocalLevels",
     "RateLevel",
     "Stage",
     "admit_rest",
@@ -97,9 +106,8 @@ class LevelStatistics:
 
 
 class Stage(Protocol):
-    """What admission (:func:`try_admit`, :func:`admit_rest`) charges: every
-    :class:`Level`, and a class's port to the backend
-    (:class:`qosfs.qos.backend.ClassPort`), which dispatches by priority.
+    """What admission charges: every :class:`Level`, and a class's port to the
+    backend (:class:`qosfs.qos.backend.ClassPort`), which dispatches by priority.
 
     ``limited`` and ``parked`` are indexed by :class:`Kind` and read on the fast path:
     a stage that neither limits a kind nor has a request of that kind parked is only
@@ -136,8 +144,9 @@ class Level(Stage, Protocol):
     """A named set of token buckets: a class, a user in a fair-share class, a tenant, the
     backend's capacity -- and, behind a :data:`LevelFactory`, any other token store.
 
-    Built only through a :data:`LevelFactory`, so a different store (a cluster-wide one)
-    plugs in at one place. The local implementation is :class:`RateLevel`.
+    Built only through a :class:`LevelFactory`, so a store plugs in at one place. Every
+    store so far hands out :class:`RateLevel` (a cluster level is one whose limits its
+    share steers), which keeps the request path's call sites monomorphic.
     """
 
     name: str
@@ -177,12 +186,58 @@ class Steering(Protocol):
 
 
 class LevelFactory(Protocol):
-    """Builds a level from its name, limits and scope. The engine builds every class,
-    user, tenant and backend level through one of these (:class:`qosfs.qos.engine.
-    PolicyQos`'s ``level_factory``): :func:`local_level` in-process, or a
-    :class:`qosfs.qos.cluster.ClusterCoordinator` for ``scope = "cluster"`` levels."""
+    """A token store: where the engine gets every level it charges.
 
-    def __call__(self, name: str, limits: LevelLimits, scope: str = "node") -> Level: ...
+    The engine (:class:`qosfs.qos.engine.PolicyQos`, its ``level_factory``) builds every
+    class, per-user, tenant and backend level through one of these and knows nothing else
+    of the store: a new store is a new implementation of this protocol, not an edit of the
+    engine. :data:`local_level` keeps buckets in this daemon's memory;
+    :class:`qosfs.qos.cluster.ClusterCoordinator` shares ``scope = "cluster"`` levels
+    between mounts.
+    """
+
+    def __call__(self, name: str, limits: LevelLimits, scope: str = "node") -> Level:
+        """A level named *name* (a class, a tenant, a user's share, the backend) holding
+        *limits* over *scope*; ValueError for a scope this store cannot hold."""
+
+    def fair_share(self, name: str, limits: LevelLimits, scope: str = "node") -> FairShareGroup:
+        """A ``per_user`` class: *limits* split equally among its active users (the store
+        decides how users beyond this mount count, for a scope that spans mounts)."""
+
+    def check_swap(self, running: Policy, new: Policy) -> None:
+        """Refuse a policy swap that changes what this store was set up from.
+
+        Raises:
+            PolicyError: such settings take effect only when a mount starts.
+        """
+
+
+class LocalLevels:
+    """The in-process :class:`LevelFactory`: token buckets in this daemon's memory, for
+    ``scope = "node"`` only."""
+
+    def __call__(self, name: str, limits: LevelLimits = NO_LIMITS,
+                 scope: str = "node") -> Level:
+        if scope != "node":
+            raise ValueError(f"a {scope!r} level needs a coordinator (qosfs.qos.cluster)")
+        return RateLevel(name, limits)
+
+    def fair_share(self, name: str, limits: LevelLimits, scope: str = "node") -> FairShareGroup:
+        return FairShareGroup(name, limits, factory=self, scope=scope)
+
+    def check_swap(self, running: Policy, new: Policy) -> None:
+        """A ``[cluster]`` table chooses the store when the mount starts (the daemon builds
+        a coordinator for it), so a swap may not add, change or drop one."""
+        if new.cluster != running.cluster:
+            raise PolicyError("[cluster] settings take effect when the mount starts: "
+                              "remount to change them", source=new.source, key="cluster")
+
+    def __repr__(self) -> str:
+        return "<LocalLevels>"
+
+
+#: The in-process store, the engine's default.
+local_level = LocalLevels()
 
 
 def _number(x: float) -> str:
@@ -390,11 +445,6 @@ class RateLevel:
         return waited
 
 
-def local_level(name: str, limits: LevelLimits = NO_LIMITS, scope: str = "node") -> RateLevel:
-    """The in-process :class:`LevelFactory`: token buckets in this daemon's memory."""
-    if scope != "node":
-        raise ValueError(f"a {scope!r} level needs a coordinator (qosfs.qos.cluster)")
-    return RateLevel(name, limits)
 
 
 def try_admit(levels: Sequence[Stage], kind: Kind, nbytes: int) -> int:

@@ -11,11 +11,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from qosfs.control.metrics import render
 from qosfs.control.snapshot import RateSampler, take_snapshot, to_json
 from qosfs.policy.loading import parse_policy
-from qosfs.qos.accounting import Accounts
 from qosfs.qos.bucket import NO_LIMITS, LevelLimits, Limit
-from qosfs.qos.engine import EngineStatistics
+from qosfs.qos.engine import PolicyQos
 from qosfs.qos.interface import PassThroughQos
 from qosfs.qos.levels import LevelStatistics
+from qosfs.qos.stats import NO_COUNTERS, EngineCounters, EngineStatistics
 
 MiB = 1 << 20
 POLICY = parse_policy("""
@@ -37,14 +37,19 @@ def level(name: str, limits: LevelLimits = NO_LIMITS, **counters: Any) -> LevelS
     return LevelStatistics(name, limits, **{**base, **counters})
 
 
-class FakeEngine:
-    """What take_snapshot reads from a PolicyQos: policy, accounts, statistics()."""
+class FakeEngine(PolicyQos):
+    """An engine of POLICY whose levels' statistics and own counters the test decides."""
 
-    def __init__(self, written: int = 0, queue: int = 0) -> None:
-        self.policy = POLICY
-        self.accounts = Accounts()
+    def __init__(self, written: int = 0, queue: int = 0,
+                 counters: EngineCounters = NO_COUNTERS) -> None:
+        super().__init__(POLICY)
+        self.generation = 3
         self.written = written
         self.queue = queue
+        self.fake_counters = counters
+
+    def counters(self) -> EngineCounters:
+        return self.fake_counters
 
     def statistics(self) -> EngineStatistics:
         ckpt = LevelLimits(write_bytes=Limit(400 * MiB, 40 * MiB), write_ops=Limit(2000, 200))
@@ -187,3 +192,28 @@ def test_no_qos_engine_has_counters_but_no_levels() -> None:
     fams = families(render(snap))
     assert sample(fams, "qosfs_write_bytes", **{"class": "default"}) == 100
     assert sample(fams, "qosfs_policy_generation") == 0
+    # Traffic only, as a --no-qos status always showed: no engine counters.
+    assert not set(body) & set(NO_COUNTERS.as_status())
+    assert "qosfs_parked_requests" not in fams and "qosfs_streaming_moves" not in fams
+
+
+def test_the_engines_own_counters_reach_status_and_metrics_from_the_engine() -> None:
+    counters = EngineCounters(streaming_moves={"default": 2},
+                              rename_charged_bytes={"ckpt": 8 * MiB}, user_accounts=5,
+                              users_expired=7, parked_requests=3, parked_bytes=4096,
+                              parking_refused=1)
+    snap = take_snapshot(FakeEngine(counters=counters), 1.0, info={"inodes": 9})
+    status = to_json(snap, None, accounts=False)
+    assert status["inodes"] == 9  # the filesystem's figures stay beside them
+    assert {k: status[k] for k in counters.as_status()} == {
+        "streaming_moves": {"default": 2}, "rename_charged_bytes": {"ckpt": 8 * MiB},
+        "user_accounts": 5, "users_expired": 7, "parked_requests": 3, "parked_bytes": 4096,
+        "parking_refused": 1}
+    fams = families(render(snap))
+    assert sample(fams, "qosfs_parked_requests") == 3
+    assert sample(fams, "qosfs_parked_bytes") == 4096
+    assert sample(fams, "qosfs_parking_refused") == 1
+    assert sample(fams, "qosfs_user_accounts") == 5
+    assert sample(fams, "qosfs_users_expired") == 7
+    assert sample(fams, "qosfs_streaming_moves", **{"class": "default"}) == 2
+    assert sample(fams, "qosfs_inodes") == 9

@@ -170,6 +170,22 @@ async def test_a_refused_reload_of_another_file_is_answered_not_alerted() -> Non
 
 
 @mock_clock
+async def test_status_reads_the_engines_counters_from_the_engine_not_the_filesystem() -> None:
+    ctl, engine = make()
+    ctl.info_sources.append(lambda: {"inodes": 3})  # what the filesystem reports
+    writer = PolicyFlow(engine.classes["ckpt"], None, None, 0, parking=engine.parking)
+    await writer.admit_write(MiB)  # the burst
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(writer.admit_write, 2 * MiB)  # parks at 1 MiB/s
+        await trio.sleep(0.01)
+        status = await ctl.handle(SimpleRequest("status"), ROOT)
+        nursery.cancel_scope.cancel()
+    assert status["inodes"] == 3
+    assert (status["parked_requests"], status["parked_bytes"]) == (1, 2 * MiB)
+    assert status["streaming_moves"] == {} and status["users_expired"] == 0
+
+
+@mock_clock
 async def test_no_qos_mount_reports_no_policy_and_refuses_changes() -> None:
     ctl = ControlService(PassThroughQos())
     status = await ctl.handle(SimpleRequest("status"), ROOT)

@@ -15,7 +15,7 @@ import redis
 import trio
 
 from qosfs.policy.loading import parse_policy
-from qosfs.qos.cluster import ClusterCoordinator, connect, share_of
+from qosfs.qos.cluster import ClusterCoordinator, connect
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.levels import RateLevel
 from tests.redis_server import RedisServer
@@ -58,8 +58,8 @@ class Mount:
         self.coordinator = ClusterCoordinator(p.cluster, node)
         self.qos = PolicyQos(p, level_factory=self.coordinator)
         level = self.qos.classes["ckpt"].level
-        share = share_of(level)
-        assert share is not None and isinstance(level, RateLevel)
+        share = self.coordinator.shares["ckpt"]  # the store's own record of its levels
+        assert share.level is level and isinstance(level, RateLevel)
         self.level, self.share = level, share
 
     async def renew(self, busy: bool, wrote: float = 0.0) -> bool:

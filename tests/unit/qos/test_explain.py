@@ -17,8 +17,9 @@ import trio
 from qosfs.policy.classify import CallerKey, Classifier, JobInfo
 from qosfs.policy.loading import default_policy, parse_policy, with_changes
 from qosfs.qos.backend import ClassPort
-from qosfs.qos.engine import AutoCaps, PolicyQos
+from qosfs.qos.engine import PolicyQos
 from qosfs.qos.explain import PASSTHROUGH_ABSENT, Asked, explain, job_of, mount_relative
+from qosfs.qos.stats import AutoCaps
 from tests.mock_clock import mock_clock
 from tests.unit.qos.test_engine import FakeFs, fake_inode
 from tests.waiting import wait_for
@@ -105,7 +106,7 @@ def ask(path: str, op: str = "read", uid: int = 1000, gid: int = 1000,
     classifier = engine.classifier if engine is not None else Classifier(policy)
     asked = Asked(path, op, uid, gid, tuple((env or {}).items()), cgroups)
     return explain(classifier, asked, pid=os.getpid(), uid=0, gid=0, mountpoint=mountpoint,
-                   engine=engine)
+                   live=engine.statistics() if engine is not None else None)
 
 
 # (request, class, its matched keys, tenant, the tenant's matched keys): a key of each kind

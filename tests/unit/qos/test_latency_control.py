@@ -13,7 +13,7 @@ import trio.testing
 
 from qosfs.policy.loading import parse_policy, with_changes
 from qosfs.qos.accounting import FineHistogram, fine_index, fine_upper_bound
-from qosfs.qos.engine import AutoCaps, PolicyQos
+from qosfs.qos.engine import PolicyQos
 from qosfs.qos.latency_control import (
     DEEPEST,
     FLOOR,
@@ -24,6 +24,7 @@ from qosfs.qos.latency_control import (
     ProtectedSample,
     low_classes,
 )
+from qosfs.qos.stats import AutoCaps
 from tests.mock_clock import mock_clock
 
 MiB = float(1 << 20)
