@@ -51,7 +51,7 @@ class SummaryRow(Record):
     def side(self, name: str, what: str = "value") -> float | None:
         """A figure of side *name* (None when the side did not run)."""
         s = self.sides.get(name)
-        return None if s is None else getattr(s, what)  # type: ignore[no-any-return]
+        return None if s is None else getattr(s, what)
 
     def over(self, a: str, b: str) -> float | None:
         """Side *a*'s figure / side *b*'s, when both ran."""

@@ -1,11 +1,12 @@
 """PNG plots of one run's figures (matplotlib, the ``bench`` extra: ``pip install
 '.[bench]'``). :func:`draw` raises ImportError when matplotlib is missing; the caller
-writes the report without plots and says so. Every plot reads the same document the
-report is rendered from, so plots and tables never disagree.
+writes the report without plots and says so. Every plot reads the same typed result the
+report's tables are rendered from, so plots and tables never disagree.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -28,12 +29,10 @@ PlotFn = Callable[[Any, Any, Path, str], str]
 
 
 def _pyplot() -> Any:
-    import matplotlib
-
+    # imported by name: an optional dependency, typed as what it is here (Any)
+    matplotlib = importlib.import_module("matplotlib")
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return importlib.import_module("matplotlib.pyplot")
 
 
 def _save(plt: Any, fig: Any, out: Path, name: str) -> str:
