@@ -17,12 +17,10 @@ from dataclasses import dataclass, field
 from bench.fio import FioMetrics
 from bench.typed import Json, Record, key
 
-frozen = dataclass(frozen=True, kw_only=True)
-
 # -- overhead and metadata: rows of fio figures per side (native, no-qos, policy...) --
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class SideFigures(Record):
     """One side of a row: medians over its repetitions."""
 
@@ -34,7 +32,7 @@ class SideFigures(Record):
     daemon_cpu_pct: float | None
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class SummaryRow(Record):
     key: str
     label: str
@@ -59,7 +57,7 @@ class SummaryRow(Record):
         return va / vb if va is not None and vb else None
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class OverheadResult(Record):
     summary: list[SummaryRow]
     policy: str
@@ -67,14 +65,14 @@ class OverheadResult(Record):
     groups: Json = None  # per group: env, error, every fio record per side
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class HandlerCost(Record):
     no_qos_us: float
     policy_us: float
     added_us: float
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class HandlerCosts(Record):
     """bench.machinery.measure: handler microseconds per metadata operation."""
 
@@ -83,7 +81,7 @@ class HandlerCosts(Record):
     ops: dict[str, HandlerCost]
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class MetadataResult(Record):
     summary: list[SummaryRow]
     nrfiles: int
@@ -97,7 +95,7 @@ class MetadataResult(Record):
 # -- caps --
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class CapLevel(Record):
     """One cap of a workload; without steady windows only ``windows`` (0) is known."""
 
@@ -116,7 +114,7 @@ class CapLevel(Record):
     per_second: list[float] = field(default_factory=list)
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class CapWorkload(Record):
     key: str
     label: str
@@ -124,7 +122,7 @@ class CapWorkload(Record):
     levels: list[CapLevel]
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class CapsResult(Record):
     workloads: list[CapWorkload]
     runtime_s: int
@@ -135,7 +133,7 @@ class CapsResult(Record):
 # -- isolation --
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class IsolationRow(Record):
     """A scenario's reader (medians) and its ratios to the solo reader of its kind."""
 
@@ -155,7 +153,7 @@ class IsolationRow(Record):
     machine_busy_pct: float | None = None
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class WriteCost(Record):
     cap: str | None
     storm_bw: float
@@ -168,7 +166,7 @@ class WriteCost(Record):
 Series = list[tuple[float, float]]  # (s, bytes/s)
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class Burst(Record):
     cap: str | None
     series: dict[str, Series]
@@ -179,7 +177,7 @@ class Burst(Record):
     env: dict[str, str] = field(default_factory=dict)
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class IsolationResult(Record):
     headline_cap: str
     sweep: list[str]
@@ -198,14 +196,14 @@ class IsolationResult(Record):
 # -- live change --
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class DelaySummary(Record):
     median_delay_ms: float
     max_delay_ms: float
     n: int
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class StepChange(Record):
     at_s: float
     from_: str = field(metadata=key("from"))
@@ -213,7 +211,7 @@ class StepChange(Record):
     settle_ms: float | None
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class Step(Record):
     block: int
     bin_s: float
@@ -222,7 +220,7 @@ class Step(Record):
     caps: list[str] = field(default_factory=list)
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class LiveChangeResult(Record):
     low: str
     high: str
@@ -235,7 +233,7 @@ class LiveChangeResult(Record):
 # -- fair share --
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class FairPhase(Record):
     phase: int
     active: list[int]
@@ -246,7 +244,7 @@ class FairPhase(Record):
     skipped_s: float = 0.0
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class FairshareResult(Record):
     cap: str
     phase_s: int
@@ -261,7 +259,7 @@ class FairshareResult(Record):
 # -- priorities --
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class ClassShare(Record):
     class_: str = field(metadata=key("class"))
     expected: float
@@ -270,7 +268,7 @@ class ClassShare(Record):
     error_backend_pct: float | None
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class PriorityScenario(Record):
     name: str
     low_min: str | None
@@ -278,7 +276,7 @@ class PriorityScenario(Record):
     windows: int = 0
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class PrioritiesResult(Record):
     backend: str
     weights: dict[str, int]
@@ -291,7 +289,7 @@ class PrioritiesResult(Record):
 # -- data loader --
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class LoaderFigures(Record):
     """Medians of an epoch (cold, cached) or of a big file's re-read (MB/s only)."""
 
@@ -302,7 +300,7 @@ class LoaderFigures(Record):
     samples: float | None = None
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class LoaderResult(Record):
     samples: int
     workers: int
@@ -315,14 +313,14 @@ class LoaderResult(Record):
 # -- storage-bound --
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class StorageFigures(Record):
     mb_per_s: float
     p99_ms: float
     p50_ms: float
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class StorageSide(Record):
     alone: StorageFigures
     storm_alone: StorageFigures
@@ -330,7 +328,7 @@ class StorageSide(Record):
     storm: StorageFigures
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class StorageResult(Record):
     sides: dict[str, StorageSide]  # bare, no-qos, policy
     reader_keeps_target: float
@@ -340,7 +338,7 @@ class StorageResult(Record):
 # -- envelope --
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class EnvelopeResult(Record):
     seconds: int
     files: int
@@ -351,7 +349,7 @@ class EnvelopeResult(Record):
 # -- training (DLIO) --
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class DlioShape(Record):
     """bench.training.Shape as written to JSON."""
 
@@ -364,7 +362,7 @@ class DlioShape(Record):
     read_threads: int
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class StormShape(Record):
     """bench.training.Storm as written to JSON."""
 
@@ -373,7 +371,7 @@ class StormShape(Record):
     interval: float
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class CheckpointRound(Record):
     round: int
     kind: str
@@ -389,7 +387,7 @@ class CheckpointRound(Record):
     errors: list[str] = field(default_factory=list)
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class PlanRow(Record):
     round: int
     way: str
@@ -402,7 +400,7 @@ class PlanRow(Record):
     error_in_force_pct: float | None = None
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class TrainingScenario(Record):
     label: str
     serve: str
@@ -418,7 +416,7 @@ class TrainingScenario(Record):
     cap_changes: Json = None
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class ShapeRun(Record):
     shape: DlioShape
     files: int
@@ -432,7 +430,7 @@ class ShapeRun(Record):
         return next((s for s in self.scenarios if s.label == label), None)
 
 
-@frozen
+@dataclass(frozen=True, kw_only=True)
 class TrainingResult(Record):
     shapes: dict[str, ShapeRun]
     storm: StormShape
