@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.context import Mounted, Run
+from bench.figures import CapsResult
 from bench.fio import JOBS_DIR, run_job
 from bench.sampler import StatusSampler, Window, error_pct, span_rates, steady
 from bench.system import drop_caches, wait_quiet
@@ -154,7 +155,7 @@ def _show(key: str, v: float) -> str:
     return f"{v / (1 << 20):.1f} MiB/s" if key.endswith("bandwidth") else f"{v:.0f} ops/s"
 
 
-def run(run: Run) -> dict[str, Any]:
+def run(run: Run) -> CapsResult:
     src = run.scratch("caps")
     # lay the workloads' files out on the backing directory (untimed, not via qosfs)
     for wl in WORKLOADS:
@@ -165,5 +166,6 @@ def run(run: Run) -> dict[str, Any]:
     with run.mount(src, POLICY) as m:
         caps = Caps(run, m)
         results = [caps.workload(wl) for wl in WORKLOADS]
-    return {"workloads": results, "runtime_s": caps.runtime,
-            "elapsed_s": round(time.monotonic() - t0, 1), "policy": POLICY.strip()}
+    return CapsResult.from_json({"workloads": results, "runtime_s": caps.runtime,
+                                 "elapsed_s": round(time.monotonic() - t0, 1),
+                                 "policy": POLICY.strip()})

@@ -1,9 +1,9 @@
 """What every suite of one benchmark run shares: fio, the scratch areas, the mode, and a
 way to mount qosfs over a scratch directory with a scenario's policy.
 
-A suite gets a :class:`Run` and returns plain data (a JSON-able dict); it never writes
-the report itself, so ``python -m bench all`` and a single suite render the same way
-(:mod:`bench.report`). Mountpoints, sockets, policy files and daemon logs live in
+A suite gets a :class:`Run` and returns its figures as a record of :mod:`bench.figures`;
+it never writes the report itself, so ``python -m bench all`` and a single suite render
+the same way (:mod:`bench.report`). Mountpoints, sockets, policy files and daemon logs live in
 ``work/`` on the scratch tmpfs, so nothing outlives the run.
 """
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.context import Run
+from bench.figures import EnvelopeResult
 from bench.fio import JOBS_DIR, run_job
 
 MiB = 1 << 20
@@ -105,7 +106,7 @@ def _null(run: Run, seconds: int) -> dict[str, float]:
         proc.wait(timeout=10)
 
 
-def run(run: Run) -> dict[str, Any]:
+def run(run: Run) -> EnvelopeResult:
     seconds = int(run.pick(5, 3))
     files = int(run.pick(5000, 2000))
     src = run.scratch("envelope")
@@ -128,4 +129,5 @@ def run(run: Run) -> dict[str, Any]:
             run.log(f"  envelope {side} rep {rep}: " + ", ".join(
                 f"{k} {v:,.1f}" for k, v in figures.items()))
     summary = {side: {key: [r[key] for r in rs] for key in rs[0]} for side, rs in runs.items()}
-    return {"seconds": seconds, "files": files, "reps": reps, "summary": summary}
+    return EnvelopeResult.from_json({"seconds": seconds, "files": files, "reps": reps,
+                                     "summary": summary})

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.context import Run
+from bench.figures import FairshareResult
 from bench.fio import JOBS_DIR, FioError, run_job
 from bench.sampler import Sample, StatusSampler, error_pct, mean_rate, windows
 from bench.system import BenchError
@@ -65,7 +66,7 @@ def phase_table(samples: list[Sample], t0: float, phase_s: int,
     return out
 
 
-def run(run: Run) -> dict[str, Any]:
+def run(run: Run) -> FairshareResult:
     if shutil.which("setpriv") is None:
         raise BenchError("setpriv not found (util-linux): needed to write as other uids")
     phase_s = int(run.pick(5, 4))  # whole seconds: fio's runtime
@@ -106,6 +107,7 @@ def run(run: Run) -> dict[str, Any]:
     series = {str(uid): [(round(w.mid - t0, 3), w.rate) for w in
                          windows(sampler.samples, ("user", "shared", uid), "write_bytes")]
               for uid in UIDS}
-    return {"cap": CAP, "uids": list(UIDS), "phase_s": phase_s, "schedule": SCHEDULE,
-            "idle_after_s": IDLE_AFTER,
-            "phases": table, "series": series, "policy": POLICY.strip()}
+    return FairshareResult.from_json({
+        "cap": CAP, "uids": list(UIDS), "phase_s": phase_s, "schedule": SCHEDULE,
+        "idle_after_s": IDLE_AFTER, "phases": table, "series": series,
+        "policy": POLICY.strip()})

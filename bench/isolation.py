@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.context import Mounted, Run
+from bench.figures import IsolationResult
 from bench.fio import JOBS_DIR, FioError, FioMetrics, parse_fio_json, run_job
 from bench.sampler import StatusSampler, windows
 from bench.system import CpuWatch, drop_caches, wait_quiet
@@ -181,7 +182,7 @@ def burst_figures(series: dict[str, list[tuple[float, float]]]) -> dict[str, flo
             "reader_between": sum(between) / len(between) if between else None}
 
 
-def run(run: Run) -> dict[str, Any]:
+def run(run: Run) -> IsolationResult:
     src = run.scratch("isolation")
     iso = Isolation(run, src)
     # lay the dataset out once, on the backing directory (through qosfs is only slower)
@@ -206,11 +207,11 @@ def run(run: Run) -> dict[str, Any]:
                 iso.storm(m, f"storm cap {cap}")
         cost = [iso.write_cost(m, cap) for cap in (None, HEADLINE_CAP)]
     bursts = [burst_series(run, src, cap) for cap in (None, HEADLINE_CAP)]
-    return {"runs": iso.runs, "sweep": list(SWEEP), "headline_cap": HEADLINE_CAP,
-            "write_cost": cost,
-            "reader_env": iso.reader_env, "storm_env": iso.storm_env,
-            "policy": policy(HEADLINE_CAP).strip(), "bursts": bursts,
-            "summary": summarize(iso.runs)}
+    return IsolationResult.from_json({
+        "runs": iso.runs, "sweep": list(SWEEP), "headline_cap": HEADLINE_CAP,
+        "write_cost": cost, "reader_env": iso.reader_env, "storm_env": iso.storm_env,
+        "policy": policy(HEADLINE_CAP).strip(), "bursts": bursts,
+        "summary": summarize(iso.runs)})
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.context import Run
+from bench.figures import LiveChangeResult
 from bench.system import REPO, BenchError
 from qosfs.control.ctl import Client, checked
 from qosfs.core.units import parse_bandwidth
@@ -229,7 +230,7 @@ def measure_step(run: Run) -> dict[str, Any]:
                        binned_rates(done, STEP_BLOCK, start, end, STEP_BIN)]}
 
 
-def run(run: Run) -> dict[str, Any]:
+def run(run: Run) -> LiveChangeResult:
     counts = ({"set": 2, "reload": 1, "cli-set": 1} if run.quick
               else {"set": 5, "reload": 3, "cli-set": 2})
     reps = measure_parked(run, counts)
@@ -238,5 +239,6 @@ def run(run: Run) -> dict[str, Any]:
         delays = [r["delay_ms"] for r in reps if r["method"] == method]
         summary[method] = {"median_delay_ms": statistics.median(delays),
                            "max_delay_ms": max(delays), "n": len(delays)}
-    return {"low": LOW, "high": HIGH, "repetitions": reps, "summary": summary,
-            "all_parked": all(r["parked_before"] for r in reps), "step": measure_step(run)}
+    return LiveChangeResult.from_json({
+        "low": LOW, "high": HIGH, "repetitions": reps, "summary": summary,
+        "all_parked": all(r["parked_before"] for r in reps), "step": measure_step(run)})

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.context import Run
+from bench.figures import LoaderResult
 from bench.system import drop_caches, wait_quiet
 
 MiB = 1 << 20
@@ -106,7 +107,7 @@ def _side_root(run: Run, side: str, src: Path, stack: Any) -> Path:
     return mounted.path
 
 
-def run(run: Run) -> dict[str, Any]:
+def run(run: Run) -> LoaderResult:
     from contextlib import ExitStack
 
     count = int(run.pick(8000, 3000))
@@ -144,5 +145,6 @@ def run(run: Run) -> dict[str, Any]:
                              for key in runs[0]}
                       for kind, runs in kinds.items()}
                for side, kinds in figures.items()}
-    return {"samples": count, "workers": WORKERS, "big_mib": big // MiB,
-            "reps": reps, "summary": summary, "runs": figures}
+    return LoaderResult.from_json({"samples": count, "workers": WORKERS,
+                                   "big_mib": big // MiB, "reps": reps, "summary": summary,
+                                   "runs": figures})

@@ -33,6 +33,7 @@ from typing import Any
 import pyfuse3
 import trio
 
+from bench.figures import HandlerCost, HandlerCosts
 from qosfs.passthrough.backing_io import BackingIO, IoMode
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import parse_policy
@@ -87,7 +88,7 @@ async def _round(fs: PassthroughOperations, top: Path, name: str) -> dict[str, f
     return {op: 1e6 * s / FILES for op, s in took.items()}
 
 
-def measure(scratch: Path, policy_text: str) -> dict[str, Any]:
+def measure(scratch: Path, policy_text: str) -> HandlerCosts:
     """Median handler microseconds per operation without and with *policy_text*."""
     sides: dict[str, PassthroughOperations] = {}
     fds = []
@@ -118,13 +119,13 @@ def measure(scratch: Path, policy_text: str) -> dict[str, Any]:
             os.close(fd)
         shutil.rmtree(scratch / "no-qos", ignore_errors=True)
         shutil.rmtree(scratch / "policy", ignore_errors=True)
-    out: dict[str, Any] = {"files": FILES, "rounds": ROUNDS, "ops": {}}
+    costs = {}
     for op in OPERATIONS:
         base = statistics.median(samples["no-qos"][op])
         pol = statistics.median(samples["policy"][op])
-        out["ops"][op] = {"no_qos_us": round(base, 2), "policy_us": round(pol, 2),
-                          "added_us": round(pol - base, 2)}
-    return out
+        costs[op] = HandlerCost(no_qos_us=round(base, 2), policy_us=round(pol, 2),
+                                added_us=round(pol - base, 2))
+    return HandlerCosts(files=FILES, rounds=ROUNDS, ops=costs)
 
 
 # -- admission: what every read, write and metadata request pays on the fast path ------
@@ -265,9 +266,8 @@ def run() -> int:
         io = io_handlers(Path(scratch), GENEROUS_POLICY)
     print(f"metadata handlers ({FILES} files x {ROUNDS} rounds, us per operation):")
     print(f"  {'':8s} {'no-qos':>8s} {'policy':>8s} {'added':>8s}")
-    for op, row in handlers["ops"].items():
-        print(f"  {op:8s} {row['no_qos_us']:8.2f} {row['policy_us']:8.2f} "
-              f"{row['added_us']:8.2f}")
+    for op, row in handlers.ops.items():
+        print(f"  {op:8s} {row.no_qos_us:8.2f} {row.policy_us:8.2f} {row.added_us:8.2f}")
     print(f"data handlers ({IO_CALLS} calls x {IO_ROUNDS} rounds, ns per call, syscall "
           "included):")
     print(f"  {'':12s} {'no-qos':>8s} {'policy':>8s}")

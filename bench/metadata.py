@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any
 
 from bench import machinery
 from bench.context import Run
+from bench.figures import MetadataResult
 from bench.overhead import NATIVE, NO_QOS, POLICY, Group, Row, Runner, Side, run_groups
 
 # A second --no-qos mount: the same pass-through twice, so the report shows how far two
@@ -32,6 +32,7 @@ META_CAP_POLICY = f"""
 meta_iops = {META_CAP}
 """
 SECTIONS = ("create", "stat", "open", "delete")
+FIO_ENGINES = ("filecreate", "filestat", "filedelete")  # what meta.fio needs of fio
 
 
 class MetaRunner(Runner):
@@ -67,7 +68,7 @@ class MetaRunner(Runner):
                 shutil.rmtree(os.path.join(d, sub), ignore_errors=True)
 
 
-def run(run: Run) -> dict[str, Any]:
+def run(run: Run) -> MetadataResult:
     nrfiles = int(run.pick(5000, 2000))
     capped = Side("meta-cap", META_CAP_POLICY)
     group = Group("meta", "meta", [
@@ -78,6 +79,7 @@ def run(run: Run) -> dict[str, Any]:
     ], sides=(NATIVE, NO_QOS, NO_QOS_AGAIN, POLICY, capped), reps=3,
         env={"NRFILES": str(nrfiles), "SETTLE": "1.5"})
     result = run_groups(run, [group], MetaRunner)
-    result["in_process"] = machinery.measure(run.scratch("machinery"), POLICY.policy or "")
+    result["in_process"] = machinery.measure(run.scratch("machinery"),
+                                             POLICY.policy or "").to_json()
     result.update(nrfiles=nrfiles, meta_cap=META_CAP, policy=META_CAP_POLICY.strip())
-    return result
+    return MetadataResult.from_json(result)

@@ -29,6 +29,7 @@ from typing import Any
 
 from bench import fio as fiolib
 from bench.context import Mounted, Run
+from bench.figures import OverheadResult
 from bench.fio import JOBS_DIR, FioError
 from bench.system import BenchError, CpuWatch, drop_caches, wait_quiet
 
@@ -290,11 +291,11 @@ def run_groups(run: Run, groups: list[Group], runner_cls: type[Runner] = Runner
     }
 
 
-def run(run: Run) -> dict[str, Any]:
+def run(run: Run) -> OverheadResult:
     """The overhead suite (see the module docstring)."""
     result = run_groups(run, data_groups(run))
     result["policy"] = GENEROUS_POLICY.strip()
-    return result
+    return OverheadResult.from_json(result)
 
 
 def _child_cpu() -> float:

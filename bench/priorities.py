@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.context import Run
+from bench.figures import PrioritiesResult
 from bench.fio import JOBS_DIR, FioError, run_job
 from bench.sampler import StatusSampler, error_pct, mean_rate, steady, windows
 from bench.system import BenchError, drop_caches, wait_quiet
@@ -130,10 +131,11 @@ def _scenario(run: Run, sc: Scenario, runtime: int) -> dict[str, Any]:
             "windows": len(span)}
 
 
-def run(run: Run) -> dict[str, Any]:
+def run(run: Run) -> PrioritiesResult:
     runtime = int(run.pick(10, 5))
-    return {"backend": BACKEND, "weights": {c: PRIORITY_WEIGHTS[c] for c in CLASSES},
-            "runtime_s": runtime, "writers": int(WRITERS),
-            "policy": POLICY.format(backend=BACKEND, low_min=f'# min_write_bandwidth = '
-                                    f'"{LOW_MIN}"  (second scenario)').strip(),
-            "scenarios": [_scenario(run, sc, runtime) for sc in SCENARIOS]}
+    return PrioritiesResult.from_json({
+        "backend": BACKEND, "weights": {c: PRIORITY_WEIGHTS[c] for c in CLASSES},
+        "runtime_s": runtime, "writers": int(WRITERS),
+        "policy": POLICY.format(backend=BACKEND, low_min=f'# min_write_bandwidth = '
+                                f'"{LOW_MIN}"  (second scenario)').strip(),
+        "scenarios": [_scenario(run, sc, runtime) for sc in SCENARIOS]})

@@ -19,23 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import qosfs
-from bench import (
-    caps,
-    envelope,
-    fairshare,
-    isolation,
-    live_change,
-    loader,
-    metadata,
-    overhead,
-    plots,
-    priorities,
-    report,
-    storage,
-    training,
-)
+from bench import plots, report
 from bench.context import Run, stderr_log
-from bench.fio import FioError, find_fio, fio_version, missing_engines
+from bench.fio import FioError, find_fio, fio_version
+from bench.suites import BY_NAME
 from bench.system import (
     REPO,
     BenchError,
@@ -45,23 +32,8 @@ from bench.system import (
     require_root,
     tmpfs_area,
 )
+from bench.typed import ResultMismatch
 from qosfs.core.errors import QosfsError
-
-# In report order. Each takes a Run and returns its figures as plain data.
-SUITES: dict[str, Callable[[Run], dict[str, Any]]] = {
-    "overhead": overhead.run,
-    "caps": caps.run,
-    "isolation": isolation.run,
-    "live-change": live_change.run,
-    "fairshare": fairshare.run,
-    "metadata": metadata.run,
-    "priorities": priorities.run,
-    "loader": loader.run,
-    "storage": storage.run,
-    "envelope": envelope.run,
-    "training": training.run,
-}
-META_ENGINES = ("filecreate", "filestat", "filedelete")
 
 
 @dataclass(frozen=True)
@@ -85,12 +57,7 @@ def _checks(names: list[str]) -> tuple[str, dict[str, str]]:
         raise BenchError(f"qosfs is imported from {here}, not this tree ({REPO}): run "
                          "`python -m bench` from the repository root")
     fio = find_fio()
-    skip = {}
-    missing = missing_engines(fio, META_ENGINES)
-    if missing and "metadata" in names:
-        skip["metadata"] = f"fio lacks the {', '.join(missing)} engine(s)"
-    if "training" in names and (why := training.missing()):
-        skip["training"] = why
+    skip = {name: why for name in names if (why := BY_NAME[name].unavailable(fio))}
     return fio, skip
 
 
@@ -111,7 +78,9 @@ def write(doc: dict[str, Any], out: Path, stem: str) -> Path:
     try:
         # REPORT's plots are report-*.png, so a single suite run later (its plots are
         # <name>.png) never replaces a plot REPORT.md shows
-        doc["plots"], errors = plots.draw(doc, out, "report-" if stem == "REPORT" else "")
+        jobs = [(name, fn, result) for suite, result in report.loaded(doc).values()
+                if not isinstance(result, ResultMismatch) for name, fn in suite.plots]
+        doc["plots"], errors = plots.draw(jobs, out, "report-" if stem == "REPORT" else "")
         if errors:
             doc["plots_error"] = "; ".join(errors)
     except ImportError:
@@ -201,8 +170,11 @@ def _one(run: Run, name: str, skip: str | None) -> dict[str, Any]:
         return {"error": f"skipped: {skip}", "result": None, "elapsed_s": 0.0}
     t0 = time.monotonic()
     try:
-        result = SUITES[name](run)
+        result = BY_NAME[name].runner(run).to_json()
         error = None
+    except ResultMismatch as exc:  # a runner whose figures its own record does not hold
+        result, error = None, f"figures do not match {BY_NAME[name].result.__name__}: {exc}"
+        run.log(f"  {name} failed: {error}")
     except (BenchError, FioError, QosfsError, OSError) as exc:
         result, error = None, str(exc).splitlines()[0][:300] or type(exc).__name__
         run.log(f"  {name} failed: {error}")

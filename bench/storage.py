@@ -18,6 +18,7 @@ from typing import Any
 
 from bench import demo
 from bench.context import Run
+from bench.figures import StorageResult
 from bench.fio import FioMetrics
 from bench.system import drop_caches
 
@@ -29,7 +30,7 @@ def _figures(m: FioMetrics) -> dict[str, float]:
             "p50_ms": m.clat_p50_us / 1e3}
 
 
-def run(run: Run) -> dict[str, Any]:
+def run(run: Run) -> StorageResult:
     if run.disk is None:
         raise ValueError("the storage suite needs a disk area (--disk-dir)")
     fio = run.fio
@@ -53,4 +54,5 @@ def run(run: Run) -> dict[str, Any]:
                 f"{alone.clat_p99_us / 1e3:.2f} ms; with storm {reader.bw_bytes / 1e6:.0f} "
                 f"MB/s p99 {reader.clat_p99_us / 1e3:.2f} ms; storm "
                 f"{storm.bw_bytes / 1e6:.0f} MB/s (alone {storm_alone.bw_bytes / 1e6:.0f})")
-    return {"sides": sides, "reader_keeps_target": READER_KEEPS, "p99_target": P99_AT_MOST}
+    return StorageResult.from_json({"sides": sides, "reader_keeps_target": READER_KEEPS,
+                                    "p99_target": P99_AT_MOST})

@@ -57,6 +57,7 @@ from typing import Any
 
 from bench.ckpt_storm import read_records
 from bench.context import Mounted, Run
+from bench.figures import TrainingResult
 from bench.system import REPO, BenchError, QosfsMount
 
 MiB = 1 << 20
@@ -520,7 +521,7 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def run(run: Run) -> dict[str, Any]:
+def run(run: Run) -> TrainingResult:
     why = missing()
     if why:
         raise BenchError(why)
@@ -528,6 +529,7 @@ def run(run: Run) -> dict[str, Any]:
     epochs = run.repetitions(3, 2)
     shapes = ["unet3d"] if run.quick else list(SHAPES)
     results = {name: _shape_run(run, SHAPES[name], storm, epochs) for name in shapes}
-    return {"shapes": results, "storm": asdict(storm), "epochs": epochs,
-            "latency_target": LATENCY_TARGET, "versions": _versions(),
-            "au_pass_pct": AU_PASS, "storm_keeps": STORM_KEEPS, "plan_pct": PLAN_PCT}
+    return TrainingResult.from_json({
+        "shapes": results, "storm": asdict(storm), "epochs": epochs,
+        "latency_target": LATENCY_TARGET, "versions": _versions(), "au_pass_pct": AU_PASS,
+        "storm_keeps": STORM_KEEPS, "plan_pct": PLAN_PCT})

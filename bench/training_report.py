@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 from statistics import mean, median
-from typing import Any
 
-from bench.sections import Doc, _plot, pct, table, verdict
+from bench.figures import ShapeRun, TrainingResult
+from bench.sections import Plots, pct, plot, table, verdict
 
 Rows = list[list[str]]
 MiB = float(1 << 20)
@@ -17,29 +17,25 @@ def _mean(xs: list[float]) -> float | None:
     return mean(xs) if xs else None
 
 
-def _scen(shape: dict[str, Any], label: str) -> dict[str, Any] | None:
-    return next((s for s in shape["scenarios"] if s["label"] == label), None)
-
-
-def au_of(shape: dict[str, Any], label: str) -> float | None:
+def au_of(shape: ShapeRun, label: str) -> float | None:
     """Mean AU (%) over the epochs of scenario *label*."""
-    s = _scen(shape, label)
-    return None if s is None else _mean(s["au_pct"])
+    s = shape.scenario(label)
+    return None if s is None else _mean(s.au_pct)
 
 
-def worst_plan_error(shape: dict[str, Any], serve: str,
+def worst_plan_error(shape: ShapeRun, serve: str,
                      key: str = "error_pct") -> float | None:
     """The round of scenario kind *serve* furthest from the planner (*key*: against the
     configured cap, or ``error_in_force_pct``: against the cap in force)."""
-    errs = [p[key] for s in shape["scenarios"] if s["serve"] == serve
-            for p in s["plan"] if p.get(key) is not None]
+    errs = [e for s in shape.scenarios if s.serve == serve
+            for p in s.plan if (e := getattr(p, key)) is not None]
     return max(errs, key=abs) if errs else None
 
 
-def targets(r: dict[str, Any], name: str) -> Rows:
+def targets(r: TrainingResult, name: str) -> Rows:
     """(what, figure, target, result) for shape *name* against the issue's targets."""
-    shape = r["shapes"][name]
-    keeps, au_pass, plan_pct = r["storm_keeps"], r["au_pass_pct"], r["plan_pct"]
+    shape = r.shapes[name]
+    keeps, au_pass, plan_pct = r.storm_keeps, r.au_pass_pct, r.plan_pct
     policy = au_of(shape, "default policy + storm")
     mount_alone, bare = au_of(shape, "no-qos"), au_of(shape, "bare + storm")
     free = au_of(shape, "no-qos + storm")
@@ -77,68 +73,68 @@ def targets(r: dict[str, Any], name: str) -> Rows:
     return rows
 
 
-def headline(r: dict[str, Any]) -> Rows:
-    return [row for name in r["shapes"] for row in targets(r, name)]
+def headline(r: TrainingResult) -> Rows:
+    return [row for name in r.shapes for row in targets(r, name)]
 
 
 def _secs(xs: list[float]) -> str:
     return "—" if not xs else f"{median(xs):.2f} / {max(xs):.2f} s"
 
 
-def _scenario_rows(shape: dict[str, Any]) -> Rows:
+def _scenario_rows(shape: ShapeRun) -> Rows:
     rows = []
-    for s in shape["scenarios"]:
-        rounds = s["rounds"]
-        au = s["au_pct"]
-        rows.append([s["label"], ", ".join(f"{a:.1f}" for a in au),
+    for s in shape.scenarios:
+        rounds = s.rounds
+        au = s.au_pct
+        rows.append([s.label, ", ".join(f"{a:.1f}" for a in au),
                      "—" if not au else f"{mean(au):.1f}%",
-                     "—" if not s["read_mib_s"] else f"{mean(s['read_mib_s']):.0f} MiB/s",
-                     str(len(rounds)) if s["storm"] else "—",
-                     ", ".join(f"{x['duration_s']:.1f}" for x in rounds) or "—",
-                     _secs([x["blocked_s"] for x in rounds])])
+                     "—" if not s.read_mib_s else f"{mean(s.read_mib_s):.0f} MiB/s",
+                     str(len(rounds)) if s.storm else "—",
+                     ", ".join(f"{x.duration_s:.1f}" for x in rounds) or "—",
+                     _secs([x.blocked_s for x in rounds])])
     return rows
 
 
-def _plan_rows(shape: dict[str, Any]) -> Rows:
+def _plan_rows(shape: ShapeRun) -> Rows:
     rows = []
-    for s in shape["scenarios"]:
-        cap = s.get("cap") or shape["cap"]
-        for p in s["plan"]:
-            in_force = p.get("cap_in_force")
-            rows.append([s["label"], str(p["round"]), p["way"], f"{p['bytes'] / MiB:.0f} MiB",
-                         f"{p['measured_s']:.2f} s", f"{cap / MiB:.0f} MiB/s",
-                         f"{p['planned_s']:.2f} s", pct(p["error_pct"]),
+    for s in shape.scenarios:
+        cap = s.cap or shape.cap
+        for p in s.plan:
+            in_force = p.cap_in_force
+            rows.append([s.label, str(p.round), p.way, f"{p.bytes / MiB:.0f} MiB",
+                         f"{p.measured_s:.2f} s", f"{cap / MiB:.0f} MiB/s",
+                         f"{p.planned_s:.2f} s", pct(p.error_pct),
                          "—" if in_force is None else f"{in_force / MiB:.0f} MiB/s",
-                         "—" if in_force is None else f"{p['planned_in_force_s']:.2f} s",
-                         "—" if in_force is None else pct(p["error_in_force_pct"])])
+                         "—" if in_force is None else f"{p.planned_in_force_s:.2f} s",
+                         "—" if in_force is None else pct(p.error_in_force_pct)])
     return rows
 
 
-def section(doc: Doc, r: dict[str, Any]) -> list[str]:
-    storm = r["storm"]
+def section(plots: Plots, r: TrainingResult) -> list[str]:
+    storm = r.storm
     lines = ["## Training I/O: DLIO's accelerator utilization under a PyTorch checkpoint "
              "storm", "",
              "MLPerf Storage's measure: DLIO emulates an accelerator that computes a fixed "
              "time per batch its PyTorch data loader delivers; AU = compute time / epoch "
-             f"time, pass line {r['au_pass_pct']:.0f}%. Each epoch is one DLIO run after the "
+             f"time, pass line {r.au_pass_pct:.0f}%. Each epoch is one DLIO run after the "
              "dataset's pages were evicted (posix_fadvise DONTNEED on the backing files and "
              "through the mount), so every epoch reads through the mount. The storm: "
-             f"{storm['ranks']} PyTorch ranks (gloo) saving {storm['shard'] / MiB:.0f} MiB "
-             f"each every {storm['interval']:.0f} s under `checkpoints/`, in turn "
+             f"{storm.ranks} PyTorch ranks (gloo) saving {storm.shard / MiB:.0f} MiB "
+             f"each every {storm.interval:.0f} s under `checkpoints/`, in turn "
              "`torch.save` and `dcp.save` (the step waits), a staged `torch.save` in a "
              "thread and `dcp.async_save` (training goes on). The latency-target scenario "
-             f"is the default policy with `target_read_latency = \"{r['latency_target']}\"` "
+             f"is the default policy with `target_read_latency = \"{r.latency_target}\"` "
              "on datasets instead of `target_read_slowdown`; the fixed-cap scenario is the "
              "default policy with the checkpoints cap lowered and no read target, so that "
              "nothing moves the cap. The storm's first round comes 5 s after it starts, "
              "about 3 s into the first epoch.", ""]
-    lines += _plot(doc, "training", "DLIO AU per scenario")
+    lines += plot(plots, "training", "DLIO AU per scenario")
     lines += ["", "Its figures against the targets are in the headline above."]
-    for name, shape in r["shapes"].items():
-        sh = shape["shape"]
-        lines += ["", f"### {name}: {shape['files']} files of "
-                  f"{sh['record_length'] / MiB:.2f} MiB, batch {sh['batch_size']}, "
-                  f"{sh['computation_time']} s compute per batch, on {shape['area']}", ""]
+    for name, shape in r.shapes.items():
+        sh = shape.shape
+        lines += ["", f"### {name}: {shape.files} files of "
+                  f"{sh.record_length / MiB:.2f} MiB, batch {sh.batch_size}, "
+                  f"{sh.computation_time} s compute per batch, on {shape.area}", ""]
         lines += table(["scenario", "AU per epoch (%)", "AU mean", "read", "checkpoints",
                         "each checkpoint's duration (s)",
                         "training waited (median / max)"], _scenario_rows(shape))
@@ -146,7 +142,7 @@ def section(doc: Doc, r: dict[str, Any]) -> list[str]:
         if plan:
             lines += ["", "Checkpoint rounds under the checkpoints cap against `qosfs plan` "
                       "(T = size × replicas / cap, replicas 1; burst "
-                      f"{shape['burst'] / MiB:.0f} MiB); a round is every rank's shard, "
+                      f"{shape.burst / MiB:.0f} MiB); a round is every rank's shard, "
                       "measured from the first rank's first write (after an asynchronous "
                       "save's staging, the in-memory copy its step waits for) to the last "
                       "rank's end. \"cap in "
@@ -160,7 +156,7 @@ def section(doc: Doc, r: dict[str, Any]) -> list[str]:
                             "planned", "error", "cap in force", "planned (in force)",
                             "error (in force)"], plan)
         lines += ["", "<details><summary>DLIO workload configuration</summary>", "",
-                  "```yaml", json.dumps(shape["config"], indent=1), "```", "", "</details>"]
-    versions = ", ".join(f"{k} {v}" for k, v in r["versions"].items())
-    lines += ["", f"Versions: {versions}. {r['epochs']} epoch(s) per scenario.", ""]
+                  "```yaml", json.dumps(shape.config, indent=1), "```", "", "</details>"]
+    versions = ", ".join(f"{k} {v}" for k, v in r.versions.items())
+    lines += ["", f"Versions: {versions}. {r.epochs} epoch(s) per scenario.", ""]
     return lines

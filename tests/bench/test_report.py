@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
-from bench.report import HEADLINES, headline, render
+from bench import headlines
+from bench.figures import MetadataResult
+from bench.report import headline, render
 from bench.session import write
 
 MiB = float(1 << 20)
@@ -145,9 +147,11 @@ def test_headline_shows_each_guarantee_against_its_target() -> None:
 @pytest.mark.parametrize(("twin", "expected"), [(4.4e3, "inconclusive"), (5.1e3, "**MISS**")])
 def test_a_metadata_miss_within_the_spread_of_two_identical_mounts_is_inconclusive(
         twin: float, expected: str) -> None:
-    meta = {"summary": [_row("stat", "stat", "iops", {"native": 100e3, "no-qos": 5e3,
-                                                      "no-qos-2": twin, "policy": 4.5e3})]}
-    (*_, mounted), = [r for r in HEADLINES["metadata"](meta) if "mount rates" in r[0]]
+    meta = MetadataResult.from_json({
+        "summary": [_row("stat", "stat", "iops", {"native": 100e3, "no-qos": 5e3,
+                                                  "no-qos-2": twin, "policy": 4.5e3})],
+        "nrfiles": 100, "meta_cap": 1000, "policy": "[z]"})
+    (*_, mounted), = [r for r in headlines.metadata(meta) if "mount rates" in r[0]]
     assert mounted == expected
 
 
@@ -182,13 +186,29 @@ def test_failed_suite_missing_plots_and_interruption_are_said() -> None:
     assert "![" not in text
 
 
-def test_a_result_this_version_cannot_read_spoils_only_its_own_rows() -> None:
+def test_a_result_this_version_cannot_read_is_named_with_its_field() -> None:
     doc = copy.deepcopy(fixture())
-    del doc["suites"]["caps"]["result"]["workloads"][0]["levels"][0]["worst_1s_pct"]
+    doc["suites"]["caps"]["result"]["workloads"][0]["levels"][0]["worst_1s_pct"] = "3%"
+    del doc["suites"]["fairshare"]["result"]["phase_s"]
     text = render(doc)
-    assert "caps: figures unreadable (KeyError: 'worst_1s_pct')" in text
-    assert "**Figures unreadable:** KeyError: 'worst_1s_pct'" in text
+    caps = ("caps: figures do not match this version of bench/ (REPORT.json: suites.caps."
+            "result.workloads[0].levels[0].worst_1s_pct: expected float, found str), not "
+            "rendered")
+    assert f"| {caps} | — | — |  |" in text  # its headline row
+    assert f"## caps\n\n**Not rendered:** {caps}.\n" in text  # its section, one line
+    assert "(REPORT.json: suites.fairshare.result.phase_s: missing)" in text
+    assert "## 2. Cap accuracy" not in text and "## 5. Fair share" not in text
     assert "## 3. Isolation" in text  # the others are all there
+
+
+def test_a_suite_measured_in_its_own_run_is_named_by_its_own_file() -> None:
+    doc = copy.deepcopy(fixture())
+    entry = doc["suites"]["priorities"]
+    entry["own_run"] = {"machine": doc["machine"], "config": doc["config"],
+                        "elapsed_s": 9.0, "file": "priorities.json"}
+    entry["result"]["backend"] = 100
+    assert "(priorities.json: suites.priorities.result.backend: expected str, found int)" \
+        in render(doc)
 
 
 def test_without_matplotlib_the_report_is_written_and_says_so(

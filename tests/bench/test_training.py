@@ -19,6 +19,7 @@ import yaml
 
 from bench import training
 from bench.ckpt_storm import WAYS, read_records
+from bench.figures import TrainingResult
 from bench.system import BenchError
 from bench.training_report import headline, section
 
@@ -226,13 +227,16 @@ def _scenario(label: str, serve: str, storm: bool, au: list[float],
                        error_in_force_pct=in_force[i])
         rows.append(row)
     return {"label": label, "serve": serve, "storm": storm, "au_pct": au,
-            "read_mib_s": [100.0] * len(au), "epochs": [], "cap": cap,
-            "rounds": [{"round": i, "duration_s": 2.0, "blocked_s": 2.0}
+            "read_mib_s": [100.0] * len(au), "epochs": [], "cap": cap, "burst": None,
+            "rounds": [{"round": i, "kind": "torch", "mode": "sync", "ranks": 2,
+                        "bytes": 768 * (1 << 20), "start": 10.0 * i, "end": 10.0 * i + 2.0,
+                        "duration_s": 2.0, "blocked_s": 2.0}
                        for i in range(len(plan))] if storm else [],
-            "plan": rows}
+            "plan": rows, "daemon_cpu_pct": None}
 
 
-def result() -> dict[str, Any]:
+def figures() -> dict[str, Any]:
+    """A training result as its JSON (what REPORT.json holds)."""
     shape = {"shape": {"name": "unet3d", "record_length": 16 * MiB, "files": 96,
                        "files_quick": 40, "batch_size": 4, "computation_time": 0.6,
                        "read_threads": 2},
@@ -252,6 +256,10 @@ def result() -> dict[str, Any]:
                                                    "interval": 8.0},
             "epochs": 2, "latency_target": "20ms", "versions": {"dlio_benchmark": "2.0.0"},
             "au_pass_pct": 90.0, "storm_keeps": 0.95, "plan_pct": 10.0}
+
+
+def result() -> TrainingResult:
+    return TrainingResult.from_json(figures())
 
 
 def test_headline_states_each_figure_against_its_target() -> None:
@@ -274,8 +282,7 @@ def test_headline_states_each_figure_against_its_target() -> None:
 
 
 def test_section_has_the_tables_and_the_configuration() -> None:
-    doc = {"plots": {"training": "report-training.png"}}
-    text = "\n".join(section(doc, result()))
+    text = "\n".join(section({"training": "report-training.png"}, result()))
     assert "![DLIO AU per scenario](report-training.png)" in text
     assert "| default policy + storm | 92.0, 93.0 | 92.5% | 100 MiB/s | 2 |" in text
     assert "| latency target + storm | 0 | torch/sync | 768 MiB | 2.00 s | 400 MiB/s | 1.60 s " \
@@ -296,7 +303,8 @@ def test_merge_puts_a_separate_run_first_and_says_so(tmp_path: Path) -> None:
                "git_commit": "def5678"}
     part = {"stem": "training", "machine": machine, "elapsed_s": 900.0,
             "config": {**report["config"], "command": "python -m bench training"},
-            "suites": {"training": {"result": result(), "error": None, "elapsed_s": 880.0}}}
+            "suites": {"training": {"result": figures(), "error": None,
+                                    "elapsed_s": 880.0}}}
     (tmp_path / "training.json").write_text(json.dumps(part))
     md = merge(tmp_path / "training.json", tmp_path)
     text = md.read_text()
