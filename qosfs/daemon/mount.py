@@ -43,7 +43,6 @@ from qosfs.control.exporter import MetricsServer
 from qosfs.control.protocol import default_socket_path
 from qosfs.control.server import ControlSocket
 from qosfs.control.service import ControlService
-from qosfs.core import interrupts
 from qosfs.core.errors import (
     EXIT_FUSE,
     EXIT_MOUNTPOINT,
@@ -58,6 +57,7 @@ from qosfs.daemon.notify import notify, reloading
 from qosfs.daemon.privileges import shed_resource_privileges
 from qosfs.daemon.supervise import Service, supervised
 from qosfs.daemon.topology import QOSFS_FSTYPE, check_before_stat, check_topology
+from qosfs.passthrough import interrupts
 from qosfs.passthrough.backing_io import BackingIO, IoMode, backing_mount, choose_io_mode
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import default_policy, load_policy
@@ -238,10 +238,11 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
     if cfg.qos and policy.cluster is not None:
         node = f"{socket.gethostname()}:{os.path.realpath(cfg.mountpoint)}"
         cluster = ClusterCoordinator(policy.cluster, node)
+    # Parked requests of killed callers are answered at once (qosfs.passthrough.interrupts).
     engine: PolicyQos | PassThroughQos = (
-        PolicyQos(policy, level_factory=cluster or local_level) if cfg.qos
-        else PassThroughQos())
-    if cfg.qos:  # parked requests of killed callers are answered at once
+        PolicyQos(policy, level_factory=cluster or local_level, callers=interrupts.WATCH)
+        if cfg.qos else PassThroughQos())
+    if cfg.qos:
         interrupts.install()
     # Unexpected failures of handlers and services, answered and counted, not fatal.
     failures = Failures()

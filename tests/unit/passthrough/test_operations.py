@@ -142,7 +142,7 @@ def test_a_bookkeeping_bug_after_the_syscall_still_answers_with_the_data(
     async def main() -> None:
         entry = await ops.lookup(pyfuse3.ROOT_INODE, b"f", _Ctx())
         info = await ops.open(entry.st_ino, os.O_RDWR, _Ctx())
-        ops.files[info.fh].flow.stats = _Broken()  # type: ignore[attr-defined]
+        ops.files[info.fh].charge.flow.stats = _Broken()  # type: ignore[assignment]
         assert bytes(await ops.read(info.fh, 0, 4)) == b"xxxx"
         assert await ops.write(info.fh, 0, b"yy") == 2
         await ops.release(info.fh)

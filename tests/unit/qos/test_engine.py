@@ -87,7 +87,7 @@ async def write_then_note(flow: PolicyFlow, done: list[float], writes: int = 1) 
 def test_files_of_one_class_tenant_and_user_share_one_flow() -> None:
     qos = PolicyQos(parse_policy(POLICY))
     a, b = open_flow(qos, "ckpt/a"), open_flow(qos, "ckpt/b")
-    assert a is b and a.open_files == 2 and a.cls.rule.name == "ckpt"
+    assert a is b and a.cls.rule.name == "ckpt"  # counted by opens (test_charge.py)
     assert open_flow(qos, "ckpt/a", uid=42) is not a  # another user
     assert open_flow(qos, "elsewhere").cls.rule.name == "default"
 
