@@ -490,12 +490,14 @@ class PassthroughOperations(pyfuse3.Operations):
         return opener(*args, flags & ~(os.O_DIRECT | os.O_EXCL)), False
 
     def _file_info(self, fd: int, direct: bool, flags: int, node: Inode,
-                   ctx: pyfuse3.RequestContext, owner: int) -> pyfuse3.FileInfo:
+                   ctx: pyfuse3.RequestContext, owner: int, writing: bool) -> pyfuse3.FileInfo:
+        """The handle of a new open (its charge classified as a *writing* open or not)
+        and what the kernel is told of its page cache."""
         accmode = flags & _ACCMODE
         kill_priv = False
         if accmode != os.O_RDONLY and ctx.uid != 0:
             kill_priv = bool(os.fstat(node.fd).st_mode & _SUID_SGID)
-        charge = OpenCharge(self.qos, self.paths, node, ctx, accmode != os.O_RDONLY)
+        charge = OpenCharge(self.qos, self.paths, node, ctx, writing)
         node.opens += 1
         fsuid = ctx.uid if self._write_as_caller else 0
         self.files[fd] = FileHandle(fd, direct, charge, node, kill_priv, fsuid, owner,
@@ -535,7 +537,8 @@ class PassthroughOperations(pyfuse3.Operations):
         except BaseException:
             self.open_quota.release(owner)
             raise
-        return self._file_info(fd, direct, flags, node, ctx, owner)
+        writing = (flags & _ACCMODE) != os.O_RDONLY
+        return self._file_info(fd, direct, flags, node, ctx, owner, writing)
 
     @fuse_handler
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
@@ -579,7 +582,9 @@ class PassthroughOperations(pyfuse3.Operations):
             os.close(fd)
             raise
         node = self._adopt(parent, name, opath, st)
-        return self._file_info(fd, direct, flags, node, ctx, owner), self._entry(node, st)
+        # Classified as a write whatever the access mode: it made the file.
+        return (self._file_info(fd, direct, flags, node, ctx, owner, True),
+                self._entry(node, st))
 
     async def read(self, fh: int, off: int, size: int) -> Any:
         # Hot path: no decorator frame, no logging, everything resolved at open. The only
