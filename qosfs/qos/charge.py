@@ -81,7 +81,7 @@ class OpenCharge:
     says they may be cut short.
     """
 
-    __slots__ = ("_engine", "_node", "_scattered", "_split_bytes", "_split_end",
+    __slots__ = ("_engine", "_inode", "_scattered", "_split_bytes", "_split_end",
                  "_split_ops", "_stream_left", "_stream_limit", "_stream_off", "flow",
                  "watching")
 
@@ -90,11 +90,13 @@ class OpenCharge:
         self.flow = flow = engine.open_flow(paths, node, ctx, writing)
         flow.open_files += 1
         self._engine = engine
-        self._node = node
         # Streaming detection: sequential bytes still to see before the move (0: not
         # watched or decided), the threshold (0: never moves, or moved already), where
         # the next sequential write would start, bytes written elsewhere.
         limit = engine.stream_threshold(flow) if writing else 0
+        # Where a watched open notes its bytes for a rename (the inode's one InodeCharge,
+        # kept for the inode's life: resolved once here, not per write).
+        self._inode = inode_charge(node) if limit else None
         self._stream_left = self._stream_limit = limit
         self._stream_off = -1
         self._scattered = 0
@@ -111,7 +113,8 @@ class OpenCharge:
         if off == self._split_end or CUT_MIN < n < MAX_WRITE:
             self._split_tail(off, n)
         if self._stream_limit:  # an uncapped writer that may turn out to be a checkpoint
-            state = inode_charge(self._node)
+            state = self._inode
+            assert state is not None  # made with a stream limit
             state.unnamed_bytes += n
             state.unnamed_flow = self.flow
             if self._stream_left:
