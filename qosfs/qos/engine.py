@@ -44,7 +44,7 @@ from qosfs.qos.accounting import AccountKey, Accounts
 from qosfs.qos.backend import BackendLevel, ClassPort, Share
 from qosfs.qos.bounds import ParkingLot
 from qosfs.qos.bucket import LevelLimits, Limit
-from qosfs.qos.charge import inode_charge
+from qosfs.qos.charge import InodeCharge
 from qosfs.qos.cluster import share_of
 from qosfs.qos.interface import (
     NO_CALLER_WATCH,
@@ -639,7 +639,9 @@ class PolicyQos:
         # field CallerKey gained, so the two cannot drift apart.
         key = (op, ctx.uid, ctx.gid, ctx.pid if self._needs_job else 0, self.generation,
                paths.epoch)
-        memo = inode_charge(node)  # the inode's QoS slot (qosfs.qos.charge.InodeCharge)
+        memo: InodeCharge | None = node.qos_memo  # the inode's slot (qosfs.qos.charge)
+        if memo is None:  # inlined inode_charge(): this runs on every metadata request
+            memo = node.qos_memo = InodeCharge()
         if memo.memo_key == key and _monotonic() < memo.memo_until:
             memoized: PolicyFlow = memo.memo_flow
             return memoized
