@@ -5,7 +5,7 @@ opens a file in it, and charges requests through that file's flow:
 :meth:`~qosfs.qos.engine.PolicyFlow.admit_read`, ``admit_write`` and ``admit_meta``, the
 calls the filesystem makes per request. So a test of a level also runs the coroutine-free
 fast path (``try_admit``), the parking lot's bounds (:mod:`qosfs.qos.bounds`) and the
-killed-caller scope (:mod:`qosfs.core.interrupts`) that every production request runs,
+killed-caller scope (the engine's ``CallerWatch``) that every production request runs,
 rather than a composition of its own that production never calls.
 
 Run under :func:`tests.mock_clock.mock_clock`: time only moves when every task waits.
@@ -14,24 +14,30 @@ Run under :func:`tests.mock_clock.mock_clock`: time only moves when every task w
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import trio
 
-from qosfs.core.interrupts import Caller
 from qosfs.core.limit_kinds import Kind
 from qosfs.policy.loading import parse_policy
 from qosfs.qos import engine as engine_module
 from qosfs.qos.bounds import ParkingLimits, ParkingLot
 from qosfs.qos.engine import PolicyFlow, PolicyQos
+from qosfs.qos.interface import NO_CALLER_WATCH, CallerWatch
 from qosfs.qos.levels import RateLevel
 
 MiB = 1 << 20
 GiB = 1 << 30
+
+# The CallerWatch the engines built by engine() get: the product's off-mount default,
+# or a test's Callers (which puts itself here for the test's duration).
+_watch: CallerWatch = NO_CALLER_WATCH
 
 
 def table(header: str, **settings: object) -> str:
@@ -48,7 +54,7 @@ def klass(name: str = "c", **settings: object) -> str:
 def engine(*tables: str, parking: ParkingLimits | None = None) -> PolicyQos:
     """The policy engine of the policy made of *tables*, with its parking lot bounded by
     *parking* (default: the product's bounds)."""
-    qos = PolicyQos(parse_policy("".join(tables)))
+    qos = PolicyQos(parse_policy("".join(tables)), callers=_watch)
     if parking is not None:
         qos.parking = ParkingLot(parking)  # flows opened from now on park here
     return qos
@@ -97,9 +103,15 @@ async def admit(flow: PolicyFlow, kind: Kind, nbytes: int = 0) -> float:
     return trio.current_time() - start
 
 
+@dataclass(frozen=True)
+class _Caller:
+    uid: int
+
+
 class Callers:
-    """Stands in for the FUSE request introspection (:mod:`qosfs.core.interrupts`) that a
-    mount installs: every request that parks is sent by a caller of uid *uid*, and gets
+    """Stands in for the FUSE request introspection (:mod:`qosfs.passthrough.interrupts`)
+    that a mount gives the engine as its ``CallerWatch``; engines built by :func:`engine`
+    while it is in place get it: every request that parks is sent by a caller of uid *uid*, and gets
     the cancel scope a FUSE INTERRUPT for a killed caller cancels; :meth:`kill` is that
     interrupt. The engine's side of it (EINTR, refunds, the parking lot left) is then
     the product's; telling a killed caller from a signalled one needs a mount
@@ -109,14 +121,13 @@ class Callers:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, uid: int = 0) -> None:
         self.uid = uid
         self.parked: list[trio.CancelScope] = []
-        monkeypatch.setattr(engine_module, "current_caller", self._current_caller)
-        monkeypatch.setattr(engine_module, "cancelled_if_killed", self._cancelled_if_killed)
+        monkeypatch.setattr(sys.modules[__name__], "_watch", self)
 
-    def _current_caller(self, size: int) -> Caller:
-        return Caller(0, self.uid, 0)
+    def current_caller(self, nbytes: int) -> _Caller:
+        return _Caller(self.uid)
 
     @contextmanager
-    def _cancelled_if_killed(self, caller: Caller | None) -> Iterator[trio.CancelScope]:
+    def cancelled_if_killed(self, caller: object | None) -> Iterator[trio.CancelScope]:
         with trio.CancelScope() as scope:
             if caller is None:  # a metadata request: pyfuse3 tells nothing of its caller
                 yield scope

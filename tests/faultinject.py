@@ -12,7 +12,7 @@ Faults (repeat ``--fault``):
 * ``read=CLASS``, ``write=CLASS``, ``meta=CLASS``: admission of a read, a write or a
   metadata operation (``PolicyFlow.admit_*``) raises ``ValueError`` for flows of CLASS
   (``meta`` needs a ``meta_iops`` cap somewhere, or metadata is not admitted at all);
-* ``release=CLASS``: letting go of an open of CLASS (``PolicyFlow.release``) raises
+* ``release=CLASS``: letting go of an open of CLASS (``OpenCharge.release``) raises
   ``KeyError``;
 * ``sampler=PATH``: the control service's rate sampler (a service on the daemon's event
   loop, once a second) raises ``RuntimeError`` while PATH exists.
@@ -31,13 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # qosfs of this
 
 from qosfs.control.snapshot import RateSampler
 from qosfs.daemon.cli import main
+from qosfs.qos.charge import OpenCharge
 from qosfs.qos.engine import PolicyFlow
 
 _FLOW_FAULTS: dict[str, tuple[str, type[Exception]]] = {
     "read": ("admit_read", ValueError),
     "write": ("admit_write", ValueError),
     "meta": ("admit_meta", ValueError),
-    "release": ("release", KeyError),
 }
 
 
@@ -51,6 +51,17 @@ def _break_flow(kind: str, cls: str) -> None:
         return original(self, *args)
 
     setattr(PolicyFlow, name, broken)
+
+
+def _break_release(cls: str) -> None:
+    original = OpenCharge.release
+
+    def broken(self: OpenCharge) -> None:
+        if self.flow.cls.rule.name == cls:  # type: ignore[attr-defined]
+            raise KeyError(f"injected release fault in class {cls}")
+        original(self)
+
+    OpenCharge.release = broken  # type: ignore[method-assign]
 
 
 def _break_sampler(trigger: str) -> None:
@@ -74,6 +85,8 @@ def run(argv: Sequence[str]) -> int:
         kind, _, what = fault.partition("=")
         if kind in _FLOW_FAULTS:
             _break_flow(kind, what)
+        elif kind == "release":
+            _break_release(what)
         elif kind == "sampler":
             _break_sampler(what)
         else:

@@ -342,10 +342,10 @@ class SnapshotCollector:
             yield errors
 
 
-# ctl status key -> metric: descriptors held for inodes (qosfs.passthrough.inodes), requests parked
-# for tokens and those refused past the parking lot's bounds (qosfs.qos.bounds), parked
-# requests answered because their caller was killed (qosfs.core.interrupts), and opens refused
-# past a uid's share of the daemon's descriptors (qosfs.passthrough.handles).
+# ctl status key -> metric: descriptors held for inodes (qosfs.passthrough.inodes), requests
+# parked for tokens and those refused past the parking lot's bounds (qosfs.qos.bounds),
+# parked requests answered because their caller was killed (qosfs.passthrough.interrupts),
+# and opens refused past a uid's share of the daemon's descriptors (qosfs.passthrough.handles).
 _RESOURCES = (
     ("inode_fds", "qosfs_inode_descriptors", "gauge",
      "Descriptors the daemon holds for inodes the kernel knows."),

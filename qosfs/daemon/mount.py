@@ -43,7 +43,6 @@ from qosfs.control.exporter import MetricsServer
 from qosfs.control.protocol import default_socket_path
 from qosfs.control.server import ControlSocket
 from qosfs.control.service import ControlService
-from qosfs.core import interrupts
 from qosfs.core.errors import (
     EXIT_FUSE,
     EXIT_MOUNTPOINT,
@@ -58,6 +57,7 @@ from qosfs.daemon.notify import notify, reloading
 from qosfs.daemon.privileges import shed_resource_privileges
 from qosfs.daemon.supervise import Service, supervised
 from qosfs.daemon.topology import QOSFS_FSTYPE, check_before_stat, check_topology
+from qosfs.passthrough import interrupts
 from qosfs.passthrough.backing_io import BackingIO, IoMode, backing_mount, choose_io_mode
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import default_policy, load_policy
@@ -239,11 +239,12 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
         node = f"{socket.gethostname()}:{os.path.realpath(cfg.mountpoint)}"
         cluster = ClusterCoordinator(policy.cluster, node)
     # The one place that knows which engine it built: everything after it holds a
-    # QosEngine, except the latency controller, which only a policy has use for.
-    policy_engine = (PolicyQos(policy, level_factory=cluster or local_level) if cfg.qos
-                     else None)
+    # QosEngine, except the latency controller, which only a policy has use for. Parked
+    # requests of killed callers are answered at once (qosfs.passthrough.interrupts).
+    policy_engine = (PolicyQos(policy, level_factory=cluster or local_level,
+                               callers=interrupts.WATCH) if cfg.qos else None)
     engine: QosEngine = policy_engine if policy_engine is not None else PassThroughQos()
-    if cfg.qos:  # parked requests of killed callers are answered at once
+    if cfg.qos:
         interrupts.install()
     # Unexpected failures of handlers and services, answered and counted, not fatal.
     failures = Failures()

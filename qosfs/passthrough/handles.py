@@ -3,7 +3,8 @@
 Everything a read or write needs is resolved at open and kept here, so the hot path is a
 dict lookup and an attribute read: the backing descriptor (one per open, never shared,
 because the open's flags matter), whether it was opened ``O_DIRECT`` and the alignment
-that asks for, and the QoS flow the open was classified into.
+that asks for, and the open's QoS charge (:class:`qosfs.qos.charge.OpenCharge`: the flow
+its requests are admitted by, and what may move it to another).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 
 from qosfs.passthrough.inodes import Inode
-from qosfs.qos.interface import Flow
+from qosfs.qos.charge import OpenCharge
 
 
 @dataclass(slots=True, eq=False)
@@ -22,7 +23,7 @@ class FileHandle:
 
     fd: int
     direct: bool  # backing fd has O_DIRECT: buffers must be aligned
-    flow: Flow  # the QoS flow (class/tenant/user levels) chosen at open
+    charge: OpenCharge  # what its requests are charged to (the flow), made at open
     inode: Inode
     kill_priv: bool = False  # clear setuid/setgid on the first write (unprivileged writer)
     fsuid: int = 0  # writes run with this fsuid when not 0 (see qosfs.daemon.privileges)
@@ -32,19 +33,6 @@ class FileHandle:
     # same file reopened without O_DIRECT at the first such request (-1: not yet).
     dio_mask: int = 0
     buffered: int = -1
-    # Streaming-write detection (PassthroughOperations._follow_stream): sequential bytes
-    # still to see before the open moves to the streaming class (0: not watched), the
-    # threshold, where the next sequential write would start, bytes written elsewhere.
-    stream_left: int = 0
-    stream_limit: int = 0
-    stream_off: int = -1
-    scattered: int = 0
-    # A write the kernel cut short at a page boundary (PassthroughOperations._split_tail):
-    # where its continuation would start (-1: none), and the bytes and ops of the caller's
-    # write so far.
-    split_end: int = -1
-    split_bytes: int = 0
-    split_ops: int = 0
 
 
 @dataclass(slots=True, eq=False)

@@ -52,7 +52,7 @@ import pyfuse3
 from qosfs.core import syscalls
 from qosfs.passthrough.fdcache import DeferredClose, FdCache
 
-log = logging.getLogger("qosfs.inodes")  # what journald shows: kept across moves
+log = logging.getLogger(__name__)
 
 _SYNTHETIC_BASE = 1 << 62  # above any real st_ino we expect; collisions are checked anyway
 _LOOKUP_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -91,8 +91,6 @@ class Inode:
         "referenced",
         "slot",
         "stale",
-        "unnamed_bytes",
-        "unnamed_flow",
     )
 
     def __init__(self, table: InodeTable, nodeid: int, key: tuple[int, int], lookups: int,
@@ -112,19 +110,15 @@ class Inode:
         self.referenced = True  # CLOCK bit (qosfs.passthrough.fdcache)
         self.slot = -1  # ring slot in the fd cache, -1 if not there
         self.stale = False  # let go of (unlinked, or gone): every use answers ESTALE
-        # Memos for classification, dropped with the inode: its path
-        # (qosfs.passthrough.paths) and how
-        # the QoS engine last classified a request on it (qosfs.qos.engine.PolicyQos).
+        # Its path, memoized for classification (qosfs.passthrough.paths).
         self.path_memo: tuple[int, float, str] | None = None
         # (size, mtime_ns, ctime_ns) of the backing file when the kernel's page cache of
         # it was last known good (qosfs.passthrough.operations: keep_cache); None after a
         # write through us.
         self.cache_stamp: tuple[int, int, int] | None = None
+        # The QoS layer's slot, opaque here (qosfs.qos.interface.Classified), dropped
+        # with the inode.
         self.qos_memo: Any = None
-        # Bytes written to it through an uncapped class (and that flow): a rename may show
-        # they were a checkpoint all along (safetensors writes ".tmpXXXXXX", then renames).
-        self.unnamed_bytes = 0
-        self.unnamed_flow: Any = None
 
     @property
     def fd(self) -> int:

@@ -2,8 +2,10 @@
 
 This module only translates FUSE requests into syscalls on the backing store, relative to
 descriptors (see :mod:`qosfs.passthrough.inodes`). What a request is charged to and when it may
-proceed is asked of the QoS engine (``self.qos``): the class of a file is chosen at
-open, where pyfuse3 tells us the caller, and kept in the handle.
+proceed is asked of the QoS layer: at open, where pyfuse3 tells us the caller, the handle
+gets an :class:`~qosfs.qos.charge.OpenCharge` from the engine (``self.qos``); every read
+and write is admitted by its flow, and what the filesystem did (a write, a rename, a
+release) is reported to it. No QoS decision is made here.
 
 Choices made here, each for a reason:
 
@@ -49,17 +51,19 @@ import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
-from qosfs.core import interrupts, syscalls
+from qosfs.core import syscalls
 from qosfs.core.failures import Failures
+from qosfs.passthrough import interrupts
 from qosfs.passthrough.backing_io import BackingIO
 from qosfs.passthrough.fdcache import DeferredClose
 from qosfs.passthrough.handles import DirHandle, FileHandle, OpenQuota
 from qosfs.passthrough.inodes import Inode, InodeTable, default_fd_budget
 from qosfs.passthrough.paths import PathBook
-from qosfs.qos.interface import Flow, QosEngine
+from qosfs.qos.charge import CUT_MIN, MAX_WRITE, OpenCharge, charge_renamed
+from qosfs.qos.interface import QosEngine
 from qosfs.qos.latency_probe import PROBE_XATTR
 
-log = logging.getLogger("qosfs.fs")  # what journald shows: kept across moves
+log = logging.getLogger(__name__)
 
 _F = TypeVar("_F", bound=Callable[..., Awaitable[Any]])
 _T = TypeVar("_T")
@@ -74,11 +78,6 @@ _FD_SHORTAGE = (errno.EMFILE, errno.ENFILE)
 # readdir lets other requests run every this many entries (~0.3 ms of work), see readdir.
 _READDIR_YIELD_MASK = 15
 _now_ns = time.perf_counter_ns
-# The largest write request: libfuse 3.14 caps max_write at its buffer of 256 pages, and
-# the kernel pins at most 256 pages per direct_io request. A request a page offset
-# shorter than that was cut at a page boundary (PassthroughOperations._split_tail).
-MAX_WRITE = 256 * mmap.PAGESIZE
-_SPLIT_MIN = MAX_WRITE - mmap.PAGESIZE
 
 
 def fuse_handler(fn: _F) -> _F:
@@ -453,35 +452,28 @@ class PassthroughOperations(pyfuse3.Operations):
             # classifications from them) is stale. After the call, so that one read while
             # the rename ran is dropped too.
             self.paths.renamed()
-        await self._charge_renamed(new, name_new, ctx)
+        await self._report_rename(new, name_new, ctx)
 
-    async def _charge_renamed(self, parent: Inode, name: bytes,
-                              ctx: pyfuse3.RequestContext) -> None:
-        """An atomic save just got its final name: bytes it wrote while its name put it in
-        an uncapped class are charged to the class of the final name (as debt, paid by
-        that class's next writes), so a cap holds over successive saves even for writers
-        whose temporary name says nothing (safetensors' ".tmpXXXXXX")."""
+    async def _report_rename(self, parent: Inode, name: bytes,
+                             ctx: pyfuse3.RequestContext) -> None:
+        """Tell the QoS layer which inode just got *name* and which opens it has: an
+        atomic save's final name may re-charge what it wrote under its temporary one
+        (:func:`qosfs.qos.charge.charge_renamed`)."""
         try:
             st = await self._meta(functools.partial(os.stat, dir_fd=parent.fd,
                                                     follow_symlinks=False), name)
         except OSError:
             return  # gone already (renamed again, unlinked): nothing to charge
         inode = self.inodes.find(st)
-        if inode is None or not inode.unnamed_bytes:
-            return
-        nbytes, charged = inode.unnamed_bytes, inode.unnamed_flow
-        inode.unnamed_bytes, inode.unnamed_flow = 0, None
-        flow = self.qos.charge_renamed(self.paths, inode, ctx, charged, nbytes)
-        if flow is None or not inode.opens:
-            return
-        # Still open (written, renamed, written on): its remaining writes go where the
-        # final name belongs.
-        for handle in self.files.values():
-            if handle.inode is inode and handle.stream_limit and handle.flow is not flow:
-                handle.flow.release()
-                flow.open_files += 1
-                handle.flow = flow
-                handle.stream_limit = handle.stream_left = 0
+        if inode is not None:
+            charge_renamed(self.qos, self.paths, inode, ctx, self._charges_of(inode))
+
+    def _charges_of(self, inode: Inode) -> list[OpenCharge]:
+        """The charges of *inode*'s open files."""
+        if not inode.opens:
+            return []
+        return [handle.charge for handle in self.files.values() if handle.inode is inode]
+
     # ----------------------------------------------------------------- files
 
     @staticmethod
@@ -497,20 +489,21 @@ class PassthroughOperations(pyfuse3.Operations):
         # A create's first attempt made the file before O_DIRECT was refused: reopen it.
         return opener(*args, flags & ~(os.O_DIRECT | os.O_EXCL)), False
 
-    def _file_info(self, fd: int, direct: bool, flow: Flow, flags: int,
-                   node: Inode, ctx: pyfuse3.RequestContext, owner: int) -> pyfuse3.FileInfo:
+    def _file_info(self, fd: int, direct: bool, flags: int, node: Inode,
+                   ctx: pyfuse3.RequestContext, owner: int, writing: bool) -> pyfuse3.FileInfo:
+        """The handle of a new open (its charge classified as a *writing* open or not)
+        and what the kernel is told of its page cache."""
         accmode = flags & _ACCMODE
         kill_priv = False
         if accmode != os.O_RDONLY and ctx.uid != 0:
             kill_priv = bool(os.fstat(node.fd).st_mode & _SUID_SGID)
+        charge = OpenCharge(self.qos, self.paths, node, ctx, writing)
         node.opens += 1
         fsuid = ctx.uid if self._write_as_caller else 0
-        handle = self.files[fd] = FileHandle(fd, direct, flow, node, kill_priv, fsuid, owner,
-                                             _dio_mask(fd) if direct else 0)
-        if accmode != os.O_RDONLY:
-            handle.stream_left = handle.stream_limit = self.qos.stream_threshold(flow)
+        self.files[fd] = FileHandle(fd, direct, charge, node, kill_priv, fsuid, owner,
+                                    _dio_mask(fd) if direct else 0)
         cache = self.options.cache
-        bypass = flow.direct_io_for(accmode)  # per class and access mode (PolicyFlow)
+        bypass = charge.flow.direct_io_for(accmode)  # per class and access mode
         if bypass or cache == "never":
             return pyfuse3.FileInfo(fh=fd, direct_io=True, keep_cache=False)
         return pyfuse3.FileInfo(fh=fd, direct_io=False,
@@ -545,8 +538,7 @@ class PassthroughOperations(pyfuse3.Operations):
             self.open_quota.release(owner)
             raise
         writing = (flags & _ACCMODE) != os.O_RDONLY
-        flow = self.qos.open_flow(self.paths, node, ctx, writing)
-        return self._file_info(fd, direct, flow, flags, node, ctx, owner)
+        return self._file_info(fd, direct, flags, node, ctx, owner, writing)
 
     @fuse_handler
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
@@ -590,8 +582,9 @@ class PassthroughOperations(pyfuse3.Operations):
             os.close(fd)
             raise
         node = self._adopt(parent, name, opath, st)
-        flow = self.qos.open_flow(self.paths, node, ctx, True)
-        return self._file_info(fd, direct, flow, flags, node, ctx, owner), self._entry(node, st)
+        # Classified as a write whatever the access mode: it made the file.
+        return (self._file_info(fd, direct, flags, node, ctx, owner, True),
+                self._entry(node, st))
 
     async def read(self, fh: int, off: int, size: int) -> Any:
         # Hot path: no decorator frame, no logging, everything resolved at open. The only
@@ -600,7 +593,7 @@ class PassthroughOperations(pyfuse3.Operations):
         # try blocks cost nothing until something is raised (Python 3.11).
         try:
             handle = self.files[fh]
-            flow = handle.flow
+            flow = handle.charge.flow  # may change (a streaming move): read per request
             # Admission may refuse (EAGAIN: too many parked) or give up (EINTR: killed).
             waited = await flow.admit_read(size) if flow.limited else 0.0
             mask = handle.dio_mask  # 0 unless O_DIRECT; allocates nothing when aligned
@@ -629,7 +622,8 @@ class PassthroughOperations(pyfuse3.Operations):
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         try:
             handle = self.files[fh]
-            flow = handle.flow
+            charge = handle.charge
+            flow = charge.flow
             waited = await flow.admit_write(len(buf)) if flow.limited else 0.0
             if handle.kill_priv:
                 handle.kill_priv = False
@@ -652,14 +646,10 @@ class PassthroughOperations(pyfuse3.Operations):
         handle.inode.cache_stamp = None  # the next open drops cached pages (keep_cache)
         try:
             flow.stats.record_write(n, waited, took)
-            if off == handle.split_end or _SPLIT_MIN < n < MAX_WRITE:
-                self._split_tail(handle, flow, off, n)
-            if handle.stream_limit:  # an uncapped writer that may turn out to be a checkpoint
-                node = handle.inode
-                node.unnamed_bytes += n
-                node.unnamed_flow = flow
-                if handle.stream_left:
-                    self._follow_stream(handle, off, n)
+            # The charge's own filter (see OpenCharge.wrote), inlined: most writes need
+            # nothing more, and a call per write would cost more than these two tests.
+            if charge.watching or CUT_MIN < n < MAX_WRITE:
+                charge.wrote(off, n)
         except Exception as exc:  # the data is written: say so, whatever the bookkeeping
             self.failures.record("write", exc, "answered with the bytes written")
         return n
@@ -713,54 +703,6 @@ class PassthroughOperations(pyfuse3.Operations):
         self.failures.record(where, exc, "answered EIO")
         return FUSEError(errno.EIO)
 
-    @staticmethod
-    def _split_tail(handle: FileHandle, flow: Flow, off: int, n: int) -> None:
-        """Charge a caller's write as the requests it would take from an aligned buffer.
-
-        Under direct_io the kernel sends a write straight from the caller's pages: one
-        request holds at most 256 pages, so a 1 MiB write from a buffer that starts 48
-        bytes into a page (a Python bytes object's data does) arrives as 1 MiB - 48 and
-        then 48 bytes. Two write ops for one write doubled what a ``write_iops`` cap
-        charged (1,024 ops for 512 MiB of 1 MiB writes). A request that starts where
-        such a short one ended is part of the same write; its op is given back unless the
-        write needs it (``ceil(bytes / MAX_WRITE)``). Runs only on those two kinds of
-        request: one integer comparison on every other write.
-        """
-        if off == handle.split_end:
-            total = handle.split_bytes + n
-            ops = -(-total // MAX_WRITE)
-            if ops == handle.split_ops:
-                flow.refund_write_op()
-                flow.stats.write_ops -= 1
-            handle.split_bytes, handle.split_ops = total, ops
-            # A full request means the write goes on: its tail may follow.
-            handle.split_end = off + n if n == MAX_WRITE else -1
-        else:  # 1 MiB less a page offset: a write cut short at a page boundary
-            handle.split_end, handle.split_bytes, handle.split_ops = off + n, n, 1
-
-    def _follow_stream(self, handle: FileHandle, off: int, n: int) -> None:
-        """Count a write of a watched open; once ``stream_limit`` bytes came in sequence
-        (with at most a quarter as much elsewhere), move the open to the streaming class
-        for the rest of its life. A writer that scatters as much as the limit is left
-        alone for good. Called after the write: the move applies from the next one."""
-        if off == handle.stream_off or handle.stream_off < 0:
-            handle.stream_left -= n
-        else:
-            handle.scattered += n
-        handle.stream_off = off + n
-        if handle.stream_left <= 0:
-            handle.stream_left = 0  # decided either way: stop watching
-            if handle.scattered * 4 <= handle.stream_limit:
-                old = handle.flow
-                new = self.qos.moved_to_streaming(old)
-                if new is not old:
-                    old.release()
-                    new.open_files += 1
-                    handle.flow = new
-                    handle.stream_limit = 0  # charged where it belongs from now on
-        elif handle.scattered >= handle.stream_limit:
-            handle.stream_left = 0  # a random writer, not a stream
-
     @fuse_handler
     async def flush(self, fh: int) -> None:
         # Writes are already on the backing store. On a network filesystem, closing a
@@ -768,7 +710,7 @@ class PassthroughOperations(pyfuse3.Operations):
         # (NFS reports them at close), so the caller's close() sees them.
         if self.io.mode.value == "threads":
             handle = self.files[fh]
-            await self.io.blocking(handle.flow.threads, _close_dup, handle.fd)
+            await self.io.blocking(handle.charge.flow.threads, _close_dup, handle.fd)
             return
         # On local filesystems a flush has nothing to do. ENOSYS makes the kernel stop
         # sending FLUSH for the rest of the mount (close() still returns 0), which saves a
@@ -780,10 +722,10 @@ class PassthroughOperations(pyfuse3.Operations):
         handle = self.files.pop(fh)
         try:
             self.open_quota.release(handle.owner)
-            handle.flow.release()
+            handle.charge.release()
         finally:  # whatever the bookkeeping did, a bug must not leak a descriptor per open
             handle.inode.opens -= 1
-            await self.io.blocking(handle.flow.threads, _close_file, handle.fd,
+            await self.io.blocking(handle.charge.flow.threads, _close_file, handle.fd,
                                    handle.buffered)
         if handle.inode.opens == 0 and handle.inode.lookups > 0:
             self.inodes.release_unlinked(handle.inode)
@@ -791,7 +733,8 @@ class PassthroughOperations(pyfuse3.Operations):
     @fuse_handler
     async def fsync(self, fh: int, datasync: bool) -> None:
         handle = self.files[fh]
-        await self.io.blocking(handle.flow.threads, os.fdatasync if datasync else os.fsync,
+        await self.io.blocking(handle.charge.flow.threads,
+                               os.fdatasync if datasync else os.fsync,
                                handle.fd)
 
     # ----------------------------------------------------------------- directories

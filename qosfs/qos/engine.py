@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from qosfs.core.interrupts import Caller, cancelled_if_killed, current_caller
 from qosfs.core.limit_kinds import BY_KEY, LIMIT_KINDS, default_burst
 from qosfs.policy.classify import CallerKey, Classifier, JobCache, compile_path_globs
 from qosfs.policy.model import ClassRule, Limits, Policy, stream_threshold
@@ -47,8 +46,17 @@ from qosfs.qos.accounting import AccountKey, Accounts
 from qosfs.qos.backend import BackendLevel, ClassPort, Share
 from qosfs.qos.bounds import ParkingLot
 from qosfs.qos.bucket import LevelLimits, Limit
+from qosfs.qos.charge import InodeCharge
 from qosfs.qos.explain import Asked, explain
-from qosfs.qos.interface import THREADS_PER_FLOW, Classified, Flow, PathSource
+from qosfs.qos.interface import (
+    NO_CALLER_WATCH,
+    THREADS_PER_FLOW,
+    Caller,
+    CallerWatch,
+    Classified,
+    Flow,
+    PathSource,
+)
 from qosfs.qos.levels import (
     FairShareGroup,
     Kind,
@@ -189,6 +197,7 @@ class PolicyFlow:
         "_accounts",
         "_chain",
         "backend",
+        "callers",
         "cls",
         "direct_io",
         "limited",
@@ -203,9 +212,11 @@ class PolicyFlow:
 
     def __init__(self, cls: ClassState, tenant: Level | None, backend: BackendLevel | None,
                  uid: int, tenant_name: str | None = None,
-                 accounts: Accounts | None = None, parking: ParkingLot | None = None) -> None:
+                 accounts: Accounts | None = None, parking: ParkingLot | None = None,
+                 callers: CallerWatch = NO_CALLER_WATCH) -> None:
         self.uid = uid
         self.parking = parking if parking is not None else ParkingLot()
+        self.callers = callers  # who a parked request's caller is (qosfs.qos.interface)
         self.limited = True  # admission also counts per level, so it is always called
         self.open_files = 0
         self.tenant = tenant
@@ -250,7 +261,8 @@ class PolicyFlow:
         start = try_admit(levels, _READ, nbytes)
         if start < 0:
             return 0.0
-        return await self._park(levels, start, _READ, nbytes, current_caller(nbytes))
+        return await self._park(levels, start, _READ, nbytes,
+                                self.callers.current_caller(nbytes))
 
     async def admit_write(self, nbytes: int) -> float:
         """As :meth:`admit_read`, for a write."""
@@ -258,7 +270,8 @@ class PolicyFlow:
         start = try_admit(levels, _WRITE, nbytes)
         if start < 0:
             return 0.0
-        return await self._park(levels, start, _WRITE, nbytes, current_caller(nbytes))
+        return await self._park(levels, start, _WRITE, nbytes,
+                                self.callers.current_caller(nbytes))
 
     async def admit_meta(self) -> None:
         levels = self._levels()
@@ -280,7 +293,7 @@ class PolicyFlow:
                 level.refund(kind, nbytes, 1)
             raise OSError(errno.EAGAIN, "too many requests waiting for tokens")
         try:
-            with cancelled_if_killed(caller):
+            with self.callers.cancelled_if_killed(caller):
                 return await admit_rest(levels, start, kind, nbytes)
             raise OSError(errno.EINTR, "caller killed while waiting for tokens")
         finally:
@@ -291,12 +304,12 @@ class PolicyFlow:
         refund_bytes(self._levels(), Kind.READ, nbytes)
 
     def refund_write_op(self) -> None:
-        """Give back the write op of a request that only finishes a caller's write the
-        kernel split at a page boundary (qosfs.passthrough.operations: ``_split_tail``);
-        its bytes stay
-        charged."""
+        """Give back the write op, charged and counted, of a request that only finishes a
+        caller's write the kernel split at a page boundary (:mod:`qosfs.qos.charge`); its
+        bytes stay charged."""
         for level in self._levels():
             level.refund(Kind.WRITE, 0, 1)
+        self.stats.write_ops -= 1
 
     @property
     def throttled_writes(self) -> bool:
@@ -330,9 +343,6 @@ class PolicyFlow:
             return True
         return cache == "auto" and accmode == os.O_WRONLY and self.throttled_writes
 
-    def release(self) -> None:
-        self.open_files -= 1
-
     def __repr__(self) -> str:
         return f"<PolicyFlow class={self.cls.rule.name} uid={self.uid} open={self.open_files}>"
 
@@ -342,8 +352,12 @@ class PolicyQos:
 
     needs_paths = True  # classes and tenants match path globs
 
-    def __init__(self, policy: Policy, level_factory: LevelFactory = local_level) -> None:
+    def __init__(self, policy: Policy, level_factory: LevelFactory = local_level,
+                 callers: CallerWatch = NO_CALLER_WATCH) -> None:
         self.level_factory = level_factory  # builds every class, user, tenant, backend level
+        # Who sends a parked request, and whether it is being killed: the mount's FUSE
+        # introspection (qosfs.passthrough.interrupts); nobody, off a mount.
+        self.callers = callers
         self.meta_limiter = trio.CapacityLimiter(THREADS_PER_FLOW)
         self.classes: dict[str, ClassState] = {}
         self.tenants: dict[str, Level] = {}
@@ -538,7 +552,8 @@ class PolicyQos:
         flow = self._flows.get(key)
         if flow is None:
             flow = PolicyFlow(self.classes[cls], self.tenants.get(tname) if tname else None,
-                              self.backend, uid, tname, self.accounts, self.parking)
+                              self.backend, uid, tname, self.accounts, self.parking,
+                              self.callers)
             self._flows[key] = flow
             self._all_flows.add(flow)
         return flow
@@ -547,7 +562,7 @@ class PolicyQos:
 
     def stream_threshold(self, flow: Flow) -> int:
         """Bytes of mostly sequential writes after which a writable open of *flow* moves
-        to the streaming class (``detect_streaming_writes``); 0: never (no such class, or *flow*'s
+        to the streaming class (:mod:`qosfs.qos.charge`); 0: never (no such class, or *flow*'s
         class caps writes itself or is that class)."""
         assert isinstance(flow, PolicyFlow)  # this engine's open_flow made it
         return stream_threshold(flow.cls.rule, self._streaming)
@@ -603,21 +618,20 @@ class PolicyQos:
         # field CallerKey gained, so the two cannot drift apart.
         key = (op, ctx.uid, ctx.gid, ctx.pid if self._needs_job else 0, self.generation,
                paths.epoch)
-        memo = node.qos_memo
-        now = _monotonic()
-        if memo is not None and memo[0] == key and now < memo[1]:
-            memoized: PolicyFlow = memo[2]
+        memo: InodeCharge | None = node.qos_memo  # the inode's slot (qosfs.qos.charge)
+        if memo is None:  # inlined inode_charge(): this runs on every metadata request
+            memo = node.qos_memo = InodeCharge()
+        if memo.memo_key == key and _monotonic() < memo.memo_until:
+            memoized: PolicyFlow = memo.memo_flow
             return memoized
         path, deadline = paths.relpath_until(node)
         flow = self._classified(path, CallerKey._make(key[:_CALLER_FIELDS]))
-        node.qos_memo = (key, deadline, flow)
+        memo.memo_key, memo.memo_until, memo.memo_flow = key, deadline, flow
         return flow
 
     def open_flow(self, paths: PathSource, node: Classified, ctx: pyfuse3.RequestContext,
                   writing: bool) -> PolicyFlow:
-        flow = self._memo_flow(paths, node, ctx, "write" if writing else "read")
-        flow.open_files += 1
-        return flow
+        return self._memo_flow(paths, node, ctx, "write" if writing else "read")
 
     async def admit_meta(self, paths: PathSource, node: Classified,
                          ctx: pyfuse3.RequestContext) -> None:

@@ -1,14 +1,21 @@
 """The one interface of a QoS engine, and the engine without a policy.
 
-The filesystem (:mod:`qosfs.passthrough.operations`) knows nothing about policies: at
-open it asks the engine for a *flow* (the set of rate levels a file's traffic is charged
-to), and on every read/write it asks the flow to admit the request. The control layer
-and the daemon (:mod:`qosfs.control.service`, :mod:`qosfs.daemon.mount`) see the same
-engine through the same protocol: the policy in force, swapping it, what a request would
-get (explain), and typed figures (:mod:`qosfs.qos.stats`). Nobody asks which engine
-it is: the engine without a policy answers every question too, with empty or neutral
-values. Token stores (in-process buckets, the cluster's shared caps) sit behind the
-engine, at :class:`qosfs.qos.levels.LevelFactory`, and change nothing here.
+The filesystem (:mod:`qosfs.passthrough.operations`) knows nothing about policies: at open
+it takes an :class:`~qosfs.qos.charge.OpenCharge`, which asks the engine for a *flow* (the
+set of rate levels a file's traffic is charged to), and on every read/write it asks that
+flow to admit the request. Keeping this seam small lets the engine change without touching
+the filesystem.
+
+The engine is given a :class:`CallerWatch` at construction: who sent the request being
+parked and whether its caller is being killed is FUSE's to know
+(:mod:`qosfs.passthrough.interrupts`), not the engine's.
+
+The control layer and the daemon (:mod:`qosfs.control.service`, :mod:`qosfs.daemon.mount`)
+see the same engine through the same protocol: the policy in force, swapping it, what a
+request would get (explain), and typed figures (:mod:`qosfs.qos.stats`). Nobody asks
+which engine it is: the engine without a policy answers every question too, with empty
+or neutral values. Token stores (in-process buckets, the cluster's shared caps) sit
+behind the engine, at :class:`qosfs.qos.levels.LevelFactory`, and change nothing here.
 
 :class:`PassThroughQos` is the engine without a policy (``--no-qos``): every request is
 counted in one flow and nothing waits.
@@ -17,6 +24,7 @@ counted in one flow and nothing waits.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
@@ -39,7 +47,8 @@ THREADS_PER_FLOW = 16
 class Classified(Protocol):
     """A filesystem object (an inode) the engine keeps its last classification on.
 
-    The engine owns the value; the filesystem only stores it (None: nothing memoized).
+    The QoS layer owns the value (:class:`qosfs.qos.charge.InodeCharge`); the filesystem
+    only stores it (None: nothing noted yet).
     """
 
     qos_memo: Any
@@ -78,9 +87,9 @@ class Flow(Protocol):
 
     def refund_read(self, nbytes: int) -> None: ...
 
-    def refund_write_op(self) -> None: ...  # a write the kernel split off a caller's write
-
-    def release(self) -> None: ...
+    def refund_write_op(self) -> None:
+        """Give back the op (charged and counted) of a request that only finishes a
+        caller's write the kernel split (:mod:`qosfs.qos.charge`)."""
 
 
 class QosEngine(Protocol):
@@ -101,7 +110,9 @@ class QosEngine(Protocol):
     cache_timeouts: Callable[[str], tuple[float | None, float | None]] | None
 
     def open_flow(self, paths: PathSource, node: Classified, ctx: pyfuse3.RequestContext,
-                  writing: bool) -> Flow: ...
+                  writing: bool) -> Flow:
+        """The flow an open of *node* by this caller is charged to (the open's
+        :class:`~qosfs.qos.charge.OpenCharge` counts it in ``open_files``)."""
 
     async def admit_meta(self, paths: PathSource, node: Classified,
                          ctx: pyfuse3.RequestContext) -> None: ...
@@ -158,6 +169,41 @@ class QosEngine(Protocol):
         the parking lot."""
 
 
+class Caller(Protocol):
+    """Who sent a request that must park (:meth:`CallerWatch.current_caller`)."""
+
+    @property
+    def uid(self) -> int:
+        """The caller's uid (who is charged the parked request's bounds)."""
+
+
+class CallerWatch(Protocol):
+    """What the engine may learn of the request being admitted, from the layer that
+    receives it: who sent it, and a cancel scope that ends its wait if its caller dies.
+    Asked only on the slow path, when a request must park."""
+
+    def current_caller(self, nbytes: int) -> Caller | None:
+        """The caller of the read/write of *nbytes* whose handler runs now (None: not
+        known). Must be called before the handler's first checkpoint."""
+
+    def cancelled_if_killed(self, caller: Caller | None) -> AbstractContextManager[object]:
+        """A cancel scope cancelled when *caller* is being killed (never, for None)."""
+
+
+class NoCallerWatch:
+    """The :class:`CallerWatch` of an engine off a mount (tests, benchmarks): no caller is
+    known, so a parked request is charged to its opener and never cancelled."""
+
+    def current_caller(self, nbytes: int) -> Caller | None:
+        return None
+
+    def cancelled_if_killed(self, caller: Caller | None) -> AbstractContextManager[object]:
+        return trio.CancelScope()
+
+
+NO_CALLER_WATCH = NoCallerWatch()
+
+
 class CountingFlow:
     """A flow that never waits and only counts (the traffic of a mount without policy)."""
 
@@ -188,10 +234,7 @@ class CountingFlow:
         return None
 
     def refund_write_op(self) -> None:
-        return None
-
-    def release(self) -> None:
-        self.open_files -= 1
+        self.stats.write_ops -= 1
 
 
 class PassThroughQos:
@@ -211,7 +254,6 @@ class PassThroughQos:
 
     def open_flow(self, paths: PathSource, node: Classified, ctx: pyfuse3.RequestContext,
                   writing: bool) -> CountingFlow:
-        self.flow.open_files += 1
         return self.flow
 
     async def admit_meta(self, paths: PathSource, node: Classified,

@@ -112,3 +112,39 @@ def test_a_layers_init_only_describes_it(layer: str) -> None:
     tree = ast.parse((PACKAGE / layer / "__init__.py").read_text())
     assert ast.get_docstring(tree), f"qosfs/{layer}/__init__.py says what the layer is for"
     assert len(tree.body) == 1, f"qosfs/{layer}/__init__.py holds more than its docstring"
+
+
+def _runtime_imports(tree: ast.AST) -> set[str]:
+    """Every module name *tree* imports outside ``if TYPE_CHECKING:`` blocks."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) \
+                and node.test.id == "TYPE_CHECKING":
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.add(node.module or "")
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+BELOW_PASSTHROUGH = [p for p in _modules()
+                     if (layer := _layer(_module_name(p))) is not None
+                     and LAYERS[layer] < LAYERS["passthrough"]]
+
+
+@pytest.mark.parametrize("path", BELOW_PASSTHROUGH, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_nothing_below_the_passthrough_imports_fuse(path: Path) -> None:
+    """FUSE is the pass-through's business: the engine learns of a request's caller only
+    through the ``CallerWatch`` it is given (qosfs.passthrough.interrupts). Type hints may
+    name ``pyfuse3.RequestContext`` (what a handler hands the engine), nothing more."""
+    fuse = {name for name in _runtime_imports(ast.parse(path.read_text(), str(path)))
+            if name.split(".")[0] == "pyfuse3"}
+    assert not fuse, f"{path.relative_to(PACKAGE)} imports {sorted(fuse)}"

@@ -125,7 +125,7 @@ def test_status_set_and_stats(ctl_mount: Mounted, capsys: pytest.CaptureFixture[
     assert capped["write_bytes"] == 3 * MiB and capped["write_ops"] >= 3
     # Histograms count requests; write_ops counts the caller's writes: one 3 MiB write
     # from an unaligned buffer arrives as 4 requests, charged 3 ops
-    # (qosfs.passthrough.operations._split_tail).
+    # (qosfs.qos.charge: split tails).
     requests = capped["latency"]["write_backend"]["count"]
     assert capped["write_ops"] <= requests <= capped["write_ops"] + 1
     code, out, _ = ctl(capsys, sock, "stats")

@@ -19,6 +19,8 @@ import trio
 from qosfs.core import syscalls
 from qosfs.passthrough.backing_io import BackingIO, IoMode
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
+from qosfs.policy.loading import parse_policy
+from qosfs.qos.engine import PolicyQos
 from qosfs.qos.interface import PassThroughQos
 
 
@@ -142,7 +144,7 @@ def test_a_bookkeeping_bug_after_the_syscall_still_answers_with_the_data(
     async def main() -> None:
         entry = await ops.lookup(pyfuse3.ROOT_INODE, b"f", _Ctx())
         info = await ops.open(entry.st_ino, os.O_RDWR, _Ctx())
-        ops.files[info.fh].flow.stats = _Broken()  # type: ignore[attr-defined]
+        ops.files[info.fh].charge.flow.stats = _Broken()  # type: ignore[assignment]
         assert bytes(await ops.read(info.fh, 0, 4)) == b"xxxx"
         assert await ops.write(info.fh, 0, b"yy") == 2
         await ops.release(info.fh)
@@ -282,3 +284,40 @@ def test_requests_o_direct_refuses_go_to_one_buffered_twin_closed_at_release(
         assert (tmp_path / "f").read_bytes() == b"a" * 4096 + b"tail"
 
     trio.run(main)
+
+
+CHARGED_POLICY = """
+[classes.ckpt]
+paths = ["ckpt/**"]
+write_bandwidth = "1GiB/s"
+write_iops = 100000
+detect_streaming_writes = "64MiB"
+"""
+
+
+def test_writes_and_renames_are_reported_to_the_opens_charge(tmp_path: Path) -> None:
+    """The wiring of qosfs.qos.charge (tested on its own in tests/unit/qos/test_charge.py):
+    a split write costs one op, a rename re-charges the bytes written under a name that said
+    nothing and moves the open still writing, and release leaves no open counted."""
+    (tmp_path / "ckpt").mkdir()
+    engine = PolicyQos(parse_policy(CHARGED_POLICY))
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    ops = PassthroughOperations(fd, BackingIO(IoMode.INLINE), engine, FsOptions())
+    tail = mmap.PAGESIZE * 256
+
+    async def main() -> None:
+        info, _ = await ops.create(pyfuse3.ROOT_INODE, b".tmp1", 0o644, os.O_WRONLY, _Ctx())
+        charge = ops.files[info.fh].charge
+        assert await ops.write(info.fh, 0, b"a" * (tail - 48)) == tail - 48
+        assert await ops.write(info.fh, tail - 48, b"b" * 48) == 48
+        assert charge.flow.stats.write_ops == 1  # one caller write, split by the kernel
+        ckpt = await ops.lookup(pyfuse3.ROOT_INODE, b"ckpt", _Ctx())
+        await ops.rename(pyfuse3.ROOT_INODE, b".tmp1", ckpt.st_ino, b"w.pt", 0, _Ctx())
+        assert engine.rename_charges == {"ckpt": tail}
+        assert charge.flow.open_files == 1 and "ckpt" in repr(charge.flow)
+        await ops.release(info.fh)
+
+    trio.run(main)
+    assert (tmp_path / "ckpt" / "w.pt").stat().st_size == tail
+    assert all(flow.open_files == 0 for flow in engine._flows.values())
+    assert engine.counters().rename_charged_bytes == {"ckpt": tail}

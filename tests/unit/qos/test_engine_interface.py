@@ -18,7 +18,7 @@ from qosfs.qos.explain import Asked
 from qosfs.qos.interface import PassThroughQos, QosEngine
 from qosfs.qos.stats import NO_COUNTERS, AutoCaps, EngineCounters, EngineStatistics
 from tests.mock_clock import mock_clock
-from tests.unit.qos.test_engine import POLICY, open_flow
+from tests.unit.qos.test_engine import POLICY, open_charge
 
 MiB = 1 << 20
 
@@ -70,7 +70,7 @@ def test_the_engine_without_a_policy_answers_with_neutral_values() -> None:
 @mock_clock
 async def test_the_policy_engine_reports_typed_statistics_and_its_own_counters() -> None:
     engine = PolicyQos(parse_policy(POLICY))
-    flow = open_flow(engine, "shared/x", uid=501)
+    flow = open_charge(engine, "shared/x", uid=501).flow
     await flow.admit_write(MiB)
     engine.set_auto_caps("ckpt", AutoCaps(write_bandwidth=5 * MiB))
     stats = engine.statistics()
@@ -91,7 +91,8 @@ async def test_the_policy_engine_reports_typed_statistics_and_its_own_counters()
 @mock_clock
 async def test_counters_follow_what_the_engine_does() -> None:
     engine = PolicyQos(parse_policy(POLICY))
-    writer = open_flow(engine, "ckpt/x")
+    charge = open_charge(engine, "ckpt/x")
+    writer = charge.flow
     await writer.admit_write(MiB)  # the burst
     async with trio.open_nursery() as nursery:
         nursery.start_soon(writer.admit_write, 4 * MiB)  # parks: 10 MiB/s
@@ -99,9 +100,9 @@ async def test_counters_follow_what_the_engine_does() -> None:
         parked = engine.counters()
         assert (parked.parked_requests, parked.parked_bytes) == (1, 4 * MiB)
     assert engine.counters().parked_requests == 0
-    writer.release()
-    shared = open_flow(engine, "shared/x", uid=501)
-    await shared.admit_write(MiB)
+    charge.release()
+    shared = open_charge(engine, "shared/x", uid=501)
+    await shared.flow.admit_write(MiB)
     shared.release()
     now = time.monotonic()
     assert engine.expire_idle_users(now) == 0  # seen active now

@@ -8,7 +8,9 @@ state for 35 s). pyfuse3 hands read/write handlers neither the caller (``fuse_re
 nor a way to register an interrupt callback (``fuse_req_interrupt_func``); both need the
 request's ``fuse_req_t``, which pyfuse3 keeps in its internal ``_Container``.
 
-So this module, only on the slow path of a request that must park:
+This is FUSE code, so it lives with the pass-through; the QoS engine reaches it only
+through the :class:`~qosfs.qos.interface.CallerWatch` it is given (:data:`WATCH`, passed by
+:func:`qosfs.daemon.mount.run_mount`). Only on the slow path of a request that must park:
 
 * learns the ``_Container`` of the request being started: pyfuse3 looks its
   ``fuse_read_async``/``fuse_write_async`` up by name at every request, so a thin
@@ -30,13 +32,15 @@ import ctypes
 import ctypes.util
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import pyfuse3
 import trio
 
-log = logging.getLogger("qosfs.interrupts")  # what journald shows: kept across moves
+from qosfs.qos.interface import Caller as QosCaller
+
+log = logging.getLogger(__name__)
 
 # pyfuse3 3.x ``_Container`` (handlers.pxi): PyObject_HEAD, dev_t rdev, fuse_file_info fi
 # (40 bytes), fuse_ino_t ino, fuse_ino_t parent, fuse_req_t req, int flags, mode_t mode,
@@ -107,7 +111,8 @@ def _noting(original: Any) -> Any:
 
 
 class Caller:
-    """The request being parked: its ``fuse_req_t`` and who sent it."""
+    """The request being parked: its ``fuse_req_t`` and who sent it (a
+    :class:`qosfs.qos.interface.Caller`)."""
 
     __slots__ = ("req", "tid", "uid")
 
@@ -141,13 +146,14 @@ def current_caller(size: int) -> Caller | None:
 
 
 @contextmanager
-def cancelled_if_killed(caller: Caller | None) -> Iterator[trio.CancelScope]:
+def cancelled_if_killed(caller: QosCaller | None) -> Iterator[trio.CancelScope]:
     """A cancel scope that FUSE INTERRUPT cancels when *caller* is being killed."""
     global _next_key  # noqa: PLW0603 (the hook's per-process state)
     with trio.CancelScope() as scope:
         if caller is None:
             yield scope
             return
+        assert isinstance(caller, Caller)  # made by current_caller()
         key = _next_key
         _next_key += 1
         _waiters[key] = scope
@@ -187,3 +193,18 @@ def _being_killed(tid: int) -> bool:
     except OSError:
         return True  # no such thread any more: nobody is waiting for the answer
     return False
+
+
+class FuseCallerWatch:
+    """The :class:`~qosfs.qos.interface.CallerWatch` of a mount: this module's functions,
+    for an engine that must not import FUSE. Knows callers only once :func:`install`
+    succeeded."""
+
+    def current_caller(self, nbytes: int) -> QosCaller | None:
+        return current_caller(nbytes)
+
+    def cancelled_if_killed(self, caller: QosCaller | None) -> AbstractContextManager[object]:
+        return cancelled_if_killed(caller)
+
+
+WATCH = FuseCallerWatch()
