@@ -61,16 +61,19 @@ def _texts(path: Path) -> Iterator[tuple[int, str]]:
 
 @functools.cache
 def _resolves(dotted: str) -> bool:
-    """Whether *dotted* is a module, or a module followed by attributes it has."""
+    """Whether *dotted* is a module, or a module followed by attributes it has (a class's
+    attribute may be only declared: a protocol's or a dataclass's field)."""
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
         try:
             found: object = importlib.import_module(".".join(parts[:cut]))
         except ImportError:
             continue
-        for attribute in parts[cut:]:
+        for n, attribute in enumerate(parts[cut:], cut + 1):
             if not hasattr(found, attribute):
-                return False
+                declared = any(attribute in vars(k).get("__annotations__", {})
+                               for k in getattr(found, "__mro__", ()))
+                return declared and n == len(parts)
             found = getattr(found, attribute)
         return True
     return False
