@@ -17,7 +17,7 @@ is built this way:
   exponential histogram at scale 0 gives too, and it keeps an observation at a few
   integer operations. Measured on the development VM (2 vCPU, CPython 3.11): the
   ``perf_counter_ns()`` pair plus ``record_read`` cost about 0.3 us per request
-  (``test_hot_path_cost_is_small`` in ``tests/unit/test_accounting.py`` prints it),
+  (``test_hot_path_cost_is_small`` in ``tests/unit/qos/test_accounting.py`` prints it),
   against 20-60 us for a FUSE round trip.
 * Two histograms per direction: the whole request (throttle wait + backing syscall) and
   the backing syscall alone. The second is the backend latency a latency-target

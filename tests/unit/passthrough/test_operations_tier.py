@@ -186,7 +186,7 @@ def test_namespace_changes_reach_the_backing_tree(fs: InProcessFs) -> None:
 def test_an_object_changed_underneath_answers_estale_and_is_left_alone(
         fs: InProcessFs) -> None:
     """The kernel checked permissions on what it looked up: acting as root on whatever
-    the name holds now would skip that check (qosfs.passthrough.operations._looked_up)."""
+    the name holds now would skip that check (``PassthroughOperations._looked_up``)."""
     ops, ctx = fs.ops, fs.ctx
     victim = fs.root / "victim"
     victim.write_bytes(b"old")
