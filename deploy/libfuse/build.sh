@@ -73,12 +73,6 @@ build_library() {
     if [ -f "$lib_stamp" ] && [ "$(cat "$lib_stamp")" = "$source_kind" ]; then
         return 0
     fi
-    # meson and ninja from PyPI, in the build's own venv.
-    tools=$build/tools
-    if [ ! -x "$tools/bin/meson" ] || [ ! -x "$tools/bin/ninja" ]; then
-        step "venv for meson" "$venv/bin/python" -m venv "$tools"
-        step "meson and ninja from PyPI" "$tools/bin/python" -m pip install -q meson ninja
-    fi
     # Debian's source package through a private source list: apt's own signature and
     # checksum checks, nothing under /etc/apt read or written.
     apt_dir=$build/apt
@@ -94,7 +88,7 @@ build_library() {
         if ! (cd "$build/src" && apt-get "$@" source --download-only "fuse3=$version") \
                 >>"$log" 2>&1; then
             version=$(apt-cache "$@" showsrc fuse3 2>>"$log" | sed -n 's/^Version: //p' | head -n1)
-            [ -n "$version" ] || fail "no fuse3 source package in $DEB_SUITE"
+            [ -n "$version" ] || fail "no fuse3 source package reachable ($DEB_MIRROR $DEB_SUITE)"
             dpkg --compare-versions "$version" ge $LIBFUSE_MIN || \
                 fail "$DEB_SUITE has fuse3 $version, older than $LIBFUSE_MIN"
             echo "fuse3 $LIBFUSE_DEB_VERSION is gone from $DEB_SUITE: building its $version" >&2
@@ -104,15 +98,25 @@ build_library() {
         fi
         rm -rf "$apt_dir/lists" "$apt_dir/cache"   # 25 MB of indexes, needed only once
     fi
+    # meson and ninja from PyPI, in the build's own venv.
+    tools=$build/tools
+    if [ ! -x "$tools/bin/meson" ] || [ ! -x "$tools/bin/ninja" ]; then
+        step "venv for meson" "$venv/bin/python" -m venv "$tools"
+        step "meson and ninja from PyPI" "$tools/bin/python" -m pip install -q meson ninja
+    fi
     upstream=${LIBFUSE_DEB_VERSION%-*}
     srcdir=$build/src/fuse3-$upstream
     rm -rf "$srcdir"
     (cd "$build/src" && step "dpkg-source -x" dpkg-source -x "fuse3_${LIBFUSE_DEB_VERSION}.dsc")
-    rm -rf "$build/bld" "$prefix"
+    rm -rf "$build/bld"
     step "meson setup" env PATH="$tools/bin:$PATH" "$tools/bin/meson" setup "$build/bld" "$srcdir" \
         --prefix="$prefix" --libdir=lib --bindir=/usr/bin --buildtype=release \
         -Dexamples=false -Dutils=false -Dtests=false -Denable-io-uring=false \
         -Duseroot=false -Dinitscriptdir=
+    step "ninja" env PATH="$tools/bin:$PATH" ninja -C "$build/bld"
+    # The prefix is replaced only once the new library is built: until then the venv's
+    # pyfuse3 keeps the one it is linked to.
+    rm -rf "$prefix"
     step "ninja install" env PATH="$tools/bin:$PATH" ninja -C "$build/bld" install
     echo "$source_kind" >"$lib_stamp"
 }
