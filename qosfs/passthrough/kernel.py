@@ -16,9 +16,13 @@ The kernel's rules this follows:
 - registering needs CAP_SYS_ADMIN;
 - a passthrough open must not keep the page cache (FOPEN_KEEP_CACHE: the kernel fails
   the open with EIO), so `attach` clears keep_cache;
-- one backing id per inode: opens of one inode share it (counted here), and every open of
-  an inode that has one must be replied with it (the kernel fails a plain open of such an
-  inode with EIO), so a caller either passes all opens of an inode through or none.
+- one backing id per inode: opens of one inode share it (counted here);
+- an inode's opens are all passed through or none (observed on 6.18): while one open is
+  passed through, the kernel fails any other open of the inode that is not (cached or
+  direct_io) with EIO, and while a cached open exists it fails a passed-through one.
+  So the daemon's own opens are counted too (`plain_open`, `plain_release`): `register`
+  declines while an inode has them, and `plain_open` tells when the inode is passed
+  through, where the caller must share its id (`register`) or refuse the open.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class PassthroughStats:
     registered: int
     refused: int
     last_refusal: str | None
+    declined: int = 0  # opens not passed through because the daemon served the inode
 
 
 class _WithBackingId(Protocol):
@@ -112,6 +117,8 @@ class KernelPassthrough:
     def __init__(self, binding: ModuleType | Any = pyfuse3) -> None:
         self._binding = binding
         self._ids: dict[int, list[int]] = {}  # inode -> [backing id, opens using it]
+        self._plain: dict[int, int] = {}  # inode -> opens the daemon serves
+        self._declined = 0
         self._capability: Capability | None = None
         self._registered = 0
         self._refused = 0
@@ -148,6 +155,9 @@ class KernelPassthrough:
             return entry[0]
         if not self.capability().available:
             return None
+        if inode in self._plain:
+            self._declined += 1
+            return None
         try:
             backing_id = int(self._binding.passthrough_open(fd))
         except OSError as exc:
@@ -177,6 +187,23 @@ class KernelPassthrough:
             # is gone either way.
             pass
 
+    def plain_open(self, inode: int) -> bool:
+        """Count an open of *inode* that the daemon serves; False (and nothing counted) if
+        *inode* is passed through now: the kernel would fail that open, so the caller
+        shares the id (`register`) or refuses the open."""
+        if inode in self._ids:
+            return False
+        self._plain[inode] = self._plain.get(inode, 0) + 1
+        return True
+
+    def plain_release(self, inode: int) -> None:
+        """One open of *inode* that `plain_open` counted was released."""
+        left = self._plain.get(inode, 0) - 1
+        if left > 0:
+            self._plain[inode] = left
+        else:
+            self._plain.pop(inode, None)
+
     def backing_id(self, inode: int) -> int | None:
         """The id *inode*'s opens share now, if any."""
         entry = self._ids.get(inode)
@@ -184,7 +211,8 @@ class KernelPassthrough:
 
     def statistics(self) -> PassthroughStats:
         return PassthroughStats(live=len(self._ids), registered=self._registered,
-                                refused=self._refused, last_refusal=self._last_refusal)
+                                refused=self._refused, last_refusal=self._last_refusal,
+                                declined=self._declined)
 
     def __repr__(self) -> str:
         s = self.statistics()

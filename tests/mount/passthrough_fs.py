@@ -9,7 +9,9 @@ daemon, the interface's counters, the capability).
         [--no-passthrough] [--unpatched] [--stack-depth N]
 
 --no-passthrough: passthrough is not requested at INIT (an old kernel or libfuse looks the
-same to the caller); --unpatched: the interface sees a pyfuse3 without the patch.
+same to the caller); --unpatched: the interface sees a pyfuse3 without the patch. An open
+with O_NONBLOCK stands for one the daemon must serve itself (as a capped or writing open
+will): it is passed through only if the inode already is, since the kernel would fail it.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class TinyPassthrough(pyfuse3.Operations):
                             if os.path.isfile(os.path.join(source, n)))
         self.inodes = {name: FIRST_FILE_INODE + i for i, name in enumerate(self.names)}
         self.reads = 0  # read requests for source files that reached the daemon
-        self.opens: dict[int, tuple[int, bool]] = {}  # fh (the fd) -> (inode, registered)
+        self.opens: dict[int, tuple[int, bool]] = {}  # fh (the fd) -> (inode, passed through)
 
     def path(self, inode: int) -> str:
         return os.path.join(self.source, os.fsdecode(self.names[inode - FIRST_FILE_INODE]))
@@ -52,7 +54,8 @@ class TinyPassthrough(pyfuse3.Operations):
         cap = self.kernel.capability()
         return json.dumps({
             "reads": self.reads, "live": s.live, "registered": s.registered,
-            "refused": s.refused, "last_refusal": s.last_refusal, "open_files": len(self.opens),
+            "refused": s.refused, "last_refusal": s.last_refusal, "declined": s.declined,
+            "open_files": len(self.opens),
             "available": cap.available, "reason": cap.reason, "pid": os.getpid(),
         }).encode() + b"\n"
 
@@ -105,7 +108,11 @@ class TinyPassthrough(pyfuse3.Operations):
         except OSError as exc:
             raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
         info = pyfuse3.FileInfo(fh=fd)
-        backing_id = self.kernel.register(inode, fd)
+        backing_id = None
+        if not flags & os.O_NONBLOCK or not self.kernel.plain_open(inode):
+            backing_id = self.kernel.register(inode, fd)
+            if backing_id is None:  # refused or declined: the daemon serves it
+                self.kernel.plain_open(inode)
         if backing_id is not None:
             attach(info, backing_id)
         self.opens[fd] = (inode, backing_id is not None)
@@ -124,6 +131,8 @@ class TinyPassthrough(pyfuse3.Operations):
         os.close(fh)
         if registered:
             self.kernel.unregister(inode)
+        else:
+            self.kernel.plain_release(inode)
 
 
 def main(argv: list[str] | None = None) -> int:

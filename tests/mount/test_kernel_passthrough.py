@@ -163,3 +163,30 @@ def test_without_passthrough_the_daemon_serves_reads(
     s = stats(m.mountpoint)
     assert not s["available"] and reason in s["reason"]
     assert s["reads"] > 0 and s["registered"] == 0 and s["refused"] == 0 and s["live"] == 0
+
+
+def test_an_inode_the_daemon_serves_is_not_passed_through_meanwhile(
+        mount: Callable[..., QosfsMount], source: Path) -> None:
+    # The kernel fails an open that mixes modes on one inode (EIO): the interface keeps
+    # them apart. O_NONBLOCK marks an open the daemon must serve (see passthrough_fs).
+    m = passthrough_mount(mount, source)
+    path = m.mountpoint / "data.bin"
+    expected = digest((source / "data.bin").read_bytes()[:MiB])
+
+    served = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    eligible = os.open(path, os.O_RDONLY)  # declined: the daemon serves the inode
+    assert digest(os.pread(eligible, MiB, 0)) == expected
+    s = stats(m.mountpoint)
+    assert s["declined"] == 1 and s["live"] == 0 and s["reads"] > 0
+    os.close(served)
+    os.close(eligible)
+
+    passed = os.open(path, os.O_RDONLY)
+    shared = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # shares the id, not served
+    reads_before = stats(m.mountpoint)["reads"]
+    assert digest(os.pread(shared, MiB, 0)) == expected
+    assert stats(m.mountpoint)["reads"] == reads_before
+    os.close(passed)
+    os.close(shared)
+    s = stats(m.mountpoint)
+    assert s["live"] == 0 and s["open_files"] == 0 and s["registered"] == 1

@@ -97,3 +97,21 @@ def test_request_asks_at_init_without_the_writeback_cache() -> None:
                          "max_backing_stack_depth": 1}
     with pytest.raises(ValueError, match="stack_depth must be 0 or 1, not 2"):
         kernel.request(ops, stack_depth=2)
+
+
+def test_an_inode_is_passed_through_or_served_never_both() -> None:
+    kp = KernelPassthrough(FakeBinding())
+    assert kp.plain_open(7)
+    assert kp.register(7, fd=10) is None  # the daemon serves inode 7: declined
+    assert kp.statistics().declined == 1 and kp.statistics().refused == 0
+    kp.plain_release(7)
+    backing_id = kp.register(7, fd=11)
+    assert backing_id is not None
+    assert not kp.plain_open(7)  # passed through now: the caller shares or refuses
+    assert kp.register(7, fd=12) == backing_id
+    kp.unregister(7)
+    kp.unregister(7)
+    assert kp.plain_open(7)
+    kp.plain_release(7)
+    kp.plain_release(7)  # an extra release changes nothing
+    assert kp.register(7, fd=13) is not None
