@@ -14,10 +14,13 @@
 # Why each choice (README.md, "Kernel passthrough", has the costs):
 # - libfuse: the system's when pkg-config finds fuse3 >= 3.17.3. Otherwise Debian's own
 #   source package, fetched with apt-get through a source list private to this build (the
-#   system's apt configuration is not touched), from Debian testing: 3.18.3 there carries
-#   the want/want_ext conversion fixes of 3.17.3 (trixie's 3.17.2 lacks them, and pyfuse3
-#   writes conn.want directly). The version is pinned so every machine builds the same
-#   thing; if testing has moved on, its current fuse3 is taken if it is >= 3.17.3.
+#   system's apt configuration is not touched), from Debian testing (forky; sid has the
+#   same 3.18.3-1). 3.18.3 has upstream's want/want_ext conversion fixes of 3.17.3 in full;
+#   upstream 3.17.2 lacks them, and pyfuse3 writes conn.want directly. (Trixie's 3.17.2-3
+#   carries Debian's backport, which makes the conversion non-fatal, and negotiated
+#   passthrough in a trial here too; the upstream release was preferred to a partial
+#   backport.) The version is pinned so every machine builds the same thing; if testing
+#   has moved on, its current fuse3 is taken if it is >= 3.17.3.
 # - meson and ninja from PyPI, in a venv of the build's own (nothing system-wide).
 # - Only the library (no utils, examples, tests, io_uring): fusermount3 stays the
 #   system's. libfuse runs $bindir/fusermount3, so bindir is set to /usr/bin (nothing is
@@ -143,7 +146,11 @@ build_pyfuse3() {
 }
 
 build_passthrough_hp() {
-    [ -d "$build/bld" ] || fail "no libfuse build tree in $build (run without passthrough_hp first)"
+    case $source_kind in system*) fail "passthrough_hp comes from the source build (system libfuse in use)" ;; esac
+    if [ ! -f "$build/bld/build.ninja" ]; then   # build/ removed, the venv kept
+        rm -f "$lib_stamp"
+        build_library
+    fi
     step "meson configure (examples)" env PATH="$build/tools/bin:$PATH" \
         "$build/tools/bin/meson" configure "$build/bld" -Dexamples=true
     step "ninja passthrough_hp" env PATH="$build/tools/bin:$PATH" \
