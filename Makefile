@@ -4,6 +4,8 @@
 #               (what .ci/run runs)
 #   make bench  install, run every benchmark suite, write bench/results/REPORT.md
 #               (the training suite alone took 19 min here; make bench-quick: shorter, noisier)
+#   make passthrough-hp   libfuse's C++ example passthrough_hp, the bench's peer (from the
+#                         same source as the libfuse that make deps builds)
 #   make install          qosfs in its own virtualenv, /usr/local/bin/qosfs, the systemd
 #                         unit, the samples, shell completions and the man page
 #                         (PREFIX, DESTDIR respected)
@@ -18,8 +20,11 @@ PY     := $(VENV)/bin/python
 # TLS test's certificate; prometheus: promtool (check metrics/rules, test rules) and the
 # server the dashboard test scrapes a live mount with; tmux: the terminal `qosfs top` is
 # tested in.
+# build-essential, dpkg-dev: kernel passthrough needs libfuse >= 3.17, which deploy/libfuse/
+# builds from Debian's source package where the system's is older (dpkg-source unpacks it,
+# cc compiles it and pyfuse3; g++ the bench's passthrough_hp).
 SYSTEM_PACKAGES := fuse3 libfuse3-dev pkg-config fio systemd e2fsprogs redis-server openssl \
-	prometheus tmux
+	prometheus tmux build-essential dpkg-dev
 
 # make install: where things go. DESTDIR stages them (packaging, tests) without touching
 # the real system; the installed files refer to PREFIX paths only.
@@ -34,10 +39,10 @@ ZSHCOMPDIR  := $(PREFIX)/share/zsh/site-functions
 MAN1DIR     := $(PREFIX)/share/man/man1
 CONFDIR := /etc/qosfs
 
-.PHONY: deps system-deps venv demo test lint bench-deps bench bench-quick clean \
-	install install-python install-files install-cli-docs uninstall
+.PHONY: deps system-deps venv kernel-passthrough passthrough-hp demo test lint bench-deps \
+	bench bench-quick clean install install-python install-files install-cli-docs uninstall
 
-deps: system-deps venv
+deps: system-deps venv kernel-passthrough
 
 # System packages come from the distribution; apt-get runs only if one is missing.
 system-deps:
@@ -55,6 +60,17 @@ $(PY): pyproject.toml
 	@touch $(PY)
 
 venv: $(PY)
+
+# libfuse >= 3.17 and pyfuse3 patched for kernel passthrough, into the venv (its prefix is
+# $(VENV)/opt/libfuse; sources and build tree in $(LIBFUSE_BUILD)); see deploy/libfuse/
+# build.sh. Does nothing when already built (its stamp). If it cannot be built (e.g. no
+# Debian source reachable) it says so in one line and qosfs runs without passthrough.
+LIBFUSE_BUILD ?= build/libfuse
+kernel-passthrough: venv
+	@deploy/libfuse/build.sh $(VENV) $(LIBFUSE_BUILD) || true
+
+passthrough-hp: deps
+	deploy/libfuse/build.sh $(VENV) $(LIBFUSE_BUILD) passthrough_hp
 
 demo: deps
 	$(PY) -m bench demo
@@ -136,5 +152,7 @@ uninstall:
 	rm -f $(DESTDIR)$(BASHCOMPDIR)/qosfs $(DESTDIR)$(ZSHCOMPDIR)/_qosfs $(DESTDIR)$(MAN1DIR)/qosfs.1
 	rm -rf $(DESTDIR)$(LIBDIR) $(DESTDIR)$(DOCDIR)
 
+# The venv holds the libfuse that make deps built (and pyfuse3 linked to it), build/ its
+# sources: both go, and the next make deps builds them again.
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,177 @@
+#!/bin/sh
+# Kernel FUSE passthrough for qosfs: libfuse >= 3.17 and pyfuse3 patched to expose it.
+#
+#   deploy/libfuse/build.sh VENV [BUILD_DIR]     libfuse + patched pyfuse3 into VENV
+#   deploy/libfuse/build.sh VENV [BUILD_DIR] passthrough_hp
+#                                                 also libfuse's C++ example passthrough_hp
+#                                                 (the bench's peer), from the same source
+#
+# Called by `make deps`. Idempotent: a stamp in the prefix names what was built, and a
+# second run with the same versions and patch does nothing. On failure it prints one
+# line saying why and exits 1; the Makefile then goes on with the system's libfuse (the
+# mount works, kernel passthrough is reported unavailable).
+#
+# Why each choice (README.md, "Kernel passthrough", has the costs):
+# - libfuse: the system's when pkg-config finds fuse3 >= 3.17.3. Otherwise Debian's own
+#   source package, fetched with apt-get through a source list private to this build (the
+#   system's apt configuration is not touched), from Debian testing (forky; sid has the
+#   same 3.18.3-1). 3.18.3 has upstream's want/want_ext conversion fixes of 3.17.3 in full;
+#   upstream 3.17.2 lacks them, and pyfuse3 writes conn.want directly. (Trixie's 3.17.2-3
+#   carries Debian's backport, which makes the conversion non-fatal, and negotiated
+#   passthrough in a trial here too; the upstream release was preferred to a partial
+#   backport.) The version is pinned so every machine builds the same thing; if testing
+#   has moved on, its current fuse3 is taken if it is >= 3.17.3.
+# - meson and ninja from PyPI, in a venv of the build's own (nothing system-wide).
+# - Only the library (no utils, examples, tests, io_uring): fusermount3 stays the
+#   system's. libfuse runs $bindir/fusermount3, so bindir is set to /usr/bin (nothing is
+#   installed there) and unprivileged mounts keep using the system's setuid helper.
+# - The prefix is VENV/opt/libfuse: it lives and dies with the venv whose pyfuse3 is linked
+#   to it (rpath, no LD_LIBRARY_PATH). The sources and the build tree stay in BUILD_DIR
+#   (build/libfuse; `make clean` removes both, like the venv).
+# - pyfuse3 from its sdist with deploy/libfuse/pyfuse3-passthrough.patch (written to be
+#   proposed upstream); its C file is regenerated from the patched Cython source.
+set -eu
+
+venv=$(realpath -m "$1")
+build=$(realpath -m "${2:-build/libfuse}")
+what=${3:-library}
+here=$(cd "$(dirname "$0")" && pwd)
+patch_file=$here/pyfuse3-passthrough.patch
+
+LIBFUSE_DEB_VERSION=${LIBFUSE_DEB_VERSION:-3.18.3-1}
+LIBFUSE_MIN=3.17.3
+PYFUSE3_VERSION=3.5.0   # the version the patch is written against
+DEB_SUITE=${DEB_SUITE:-forky}
+DEB_MIRROR=${DEB_MIRROR:-http://deb.debian.org/debian}
+
+prefix=$venv/opt/libfuse
+stamp=$prefix/.stamp            # what the venv's pyfuse3 was built with
+lib_stamp=$prefix/.libfuse      # which libfuse the prefix holds
+log=$build/build.log
+mkdir -p "$build"
+
+fail() {
+    echo "kernel passthrough not built: $1 (log: $log); qosfs goes on with the system's" \
+        "libfuse $(pkg-config --modversion fuse3 2>/dev/null || echo '?'), without passthrough" >&2
+    exit 1
+}
+# Runs a step with its output in the log; fails with the step's name.
+step() {
+    name=$1; shift
+    echo "== $name: $*" >>"$log"
+    "$@" >>"$log" 2>&1 || fail "$name failed"
+}
+
+if pkg-config --atleast-version=$LIBFUSE_MIN fuse3 2>/dev/null; then
+    source_kind="system libfuse $(pkg-config --modversion fuse3)"
+else
+    source_kind="Debian fuse3 $LIBFUSE_DEB_VERSION"
+fi
+patch_sum=$(sha256sum "$patch_file" | cut -c1-16)
+script_sum=$(sha256sum "$0" | cut -c1-16)
+want="$source_kind; pyfuse3 $PYFUSE3_VERSION; patch $patch_sum; script $script_sum"
+
+build_library() {
+    case $source_kind in system*) return 0 ;; esac
+    if [ -f "$lib_stamp" ] && [ "$(cat "$lib_stamp")" = "$source_kind" ]; then
+        return 0
+    fi
+    # Debian's source package through a private source list: apt's own signature and
+    # checksum checks, nothing under /etc/apt read or written.
+    apt_dir=$build/apt
+    mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial" "$build/src"
+    echo "deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $DEB_MIRROR $DEB_SUITE main" \
+        >"$apt_dir/sources.list"
+    set -- -o Dir::Etc::SourceList="$apt_dir/sources.list" -o Dir::Etc::SourceParts=/dev/null \
+        -o Dir::State::Lists="$apt_dir/lists" -o Dir::Cache="$apt_dir/cache" \
+        -o APT::Sandbox::User=root -qq
+    if ! ls "$build/src/fuse3_${LIBFUSE_DEB_VERSION}.dsc" >/dev/null 2>&1; then
+        step "apt-get update (private deb-src list: $DEB_SUITE)" apt-get "$@" update
+        version=$LIBFUSE_DEB_VERSION
+        if ! (cd "$build/src" && apt-get "$@" source --download-only "fuse3=$version") \
+                >>"$log" 2>&1; then
+            version=$(apt-cache "$@" showsrc fuse3 2>>"$log" | sed -n 's/^Version: //p' | head -n1)
+            [ -n "$version" ] || fail "no fuse3 source package reachable ($DEB_MIRROR $DEB_SUITE)"
+            dpkg --compare-versions "$version" ge $LIBFUSE_MIN || \
+                fail "$DEB_SUITE has fuse3 $version, older than $LIBFUSE_MIN"
+            echo "fuse3 $LIBFUSE_DEB_VERSION is gone from $DEB_SUITE: building its $version" >&2
+            (cd "$build/src" && step "apt-get source fuse3=$version" \
+                apt-get "$@" source --download-only "fuse3=$version")
+            LIBFUSE_DEB_VERSION=$version
+        fi
+        rm -rf "$apt_dir/lists" "$apt_dir/cache"   # 25 MB of indexes, needed only once
+    fi
+    # meson and ninja from PyPI, in the build's own venv.
+    tools=$build/tools
+    if [ ! -x "$tools/bin/meson" ] || [ ! -x "$tools/bin/ninja" ]; then
+        step "venv for meson" "$venv/bin/python" -m venv "$tools"
+        step "meson and ninja from PyPI" "$tools/bin/python" -m pip install -q meson ninja
+    fi
+    upstream=${LIBFUSE_DEB_VERSION%-*}
+    srcdir=$build/src/fuse3-$upstream
+    rm -rf "$srcdir"
+    (cd "$build/src" && step "dpkg-source -x" dpkg-source -x "fuse3_${LIBFUSE_DEB_VERSION}.dsc")
+    rm -rf "$build/bld"
+    step "meson setup" env PATH="$tools/bin:$PATH" "$tools/bin/meson" setup "$build/bld" "$srcdir" \
+        --prefix="$prefix" --libdir=lib --bindir=/usr/bin --buildtype=release \
+        -Dexamples=false -Dutils=false -Dtests=false -Denable-io-uring=false \
+        -Duseroot=false -Dinitscriptdir=
+    step "ninja" env PATH="$tools/bin:$PATH" ninja -C "$build/bld"
+    # The prefix is replaced only once the new library is built: until then the venv's
+    # pyfuse3 keeps the one it is linked to.
+    rm -rf "$prefix"
+    step "ninja install" env PATH="$tools/bin:$PATH" ninja -C "$build/bld" install
+    echo "$source_kind" >"$lib_stamp"
+}
+
+build_pyfuse3() {
+    sdist_dir=$build/pyfuse3
+    rm -rf "$sdist_dir"
+    mkdir -p "$sdist_dir"
+    step "pip download pyfuse3 $PYFUSE3_VERSION (sdist)" "$venv/bin/python" -m pip download \
+        -q --no-binary :all: --no-deps -d "$sdist_dir" "pyfuse3==$PYFUSE3_VERSION"
+    step "unpack pyfuse3" tar xzf "$sdist_dir/pyfuse3-$PYFUSE3_VERSION.tar.gz" -C "$sdist_dir"
+    tree=$sdist_dir/pyfuse3-$PYFUSE3_VERSION
+    step "patch pyfuse3" patch -d "$tree" -p1 -i "$patch_file"
+    rm -f "$tree/src/pyfuse3/__init__.c"   # regenerated from the patched .pyx by Cython
+    case $source_kind in
+        system*) pc_path=${PKG_CONFIG_PATH:-}; ldflags=${LDFLAGS:-} ;;
+        *) pc_path=$prefix/lib/pkgconfig; ldflags="-Wl,-rpath,$prefix/lib ${LDFLAGS:-}" ;;
+    esac
+    step "build and install patched pyfuse3" env PKG_CONFIG_PATH="$pc_path" LDFLAGS="$ldflags" \
+        "$venv/bin/python" -m pip install -q --no-deps --force-reinstall "$tree"
+    step "check pyfuse3" "$venv/bin/python" -c \
+        'import pyfuse3, sys; sys.exit(0 if pyfuse3.PASSTHROUGH_SUPPORTED else 1)'
+    rm -rf "$tree"   # the build tree (20 MB); the sdist stays
+}
+
+build_passthrough_hp() {
+    case $source_kind in system*) fail "passthrough_hp comes from the source build (system libfuse in use)" ;; esac
+    if [ ! -f "$build/bld/build.ninja" ]; then   # build/ removed, the venv kept
+        rm -f "$lib_stamp"
+        build_library
+    fi
+    step "meson configure (examples)" env PATH="$build/tools/bin:$PATH" \
+        "$build/tools/bin/meson" configure "$build/bld" -Dexamples=true
+    step "ninja passthrough_hp" env PATH="$build/tools/bin:$PATH" \
+        ninja -C "$build/bld" example/passthrough_hp
+    echo "$build/bld/example/passthrough_hp"
+}
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    :
+else
+    : >"$log"
+    [ -x "$venv/bin/python" ] || fail "no venv at $venv"
+    command -v cc >/dev/null || fail "no C compiler (build-essential)"
+    start=$(date +%s)
+    build_library
+    build_pyfuse3
+    mkdir -p "$prefix"
+    echo "$want" >"$stamp"
+    echo "kernel passthrough: pyfuse3 $PYFUSE3_VERSION (patched) on $source_kind," \
+        "built in $(($(date +%s) - start)) s"
+fi
+if [ "$what" = passthrough_hp ]; then
+    build_passthrough_hp
+fi

@@ -1,0 +1,220 @@
+"""Kernel FUSE passthrough: the kernel reads an open file straight from its backing file,
+without a round trip through the daemon.
+
+One interface over pyfuse3's passthrough API (which `make deps` adds with
+deploy/libfuse/pyfuse3-passthrough.patch): ask for it at INIT (`request`), learn whether
+it is usable (`KernelPassthrough.capability`), and register or release a backing file per
+inode (`register`, `unregister`). Whatever is missing (pyfuse3 without the patch, libfuse
+older than 3.17, a kernel without passthrough, a daemon without CAP_SYS_ADMIN, a backing
+file the kernel refuses) makes `register` return None: the open is then served by the
+daemon as before, and no exception reaches the caller.
+
+The kernel's rules this follows:
+- passthrough excludes the writeback cache (`request` turns it off);
+- the backing file system may be stacked at most as deep as negotiated (a qosfs over
+  overlayfs or another FUSE mount needs `stack_depth=1`; deeper is refused with ELOOP);
+- registering needs CAP_SYS_ADMIN;
+- a passthrough open must not keep the page cache (FOPEN_KEEP_CACHE: the kernel fails
+  the open with EIO), so `attach` clears keep_cache;
+- one backing id per inode: opens of one inode share it (counted here);
+- an inode's opens are all passed through or none (observed on 6.18): while one open is
+  passed through, the kernel fails any other open of the inode that is not (cached or
+  direct_io) with EIO, and while a cached open exists it fails a passed-through one.
+  So the daemon's own opens are counted too (`plain_open`, `plain_release`): `register`
+  declines while an inode has them, and `plain_open` tells when the inode is passed
+  through, where the caller must share its id (`register`) or refuse the open.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Protocol, cast
+
+import pyfuse3
+
+#: CAP_SYS_ADMIN's bit in /proc/self/status CapEff (linux/capability.h).
+_CAP_SYS_ADMIN = 21
+
+
+@dataclass(frozen=True, slots=True)
+class Capability:
+    """Whether opens can be passed through, and if not, why not (one line for the log
+    and `ctl status`)."""
+
+    available: bool
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PassthroughStats:
+    """A snapshot of the backing ids: how many inodes hold one now, how many were
+    registered and refused since the mount, and the last refusal's errno name."""
+
+    live: int
+    registered: int
+    refused: int
+    last_refusal: str | None
+    declined: int = 0  # opens not passed through because the daemon served the inode
+
+
+class _WithBackingId(Protocol):
+    backing_id: int
+
+
+def build_support(binding: ModuleType | Any = pyfuse3) -> str | None:
+    """Why this pyfuse3 cannot pass opens through, or None if it can (it was patched and
+    built against libfuse >= 3.17). Known before the mount."""
+    if getattr(binding, "passthrough_open", None) is None:
+        return "pyfuse3 lacks the passthrough patch (make deps builds it: deploy/libfuse)"
+    if not getattr(binding, "PASSTHROUGH_SUPPORTED", False):
+        return "pyfuse3 was built against libfuse older than 3.17"
+    return None
+
+
+def has_cap_sys_admin() -> bool:
+    """Whether this process may register backing files (CAP_SYS_ADMIN, effective)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_SYS_ADMIN & 1)
+    except OSError:
+        pass
+    return os.geteuid() == 0
+
+
+def request(operations: pyfuse3.Operations, stack_depth: int = 0) -> None:
+    """Ask for passthrough at INIT, for backing files stacked at most *stack_depth* deep
+    (0: ext4, xfs, tmpfs...; 1: also one overlayfs or FUSE layer below; the kernel
+    refuses passthrough altogether beyond that). Turns the writeback cache off, which the
+    kernel does not combine with passthrough. Harmless on a pyfuse3 without the patch
+    (the attributes are then never read)."""
+    if not 0 <= stack_depth <= 1:
+        raise ValueError(f"stack_depth must be 0 or 1, not {stack_depth}")
+    operations.enable_writeback_cache = False
+    vars(operations).update(enable_passthrough=True, max_backing_stack_depth=stack_depth)
+
+
+def attach(info: pyfuse3.FileInfo, backing_id: int) -> None:
+    """Put *backing_id* (from `KernelPassthrough.register`) into an open/create reply.
+    The page cache is the backing file's then: keep_cache would make the kernel fail the
+    open (EIO), direct_io is the backing file's business."""
+    info.keep_cache = False
+    info.direct_io = False
+    cast(_WithBackingId, info).backing_id = backing_id
+
+
+class KernelPassthrough:
+    """The backing ids of one mount, one per inode, counted by open.
+
+    Call `register` in open/create with the open's descriptor and `unregister` at that
+    open's release; both happen once per open, never on the read path.
+    """
+
+    def __init__(self, binding: ModuleType | Any = pyfuse3) -> None:
+        self._binding = binding
+        self._ids: dict[int, list[int]] = {}  # inode -> [backing id, opens using it]
+        self._plain: dict[int, int] = {}  # inode -> opens the daemon serves
+        self._declined = 0
+        self._capability: Capability | None = None
+        self._registered = 0
+        self._refused = 0
+        self._last_refusal: str | None = None
+
+    def capability(self) -> Capability:
+        """Available, or the reason not. Final once the mount is initialized (the kernel's
+        answer to `request` is known from then on); cached from the first call after."""
+        if self._capability is not None:
+            return self._capability
+        reason = build_support(self._binding)
+        if reason is not None:
+            return self._remember(Capability(False, reason))
+        if not has_cap_sys_admin():
+            return self._remember(Capability(
+                False, "the daemon lacks CAP_SYS_ADMIN, which registering backing files needs"))
+        if not self._binding.passthrough_negotiated():
+            # Not cached: before INIT nothing is negotiated yet.
+            return Capability(False, "the kernel did not accept passthrough (Linux >= 6.9 "
+                              "with CONFIG_FUSE_PASSTHROUGH), or it was not requested")
+        return self._remember(Capability(True, "kernel passthrough negotiated"))
+
+    def _remember(self, capability: Capability) -> Capability:
+        self._capability = capability
+        return capability
+
+    def register(self, inode: int, fd: int) -> int | None:
+        """The backing id for an open of *inode* whose descriptor is *fd*, or None: the open
+        is then served by the daemon. The first open of an inode registers *fd*'s file
+        (the kernel keeps its own reference); later ones share its id."""
+        entry = self._ids.get(inode)
+        if entry is not None:
+            entry[1] += 1
+            return entry[0]
+        if not self.capability().available:
+            return None
+        if inode in self._plain:
+            self._declined += 1
+            return None
+        try:
+            backing_id = int(self._binding.passthrough_open(fd))
+        except OSError as exc:
+            # EPERM: no CAP_SYS_ADMIN; ELOOP: the backing file system is stacked deeper
+            # than negotiated; EOPNOTSUPP: passthrough not enabled on this connection.
+            self._refused += 1
+            self._last_refusal = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+            return None
+        self._ids[inode] = [backing_id, 1]
+        self._registered += 1
+        return backing_id
+
+    def unregister(self, inode: int) -> None:
+        """One open of *inode* that `register` gave an id to was released; the last one
+        releases the id."""
+        entry = self._ids.get(inode)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del self._ids[inode]
+        try:
+            self._binding.passthrough_close(entry[0])
+        except OSError:
+            # The kernel dropped it already (e.g. the connection is going away): the id
+            # is gone either way.
+            pass
+
+    def plain_open(self, inode: int) -> bool:
+        """Count an open of *inode* that the daemon serves; False (and nothing counted) if
+        *inode* is passed through now: the kernel would fail that open, so the caller
+        shares the id (`register`) or refuses the open."""
+        if inode in self._ids:
+            return False
+        self._plain[inode] = self._plain.get(inode, 0) + 1
+        return True
+
+    def plain_release(self, inode: int) -> None:
+        """One open of *inode* that `plain_open` counted was released."""
+        left = self._plain.get(inode, 0) - 1
+        if left > 0:
+            self._plain[inode] = left
+        else:
+            self._plain.pop(inode, None)
+
+    def backing_id(self, inode: int) -> int | None:
+        """The id *inode*'s opens share now, if any."""
+        entry = self._ids.get(inode)
+        return None if entry is None else entry[0]
+
+    def statistics(self) -> PassthroughStats:
+        return PassthroughStats(live=len(self._ids), registered=self._registered,
+                                refused=self._refused, last_refusal=self._last_refusal,
+                                declined=self._declined)
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return (f"<KernelPassthrough live={s.live} registered={s.registered} "
+                f"refused={s.refused}>")
