@@ -4,11 +4,16 @@ qosfs (embedded default policy) beside libfuse's single-threaded ``passthrough_h
 Not a suite (``bench loader`` is the figure of record): a profiling tool for changes to
 the lookup/open/release path, run by hand::
 
-    python -m bench.opcost [--files 4000] [--kib 128] [--source DIR] [--hp PATH]
-                           [--sides qosfs,hp] [--rounds 3]
+    python -m bench.opcost [--files 4000] [--kib 128] [--workers 4] [--source DIR]
+                           [--hp PATH] [--rounds 3] [SIDE ...]
+
+A SIDE is ``hp`` (passthrough_hp, single-threaded, reads through the daemon), ``native``,
+or ``NAME=PYTHONPATH``: qosfs with the embedded default policy, its daemon run with that
+PYTHONPATH (e.g. ``before=/work/main after=$PWD``; a directory holding another pyfuse3
+build may come first). Default: ``qosfs=`` (this environment) and ``hp``.
 
 Each side serves the same tree (default: a tmpfs under /dev/shm); per round, caches are
-dropped, one epoch (every file opened, read whole, closed by 4 processes) is ``cold``,
+dropped, one epoch (every file opened, read whole, closed by the readers) is ``cold``,
 the next ``warm``. The kernel's own ``fuse_request_send`` tracepoint, in a tracing
 instance of its own filtered on the mount's connection, counts the requests by opcode
 (so the count is the kernel's, whatever the daemon does); the table gives them per file.
@@ -32,7 +37,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.loader import epoch
-from bench.system import QosfsMount, drop_caches
+from bench.system import drop_caches
 
 TRACING = Path("/sys/kernel/tracing")
 WORKERS = 4
@@ -116,12 +121,28 @@ def hp_mount(binary: str, source: Path, mnt: Path) -> Iterator[tuple[Path, int |
 
 
 @contextmanager
-def qosfs_mount(source: Path, mnt: Path, work: Path,
+def qosfs_mount(source: Path, mnt: Path, work: Path, pythonpath: str,
                 extra: list[str]) -> Iterator[tuple[Path, int | None]]:
-    """qosfs with the embedded default policy (as users mount it)."""
-    args = ["--socket", str(work / f"ctl-{mnt.name}.sock"), *extra]
-    with QosfsMount(str(source), str(mnt), args, str(work / f"{mnt.name}.log")) as m:
-        yield mnt, m.pid
+    """qosfs with the embedded default policy (as users mount it), in the foreground, its
+    daemon run with *pythonpath* (empty: this process's)."""
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qosfs", "mount", "--foreground", str(source), str(mnt),
+         "--socket", str(work / f"ctl-{mnt.name}.sock"),
+         "--log-file", str(work / f"{mnt.name}.log"), *extra], env=env, cwd=str(work))
+    try:
+        for _ in range(600):
+            if os.path.ismount(mnt) or proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        if not os.path.ismount(mnt):
+            raise RuntimeError(f"qosfs did not mount {mnt} (see {work / mnt.name}.log)")
+        yield mnt, proc.pid
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+        proc.wait(timeout=30)
 
 
 def main() -> None:
@@ -131,11 +152,13 @@ def main() -> None:
     ap.add_argument("--source", type=Path, help="backing tree's parent (default /dev/shm)")
     ap.add_argument("--hp", default=os.environ.get("PASSTHROUGH_HP", ""),
                     help="the passthrough_hp binary (side 'hp')")
-    ap.add_argument("--sides", default="qosfs,hp")
+    ap.add_argument("--workers", type=int, default=WORKERS)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--qosfs-arg", action="append", default=[])
+    ap.add_argument("sides", nargs="*", default=["qosfs=", "hp"])
     opts = ap.parse_args()
-    sides = opts.sides.split(",")
+    paths = dict(side.partition("=")[::2] for side in opts.sides)
+    sides = list(paths)
     work = Path(tempfile.mkdtemp(prefix="opcost-", dir=opts.source or "/dev/shm"))
     try:
         src = work / "src"
@@ -152,7 +175,7 @@ def main() -> None:
                 elif side == "native":
                     ctx = _native(src)
                 else:
-                    ctx = qosfs_mount(src, mnt, work, opts.qosfs_arg)
+                    ctx = qosfs_mount(src, mnt, work, paths[side], opts.qosfs_arg)
                 with ctx as (root, pid):
                     counter = RequestCounter(root) if side != "native" else None
                     try:
@@ -163,7 +186,7 @@ def main() -> None:
                                 if counter:
                                     counter.take()
                             cpu = cpu_seconds(pid)
-                            got = epoch(root, names, seed, WORKERS)
+                            got = epoch(root, names, seed, opts.workers)
                             figures[side][kind].append(got["samples_per_s"])
                             figures[side][kind + "_cpu"].append(
                                 (cpu_seconds(pid) - cpu) / opts.files * 1e6)
@@ -174,7 +197,7 @@ def main() -> None:
                             counter.close()
                 print(f"round {rnd} {side}: cold {figures[side]['cold'][-1]:,.0f} "
                       f"warm {figures[side]['warm'][-1]:,.0f} files/s", file=sys.stderr)
-        print(f"{opts.files} x {opts.kib} KiB, {WORKERS} readers, {opts.rounds} rounds "
+        print(f"{opts.files} x {opts.kib} KiB, {opts.workers} readers, {opts.rounds} rounds "
               f"(medians): files/s, the daemon's CPU us per file, requests per file "
               f"(last round)")
         for side in sides:
