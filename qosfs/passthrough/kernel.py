@@ -74,6 +74,24 @@ def build_support(binding: ModuleType | Any = pyfuse3) -> str | None:
     return None
 
 
+#: Filesystems that put a backing file one level deeper (their own files live on another
+#: filesystem): FUSE mounts (with passthrough of their own, one level below already),
+#: overlayfs, eCryptfs.
+STACKED_FSTYPES = ("fuse", "overlay", "ecryptfs")
+
+
+def stack_depth(fstype: str | None) -> int:
+    """The stack depth to negotiate for backing files on a filesystem of type *fstype*
+    (``/proc/self/mountinfo``'s, e.g. "ext4", "overlay", "fuse.sshfs"): 1 for a stacking
+    filesystem, 0 otherwise. One level more than that (qosfs over a passthrough FUSE
+    mount over overlayfs) the kernel refuses at registration: counted, and served by the
+    daemon (`KernelPassthrough.register`)."""
+    if fstype is None:
+        return 0
+    base = fstype.split(".", 1)[0]
+    return 1 if base in STACKED_FSTYPES or base == "fuseblk" else 0
+
+
 def has_cap_sys_admin() -> bool:
     """Whether this process may register backing files (CAP_SYS_ADMIN, effective)."""
     try:
