@@ -18,7 +18,14 @@ from qosfs.policy.classify import CallerKey, Classifier, JobInfo
 from qosfs.policy.loading import default_policy, parse_policy, with_changes
 from qosfs.qos.backend import ClassPort
 from qosfs.qos.engine import PolicyQos
-from qosfs.qos.explain import PASSTHROUGH_NOT_SET, PASSTHROUGH_READS_ONLY, Asked, explain, job_of, mount_relative
+from qosfs.qos.explain import (
+    PASSTHROUGH_NOT_SET,
+    PASSTHROUGH_READS_ONLY,
+    Asked,
+    explain,
+    job_of,
+    mount_relative,
+)
 from qosfs.qos.stats import AutoCaps
 from tests.mock_clock import mock_clock
 from tests.unit.qos.test_engine import FakeFs, fake_inode
