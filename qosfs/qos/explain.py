@@ -49,7 +49,8 @@ from qosfs.policy.text import locate_key, quote_key
 if TYPE_CHECKING:
     from qosfs.qos.stats import EngineStatistics
 
-__all__ = ["PASSTHROUGH_NOT_SET", "PASSTHROUGH_READS_ONLY", "Asked", "explain", "job_of", "mount_relative"]
+__all__ = ["PASSTHROUGH_NOT_SET", "PASSTHROUGH_READS_ONLY", "Asked", "explain", "job_of",
+           "mount_relative"]
 
 #: Why a request is served by the daemon although kernel passthrough (the kernel reading
 #: the backing file itself) exists: only reads of read-only opens are passed through,

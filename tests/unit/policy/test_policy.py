@@ -358,8 +358,8 @@ def test_with_changes() -> None:
       '`qosfs ctl reload` (settable live on a class: read_bandwidth, '
       'write_bandwidth, read_iops, write_iops, meta_iops, burst, burst_iops, '
       'min_read_bandwidth, min_write_bandwidth, priority, per_user, cache, passthrough, '
-      'target_read_latency, target_read_slowdown, latency_percentile, latency_measure, detect_streaming_writes, '
-      'entry_timeout, attr_timeout)')),
+      'target_read_latency, target_read_slowdown, latency_percentile, latency_measure, '
+      'detect_streaming_writes, entry_timeout, attr_timeout)')),
     ('tenant', 'team-a', {'uids': '7'},
      ('ctl: tenants.team-a.uids: not settable live: change it in the policy file, then '
       '`qosfs ctl reload` (settable live on a tenant: read_bandwidth, write_bandwidth, '
