@@ -247,6 +247,8 @@ SEMANTIC_ERRORS = [
      'mlfs.toml:2: classes.x.per_user: expected one of "none", "fair", got "yes"'),
     ('[classes.x]\ncache = "off"\n',
      'mlfs.toml:2: classes.x.cache: expected one of "auto", "keep", "direct", "direct-writes", got "off"'),  # noqa: E501
+    ('[classes.x]\npaths = ["a/**"]\npassthrough = "all"\n',
+     'mlfs.toml:3: classes.x.passthrough: expected one of "off", "reads", got "all"'),
     ('[classes.x]\njobs = ["1"]\n',
      ('mlfs.toml:2: classes.x.jobs: jobs needs job_env, the variable holding the value (e.g. '
       '"SLURM_JOB_ID")')),
@@ -645,3 +647,10 @@ def test_cache_timeouts_need_paths_and_render_back() -> None:
     d = p.class_by_name("d")
     assert d is not None and (d.entry_timeout, d.attr_timeout) == (60.0, 0.0)
     assert parse_policy(p.render()) == p
+
+
+def test_passthrough_is_off_unless_set_and_on_for_datasets_by_default() -> None:
+    policy = parse_policy('[classes.a]\npaths = ["a/**"]\n[classes.b]\npaths = ["b/**"]\n'
+                          'passthrough = "reads"\n')
+    assert [c.passthrough for c in policy.classes] == ["off", "reads", "off"]
+    assert {c.name: c.passthrough for c in default_policy().classes}["datasets"] == "reads"
