@@ -159,6 +159,11 @@ class KernelPassthrough:
                               "with CONFIG_FUSE_PASSTHROUGH), or it was not requested")
         return self._remember(Capability(True, "kernel passthrough negotiated"))
 
+    def negotiation_pending(self) -> bool:
+        """Whether only the kernel's answer at INIT is missing: the build and the daemon's
+        privileges allow passthrough (before INIT, `capability` cannot tell more)."""
+        return self._capability is None
+
     def _remember(self, capability: Capability) -> Capability:
         self._capability = capability
         return capability

@@ -180,9 +180,15 @@ class PassthroughOperations(pyfuse3.Operations):
     def request_passthrough(self, stack_depth: int) -> None:
         """Ask the kernel for passthrough at INIT (before ``pyfuse3.init``), for backing
         files stacked *stack_depth* deep (:func:`qosfs.passthrough.kernel.stack_depth`)."""
+        self._stack_depth = stack_depth
+        # What is known before INIT: not negotiating what cannot be used keeps the mount
+        # exactly as before (passthrough also deepens the mount's own stack depth).
+        cap = self.kernel.capability()
+        if not cap.available and not self.kernel.negotiation_pending():
+            self.passthrough_off(cap.reason)
+            return
         request(self, stack_depth)
         self._kernel_on = True
-        self._stack_depth = stack_depth
 
     def passthrough_off(self, reason: str) -> None:
         """Passthrough is not asked for on this mount, because of *reason*."""
