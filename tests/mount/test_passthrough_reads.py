@@ -119,6 +119,19 @@ def test_reads_equal_the_backing_file_and_reach_the_daemon_only_without_passthro
         assert kernel["opens"] == {} and kernel["registered"] == 0
 
 
+def test_explain_says_who_serves_a_read_on_this_mount(mounted: Mounted) -> None:
+    with Client(str(mounted.sock)) as client:
+        served = client.request({"cmd": "explain", "path": "data/x", "op": "read",
+                                 "uid": 1000, "gid": 1000, "env": {}, "cgroups": []}
+                                )["served_by"]
+    if mounted.passthrough:
+        assert served["by"] == "kernel" and served["passthrough"] is True
+    else:
+        assert served == {"by": "daemon", "passthrough": False, "page_cache": "used",
+                          "reason": "kernel passthrough unavailable on this mount: "
+                                    "turned off (--no-passthrough)"}
+
+
 def test_a_read_capped_class_is_served_by_the_daemon(mounted: Mounted) -> None:
     data = put(mounted, "capped/c.bin", 2 * MiB)
     assert digest((mounted.mnt / "capped/c.bin").read_bytes()) == digest(data)
