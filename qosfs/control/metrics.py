@@ -49,6 +49,12 @@ Resources (see ``_RESOURCES``): ``qosfs_inode_descriptors``, ``..._budget``,
 and ``qosfs_internal_errors_total{where, type}`` (unexpected exceptions the daemon
 survived: a request answered EIO, a service restarted; :mod:`qosfs.core.failures`).
 
+Kernel passthrough (:mod:`qosfs.passthrough.kernel`): ``qosfs_passthrough_active``,
+``qosfs_passthrough_backing_ids``, ``qosfs_passthrough_registrations_total{result}``,
+``qosfs_passthrough_opens_total{class}`` and
+``qosfs_passthrough_uncapped_opens_total{class, access}``. A passed-through open's bytes
+are in no figure: the daemon never sees them.
+
 Per-uid series are bounded by the policy's ``[metrics]`` table (see
 :mod:`qosfs.qos.accounting`): at most ``user_series`` uids per class, idle ones folded away.
 """
@@ -58,6 +64,7 @@ from __future__ import annotations
 import platform
 from collections.abc import Callable, Iterator
 from importlib import metadata
+from typing import Any
 
 from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.metrics_core import (
@@ -331,6 +338,8 @@ class SnapshotCollector:
             for cls, n in sorted(info["streaming_moves"].items()):
                 moves.add_metric([cls], n)
             yield moves
+        if "passthrough" in info:
+            yield from _passthrough(info["passthrough"])
         if "internal_errors" in info:
             errors = CounterMetricFamily(
                 "qosfs_internal_errors", "Unexpected exceptions the daemon survived (the "
@@ -340,6 +349,42 @@ class SnapshotCollector:
                 for kind, n in sorted(kinds.items()):
                     errors.add_metric([where, kind], n)
             yield errors
+
+
+def _passthrough(kp: dict[str, Any]) -> Iterator[Metric]:
+    """Kernel passthrough (``ctl status`` ``passthrough``). A passed-through open's reads
+    never reach the daemon: its class's opens are counted here (and in its open files),
+    its metadata requests as before, its bytes nowhere."""
+    yield GaugeMetricFamily("qosfs_passthrough_active", "1 if read-only opens of "
+                            "passthrough classes may be passed through to the kernel on this "
+                            "mount, 0 if not (ctl status says why).",
+                            value=1.0 if kp["state"] == "active" else 0.0)
+    yield GaugeMetricFamily("qosfs_passthrough_backing_ids", "Inodes passed through to the "
+                            "kernel now (one backing id each, shared by their opens).",
+                            value=kp["live_backing_ids"])
+    registrations = CounterMetricFamily(
+        "qosfs_passthrough_registrations", "Backing files registered with the kernel, "
+        "refused by it (served by the daemon instead), and declined because the daemon "
+        "served the inode at the time.", labels=["result"])
+    for result in ("registered", "refused", "declined"):
+        registrations.add_metric([result], kp[result])
+    yield registrations
+    opens = CounterMetricFamily(
+        "qosfs_passthrough_opens", "Opens passed through to the kernel, by class: their "
+        "reads (and bytes) never reach the daemon, so qosfs_read_bytes_total does not "
+        "count them; opens and metadata requests are still counted.", labels=["class"])
+    for cls, n in sorted(kp["opens"].items()):
+        opens.add_metric([cls], n)
+    yield opens
+    uncapped = CounterMetricFamily(
+        "qosfs_passthrough_uncapped_opens", "Opens of a class that is not passed through "
+        "which joined an inode passed through now (the kernel serves an inode's opens all "
+        "through passthrough or none), so their reads or writes went uncapped.",
+        labels=["class", "access"])
+    for access, key in (("read", "uncapped_read_opens"), ("write", "uncapped_write_opens")):
+        for cls, n in sorted(kp[key].items()):
+            uncapped.add_metric([cls, access], n)
+    yield uncapped
 
 
 # ctl status key -> metric: descriptors held for inodes (qosfs.passthrough.inodes), requests
