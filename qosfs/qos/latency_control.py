@@ -700,6 +700,7 @@ class LatencyLoop:
     def status(self) -> dict[str, Any]:
         """What ``ctl status``, ``top`` and ``/metrics`` show (plain JSON data)."""
         c = self.controller
+        now = _clock()
         protected = []
         by_name = {s.name: s for s in self.samples}
         for rule in protected_classes(c.policy):
@@ -720,14 +721,20 @@ class LatencyLoop:
                 "active_since": activity.since if activity else None,
                 "first_cut_at": activity.first_cut if activity else None,
                 "first_cut_reason": activity.cut_reason if activity else None,
-                "baseline_source": c.baseline_source(rule.name)})
+                "baseline_source": c.baseline_source(rule.name),
+                # The same as durations, for readers without the daemon's clock.
+                "active_seconds": (now - activity.since
+                                   if activity is not None and now is not None else None),
+                "first_cut_after_seconds": (activity.first_cut - activity.since
+                                            if activity and activity.first_cut is not None
+                                            else None)})
         throttled = []
         for name, low in sorted(c.low.items()):
             caps = low.caps()
             throttled.append({"class": name, "read_bandwidth": caps.read_bandwidth,
                               "write_bandwidth": caps.write_bandwidth})
         return {"state": c.state, "window_seconds": self.window, "windows": self.windows,
-                "early_windows": self.early_ticks, "now": _clock(),
+                "early_windows": self.early_ticks, "now": now,
                 "decisions": dict(c.decisions),
                 "probe_running": bool(self.probe is not None and self.probe.running),
                 "protected": protected, "throttled": throttled}

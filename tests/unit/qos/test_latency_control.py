@@ -326,6 +326,14 @@ async def test_status_top_and_metrics_show_the_controller() -> None:
     assert lc["throttled"] == [{"class": "checkpoints", "read_bandwidth": None,
                                 "write_bandwidth": 70 * MiB}]
     assert lc["protected"][0]["target_seconds"] == 0.005
+    # How its protection began: active (it read), cut in that window, on a miss.
+    started = {k: lc["protected"][0][k] for k in (
+        "active_since", "first_cut_at", "first_cut_reason", "first_cut_after_seconds",
+        "baseline_source", "reads_observed")}
+    assert started == {"active_since": 0.0, "first_cut_at": 0.0, "first_cut_reason": "missed",
+                       "first_cut_after_seconds": 0.0, "baseline_source": None,
+                       "reads_observed": True}
+    assert lc["protected"][0]["active_seconds"] == trio.current_time()
     level = next(lv for lv in body["levels"] if lv["name"] == "checkpoints")
     assert level["limits"] == {"write_bandwidth": 70 * MiB}
     assert level["auto_limits"] == {"write_bandwidth": 70 * MiB}
@@ -337,6 +345,15 @@ async def test_status_top_and_metrics_show_the_controller() -> None:
     assert ('qosfs_latency_auto_limit_bytes_per_second{class="checkpoints",'
             'direction="write"} 7.340032e+07') in metrics
     assert 'qosfs_latency_target_seconds{class="datasets"} 0.005' in metrics
+    assert 'qosfs_latency_active{class="datasets"} 1.0' in metrics
+    assert ('qosfs_latency_first_cut_after_seconds{class="datasets",reason="missed"} 0.0'
+            in metrics)
+    assert 'qosfs_latency_reads_observed{class="datasets"} 1.0' in metrics
+    control.reads_unobserved("datasets")
+    assert control.unobserved() == {"datasets"}
+    metrics = render(take_snapshot(engine, trio.current_time(),
+                                   latency=control.status())).decode()
+    assert 'qosfs_latency_reads_observed{class="datasets"} 0.0' in metrics
 
 
 RELATIVE = POLICY.replace('target_read_latency = "5ms"', "target_read_slowdown = 1.5")
@@ -580,6 +597,12 @@ async def test_a_class_whose_reads_are_not_seen_is_judged_on_the_canary() -> Non
         assert status["reads_observed"] is False and status["reads"] == 0
         assert status["baseline_source"] == "learned" and status["backend_seconds"] is None
         assert status["first_cut_reason"] == "starting"
+        from qosfs.control.metrics import render
+        from qosfs.control.snapshot import take_snapshot
+
+        metrics = render(take_snapshot(engine, trio.current_time(),
+                                       latency=control.status())).decode()
+        assert 'qosfs_latency_baseline_seconds{class="datasets",source="learned"}' in metrics
         late = [row for row in trace if row[0] >= trio.current_time() - 3.0]
         assert {v for _, v, _ in late} <= {"met", "missed"}
         assert all(cap is not None and cap < 0.5 * GiB for _, _, cap in late)
