@@ -131,6 +131,8 @@ class Poller:
                     "verdict": p["verdict"], "estimate_s": p["latency_seconds"],
                     "queue_s": p["queue_seconds"], "backend_s": p["backend_seconds"],
                     "auto_write_cap": ck["write_bandwidth"] if ck else None,
+                    "first_cut_after_s": p.get("first_cut_after_seconds"),
+                    "first_cut_reason": p.get("first_cut_reason"),
                     "decisions": sum(lc["decisions"].values())})
             self._stop.wait(self.interval)
 
@@ -272,9 +274,14 @@ def _join_storm(fio: str, mount: QosfsMount, mnt: Path, sock: str, policy: Path,
         started = time.monotonic()
         phase = _measure(sock, mount, lambda: _reader(fio, mnt, 3), quiet_first=False)
         storm.join()
-    first = next((r["t"] - started for r in poller.rows
-                  if r["t"] >= started and r["auto_write_cap"]), None)
-    return {**phase, "first_cap_after_reader_start_s": first}
+    after = [r for r in poller.rows if r["t"] >= started]
+    first = next((r["t"] - started for r in after if r["auto_write_cap"]), None)
+    active = next((r["t"] - started for r in after if r["verdict"] != "idle"), None)
+    daemon = next((r for r in after if r["first_cut_after_s"] is not None), None)
+    return {**phase, "first_cap_after_reader_start_s": first,
+            "active_after_reader_start_s": active,
+            "first_cut_after_active_s": daemon["first_cut_after_s"] if daemon else None,
+            "first_cut_reason": daemon["first_cut_reason"] if daemon else None}
 
 
 def _convergence(rows: list[dict[str, Any]], storm_start: float,
@@ -353,7 +360,10 @@ def _report(out: Path, info: dict[str, Any], phases: dict[str, dict[str, Any]],
         f"{decisions} controller decisions (cap changes) over the run.",
         *(f"- Reader starting into a running storm, {name.split('(')[1][:-1]} target: "
           f"first automatic cap {fmt(p['first_cap_after_reader_start_s'])} after the "
-          f"reader's start; reader p99 over its first 3 s "
+          f"reader's start (fio's start-up included; seen active after "
+          f"{fmt(p['active_after_reader_start_s'])}, cut {fmt(p['first_cut_after_active_s'])}"
+          f" after that by the daemon's clock, on {p['first_cut_reason']}); reader p99 over "
+          f"its first 3 s "
           f"{p['result'].clat_p99_us / 1e3:.2f} ms."
           for name, p in phases.items() if name.startswith("joins storm")),
         "",

@@ -670,11 +670,15 @@ class LatencyLoop:
                 continue
             backend = FineHistogram.quantile(window, q) if window is not None else None
             latency, samples_n, queue = backend, reads, None
-            if rule.latency_measure == "request" and queue_counts is not None and reads:
-                queue = FineHistogram.quantile(queue_counts, q)
-                if queue is not None and backend is not None:
-                    latency = queue + backend
-                    samples_n = sum(queue_counts)
+            if rule.latency_measure == "request" and self.probe is not None:
+                # Judged on the canary's round trips, never on the backend part alone: in
+                # the first window of a reader the canary has only just been started, and
+                # a storm shows in the queue, not in a memory-backed source's times.
+                queue = (FineHistogram.quantile(queue_counts, q)
+                         if queue_counts is not None and reads else None)
+                latency = queue + backend if queue is not None and backend is not None \
+                    else None
+                samples_n = sum(queue_counts) if queue_counts is not None else 0
             samples.append(ProtectedSample(rule.name, latency, reads, samples_n, queue,
                                            backend, active))
         self._activity = activity
