@@ -611,6 +611,11 @@ class LatencyLoop:
             return
         wanted = self._wants_probe()
         if wanted and not self.probe.running:
+            # The canary's histogram outlives its runs: its first window starts here, or
+            # the round trips of its last run (another epoch, a quieter storm) would be
+            # judged as this one's -- measured, a reader starting into a storm was "met"
+            # on the last epoch's figures and never protected.
+            self._probe_prev = self.probe.snapshot()
             self.probe.start()
         elif not wanted and self.probe.running:
             self.probe.stop()

@@ -618,7 +618,8 @@ async def test_a_request_target_is_not_judged_on_the_backend_alone_before_the_ca
 ) -> None:
     """Reads on a memory-backed source take microseconds while a storm makes the
     requests wait milliseconds in the queue: a reader's first window, before the canary
-    has reported, is "starting" (cut), not "met" on the backend time."""
+    has reported, is "starting" (cut), not "met" on the backend time -- nor on what the
+    canary reported in an earlier epoch, without the storm."""
     engine = PolicyQos(parse_policy(POLICY.format(ckpt="").replace(
         'latency_measure = "backend"', 'latency_measure = "request"'), "t"))
     device = Device(base=0.001)  # what the canary sees: the storm adds 20 ms per GiB/s
@@ -636,9 +637,18 @@ async def test_a_request_target_is_not_judged_on_the_backend_alone_before_the_ca
     async with trio.open_nursery() as nursery:
         await nursery.start(control.run)
         nursery.start_soon(canary.run)
+        async with trio.open_nursery() as epoch:  # epoch 1, alone: the canary sees 1 ms
+            charge = open_dataset(engine)
+            epoch.start_soon(reader, charge)
+            await _until("a judged window", lambda: verdicts and verdicts[-1] == "met")
+            await trio.sleep(1.0)
+            epoch.cancel_scope.cancel()
+        charge.release()
+        await _until("the canary to stop", lambda: not canary.running)
+        assert sum(canary.histogram.counts) > 100 and not engine.auto_caps
         nursery.start_soon(_storm, engine, device)
         await trio.sleep(1.2)
-        nursery.start_soon(reader, open_dataset(engine))
+        nursery.start_soon(reader, open_dataset(engine))  # epoch 2, into the storm
         await _until("the first cut", lambda: engine.auto_caps.get("checkpoints"))
         assert verdicts[-1] == "starting"
         await _until("a judged window", lambda: verdicts[-1] in ("met", "missed"))
