@@ -45,7 +45,8 @@ class's and that have no target themselves.
   :data:`STARTING_WINDOWS`), the classes below it are cut as for a large miss
   (:data:`DEEPEST`): the canary needs a few hundred ms to report, a training step is
   shorter than that, and a reader starting into a running storm was left unprotected
-  for 1-2 s (the issue: half a 5.7 s epoch). A relative target without a baseline is cut
+  for 1.3 s, 3.3 s with a relative target (``python -m bench latency-target``; the
+  issue: half a 5.7 s epoch). A relative target without a baseline is cut
   the same way until a quiet window teaches it one (``learning``, below). From its first
   judged window on, the usual rules apply: met, the caps climb back. The first cut of
   the class's activity, its reason and the baseline's source show in ``ctl status``.
@@ -286,8 +287,9 @@ class LatencyDecider:
             elif target is None:
                 verdicts[name] = "learning"  # no quiet window seen yet: no baseline
             else:
+                assert sample is not None and sample.latency is not None  # judged
                 activity.judged = True
-                verdicts[name] = "missed" if sample.latency > target else "met"  # type: ignore[operator,union-attr]
+                verdicts[name] = "missed" if sample.latency > target else "met"
         self.verdicts = verdicts
         pressing = self._pressing(verdicts)
         decreases = self.decisions["decrease"]
