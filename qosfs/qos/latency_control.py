@@ -681,8 +681,10 @@ class LatencyLoop:
                 # Judged on the canary's round trips, never on the backend part alone: in
                 # the first window of a reader the canary has only just been started, and
                 # a storm shows in the queue, not in a memory-backed source's times.
+                # The queue part is shown whenever the canary ran (the reads of a file in
+                # the page cache never reach us), the estimate only with reads of its own.
                 queue = (FineHistogram.quantile(queue_counts, q)
-                         if queue_counts is not None and reads else None)
+                         if queue_counts is not None else None)
                 latency = queue + backend if queue is not None and backend is not None \
                     else None
                 samples_n = sum(queue_counts) if queue_counts is not None else 0
