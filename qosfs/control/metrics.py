@@ -29,7 +29,14 @@ estimate of the last window; absent when not judged), ``qosfs_latency_target_met
 (1 met or idle, 0 missed), ``qosfs_latency_control_state{state}`` (1 for the current one
 of idle, watching, throttling, unreachable), ``qosfs_latency_auto_limit_bytes_per_second
 {class, direction}`` (automatic caps; the cap in force is in ``qosfs_limit_...``) and
-``qosfs_latency_control_decisions_total{action}`` (decrease, increase, release).
+``qosfs_latency_control_decisions_total{action}`` (decrease, increase, release). How a
+class's protection began: ``qosfs_latency_active{class}`` (1 while it opens, reads or
+makes metadata requests), ``qosfs_latency_first_cut_after_seconds{class, reason}`` (from
+its becoming active to the first cut of the classes below; reason starting, learning or
+missed; absent before a cut), ``qosfs_latency_baseline_seconds{class, source}`` (a
+relative target's baseline, learned during this activity or remembered from an earlier
+one) and ``qosfs_latency_reads_observed{class}`` (0 when its reads bypass the daemon: its
+estimate is then the canary's alone).
 
 Identity: ``qosfs_build_info{version, python, pyfuse3, trio}``, ``qosfs_mount_info
 {mountpoint, source}``, ``qosfs_policy_info{source, hash}`` (hash of the policy in force as
@@ -222,12 +229,35 @@ class SnapshotCollector:
         met = GaugeMetricFamily("qosfs_latency_target_met",
                                 "1 if the last window met the target (or had no reads).",
                                 labels=["class"])
+        active = GaugeMetricFamily("qosfs_latency_active",
+                                   "1 while a protected class opens, reads or makes metadata "
+                                   "requests.", labels=["class"])
+        first_cut = GaugeMetricFamily(
+            "qosfs_latency_first_cut_after_seconds",
+            "Seconds from a protected class becoming active to the first cut of the classes "
+            "below it, and why.", labels=["class", "reason"], unit="seconds")
+        baseline = GaugeMetricFamily("qosfs_latency_baseline_seconds",
+                                     "Baseline latency of a relative target, and its source.",
+                                     labels=["class", "source"], unit="seconds")
+        observed_reads = GaugeMetricFamily(
+            "qosfs_latency_reads_observed",
+            "0 when a protected class's reads bypass the daemon (judged on the canary alone).",
+            labels=["class"])
         for p in lc["protected"]:
             if p["target_seconds"] is not None:  # a relative target still learning: absent
                 target.add_metric([p["class"]], p["target_seconds"])
             if p["latency_seconds"] is not None:
                 observed.add_metric([p["class"]], p["latency_seconds"])
             met.add_metric([p["class"]], 0.0 if p["verdict"] == "missed" else 1.0)
+            active.add_metric([p["class"]], 0.0 if p.get("active_since") is None else 1.0)
+            if p.get("first_cut_after_seconds") is not None:
+                first_cut.add_metric([p["class"], p["first_cut_reason"]],
+                                     p["first_cut_after_seconds"])
+            if p.get("baseline_seconds") is not None:
+                baseline.add_metric([p["class"], p.get("baseline_source") or ""],
+                                    p["baseline_seconds"])
+            observed_reads.add_metric([p["class"]],
+                                      1.0 if p.get("reads_observed", True) else 0.0)
         state = GaugeMetricFamily("qosfs_latency_control_state",
                                   "1 for the latency controller's current state.",
                                   labels=["state"])
@@ -245,7 +275,8 @@ class SnapshotCollector:
                                         labels=["action"])
         for action, n in lc["decisions"].items():
             decisions.add_metric([action], n)
-        yield from (target, observed, met, state, auto, decisions)
+        yield from (target, observed, met, state, auto, decisions, active, first_cut,
+                    baseline, observed_reads)
 
     def _cluster(self) -> Iterator[Metric]:
         c = self.snap.cluster
