@@ -75,7 +75,9 @@ def build_peer() -> tuple[str | None, str | None]:
         return None, f"deploy/libfuse/build.sh passthrough_hp: {exc}"
     lines = proc.stdout.strip().splitlines()
     if proc.returncode == 0 and lines and os.access(lines[-1], os.X_OK):
-        return lines[-1], None
+        binary = Path(lines[-1]).resolve()
+        # the report names it relative to the checkout, as the Makefile builds it
+        return str(binary.relative_to(REPO) if binary.is_relative_to(REPO) else binary), None
     why = (proc.stderr or proc.stdout).strip().splitlines()
     return None, why[-1] if why else f"deploy/libfuse/build.sh exited {proc.returncode}"
 
@@ -184,7 +186,8 @@ class _Columns:
             log = self.run.work / f"peer-{column}-{time.monotonic_ns()}.log"
             mnt = self.run.work / f"peer-mnt-{column}"
             try:
-                with peer_mount(self.peer, source, mnt, PEER_OPTIONS[column], log) as pid:
+                with peer_mount(str(REPO / self.peer), source, mnt, PEER_OPTIONS[column],
+                                log) as pid:
                     yield mnt, pid, None
             finally:
                 if log.exists() and "passthrough_open failed" in log.read_text(errors="replace"):
