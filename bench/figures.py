@@ -377,6 +377,9 @@ class PeerResult(Record):
     tmpfs: dict[str, dict[str, float]]  # column -> workload -> figure
     disk_figures: dict[str, dict[str, float]]
     errors: dict[str, str]  # "<table> <column>" -> one line
+    # how busy the machine was just before each column ran, nothing of the suite's running
+    # (other tenants; 100 = every CPU), per table
+    busy_pct: dict[str, dict[str, float]] = field(default_factory=dict)
     qosfs_passthrough: Json = None  # `ctl status`'s "passthrough" entry, when it has one
 
 

@@ -173,6 +173,7 @@ class _Columns:
         self.passthrough: dict[str, Any] = {}
         self.peer_busy: float | None = None
         self.peer_refused = False
+        self.busy: dict[str, dict[str, float]] = {}
 
     @contextmanager
     def root(self, column: str, source: Path) -> Iterator[tuple[Path, int | None, str | None]]:
@@ -201,7 +202,10 @@ class _Columns:
         figures: dict[str, float] = {}
         try:
             with self.root(column, source) as (root, pid, sock):
-                wait_quiet(self.run.quiet_wait)
+                # the machine's busy share with nothing of ours running (other tenants):
+                # on a shared machine, read a column's ratio with it
+                _, busy = wait_quiet(self.run.quiet_wait)
+                self.busy.setdefault(table, {})[column] = busy
                 drop_caches()
                 figures.update(loader_figures(root, names, workers))
                 if fio_file is not None:
@@ -258,4 +262,4 @@ def run(run: Run) -> PeerResult:
         peer_passthrough=passed,
         tmpfs={c: f for c, f in tmpfs.items() if f},
         disk_figures={c: f for c, f in disk_figures.items() if f},
-        errors=columns.errors, qosfs_passthrough=columns.passthrough or None)
+        errors=columns.errors, busy_pct=columns.busy, qosfs_passthrough=columns.passthrough or None)

@@ -459,7 +459,7 @@ def _peer_figure(key: str, v: float) -> str:
 
 
 def _peer_table(figures: dict[str, dict[str, float]], columns: tuple[str, ...],
-                keys: tuple[str, ...], base_label: str) -> list[str]:
+                keys: tuple[str, ...], base_label: str, busy: dict[str, float]) -> list[str]:
     rows = []
     for key in keys:
         cells = [PEER_ROWS[key]]
@@ -469,6 +469,9 @@ def _peer_table(figures: dict[str, dict[str, float]], columns: tuple[str, ...],
             cells.append("—" if v is None else _peer_figure(key, v) if column == "native"
                          or r is None else f"{_peer_figure(key, v)} ({r:.2f}×)")
         rows.append(cells)
+    if busy:
+        rows.append(["machine busy before the column (other tenants)"] +
+                    [pct(busy.get(c), signed=False) for c in columns])
     header = ["workload", *(base_label if c == "native" else PEER_COLUMNS[c] for c in columns)]
     return table(header, rows)
 
@@ -495,12 +498,18 @@ def section_peer(plots: Plots, r: PeerResult) -> list[str]:
         f"`data/`; small-file loader: {r.tmpfs_workers} processes reading "
         f"{r.tmpfs_files:,} × {r.tmpfs_file_kib} KiB files. In brackets: the ratio to "
         "native.", "",
-        *_peer_table(r.tmpfs, PEER_TMPFS_COLUMNS, PEER_FIO + PEER_LOADER, "native"), "",
+        *_peer_table(r.tmpfs, PEER_TMPFS_COLUMNS, PEER_FIO + PEER_LOADER, "native",
+                     r.busy_pct.get("tmpfs", {})), "",
         f"Disk ({r.disk or 'no disk area'}; the run's --disk-dir): {r.disk_files:,} × "
         f"{r.disk_file_kib} KiB files, {r.disk_workers} reader processes, page cache "
         "dropped before the cold pass. In brackets: the ratio to bare.", "",
-        *_peer_table(r.disk_figures, PEER_DISK_COLUMNS, PEER_LOADER, "bare"), "",
-        "Each column is mounted fresh over the same files and measured once. `cold`: the "
+        *_peer_table(r.disk_figures, PEER_DISK_COLUMNS, PEER_LOADER, "bare",
+                     r.busy_pct.get("disk", {})), "",
+        "Each column is mounted fresh over the same files and measured once, after waiting "
+        "(up to --quiet-wait s) for the machine to be idle; \"machine busy\" is every "
+        "CPU's busy share over the last 0.25 s of that wait (100% = all CPUs), nothing of "
+        "the suite's running: a column that ran while other tenants were busy shows it. "
+        "`cold`: the "
         "first pass after the daemon started and caches were dropped; `warm`: the next. "
         f"passthrough_hp ({r.peer or 'not built'}) is libfuse's C++ example, built from "
         "the same source as the library pyfuse3 is linked to (`make passthrough-hp`); "
