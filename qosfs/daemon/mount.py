@@ -62,6 +62,7 @@ from qosfs.passthrough.backing_io import BackingIO, IoMode, backing_mount, choos
 from qosfs.passthrough.kernel import stack_depth
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import default_policy, load_policy
+from qosfs.policy.model import ClassRule, passthrough_blocker
 from qosfs.qos.cluster import ClusterCoordinator
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.interface import PassThroughQos, QosEngine
@@ -257,7 +258,8 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
     # policy in force now wants it (a later policy cannot add it; ctl status says so).
     _request_passthrough(cfg, ops, engine, fstype)
     mountpoint = os.path.realpath(cfg.mountpoint)  # resolved before we serve it
-    latency = (LatencyLoop(policy_engine, LatencyProbe(mountpoint, ops.probe_tids))
+    latency = (LatencyLoop(policy_engine, LatencyProbe(mountpoint, ops.probe_tids),
+                           reads_bypass=_reads_bypass(ops, policy_engine))
                if policy_engine is not None else None)
     with ExitStack() as stack:
         services = _open_services(cfg, mountpoint, engine, stack, latency, ops.resources,
@@ -281,6 +283,20 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
             log.info("unmounted %s (%s)", mountpoint,
                      "clean" if unmounted_by_us else "after an error")
     return 0
+
+
+def _reads_bypass(ops: PassthroughOperations,
+                  engine: PolicyQos) -> Callable[[ClassRule], bool]:
+    """Whether a class's reads bypass the daemon on this mount: kernel passthrough is
+    active and nothing in the policy keeps the class's read-only opens in the daemon. The
+    latency controller then judges the class by its canary and sees it active by its
+    opens and metadata (qosfs.qos.latency_control)."""
+
+    def bypass(rule: ClassRule) -> bool:
+        return (rule.passthrough == "reads" and ops.passthrough_active()
+                and passthrough_blocker(engine.policy, rule) is None)
+
+    return bypass
 
 
 def _request_passthrough(cfg: MountConfig, ops: PassthroughOperations, engine: QosEngine,

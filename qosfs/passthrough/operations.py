@@ -211,6 +211,11 @@ class PassthroughOperations(pyfuse3.Operations):
                      cap.reason)
             self.passthrough_off(cap.reason)
 
+    def passthrough_active(self) -> bool:
+        """Whether this mount passes opens through to the kernel: asked for, and accepted
+        at INIT (False before INIT is answered)."""
+        return self._kernel_on and self.kernel.capability().available
+
     def passthrough_status(self) -> dict[str, Any]:
         """The ``passthrough`` entry of ``ctl status`` (and its metrics)."""
         s = self.kernel.statistics()

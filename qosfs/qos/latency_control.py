@@ -486,8 +486,12 @@ class LatencyLoop:
     """
 
     def __init__(self, engine: PolicyQos, probe: QueueSource | None = None,
-                 window: float = WINDOW) -> None:
+                 window: float = WINDOW,
+                 reads_bypass: Callable[[ClassRule], bool] | None = None) -> None:
         self.engine = engine
+        # Whether a class's reads bypass the daemon on this mount (kernel passthrough),
+        # asked at every policy check: it depends on the policy and on what INIT gave.
+        self._reads_bypass = reads_bypass
         self.probe = probe
         self.window = window
         self.controller = LatencyDecider(engine.policy)
@@ -563,6 +567,9 @@ class LatencyLoop:
     # -- measuring ------------------------------------------------------------------
 
     def _sync_policy(self) -> None:
+        if self._reads_bypass is not None:
+            for rule in protected_classes(self.engine.policy):
+                self.reads_unobserved(rule.name, self._reads_bypass(rule))
         if self.engine.generation == self._generation:
             return
         self._generation = self.engine.generation

@@ -27,6 +27,7 @@ from qosfs.qos.latency_control import (
     LatencyLoop,
     ProtectedSample,
     low_classes,
+    protected_classes,
 )
 from qosfs.qos.stats import AutoCaps
 from tests.mock_clock import mock_clock
@@ -654,3 +655,16 @@ async def test_a_request_target_is_not_judged_on_the_backend_alone_before_the_ca
         await _until("a judged window", lambda: verdicts[-1] in ("met", "missed"))
         assert verdicts[-1] == "missed"  # the canary's ~5 ms at a quarter of the storm
         nursery.cancel_scope.cancel()
+
+
+def test_the_mount_says_which_classes_reads_bypass_it_at_every_policy_check() -> None:
+    """The daemon hands the loop a predicate (kernel passthrough active and the class
+    eligible): a policy change or INIT's answer shows at the next check, no call needed."""
+    engine = PolicyQos(parse_policy(POLICY.format(ckpt=""), "t"))
+    passing = {"on": False}
+    control = LatencyLoop(engine, reads_bypass=lambda rule: passing["on"])
+    control._sync_policy()
+    assert control.unobserved() == frozenset()
+    passing["on"] = True  # INIT answered: passthrough negotiated
+    control._sync_policy()
+    assert control.unobserved() == {c.name for c in protected_classes(engine.policy)}
