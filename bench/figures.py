@@ -346,6 +346,43 @@ class EnvelopeResult(Record):
     summary: dict[str, dict[str, list[float]]]  # side -> figure -> one per repetition
 
 
+# -- peer: libfuse's passthrough_hp beside native and qosfs --
+
+# Columns of the two tables, in order; the workloads (rows) in order, with their units.
+PEER_TMPFS_COLUMNS = ("native", "hp-single", "hp-multi", "hp-passthrough", "no-qos",
+                      "policy")
+PEER_DISK_COLUMNS = ("native", "hp-single", "hp-passthrough", "policy")
+PEER_FIO = ("randread_4k_qd1_iops", "randread_4k_4jobs_iops", "randread_128k_qd1_mb_s",
+            "read_1m_direct_mb_s")
+PEER_LOADER = ("loader_cold_files_s", "loader_warm_files_s")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerResult(Record):
+    """bench.peer: each column's figure per workload (``tmpfs``: PEER_FIO and PEER_LOADER;
+    ``disk``: PEER_LOADER); a column or workload that could not run is absent, with its
+    one-line reason in ``errors``."""
+
+    seconds: int  # fio runtime per job
+    tmpfs_files: int
+    tmpfs_file_kib: int
+    tmpfs_workers: int
+    disk_files: int
+    disk_file_kib: int
+    disk_workers: int
+    disk: str | None  # what the disk table ran on ("ext4 on /dev/vda, /var/tmp"), or None
+    peer: str | None  # the passthrough_hp binary measured, or None
+    peer_missing: str | None  # why passthrough_hp was not measured (one line)
+    peer_passthrough: bool | None  # its kernel passthrough column really passed through
+    tmpfs: dict[str, dict[str, float]]  # column -> workload -> figure
+    disk_figures: dict[str, dict[str, float]]
+    errors: dict[str, str]  # "<table> <column>" -> one line
+    # how busy the machine was just before each column ran, nothing of the suite's running
+    # (other tenants; 100 = every CPU), per table
+    busy_pct: dict[str, dict[str, float]] = field(default_factory=dict)
+    qosfs_passthrough: Json = None  # `ctl status`'s "passthrough" entry, when it has one
+
+
 # -- training (DLIO) --
 
 

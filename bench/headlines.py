@@ -14,6 +14,7 @@ from bench.figures import (
     LoaderResult,
     MetadataResult,
     OverheadResult,
+    PeerResult,
     PrioritiesResult,
     StorageResult,
 )
@@ -27,6 +28,7 @@ from bench.sections import (
     SHARE_PCT,
     machinery_share,
     pct,
+    peer_ratio,
     ratio,
     verdict,
 )
@@ -168,3 +170,20 @@ def storage(r: StorageResult) -> Rows:
 def envelope(r: EnvelopeResult) -> Rows:
     """None: what one mount carries is a capacity figure, not a guarantee."""
     return []
+
+
+PEER_NATIVE_MIN = 0.8  # issue 30: the passthrough class reaches 0.8x native on tmpfs
+
+
+def peer(r: PeerResult) -> Rows:
+    """qosfs against native and against libfuse's single-threaded passthrough_hp."""
+    qd1 = peer_ratio(r.tmpfs, "randread_4k_qd1_iops", "policy")
+    rows = [["peer (tmpfs): qosfs default policy / native, 4 KiB random read QD1",
+             ratio(qd1), f"≥ {PEER_NATIVE_MIN}",
+             verdict(None if qd1 is None else qd1 >= PEER_NATIVE_MIN)]]
+    for where, table in (("tmpfs", r.tmpfs), ("disk", r.disk_figures)):
+        cold = peer_ratio(table, "loader_cold_files_s", "policy", "hp-single")
+        rows.append([f"peer ({where}): qosfs default policy / passthrough_hp 1 thread, "
+                     "small-file loader cold", ratio(cold), "≥ 1",
+                     verdict(None if cold is None else cold >= 1.0)])
+    return rows

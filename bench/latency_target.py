@@ -14,7 +14,13 @@ priority low). Phases, in this order and in the same run:
    ``datasets`` (``latency_measure = "request"``), then ``storm starts``: the reader runs,
    the storm starts 1 s later; ``ctl status`` is polled every 0.1 s for the controller's
    windows (state, estimate, automatic cap), which give the time to converge;
-5. ``storm, with target``: a fresh reader run while the storm goes on (steady state).
+5. ``storm, with target``: a fresh reader run while the storm goes on (steady state);
+6. ``joins storm (absolute)`` and ``joins storm (relative)``: the issue's order -- the
+   storm runs for 2 s (the reader idle), then a reader starts into it, once with the
+   absolute target above and once with ``target_read_slowdown = 1.5`` reloaded just
+   before the storm (no baseline learned: a first epoch). Figures: seconds from the
+   reader's start to the first automatic cap (``ctl status`` polled every 0.05 s), and
+   the reader's fio p99 over its first 3 s.
 
 Figures: the reader's fio p99 (and p50, bandwidth) per phase; the checkpoint class's
 write rate per phase from the daemon's own counters; the daemon's read-backend p99 next to
@@ -65,6 +71,7 @@ paths = ["checkpoints/**"]
 priority = "low"
 """
 TARGET = 'target_read_latency = "{target}"\nlatency_measure = "request"'
+RELATIVE = 'target_read_slowdown = 1.5\nlatency_measure = "request"'
 # target = FACTOR x the reader's solo p99 measured in the same run: tight enough that the
 # storm without a target misses it by far (10-20x solo here), loose enough to be reachable
 # on a 2-CPU machine shared with other tenants, where the daemon, fio and the storm compete
@@ -124,6 +131,8 @@ class Poller:
                     "verdict": p["verdict"], "estimate_s": p["latency_seconds"],
                     "queue_s": p["queue_seconds"], "backend_s": p["backend_seconds"],
                     "auto_write_cap": ck["write_bandwidth"] if ck else None,
+                    "first_cut_after_s": p.get("first_cut_after_seconds"),
+                    "first_cut_reason": p.get("first_cut_reason"),
                     "decisions": sum(lc["decisions"].values())})
             self._stop.wait(self.interval)
 
@@ -242,9 +251,37 @@ def run(out_dir: Path, quick: bool = False) -> int:
                 storm.join()
                 time.sleep(2.0)  # the release after the storm
             rows = poller.rows
+            for name, target_text in (("joins storm (absolute)", None),
+                                      ("joins storm (relative)", RELATIVE)):
+                phases[name] = _join_storm(fio, mount, mnt, sock, policy, target_text)
     decisions = rows[-1]["decisions"] if rows else 0
     return _report(out_dir, info, phases, target, solo_p99, rows, storm.started,
                    decisions, quick)
+
+
+def _join_storm(fio: str, mount: QosfsMount, mnt: Path, sock: str, policy: Path,
+                target_text: str | None) -> dict[str, Any]:
+    """A reader starting into a storm that already runs (see the module docstring)."""
+    wait_quiet(5.0)
+    if target_text is not None:
+        text = POLICY.format(target=target_text)
+        policy.write_text(text)
+        with Client(sock) as client:
+            checked(client.request({"cmd": "reload", "text": text, "source": str(policy)}))
+    with Poller(sock, interval=0.05) as poller:
+        storm = Storm(fio, mnt, 2 + 3 + 1)
+        time.sleep(2.0)
+        started = time.monotonic()
+        phase = _measure(sock, mount, lambda: _reader(fio, mnt, 3), quiet_first=False)
+        storm.join()
+    after = [r for r in poller.rows if r["t"] >= started]
+    first = next((r["t"] - started for r in after if r["auto_write_cap"]), None)
+    active = next((r["t"] - started for r in after if r["verdict"] != "idle"), None)
+    daemon = next((r for r in after if r["first_cut_after_s"] is not None), None)
+    return {**phase, "first_cap_after_reader_start_s": first,
+            "active_after_reader_start_s": active,
+            "first_cut_after_active_s": daemon["first_cut_after_s"] if daemon else None,
+            "first_cut_reason": daemon["first_cut_reason"] if daemon else None}
 
 
 def _convergence(rows: list[dict[str, Any]], storm_start: float,
@@ -321,6 +358,14 @@ def _report(out: Path, info: dict[str, Any], phases: dict[str, dict[str, Any]],
         f"- Convergence after the storm starts: first automatic cap {fmt(conv['first_cap_s'])},"
         f" first window meeting the target {fmt(conv['first_met_s'])}; "
         f"{decisions} controller decisions (cap changes) over the run.",
+        *(f"- Reader starting into a running storm, {name.split('(')[1][:-1]} target: "
+          f"first automatic cap {fmt(p['first_cap_after_reader_start_s'])} after the "
+          f"reader's start (fio's start-up included; seen active after "
+          f"{fmt(p['active_after_reader_start_s'])}, cut {fmt(p['first_cut_after_active_s'])}"
+          f" after that by the daemon's clock, on {p['first_cut_reason']}); reader p99 over "
+          f"its first 3 s "
+          f"{p['result'].clat_p99_us / 1e3:.2f} ms."
+          for name, p in phases.items() if name.startswith("joins storm")),
         "",
         "ControlService windows from 1 s before the storm (t = 0: storm start; estimate = "
         "canary queue p99 + read-backend p99):",

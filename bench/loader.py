@@ -35,16 +35,17 @@ WORKERS = 4
 SIDES = ("native", "no-qos", "policy")  # policy: the embedded default, as users mount it
 
 
-def make_samples(top: Path, count: int, seed: int = 7) -> list[str]:
-    """*count* files of 64-512 KiB under top/data/, in 16 directories; their relative paths."""
+def make_samples(top: Path, count: int, seed: int = 7, kib: int | None = None) -> list[str]:
+    """*count* files of 64-512 KiB (each *kib* KiB when given) under top/data/, in 16
+    directories; their relative paths."""
     rng = random.Random(seed)
     names = []
-    block = os.urandom(512 * 1024)
+    block = os.urandom(max(512, kib or 0) * 1024)
     for i in range(count):
         rel = f"data/shard{i % 16:02d}/sample{i:06d}.bin"
         path = top / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(block[:rng.randrange(64, 513) * 1024])
+        path.write_bytes(block[:(kib or rng.randrange(64, 513)) * 1024])
         names.append(rel)
     return names
 

@@ -7,9 +7,14 @@ with, so a reader can check a figure without opening the code.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
 from bench.figures import (
+    PEER_DISK_COLUMNS,
+    PEER_FIO,
+    PEER_LOADER,
+    PEER_TMPFS_COLUMNS,
     CapsResult,
     EnvelopeResult,
     FairshareResult,
@@ -18,6 +23,7 @@ from bench.figures import (
     LoaderResult,
     MetadataResult,
     OverheadResult,
+    PeerResult,
     PrioritiesResult,
     StorageResult,
 )
@@ -424,4 +430,89 @@ def section_envelope(plots: Plots, r: EnvelopeResult) -> list[str]:
         f"tmpfs source; fio, {r.seconds} s per figure, {r.reps} repetitions shown "
         f"apart; meta.fio with {r.files} files. The do-nothing pyfuse3 filesystem is "
         "the floor: what pyfuse3's request loop and the kernel cost without any work.", "",
+    ]
+
+
+PEER_COLUMNS = {"native": "native", "hp-single": "passthrough_hp 1 thread",
+                "hp-multi": "passthrough_hp, libfuse's threads",
+                "hp-passthrough": "passthrough_hp 1 thread, kernel passthrough",
+                "no-qos": "qosfs --no-qos", "policy": "qosfs default policy (datasets)"}
+PEER_ROWS = {"randread_4k_qd1_iops": "4 KiB random read, QD1 (IOPS)",
+             "randread_4k_4jobs_iops": "4 KiB random read, 4 jobs (IOPS)",
+             "randread_128k_qd1_mb_s": "128 KiB random read, QD1 (MB/s)",
+             "read_1m_direct_mb_s": "1 MiB sequential O_DIRECT (MB/s)",
+             "loader_cold_files_s": "small-file loader, cold (files/s)",
+             "loader_warm_files_s": "small-file loader, warm (files/s)"}
+
+
+def peer_ratio(table: dict[str, dict[str, float]], key: str, column: str,
+               base: str = "native") -> float | None:
+    """*column*'s figure for *key* over *base*'s, when both were measured."""
+    got, of = table.get(column, {}).get(key), table.get(base, {}).get(key)
+    return got / of if got is not None and of else None
+
+
+def _peer_figure(key: str, v: float) -> str:
+    if key.endswith("_mb_s"):
+        return f"{v:,.0f}"
+    return f"{v / 1e3:,.0f}k" if v >= 1e5 else f"{v / 1e3:.1f}k" if v >= 1e4 else f"{v:,.0f}"
+
+
+def _peer_table(figures: dict[str, dict[str, float]], columns: tuple[str, ...],
+                keys: tuple[str, ...], base_label: str, busy: dict[str, float]) -> list[str]:
+    rows = []
+    for key in keys:
+        cells = [PEER_ROWS[key]]
+        for column in columns:
+            v = figures.get(column, {}).get(key)
+            r = peer_ratio(figures, key, column)
+            cells.append("—" if v is None else _peer_figure(key, v) if column == "native"
+                         or r is None else f"{_peer_figure(key, v)} ({r:.2f}×)")
+        rows.append(cells)
+    if busy:
+        rows.append(["machine busy before the column (other tenants)"] +
+                    [pct(busy.get(c), signed=False) for c in columns])
+    header = ["workload", *(base_label if c == "native" else PEER_COLUMNS[c] for c in columns)]
+    return table(header, rows)
+
+
+def section_peer(plots: Plots, r: PeerResult) -> list[str]:
+    notes = []
+    if r.peer is None:
+        notes.append(f"passthrough_hp was not measured: {r.peer_missing}.")
+    elif r.peer_passthrough is not None:
+        notes.append("passthrough_hp's kernel passthrough column: "
+                     + ("its daemon served no reads (passed through)." if r.peer_passthrough
+                        else "its reads still reached the daemon (passthrough refused or "
+                        "not negotiated)."))
+    notes += [f"Not measured, {where}: {why}." for where, why in r.errors.items()]
+    if r.qosfs_passthrough is None:
+        notes.append("qosfs's `ctl status` has no `passthrough` entry: every qosfs read "
+                     "went through the daemon.")
+    else:
+        notes += [f"qosfs `ctl status` passthrough, {where}: `{json.dumps(entry)}`"
+                  for where, entry in sorted(r.qosfs_passthrough.items())]
+    return [
+        "## A peer: libfuse's passthrough_hp beside native and qosfs", "",
+        f"tmpfs source; fio psync, O_DIRECT, {r.seconds} s per job, on one file under "
+        f"`data/`; small-file loader: {r.tmpfs_workers} processes reading "
+        f"{r.tmpfs_files:,} × {r.tmpfs_file_kib} KiB files. In brackets: the ratio to "
+        "native.", "",
+        *_peer_table(r.tmpfs, PEER_TMPFS_COLUMNS, PEER_FIO + PEER_LOADER, "native",
+                     r.busy_pct.get("tmpfs", {})), "",
+        f"Disk ({r.disk or 'no disk area'}; the run's --disk-dir): {r.disk_files:,} × "
+        f"{r.disk_file_kib} KiB files, {r.disk_workers} reader processes, page cache "
+        "dropped before the cold pass. In brackets: the ratio to bare.", "",
+        *_peer_table(r.disk_figures, PEER_DISK_COLUMNS, PEER_LOADER, "bare",
+                     r.busy_pct.get("disk", {})), "",
+        "Each column is mounted fresh over the same files and measured once, after waiting "
+        "(up to --quiet-wait s) for the machine to be idle; \"machine busy\" is every "
+        "CPU's busy share over the last 0.25 s of that wait (100% = all CPUs), nothing of "
+        "the suite's running: a column that ran while other tenants were busy shows it. "
+        "`cold`: the "
+        "first pass after the daemon started and caches were dropped; `warm`: the next. "
+        f"passthrough_hp ({r.peer or 'not built'}) is libfuse's C++ example, built from "
+        "the same source as the library pyfuse3 is linked to (`make passthrough-hp`); "
+        "without kernel passthrough it runs `--nopassthrough`.", "",
+        *(f"- {n}" for n in notes), "",
     ]

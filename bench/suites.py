@@ -35,6 +35,7 @@ from bench import (
     loader,
     metadata,
     overhead,
+    peer,
     plots,
     priorities,
     sections,
@@ -52,6 +53,7 @@ from bench.figures import (
     LoaderResult,
     MetadataResult,
     OverheadResult,
+    PeerResult,
     PrioritiesResult,
     StorageResult,
     TrainingResult,
@@ -147,6 +149,10 @@ SUITES: tuple[Suite[Any], ...] = (
         "envelope", "what one mount carries (small/large reads, metadata), and a "
         "do-nothing floor", envelope.run, EnvelopeResult, headlines.envelope,
         sections.section_envelope),
+    Suite[PeerResult](
+        "peer", "libfuse's passthrough_hp (1 thread, threads, kernel passthrough) beside "
+        "native and qosfs: fio and small files on tmpfs, small files on disk",
+        peer.run, PeerResult, headlines.peer, sections.section_peer),
     Suite[TrainingResult](
         "training", "MLPerf Storage's AU: DLIO's emulated training under a PyTorch "
         "checkpoint storm (torch.save, dcp), bare / --no-qos / default policy / latency "

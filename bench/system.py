@@ -147,13 +147,7 @@ class QosfsMount:
 
     def cpu_seconds(self) -> float | None:
         """User+system CPU the daemon (all its threads) has used so far."""
-        if self.pid is None:
-            return None
-        try:
-            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return None
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return None if self.pid is None else cpu_seconds(self.pid)
 
     def io_bytes(self) -> tuple[int, int] | None:
         """(rchar, wchar) of the daemon: bytes through its read/write syscalls, backing
@@ -180,6 +174,15 @@ class QosfsMount:
                 time.sleep(0.05)
             if _alive(self.pid):
                 os.kill(self.pid, signal.SIGKILL)
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User+system CPU process *pid* (all its threads) has used so far; None once gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _alive(pid: int) -> bool:

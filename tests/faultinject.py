@@ -14,6 +14,9 @@ Faults (repeat ``--fault``):
   (``meta`` needs a ``meta_iops`` cap somewhere, or metadata is not admitted at all);
 * ``release=CLASS``: letting go of an open of CLASS (``OpenCharge.release``) raises
   ``KeyError``;
+* ``register=ERRNO``: the kernel refuses every backing file registered for passthrough
+  (``pyfuse3.passthrough_open`` raises ``OSError(ERRNO)``, e.g. ``ELOOP``, as for a
+  backing file stacked deeper than negotiated);
 * ``sampler=PATH``: the control service's rate sampler (a service on the daemon's event
   loop, once a second) raises ``RuntimeError`` while PATH exists.
 """
@@ -21,6 +24,7 @@ Faults (repeat ``--fault``):
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -28,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # qosfs of this tree
+
+import pyfuse3
 
 from qosfs.control.snapshot import RateSampler
 from qosfs.daemon.cli import main
@@ -75,6 +81,15 @@ def _break_sampler(trigger: str) -> None:
     RateSampler.sample = broken  # type: ignore[method-assign]
 
 
+def _refuse_registration(name: str) -> None:
+    code = getattr(errno, name)
+
+    def refused(fd: int) -> int:
+        raise OSError(code, os.strerror(code))
+
+    pyfuse3.passthrough_open = refused  # what qosfs.passthrough.kernel calls
+
+
 def run(argv: Sequence[str]) -> int:
     args = list(argv)
     split = args.index("--") if "--" in args else len(args)
@@ -87,6 +102,8 @@ def run(argv: Sequence[str]) -> int:
             _break_flow(kind, what)
         elif kind == "release":
             _break_release(what)
+        elif kind == "register":
+            _refuse_registration(what)
         elif kind == "sampler":
             _break_sampler(what)
         else:

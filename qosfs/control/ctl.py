@@ -305,13 +305,35 @@ def format_settings(reply: dict[str, Any]) -> list[str]:
     return lines
 
 
+def format_passthrough(kp: dict[str, Any] | None) -> list[str]:
+    """Kernel passthrough, for ``status``: whether it works here, why not, and its counts."""
+    if not kp:
+        return []
+    opens = sum(kp["opens"].values())
+    line = (f"kernel passthrough {kp['state']}: {kp['reason']}; {kp['live_backing_ids']} "
+            f"inodes passed through now, {opens} opens since mount (their bytes are not "
+            f"counted), {kp['registered']} registered, {kp['refused']} refused, "
+            f"{kp['declined']} declined")
+    if kp.get("last_refusal"):
+        line += f" (last refusal {kp['last_refusal']})"
+    lines = [line]
+    for access in ("read", "write"):
+        joined = kp.get(f"uncapped_{access}_opens") or {}
+        if joined:
+            lines.append(f"  {access} opens that joined a passed-through inode uncapped: " +
+                         ", ".join(f"{cls} {n}" for cls, n in sorted(joined.items())))
+    return lines
+
+
 def format_status(reply: dict[str, Any]) -> str:
     window = reply.get("window_seconds") or 0.0
     note = f"rates over the last {window:.1f}s" if window else "rates: no sample yet"
     latency = format_latency(reply)
     cluster = format_cluster_state(reply.get("cluster"))
     settings = format_settings(reply)
+    kernel = format_passthrough(reply.get("passthrough"))
     return "\n".join([*format_header(reply), note, "", *format_levels(reply),
+                      *(["", *kernel] if kernel else []),
                       *(["", *settings] if settings else []),
                       *(["", *latency] if latency else []),
                       *(["", *cluster] if cluster else [])]) + "\n"

@@ -290,7 +290,10 @@ def format_explanation(body: dict[str, Any], given_env: list[str] | None = None)
         lines += _row("charged" if i == 0 else "", _level(level))
     served = body["served_by"]
     text = f"the {served['by']}"
-    if not served.get("passthrough") and served.get("reason"):
+    if served.get("passthrough"):
+        text += (" (kernel passthrough): read-only opens are passed through, their reads "
+                 "never reach the daemon, which counts the opens, not the bytes")
+    elif served.get("reason"):
         text += f" ({served['reason']})"
     cache = served.get("page_cache")
     if cache == "used":

@@ -29,7 +29,14 @@ estimate of the last window; absent when not judged), ``qosfs_latency_target_met
 (1 met or idle, 0 missed), ``qosfs_latency_control_state{state}`` (1 for the current one
 of idle, watching, throttling, unreachable), ``qosfs_latency_auto_limit_bytes_per_second
 {class, direction}`` (automatic caps; the cap in force is in ``qosfs_limit_...``) and
-``qosfs_latency_control_decisions_total{action}`` (decrease, increase, release).
+``qosfs_latency_control_decisions_total{action}`` (decrease, increase, release). How a
+class's protection began: ``qosfs_latency_active{class}`` (1 while it opens, reads or
+makes metadata requests), ``qosfs_latency_first_cut_after_seconds{class, reason}`` (from
+its becoming active to the first cut of the classes below; reason starting, learning or
+missed; absent before a cut), ``qosfs_latency_baseline_seconds{class, source}`` (a
+relative target's baseline, learned during this activity or remembered from an earlier
+one) and ``qosfs_latency_reads_observed{class}`` (0 when its reads bypass the daemon: its
+estimate is then the canary's alone).
 
 Identity: ``qosfs_build_info{version, python, pyfuse3, trio}``, ``qosfs_mount_info
 {mountpoint, source}``, ``qosfs_policy_info{source, hash}`` (hash of the policy in force as
@@ -49,6 +56,12 @@ Resources (see ``_RESOURCES``): ``qosfs_inode_descriptors``, ``..._budget``,
 and ``qosfs_internal_errors_total{where, type}`` (unexpected exceptions the daemon
 survived: a request answered EIO, a service restarted; :mod:`qosfs.core.failures`).
 
+Kernel passthrough (:mod:`qosfs.passthrough.kernel`): ``qosfs_passthrough_active``,
+``qosfs_passthrough_backing_ids``, ``qosfs_passthrough_registrations_total{result}``,
+``qosfs_passthrough_opens_total{class}`` and
+``qosfs_passthrough_uncapped_opens_total{class, access}``. A passed-through open's bytes
+are in no figure: the daemon never sees them.
+
 Per-uid series are bounded by the policy's ``[metrics]`` table (see
 :mod:`qosfs.qos.accounting`): at most ``user_series`` uids per class, idle ones folded away.
 """
@@ -58,6 +71,7 @@ from __future__ import annotations
 import platform
 from collections.abc import Callable, Iterator
 from importlib import metadata
+from typing import Any
 
 from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.metrics_core import (
@@ -215,12 +229,35 @@ class SnapshotCollector:
         met = GaugeMetricFamily("qosfs_latency_target_met",
                                 "1 if the last window met the target (or had no reads).",
                                 labels=["class"])
+        active = GaugeMetricFamily("qosfs_latency_active",
+                                   "1 while a protected class opens, reads or makes metadata "
+                                   "requests.", labels=["class"])
+        first_cut = GaugeMetricFamily(
+            "qosfs_latency_first_cut_after_seconds",
+            "Seconds from a protected class becoming active to the first cut of the classes "
+            "below it, and why.", labels=["class", "reason"], unit="seconds")
+        baseline = GaugeMetricFamily("qosfs_latency_baseline_seconds",
+                                     "Baseline latency of a relative target, and its source.",
+                                     labels=["class", "source"], unit="seconds")
+        observed_reads = GaugeMetricFamily(
+            "qosfs_latency_reads_observed",
+            "0 when a protected class's reads bypass the daemon (judged on the canary alone).",
+            labels=["class"])
         for p in lc["protected"]:
             if p["target_seconds"] is not None:  # a relative target still learning: absent
                 target.add_metric([p["class"]], p["target_seconds"])
             if p["latency_seconds"] is not None:
                 observed.add_metric([p["class"]], p["latency_seconds"])
             met.add_metric([p["class"]], 0.0 if p["verdict"] == "missed" else 1.0)
+            active.add_metric([p["class"]], 0.0 if p.get("active_since") is None else 1.0)
+            if p.get("first_cut_after_seconds") is not None:
+                first_cut.add_metric([p["class"], p["first_cut_reason"]],
+                                     p["first_cut_after_seconds"])
+            if p.get("baseline_seconds") is not None:
+                baseline.add_metric([p["class"], p.get("baseline_source") or ""],
+                                    p["baseline_seconds"])
+            observed_reads.add_metric([p["class"]],
+                                      1.0 if p.get("reads_observed", True) else 0.0)
         state = GaugeMetricFamily("qosfs_latency_control_state",
                                   "1 for the latency controller's current state.",
                                   labels=["state"])
@@ -238,7 +275,8 @@ class SnapshotCollector:
                                         labels=["action"])
         for action, n in lc["decisions"].items():
             decisions.add_metric([action], n)
-        yield from (target, observed, met, state, auto, decisions)
+        yield from (target, observed, met, state, auto, decisions, active, first_cut,
+                    baseline, observed_reads)
 
     def _cluster(self) -> Iterator[Metric]:
         c = self.snap.cluster
@@ -331,6 +369,8 @@ class SnapshotCollector:
             for cls, n in sorted(info["streaming_moves"].items()):
                 moves.add_metric([cls], n)
             yield moves
+        if "passthrough" in info:
+            yield from _passthrough(info["passthrough"])
         if "internal_errors" in info:
             errors = CounterMetricFamily(
                 "qosfs_internal_errors", "Unexpected exceptions the daemon survived (the "
@@ -340,6 +380,42 @@ class SnapshotCollector:
                 for kind, n in sorted(kinds.items()):
                     errors.add_metric([where, kind], n)
             yield errors
+
+
+def _passthrough(kp: dict[str, Any]) -> Iterator[Metric]:
+    """Kernel passthrough (``ctl status`` ``passthrough``). A passed-through open's reads
+    never reach the daemon: its class's opens are counted here (and in its open files),
+    its metadata requests as before, its bytes nowhere."""
+    yield GaugeMetricFamily("qosfs_passthrough_active", "1 if read-only opens of "
+                            "passthrough classes may be passed through to the kernel on this "
+                            "mount, 0 if not (ctl status says why).",
+                            value=1.0 if kp["state"] == "active" else 0.0)
+    yield GaugeMetricFamily("qosfs_passthrough_backing_ids", "Inodes passed through to the "
+                            "kernel now (one backing id each, shared by their opens).",
+                            value=kp["live_backing_ids"])
+    registrations = CounterMetricFamily(
+        "qosfs_passthrough_registrations", "Backing files registered with the kernel, "
+        "refused by it (served by the daemon instead), and declined because the daemon "
+        "served the inode at the time.", labels=["result"])
+    for result in ("registered", "refused", "declined"):
+        registrations.add_metric([result], kp[result])
+    yield registrations
+    opens = CounterMetricFamily(
+        "qosfs_passthrough_opens", "Opens passed through to the kernel, by class: their "
+        "reads (and bytes) never reach the daemon, so qosfs_read_bytes_total does not "
+        "count them; opens and metadata requests are still counted.", labels=["class"])
+    for cls, n in sorted(kp["opens"].items()):
+        opens.add_metric([cls], n)
+    yield opens
+    uncapped = CounterMetricFamily(
+        "qosfs_passthrough_uncapped_opens", "Opens of a class that is not passed through "
+        "which joined an inode passed through now (the kernel serves an inode's opens all "
+        "through passthrough or none), so their reads or writes went uncapped.",
+        labels=["class", "access"])
+    for access, key in (("read", "uncapped_read_opens"), ("write", "uncapped_write_opens")):
+        for cls, n in sorted(kp[key].items()):
+            uncapped.add_metric([cls, access], n)
+    yield uncapped
 
 
 # ctl status key -> metric: descriptors held for inodes (qosfs.passthrough.inodes), requests

@@ -253,7 +253,25 @@ class ControlService:
             return error_reply("this mount has no policy (mounted with --no-qos): nothing "
                                "is classified or throttled, traffic is only counted",
                                "unavailable")
+        served = body["served_by"]
+        kernel = self._passthrough()
+        if served.get("passthrough") and kernel is not None and kernel["state"] != "active":
+            # The policy would pass it through; this mount cannot (not negotiated at
+            # mount, an old kernel, no CAP_SYS_ADMIN...): say why, as ctl status does.
+            body["served_by"] = {"by": "daemon", "passthrough": False,
+                                 "reason": f"kernel passthrough unavailable on this mount: "
+                                           f"{kernel['reason']}",
+                                 "page_cache": "bypassed" if body["class"]["cache"] == "direct"
+                                 or self.info.get("page_cache") == "never" else "used"}
         return {"ok": True, **body}
+
+    def _passthrough(self) -> dict[str, Any] | None:
+        """The filesystem's ``passthrough`` status entry, if it reports one."""
+        for source in self.info_sources:
+            entry = source().get("passthrough")
+            if entry is not None:
+                return dict(entry)
+        return None
 
     def _unavailable(self, cmd: str) -> dict[str, Any] | None:
         if self.has_policy:

@@ -223,7 +223,8 @@ def to_json(snap: Snapshot, sampler: RateSampler | None, *, accounts: bool) -> d
             "class": cls, "tenant": tenant, "uid": uid,
             "read_bytes": acc.read_bytes, "write_bytes": acc.write_bytes,
             "read_ops": acc.read_ops, "write_ops": acc.write_ops, "meta_ops": acc.meta_ops,
-            "throttled_seconds": acc.throttled_seconds,
+            # opens: all a passthrough class's reads leave here (the kernel reads for it)
+            "opens": acc.opens, "throttled_seconds": acc.throttled_seconds,
             "rates": account_rates.get(key, zero),
         }
         if accounts:

@@ -75,6 +75,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="policy file (default: the embedded policy, see 'qosfs policy default')")
     m.add_argument("--no-qos", action="store_true",
                    help="no policy at all: pure pass-through that only counts (a baseline)")
+    m.add_argument("--no-passthrough", action="store_true",
+                   help="never pass reads through to the kernel, whatever the policy says "
+                        "(passthrough = \"reads\"): every read is served by the daemon")
     m.add_argument("--socket", metavar="PATH",
                    help="control socket (default: derived from the mountpoint in /run/qosfs)")
     m.add_argument("--metrics", metavar="[HOST:]PORT",
@@ -202,6 +205,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         read_ahead_kb=args.read_ahead_kb,
         policy_path=args.policy,
         qos=not args.no_qos,
+        kernel_passthrough=not args.no_passthrough,
         socket_path=os.path.abspath(args.socket) if args.socket else None,
         metrics=args.metrics,
         allow_stacked=args.allow_stacked,

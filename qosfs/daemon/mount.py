@@ -59,8 +59,10 @@ from qosfs.daemon.supervise import Service, supervised
 from qosfs.daemon.topology import QOSFS_FSTYPE, check_before_stat, check_topology
 from qosfs.passthrough import interrupts
 from qosfs.passthrough.backing_io import BackingIO, IoMode, backing_mount, choose_io_mode
+from qosfs.passthrough.kernel import stack_depth
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import default_policy, load_policy
+from qosfs.policy.model import ClassRule, passthrough_blocker
 from qosfs.qos.cluster import ClusterCoordinator
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.interface import PassThroughQos, QosEngine
@@ -101,6 +103,8 @@ class MountConfig:
     socket_path: str | None = None  # None: derived from the mountpoint under /run/qosfs
     metrics: str | None = None  # "[HOST:]PORT" to serve /metrics; None: no exporter
     allow_stacked: bool = False  # a source in a qosfs mount (qosfs.daemon.topology)
+    # False (--no-passthrough): never ask the kernel for passthrough, whatever the policy.
+    kernel_passthrough: bool = True
 
 
 def check_mount_args(source: str, mountpoint: str, allow_stacked: bool = False) -> None:
@@ -250,8 +254,12 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
     failures = Failures()
     ops = PassthroughOperations(root_fd, BackingIO(mode), engine, cfg.fs_options,
                                 write_as_caller, failures)
+    # Kernel passthrough is negotiated at INIT, once per mount: asked for only if the
+    # policy in force now wants it (a later policy cannot add it; ctl status says so).
+    _request_passthrough(cfg, ops, engine, fstype)
     mountpoint = os.path.realpath(cfg.mountpoint)  # resolved before we serve it
-    latency = (LatencyLoop(policy_engine, LatencyProbe(mountpoint, ops.probe_tids))
+    latency = (LatencyLoop(policy_engine, LatencyProbe(mountpoint, ops.probe_tids),
+                           reads_bypass=_reads_bypass(ops, policy_engine))
                if policy_engine is not None else None)
     with ExitStack() as stack:
         services = _open_services(cfg, mountpoint, engine, stack, latency, ops.resources,
@@ -265,7 +273,8 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
             # SIGHUP reloads while the control service listens; ignored, not fatal, in
             # the pause before that service is restarted after a failure.
             signal.signal(signal.SIGHUP, signal.SIG_IGN)
-            trio.run(_serve, cfg, mountpoint, engine, on_ready, services, latency, failures)
+            trio.run(_serve, cfg, mountpoint, engine, on_ready, services, latency, failures,
+                     ops.log_passthrough)
             unmounted_by_us = True
         finally:
             still_mounted = mount_type(mountpoint) == QOSFS_FSTYPE
@@ -274,6 +283,37 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
             log.info("unmounted %s (%s)", mountpoint,
                      "clean" if unmounted_by_us else "after an error")
     return 0
+
+
+def _reads_bypass(ops: PassthroughOperations,
+                  engine: PolicyQos) -> Callable[[ClassRule], bool]:
+    """Whether a class's reads bypass the daemon on this mount: kernel passthrough is
+    active and nothing in the policy keeps the class's read-only opens in the daemon. The
+    latency controller then judges the class by its canary and sees it active by its
+    opens and metadata (qosfs.qos.latency_control)."""
+
+    def bypass(rule: ClassRule) -> bool:
+        return (rule.passthrough == "reads" and ops.passthrough_active()
+                and passthrough_blocker(engine.policy, rule) is None)
+
+    return bypass
+
+
+def _request_passthrough(cfg: MountConfig, ops: PassthroughOperations, engine: QosEngine,
+                         fstype: str | None) -> None:
+    """Ask for kernel passthrough at INIT when some class of the policy wants it, for
+    backing files as deep as the source's filesystem stacks them (qosfs.passthrough.kernel)."""
+    policy = engine.policy
+    if not cfg.kernel_passthrough:
+        ops.passthrough_off("turned off (--no-passthrough)")
+    elif policy is None:
+        ops.passthrough_off("no policy (--no-qos)")
+    elif not any(c.passthrough == "reads" for c in policy.classes):
+        ops.passthrough_off('no class of the policy at mount set passthrough = "reads" '
+                            "(it is negotiated with the kernel at mount: a later policy "
+                            "needs a remount to use it)")
+    else:
+        ops.request_passthrough(stack_depth(fstype))
 
 
 def _open_services(cfg: MountConfig, mountpoint: str, engine: QosEngine,
@@ -317,22 +357,26 @@ def _open_services(cfg: MountConfig, mountpoint: str, engine: QosEngine,
 async def _serve(cfg: MountConfig, mountpoint: str, engine: QosEngine,
                  on_ready: Callable[[], None] | None,
                  services: Sequence[tuple[str, Service]] = (),
-                 latency: LatencyLoop | None = None, failures: Failures | None = None) -> None:
+                 latency: LatencyLoop | None = None, failures: Failures | None = None,
+                 after_init: Callable[[], None] | None = None) -> None:
     failures = failures if failures is not None else Failures()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_watch_signals, engine, latency, failures)
         for name, service in services:  # already bound: "started" means "answering"
             await nursery.start(supervised, name, service, failures)
-        nursery.start_soon(_become_ready, cfg, mountpoint, on_ready, failures)
+        nursery.start_soon(_become_ready, cfg, mountpoint, on_ready, failures, after_init)
         await pyfuse3.main(min_tasks=MIN_TASKS, max_tasks=MAX_TASKS)
         _notify_stopping()  # the kernel ended the session (fusermount3 -u)
         nursery.cancel_scope.cancel()
 
 
 async def _become_ready(cfg: MountConfig, mountpoint: str,
-                        on_ready: Callable[[], None] | None, failures: Failures) -> None:
+                        on_ready: Callable[[], None] | None, failures: Failures,
+                        after_init: Callable[[], None] | None = None) -> None:
     # stat() through our own mount needs the main loop running, so ask from a thread.
     st = await trio.to_thread.run_sync(os.stat, mountpoint)
+    if after_init is not None:  # the kernel answered INIT: what it negotiated is known
+        after_init()
     try:
         tuning.tune_connection(st.st_dev, cfg.max_background, cfg.read_ahead_kb)
     except Exception as exc:  # the mount works untuned: not worth taking it down

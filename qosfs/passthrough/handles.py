@@ -1,10 +1,12 @@
 """Open files and directories: what a FUSE file handle stands for.
 
 Everything a read or write needs is resolved at open and kept here, so the hot path is a
-dict lookup and an attribute read: the backing descriptor (one per open, never shared,
-because the open's flags matter), whether it was opened ``O_DIRECT`` and the alignment
-that asks for, and the open's QoS charge (:class:`qosfs.qos.charge.OpenCharge`: the flow
-its requests are admitted by, and what may move it to another).
+dict lookup and an attribute read (an open the kernel passes through keeps its handle
+for release, fsync and setattr, but no read or write of it reaches the daemon): the
+backing descriptor (one per open, never shared, because the open's flags matter),
+whether it was opened ``O_DIRECT`` and the alignment that asks for, and the open's QoS
+charge (:class:`qosfs.qos.charge.OpenCharge`: the flow its requests are admitted by, and
+what may move it to another).
 """
 
 from __future__ import annotations
@@ -33,6 +35,15 @@ class FileHandle:
     # same file reopened without O_DIRECT at the first such request (-1: not yet).
     dio_mask: int = 0
     buffered: int = -1
+    # Kernel passthrough (qosfs.passthrough.kernel): NOT_COUNTED (not asked for on this
+    # mount), SERVED (the daemon serves it; counted as a plain open of the inode) or
+    # PASSED_THROUGH (the kernel reads and writes the backing file itself: no READ or
+    # WRITE of this handle ever reaches the daemon; its release gives the backing id back).
+    kernel: int = 0
+
+
+# FileHandle.kernel
+NOT_COUNTED, SERVED, PASSED_THROUGH = 0, 1, 2
 
 
 @dataclass(slots=True, eq=False)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -42,12 +43,17 @@ from qosfs.qos.interface import Caller as QosCaller
 
 log = logging.getLogger(__name__)
 
-# pyfuse3 3.x ``_Container`` (handlers.pxi): PyObject_HEAD, dev_t rdev, fuse_file_info fi
-# (40 bytes), fuse_ino_t ino, fuse_ino_t parent, fuse_req_t req, int flags, mode_t mode,
-# off_t off, size_t size, struct stat stat, uint64_t fh -- on LP64 Linux.
-_REQ_OFFSET = 16 + 8 + 40 + 8 + 8
-_SIZE_OFFSET = _REQ_OFFSET + 8 + 4 + 4 + 8
-_EXPECTED_BASICSIZE = _SIZE_OFFSET + 8 + 144 + 8  # x86_64 struct stat; checked at install
+# pyfuse3 3.x ``_Container`` (handlers.pxi): PyObject_HEAD, dev_t rdev, fuse_file_info fi,
+# fuse_ino_t ino, fuse_ino_t parent, fuse_req_t req, int flags, mode_t mode, off_t off,
+# size_t size, struct stat stat, uint64_t fh -- on LP64 Linux. ``fuse_file_info`` is 40
+# bytes up to libfuse 3.16 and 64 from 3.17 (backing_id, compat_flags, reserved): the
+# project's own libfuse build (deploy/libfuse) has the larger one. Everything but it is
+# fixed, so the container's size tells which one pyfuse3 was built with.
+_FILE_INFO_SIZES = (40, 64)
+_BEFORE_FILE_INFO = 16 + 8
+_AROUND_FILE_INFO = _BEFORE_FILE_INFO + 8 + 8 + 8 + 4 + 4 + 8 + 8 + 144 + 8  # x86_64 stat
+_REQ_OFFSET = -1  # set at install: _BEFORE_FILE_INFO + the file info + ino + parent
+_SIZE_OFFSET = -1  # set at install: _REQ_OFFSET + req + flags + mode + off
 
 _SIGKILL_MASK = 1 << (9 - 1)
 
@@ -74,14 +80,15 @@ def install() -> bool:
     global _installed, _libfuse, _on_interrupt_c  # noqa: PLW0603 (the hook's per-process state)
     if _installed:
         return True
+    global _REQ_OFFSET, _SIZE_OFFSET  # noqa: PLW0603 (the layout of this pyfuse3 build)
     container = getattr(pyfuse3, "_Container", None)
-    if container is None or container.__basicsize__ != _EXPECTED_BASICSIZE or \
-            ctypes.sizeof(ctypes.c_void_p) != 8:
+    file_info = container.__basicsize__ - _AROUND_FILE_INFO if container is not None else 0
+    if file_info not in _FILE_INFO_SIZES or ctypes.sizeof(ctypes.c_void_p) != 8:
         log.warning("pyfuse3's internals are not the expected ones: parked requests of "
                     "killed callers will only be answered when their tokens come")
         return False
     try:
-        lib = ctypes.CDLL(ctypes.util.find_library("fuse3") or "libfuse3.so.3")
+        lib = ctypes.CDLL(_loaded_libfuse())
         lib.fuse_req_ctx.restype = ctypes.POINTER(_FuseCtx)
         lib.fuse_req_ctx.argtypes = [ctypes.c_void_p]
         lib.fuse_req_interrupt_func.restype = None
@@ -90,6 +97,8 @@ def install() -> bool:
     except (OSError, AttributeError) as exc:
         log.warning("libfuse3 not usable through ctypes (%s): no interrupt handling", exc)
         return False
+    _REQ_OFFSET = _BEFORE_FILE_INFO + file_info + 8 + 8
+    _SIZE_OFFSET = _REQ_OFFSET + 8 + 4 + 4 + 8
     _libfuse = lib
     _on_interrupt_c = _INTERRUPT_FUNC(_on_interrupt)
     for name in ("fuse_read_async", "fuse_write_async", "fuse_write_buf_async"):
@@ -98,6 +107,19 @@ def install() -> bool:
             setattr(pyfuse3, name, _noting(original))
     _installed = True
     return True
+
+
+def _loaded_libfuse() -> str:
+    """The libfuse pyfuse3 is linked to, as loaded in this process: the requests it hands
+    out are that library's, so its own ``fuse_req_ctx`` must read them. The project's
+    build (libfuse3.so.4 by rpath) and the system's (libfuse3.so.3) may both be on the
+    machine; ``find_library`` would name the system's."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.rsplit(" ", 1)[-1].strip()
+            if os.path.basename(path).startswith("libfuse3.so"):
+                return path
+    return ctypes.util.find_library("fuse3") or "libfuse3.so.3"
 
 
 def _noting(original: Any) -> Any:

@@ -74,6 +74,24 @@ def build_support(binding: ModuleType | Any = pyfuse3) -> str | None:
     return None
 
 
+#: Filesystems that put a backing file one level deeper (their own files live on another
+#: filesystem): FUSE mounts (with passthrough of their own, one level below already),
+#: overlayfs, eCryptfs.
+STACKED_FSTYPES = ("fuse", "overlay", "ecryptfs")
+
+
+def stack_depth(fstype: str | None) -> int:
+    """The stack depth to negotiate for backing files on a filesystem of type *fstype*
+    (``/proc/self/mountinfo``'s, e.g. "ext4", "overlay", "fuse.sshfs"): 1 for a stacking
+    filesystem, 0 otherwise. One level more than that (qosfs over a passthrough FUSE
+    mount over overlayfs) the kernel refuses at registration: counted, and served by the
+    daemon (`KernelPassthrough.register`)."""
+    if fstype is None:
+        return 0
+    base = fstype.split(".", 1)[0]
+    return 1 if base in STACKED_FSTYPES or base == "fuseblk" else 0
+
+
 def has_cap_sys_admin() -> bool:
     """Whether this process may register backing files (CAP_SYS_ADMIN, effective)."""
     try:
@@ -140,6 +158,11 @@ class KernelPassthrough:
             return Capability(False, "the kernel did not accept passthrough (Linux >= 6.9 "
                               "with CONFIG_FUSE_PASSTHROUGH), or it was not requested")
         return self._remember(Capability(True, "kernel passthrough negotiated"))
+
+    def negotiation_pending(self) -> bool:
+        """Whether only the kernel's answer at INIT is missing: the build and the daemon's
+        privileges allow passthrough (before INIT, `capability` cannot tell more)."""
+        return self._capability is None
 
     def _remember(self, capability: Capability) -> Capability:
         self._capability = capability

@@ -19,6 +19,10 @@ Each check warns only where it can show the problem from the policy alone:
   latency target may cap; with neither, a weight changes nothing. A ``min_*_bandwidth``
   on a class that takes no requests of that direction (``ops``). A minimum without
   ``[backend]`` is not a warning but an error.
+- **passthrough** -- ``passthrough = "reads"`` on a class whose reads the policy caps for
+  some caller (the class itself, ``per_user``, a tenant, the ``[backend]``): those opens
+  stay in the daemon, where the cap can hold (:func:`qosfs.policy.model.passthrough_blocker`).
+  A class whose ``ops`` leave out reads is not passed through either.
 - **fractional-iops** -- an IOPS figure that is not a whole number (``write_iops = 2.5``):
   requests are whole operations, and such a figure is most often a thousand-fold slip
   (``"2.5k"``).
@@ -40,7 +44,14 @@ from typing import Any
 from qosfs.core.limit_kinds import BY_KEY, CAP_KEYS
 from qosfs.core.units import format_iops
 from qosfs.policy.classify import compile_glob, compile_value_glob
-from qosfs.policy.model import PRIORITY_WEIGHTS, ClassRule, IdRange, Limits, Policy
+from qosfs.policy.model import (
+    PRIORITY_WEIGHTS,
+    ClassRule,
+    IdRange,
+    Limits,
+    Policy,
+    passthrough_blocker,
+)
 from qosfs.policy.text import locate_key, quote_key
 
 __all__ = ["DIRECTORY_NAMES", "PolicyWarning", "policy_warnings"]
@@ -59,7 +70,7 @@ _IOPS_KEYS = (*(k for k in CAP_KEYS if not BY_KEY[k].per_byte), "burst_iops")
 class PolicyWarning:
     """One warning: ``str()`` is ``source:line: key: message``, like a PolicyError."""
 
-    kind: str  # "shadowed", "no-effect", "fractional-iops" or "glob"
+    kind: str  # "shadowed", "no-effect", "passthrough", "fractional-iops" or "glob"
     key: str  # the dotted key it is about, e.g. classes.ckpt.paths
     message: str
     source: str = "<string>"
@@ -86,6 +97,7 @@ def policy_warnings(policy: Policy, text: str | None = None) -> list[PolicyWarni
             found.append(("shadowed", path, _shadowed(earlier, rule), None))
     for rule in policy.classes:
         found += _no_effect(policy, rule)
+        found += _passthrough(policy, rule)
     for owner, limits in _limit_tables(policy):
         for key in _IOPS_KEYS:
             value = limits.get(key)
@@ -232,6 +244,20 @@ def _no_effect(policy: Policy, rule: ClassRule) -> list[tuple[str, str, str, str
                         f"{key} has no effect: the class takes no {direction}s "
                         f"(ops = {json.dumps(sorted(rule.ops))})", None))
     return out
+
+
+def _passthrough(policy: Policy, rule: ClassRule) -> list[tuple[str, str, str, str | None]]:
+    if rule.passthrough != "reads":
+        return []
+    key = f"classes.{quote_key(rule.name)}.passthrough"
+    if not _takes(rule, "read"):
+        return [("passthrough", key, "passthrough has no effect: the class takes no reads "
+                 f"(ops = {json.dumps(sorted(rule.ops))})", None)]
+    blocker = passthrough_blocker(policy, rule)
+    if blocker is None:
+        return []
+    return [("passthrough", key, f"{blocker}: those reads stay in the daemon, where the cap "
+             "holds, and such opens are not passed through to the kernel", None)]
 
 
 # ------------------------------------------------------------------ fractional IOPS

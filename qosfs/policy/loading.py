@@ -41,6 +41,9 @@ Schema (every key optional)::
                                   # writes through write-only opens do too; "keep";
                                   # "direct"; "direct-writes": every writable open (a
                                   # shared mmap of a writable open then fails, ENODEV)
+    passthrough = "off"           # "reads": read-only opens go to the kernel's passthrough
+                                  # while no cap (class, per_user, tenant, [backend])
+                                  # covers their reads; needs root (docs/policy.md)
     entry_timeout = "60s"         # how long the kernel trusts names and attributes of
     attr_timeout = "60s"          # objects under this class's paths (by path alone;
                                   # needs paths; default: the mount's --attr-timeout)

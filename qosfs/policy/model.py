@@ -27,7 +27,7 @@ from qosfs.policy.text import dump_toml
 LIMIT_KEYS = (*CAP_KEYS, *BURST_KEYS)
 MATCH_KEYS = ("paths", "uids", "gids", "tenants", "ops", "job_env", "jobs", "cgroups")
 CLASS_SETTINGS = ("priority", "min_read_bandwidth", "min_write_bandwidth", "per_user", "scope",
-                  "cache",
+                  "cache", "passthrough",
                   "target_read_latency", "target_read_slowdown", "latency_percentile",
                   "latency_measure", "detect_streaming_writes", "entry_timeout",
                   "attr_timeout")
@@ -39,13 +39,17 @@ SCOPES = ("node", "cluster")
 CLUSTER_KEYS = ("redis", "password_file", "password_env", "key_prefix", "lease", "fallback")
 SETTABLE = {"backend": LIMIT_KEYS, "tenant": LIMIT_KEYS,
             "class": (*LIMIT_KEYS, "min_read_bandwidth", "min_write_bandwidth", "priority",
-                      "per_user", "cache", "target_read_latency", "target_read_slowdown",
+                      "per_user", "cache", "passthrough", "target_read_latency",
+                      "target_read_slowdown",
                       "latency_percentile",
                       "latency_measure", "detect_streaming_writes", "entry_timeout",
                       "attr_timeout")}
 PRIORITY_WEIGHTS = {"low": 1, "normal": 10, "high": 100}
 OPS = ("read", "write", "meta")
 CACHE_MODES = ("auto", "keep", "direct", "direct-writes")
+#: ``passthrough``: "reads" lets the kernel read the backing file itself for read-only
+#: opens of a class that caps no reads (docs/policy.md, "Kernel passthrough").
+PASSTHROUGH_MODES = ("off", "reads")
 LATENCY_MEASURES = ("request", "backend")
 MAX_ID = 2**32 - 1
 
@@ -164,6 +168,7 @@ class ClassRule:
     per_user: bool = False
     scope: str = "node"  # "cluster": the caps (and a per_user split) span every mount
     cache: str = "auto"
+    passthrough: str = "off"  # "reads": see passthrough_blocker and docs/policy.md
     # How long the kernel may trust names (entry) and attributes (attr) of objects under
     # this class's paths; None: the mount's --attr-timeout. Decided by path alone: the
     # kernel caches an inode for every caller (qosfs.passthrough.operations,
@@ -204,6 +209,42 @@ def stream_threshold(rule: ClassRule, target: ClassRule | None) -> int:
             or rule.limits.write_bandwidth is not None or rule.limits.write_iops is not None:
         return 0
     return target.detect_streaming_writes or 0
+
+
+def _caps_reads(limits: Limits) -> bool:
+    return limits.read_bandwidth is not None or limits.read_iops is not None
+
+
+def passthrough_blocker(policy: Policy, rule: ClassRule,
+                        tenants: tuple[Tenant, ...] | None = None) -> str | None:
+    """Why the policy alone keeps a ``passthrough = "reads"`` class's read-only opens in
+    the daemon (whose reads are capped, for whom), or None if nothing in it does.
+
+    Kernel passthrough takes the daemon off an open's read path: nothing could charge
+    those reads. So an open is passed through only while no level its reads pass caps
+    them: the class (a read cap, or ``per_user = "fair"``, which splits the class's
+    share per uid), the caller's tenant, the ``[backend]``'s read caps, which every
+    class's reads share by priority. The engine checks the same per open on the levels
+    themselves, automatic caps of the latency controller included
+    (:meth:`qosfs.qos.engine.PolicyFlow.passes_reads_through`); this is what ``qosfs
+    check`` and ``qosfs explain`` can tell from the file."""
+    if rule.passthrough != "reads":
+        return "passthrough is not set for this class"
+    if _caps_reads(rule.limits):
+        return "the class caps its reads"
+    if rule.per_user:
+        return 'per_user = "fair" shares the class\'s reads out per uid'
+    if policy.backend is not None and _caps_reads(policy.backend.limits):
+        return "[backend] caps reads, which every class shares by priority"
+    if tenants is None:
+        names = set(rule.tenants)
+        tenants = tuple(t for t in policy.tenants if not names or t.name in names)
+    capped = [t.name for t in tenants if _caps_reads(t.limits)]
+    if capped:
+        return (f"tenant{'s' if len(capped) > 1 else ''} {', '.join(capped)} "
+                f"cap{'' if len(capped) > 1 else 's'} reads: opens charged to "
+                f"{'them' if len(capped) > 1 else 'it'} stay in the daemon")
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,6 +372,8 @@ def _class_raw(c: ClassRule) -> dict[str, Any]:
         out[key] = None if getattr(c, key) is None else format_bandwidth(getattr(c, key))
     if c.scope != "node":
         out["scope"] = c.scope
+    if c.passthrough != "off":
+        out["passthrough"] = c.passthrough
     out.update(per_user="fair" if c.per_user else "none", cache=c.cache,
                latency_percentile=c.latency_percentile, latency_measure=c.latency_measure,
                **_limits_raw(c.limits))

@@ -166,6 +166,11 @@ attr_timeout = "60s"
 # daemon's CPU): while dataset reads take more than 1.3x what they take when the classes
 # below are quiet, those classes are capped automatically, under their own caps.
 target_read_slowdown = 1.3
+# Nothing caps these reads, so the kernel reads the backing file itself for read-only
+# opens (kernel FUSE passthrough, where the kernel and the daemon allow it): native
+# speed, and the daemon sees the opens but not the bytes. A read cap here (or a
+# [backend] read cap, per_user, a tenant's) keeps the opens it covers in the daemon.
+passthrough = "reads"
 # min_read_bandwidth = "1GiB/s"   # a guaranteed share; needs [backend] read_bandwidth
 
 # Everything else: counted, not capped.

@@ -239,6 +239,7 @@ class FlowSnapshot:
     write_latency: HistogramSnapshot = HistogramSnapshot()
     read_backend: HistogramSnapshot = HistogramSnapshot()
     write_backend: HistogramSnapshot = HistogramSnapshot()
+    opens: int = 0
 
 
 def _record(backend: LatencyHistogram, whole: LatencyHistogram, ns: int, waited: float) -> None:
@@ -262,13 +263,17 @@ def _record(backend: LatencyHistogram, whole: LatencyHistogram, ns: int, waited:
 class FlowStats:
     """The traffic of one (class, tenant, uid): what moved, how long it waited and took."""
 
-    __slots__ = ("meta_ops", "read_backend", "read_bytes", "read_fine", "read_latency",
-                 "read_ops", "throttled_seconds", "write_backend", "write_bytes",
-                 "write_latency", "write_ops")
+    __slots__ = ("meta_ops", "opens", "read_backend", "read_bytes", "read_fine",
+                 "read_latency", "read_ops", "throttled_seconds", "write_backend",
+                 "write_bytes", "write_latency", "write_ops")
 
     def __init__(self) -> None:
         self.read_bytes = self.write_bytes = 0
         self.read_ops = self.write_ops = self.meta_ops = 0
+        # Files opened (counted by qosfs.qos.charge.OpenCharge at open, always): the one
+        # sign of activity a class whose reads bypass the daemon (kernel passthrough)
+        # still gives, with its metadata requests; the latency controller watches it.
+        self.opens = 0
         self.throttled_seconds = 0.0
         self.read_latency = LatencyHistogram()  # the whole request, throttle wait included
         self.write_latency = LatencyHistogram()
@@ -303,11 +308,13 @@ class FlowStats:
         return FlowSnapshot(self.read_bytes, self.write_bytes, self.read_ops, self.write_ops,
                             self.meta_ops, self.throttled_seconds,
                             self.read_latency.snapshot(), self.write_latency.snapshot(),
-                            self.read_backend.snapshot(), self.write_backend.snapshot())
+                            self.read_backend.snapshot(), self.write_backend.snapshot(),
+                            self.opens)
 
     def __repr__(self) -> str:
         return (f"<FlowStats read={self.read_bytes}B/{self.read_ops} "
-                f"written={self.write_bytes}B/{self.write_ops} meta={self.meta_ops}>")
+                f"written={self.write_bytes}B/{self.write_ops} meta={self.meta_ops} "
+                f"opens={self.opens}>")
 
 
 def _fold_histogram(into: LatencyHistogram, other: LatencyHistogram) -> None:
@@ -317,8 +324,9 @@ def _fold_histogram(into: LatencyHistogram, other: LatencyHistogram) -> None:
 
 
 def _activity(stats: FlowStats) -> int:
-    """A number that changes whenever the key sees a request."""
-    return stats.read_ops + stats.write_ops + stats.meta_ops
+    """A number that changes whenever the key sees a request (an open too: a class whose
+    reads bypass the daemon shows no other)."""
+    return stats.read_ops + stats.write_ops + stats.meta_ops + stats.opens
 
 
 class Accounts:
@@ -407,6 +415,7 @@ class Accounts:
         into.read_ops += old.read_ops
         into.write_ops += old.write_ops
         into.meta_ops += old.meta_ops
+        into.opens += old.opens
         into.throttled_seconds += old.throttled_seconds
         for name in ("read_latency", "write_latency", "read_backend", "write_backend"):
             _fold_histogram(getattr(into, name), getattr(old, name))
@@ -431,6 +440,13 @@ class Accounts:
         """
         return {key: s.read_fine.snapshot() for key, s in self._stats.items()
                 if key[0] == cls and s.read_fine is not None}
+
+    def activity(self, cls: str) -> int:
+        """A number that changes whenever class ``cls`` sees an open, a read or a metadata
+        request (sum over its keys; the latency controller compares it between looks to
+        see a protected class become active, also when its reads bypass the daemon)."""
+        return sum(s.opens + s.read_ops + s.meta_ops for key, s in self._stats.items()
+                   if key[0] == cls)
 
     def retain(self, keep: Callable[[AccountKey], bool]) -> None:
         """Forget every key ``keep`` rejects (after a policy swap re-bound the flows)."""

@@ -89,6 +89,7 @@ class OpenCharge:
                  ctx: pyfuse3.RequestContext, writing: bool) -> None:
         self.flow = flow = engine.open_flow(paths, node, ctx, writing)
         flow.open_files += 1
+        flow.stats.opens += 1  # activity the latency controller sees (reads may bypass us)
         self._engine = engine
         # Streaming detection: sequential bytes still to see before the move (0: not
         # watched or decided), the threshold (0: never moves, or moved already), where

@@ -322,6 +322,23 @@ class PolicyFlow:
         return self.cls.level.limited[Kind.WRITE] or (
             tenant is not None and tenant.limited[Kind.WRITE])
 
+    @property
+    def class_name(self) -> str:
+        return self.cls.rule.name
+
+    def passes_reads_through(self) -> bool:
+        """Whether a read-only open of this flow made now may be read by the kernel alone
+        (kernel FUSE passthrough): its class asks for it (``passthrough = "reads"``) and
+        no level its reads pass caps them now -- the class (configured caps and the
+        latency controller's automatic ones alike), a per-uid split, the tenant, the
+        backend's share. Asked once per open, never per request; an open passed through
+        stays so when a cap appears later (the kernel offers no way back), which
+        :func:`qosfs.policy.model.passthrough_blocker` and docs/policy.md say."""
+        rule = self.cls.rule
+        if rule.passthrough != "reads" or rule.per_user:
+            return False
+        return not any(level.limited[_READ] for level in self._levels())
+
     def direct_io_for(self, accmode: int) -> bool:
         """Whether a file of this flow opened now with *accmode* bypasses the page cache.
 

@@ -36,18 +36,28 @@ from qosfs.policy.classify import (
     compile_value_glob,
     read_job_info,
 )
-from qosfs.policy.model import ClassRule, IdRange, Policy, Tenant, stream_threshold
+from qosfs.policy.model import (
+    ClassRule,
+    IdRange,
+    Policy,
+    Tenant,
+    passthrough_blocker,
+    stream_threshold,
+)
 from qosfs.policy.text import locate_key, quote_key
 
 if TYPE_CHECKING:
     from qosfs.qos.stats import EngineStatistics
 
-__all__ = ["PASSTHROUGH_ABSENT", "Asked", "explain", "job_of", "mount_relative"]
+__all__ = ["PASSTHROUGH_NOT_SET", "PASSTHROUGH_READS_ONLY", "Asked", "explain", "job_of",
+           "mount_relative"]
 
-#: Why every request is served by the daemon: kernel FUSE passthrough (the kernel reading
-#: and writing the backing file itself) is not built yet. The day it is, the engine
-#: decides per open and :func:`_served_by` reports that decision instead.
-PASSTHROUGH_ABSENT = "kernel passthrough is not available in this version"
+#: Why a request is served by the daemon although kernel passthrough (the kernel reading
+#: the backing file itself) exists: only reads of read-only opens are passed through,
+#: and only for a class that asks (``passthrough = "reads"``) and whose reads nothing caps
+#: (:func:`qosfs.policy.model.passthrough_blocker`); :func:`_served_by` says which.
+PASSTHROUGH_NOT_SET = 'the class does not set passthrough = "reads"'
+PASSTHROUGH_READS_ONLY = "only read-only opens are passed through to the kernel"
 
 
 def mount_relative(path: str, mountpoint: str | None) -> str:
@@ -206,12 +216,32 @@ def _levels(policy: Policy, rule: ClassRule, tenant: Tenant | None, caller: Call
     return levels
 
 
-def _served_by(rule: ClassRule, op: str, mount_cache: str) -> dict[str, Any]:
-    """Who answers the request: always the daemon in this version. Reads of a class that
-    keeps the page cache may also be answered from it by the kernel, uncharged, unless
-    the mount bypasses it for every class (``--cache never``)."""
-    served: dict[str, Any] = {"by": "daemon", "passthrough": False,
-                              "reason": PASSTHROUGH_ABSENT}
+def _served_by(policy: Policy, rule: ClassRule, tenant: Tenant | None, op: str,
+               levels: list[dict[str, Any]], mount_cache: str) -> dict[str, Any]:
+    """Who answers the request: the kernel for reads of a read-only open of a class with
+    ``passthrough = "reads"`` whose reads no level caps (configured or, on a mount, the
+    latency controller's automatic caps in force now), else the daemon, with the reason.
+    A mount that could not negotiate passthrough says so instead
+    (:meth:`qosfs.control.service.ControlService.explain`). A read served by the daemon
+    from a class that keeps the page cache may also be answered from it by the kernel,
+    uncharged, unless the mount bypasses it for every class (``--cache never``)."""
+    reason = None
+    if op != "read":
+        reason = PASSTHROUGH_READS_ONLY
+    elif rule.passthrough != "reads":
+        reason = PASSTHROUGH_NOT_SET
+    else:
+        reason = passthrough_blocker(policy, rule, () if tenant is None else (tenant,))
+        if reason is None:
+            capped = next((lv for lv in levels if "read_bandwidth" in lv["limits"]
+                           or "read_iops" in lv["limits"]), None)
+            if capped is not None:
+                reason = f"the {capped['level']} level caps reads now"
+    if reason is None:
+        return {"by": "kernel", "passthrough": True,
+                "reason": "read-only opens are passed through to the kernel: their reads "
+                          "never reach the daemon (an open for writing is served by it)"}
+    served: dict[str, Any] = {"by": "daemon", "passthrough": False, "reason": reason}
     if op == "read":
         bypassed = rule.reads_bypass_cache or mount_cache == "never"
         served["page_cache"] = "bypassed" if bypassed else "used"
@@ -299,6 +329,7 @@ def _explained(classifier: Classifier, path: str, caller: CallerKey, job: JobInf
         notes.append(f"a writable open that writes {format_size(moves)} mostly "
                      f"sequentially moves to class {policy.streaming_target.name} "
                      "(detect_streaming_writes)")
+    levels = _levels(policy, rule, tenant, caller, live)
     return {
         "path": path,
         "mount": mountpoint,
@@ -321,7 +352,7 @@ def _explained(classifier: Classifier, path: str, caller: CallerKey, job: JobInf
             "name": tenant.name, "line": where.line("tenants", tenant.name),
             "matched": criteria("tenants", tenant, path, None)},
         "tenants_passed": passed("tenants", decision.skipped_tenants, path),
-        "levels": _levels(policy, rule, tenant, caller, live),
-        "served_by": _served_by(rule, caller.op, mount_cache),
+        "levels": levels,
+        "served_by": _served_by(policy, rule, tenant, caller.op, levels, mount_cache),
         "notes": notes,
     }

@@ -79,6 +79,13 @@ class Flow(Protocol):
     def throttled_writes(self) -> bool:
         """Whether a cap bounds its writes now (their large ones then use a thread)."""
 
+    @property
+    def class_name(self) -> str: ...  # the class it is charged to (logs, per-class counts)
+
+    def passes_reads_through(self) -> bool:
+        """Whether a read-only open made now may be passed through to the kernel."""
+        ...
+
     def direct_io_for(self, accmode: int) -> bool: ...  # bypass the page cache for an open
 
     async def admit_read(self, nbytes: int) -> float: ...  # returns seconds waited
@@ -220,6 +227,13 @@ class CountingFlow:
 
     def __repr__(self) -> str:
         return f"CountingFlow({self.name!r}, {self.stats!r}, open={self.open_files})"
+
+    @property
+    def class_name(self) -> str:
+        return self.name
+
+    def passes_reads_through(self) -> bool:
+        return False  # no policy, no passthrough = "reads"
 
     def direct_io_for(self, accmode: int) -> bool:
         return False

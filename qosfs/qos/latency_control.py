@@ -34,7 +34,22 @@ class's and that have no target themselves.
   2-CPU machine, the daemon's own CPU can be), and the low classes keep their floor rather
   than being starved for ever.
 * Windows in which a protected class read something but has fewer than
-  :data:`MIN_SAMPLES` latency samples change nothing (``few-samples``).
+  :data:`MIN_SAMPLES` latency samples change nothing (``few-samples``) -- except at its
+  start, below.
+* **Starting** (protection from the first request): a protected class is *active* in a
+  window when it opened a file, made a metadata request, read, or holds files open --
+  not only when its reads are seen, since a class whose reads the kernel sends straight
+  to the backing file (FUSE passthrough) shows nothing else. The loop looks for a class
+  becoming active every :data:`PROBE_CHECK` (50 ms) and then decides at once instead of
+  at the end of the window. Until the class's first judged window (at most
+  :data:`STARTING_WINDOWS`), the classes below it are cut as for a large miss
+  (:data:`DEEPEST`): the canary needs a few hundred ms to report, a training step is
+  shorter than that, and a reader starting into a running storm was left unprotected
+  for 1.3 s, 3.3 s with a relative target (``python -m bench latency-target``; the
+  issue: half a 5.7 s epoch). A relative target without a baseline is cut
+  the same way until a quiet window teaches it one (``learning``, below). From its first
+  judged window on, the usual rules apply: met, the caps climb back. The first cut of
+  the class's activity, its reason and the baseline's source show in ``ctl status``.
 
 Caps are applied through :meth:`qosfs.qos.engine.PolicyQos.set_auto_caps`: the level's
 ``set_limits`` wakes parked requests, the policy is never mutated, and the configured cap
@@ -57,6 +72,12 @@ What latency (``latency_measure``):
     times (an upper bound). On a memory-backed source the backend time hardly moves under
     a checkpoint storm while the readers' latency grows tenfold (bench/latency_target.py
     measures both), which is why this is the default.
+
+**Reads not seen** (:meth:`LatencyLoop.reads_unobserved`): a class whose reads bypass the
+daemon (kernel passthrough) has no read or backend histogram; its estimate is the
+canary's percentile alone, which the canary measures whatever the class, and its
+activity comes from opens and metadata. A relative target learns its baseline from the
+canary in quiet windows the same way.
 
 Latencies come from :class:`qosfs.qos.accounting.FineHistogram` (8 buckets per octave, upper
 bounds, so estimates are at most 12.5 % high), differenced per window.
@@ -96,16 +117,20 @@ CLIMB = 0.25  # ... at most, when the latency is at half the target or below
 RELEASE_WINDOWS = 3  # windows without binding before a cap is removed
 FLOOR = float(1 << 20)  # bytes/s: the lowest automatic cap (above min_*_bandwidth)
 MIN_SAMPLES = 10  # latency samples a window needs to be judged
-PROBE_CHECK = 0.05  # seconds between checks whether the canary should run
+PROBE_CHECK = 0.05  # seconds between checks whether the canary should run (and activity)
 BASELINE_WINDOWS = 20  # quiet windows a relative target's baseline is the median of
-LEARN_PATIENCE = 4  # windows a relative target may wait for a quiet one before making one
+STARTING_WINDOWS = 3  # windows a class that became active is protected before a judgement
 QUIET = 1.1  # a low class moving at most this times FLOOR is quiet (a floored storm too)
 _DIRECTIONS = ("read", "write")
 
 
 @dataclass(frozen=True, slots=True)
 class ProtectedSample:
-    """One window of a protected class: its latency estimate (None: not judged)."""
+    """One window of a protected class: its latency estimate (None: not judged).
+
+    ``active``: it opened, read, made a metadata request or held files open in the
+    window (reads alone say so too); what a class whose reads are not seen still shows.
+    """
 
     name: str
     latency: float | None
@@ -113,6 +138,19 @@ class ProtectedSample:
     samples: int = 0
     queue: float | None = None  # the canary's part of a "request" estimate
     backend: float | None = None  # the backend syscall part
+    active: bool = False
+
+
+@dataclass(slots=True)
+class _Activity:
+    """Since when a protected class is active, and how its protection began."""
+
+    since: float
+    windows: int = 0  # windows judged "starting" so far
+    judged: bool = False  # a window of this activity was judged (met or missed)
+    first_cut: float | None = None
+    cut_reason: str | None = None  # the verdict that made the first cut
+    learned: bool = False  # a baseline window was learned during this activity
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,9 +221,8 @@ class LatencyDecider:
         self.baselines: dict[str, deque[float]] = {}
         self.targets: dict[str, float | None] = {}
         self.quiet = False  # every class below a protected one moved nothing last window
-        # Consecutive windows each relative target spent learning while the classes below
-        # it kept moving: a storm that never pauses would otherwise leave it unprotected.
-        self.learning_windows: dict[str, int] = {}
+        # The protected classes active now (see "Starting" in the module docstring).
+        self.active: dict[str, _Activity] = {}
         self.state = "idle"
         self.decisions = {"decrease": 0, "increase": 0, "release": 0}
         self.set_policy(policy)
@@ -202,6 +239,7 @@ class LatencyDecider:
             del self.low[name]
         guarded = {c.name for c in protected_classes(policy)}
         self.baselines = {k: v for k, v in self.baselines.items() if k in guarded}
+        self.active = {k: v for k, v in self.active.items() if k in guarded}
         if not protected_classes(policy):
             self.state = "idle"
 
@@ -218,27 +256,43 @@ class LatencyDecider:
         self.quiet = all(self._quiet_below(g.name, rates)
                          for g in protected_classes(self.policy))
         for rule in protected_classes(self.policy):
-            sample = next((p for p in protected if p.name == rule.name), None)
-            judged = not (sample is None or sample.reads == 0 or sample.latency is None
-                          or sample.samples < MIN_SAMPLES)
-            if judged and rule.target_read_slowdown is not None and self._quiet_below(
-                    rule.name, rates):
-                assert sample is not None and sample.latency is not None
-                self.baselines.setdefault(rule.name, deque(maxlen=BASELINE_WINDOWS)).append(
-                    sample.latency)
-            target = self.targets[rule.name] = self.target_of(rule)
-            if sample is None or sample.reads == 0:
-                verdicts[rule.name] = "idle"
-            elif not judged:
-                verdicts[rule.name] = "few-samples"
-            elif target is None:
-                verdicts[rule.name] = "learning"  # no quiet window seen yet: no baseline
-            elif sample.latency > target:  # type: ignore[operator]
-                verdicts[rule.name] = "missed"
+            name = rule.name
+            sample = next((p for p in protected if p.name == name), None)
+            active = sample is not None and (sample.reads > 0 or sample.active)
+            judged = active and not (sample is None or sample.latency is None
+                                     or sample.samples < MIN_SAMPLES)
+            if not active:
+                self.active.pop(name, None)
+                activity = None
             else:
-                verdicts[rule.name] = "met"
+                activity = self.active.get(name)
+                if activity is None:
+                    activity = self.active[name] = _Activity(now)
+            if judged and rule.target_read_slowdown is not None and self._quiet_below(
+                    name, rates):
+                assert sample is not None and sample.latency is not None
+                self.baselines.setdefault(name, deque(maxlen=BASELINE_WINDOWS)).append(
+                    sample.latency)
+                assert activity is not None  # judged implies active
+                activity.learned = True
+            target = self.targets[name] = self.target_of(rule)
+            if activity is None:
+                verdicts[name] = "idle"
+            elif not judged:
+                if not activity.judged and activity.windows < STARTING_WINDOWS:
+                    activity.windows += 1
+                    verdicts[name] = "starting"  # nothing to judge yet: protect first
+                else:
+                    verdicts[name] = "few-samples"
+            elif target is None:
+                verdicts[name] = "learning"  # no quiet window seen yet: no baseline
+            else:
+                assert sample is not None and sample.latency is not None  # judged
+                activity.judged = True
+                verdicts[name] = "missed" if sample.latency > target else "met"
         self.verdicts = verdicts
         pressing = self._pressing(verdicts)
+        decreases = self.decisions["decrease"]
         changed = {}
         floored = []  # per class decreased: is it at its floor (or has nothing to give)?
         for name, above in self.roles.items():
@@ -254,7 +308,7 @@ class LatencyDecider:
                         factor = min(factor, target / p.latency)
                 floored.append(self._decrease(name, traffic, now, max(DEEPEST, factor)))
             elif any(g.name in pressing for g in above):
-                # no baseline yet and no quiet window in sight: make one (see _pressing)
+                # starting, or no baseline yet: protect now, learn after (see _pressing)
                 floored.append(self._decrease(name, traffic, now, DEEPEST))
             elif "few-samples" not in seen and "learning" not in seen and name in self.low:
                 if all(v == "idle" for v in seen):
@@ -271,6 +325,11 @@ class LatencyDecider:
             after = self.low[name].caps() if name in self.low else NO_AUTO_CAPS
             if after != before:
                 changed[name] = after
+        if self.decisions["decrease"] > decreases:
+            for name, activity in self.active.items():
+                if activity.first_cut is None and verdicts.get(name) in (
+                        "starting", "learning", "missed"):
+                    activity.first_cut, activity.cut_reason = now, verdicts[name]
         missed = any(v == "missed" for v in verdicts.values())
         unreachable = all(floored)  # also when no class could be capped at all
         if not verdicts:
@@ -284,32 +343,24 @@ class LatencyDecider:
         return changed
 
     def _pressing(self, verdicts: dict[str, str]) -> set[str]:
-        """The relative targets that have waited :data:`LEARN_PATIENCE` windows for a quiet
-        one to learn their baseline from, while the classes below them kept moving.
+        """The protected classes whose lower classes are cut as for a large miss although
+        nothing was judged: those ``starting`` (active, not judged yet) and the relative
+        targets ``learning`` (no baseline yet).
 
         A relative target (``target_read_slowdown``) is judged against the latency its
-        class has while the classes below it are quiet. A mount that starts into a
-        checkpoint storm that never pauses, or a reader that starts while one runs, would
-        never see such a window and so never be protected (measured: 85% AU instead of
-        94% for a ResNet-like DLIO reader, ``bench/ANALYSIS.md``). So after
-        :data:`LEARN_PATIENCE` such windows the classes below are cut as for a large miss
-        (by :data:`DEEPEST` per window, down to their floor) until a window is quiet; the
-        baseline is learned there, and from then on the usual rules raise the caps again
-        while the target is met.
-
-        A ``learning`` verdict already says the window was not quiet: a judged window
-        that is quiet adds to the baseline before the verdict, which then has a target.
+        class has while the classes below it are quiet. A reader that starts while a
+        checkpoint storm runs, and never pauses, would never see such a window and so
+        never be protected (measured: 85% AU instead of 94% for a ResNet-like DLIO
+        reader, ``bench/ANALYSIS.md``); waiting for one, even 2 s, left half of a 5.7 s
+        U-Net3D-like epoch unprotected. So the classes below are cut by :data:`DEEPEST`
+        per window, down to their floor, until a window is quiet; the baseline is learned
+        there, and from then on the usual rules raise the caps again while the target is
+        met. A ``learning`` verdict already says the window was not quiet: a judged
+        window that is quiet adds to the baseline before the verdict, which then has a
+        target.
         """
-        pressing = set()
-        for rule in protected_classes(self.policy):
-            name = rule.name
-            if verdicts.get(name) == "learning":
-                waited = self.learning_windows[name] = self.learning_windows.get(name, 0) + 1
-                if waited >= LEARN_PATIENCE:
-                    pressing.add(name)
-            else:
-                self.learning_windows.pop(name, None)
-        return pressing
+        return {name for name, verdict in verdicts.items()
+                if verdict in ("starting", "learning")}
 
     def _quiet_below(self, guard: str, rates: dict[str, ClassSample]) -> bool:
         """Whether every class that yields to *guard* moved next to nothing this window
@@ -337,6 +388,15 @@ class LatencyDecider:
         """The baseline latency of protected class *name* (None: none learned)."""
         seen = self.baselines.get(name)
         return statistics.median(seen) if seen else None
+
+    def baseline_source(self, name: str) -> str | None:
+        """Where *name*'s baseline comes from: ``learned`` during its current activity,
+        ``remembered`` from an earlier one (an earlier epoch: judged on it at once), or
+        None (none yet)."""
+        if not self.baselines.get(name):
+            return None
+        activity = self.active.get(name)
+        return "learned" if activity is not None and activity.learned else "remembered"
 
     def _decrease(self, name: str, sample: ClassSample, now: float, factor: float) -> bool:
         """Multiplicative decrease; returns whether every capped direction is at its floor."""
@@ -393,6 +453,14 @@ class LatencyDecider:
             del self.low[name]
 
 
+def _clock() -> float | None:
+    """trio's clock (what ``active_since`` and ``first_cut_at`` are on); None outside a run."""
+    try:
+        return trio.current_time()
+    except RuntimeError:
+        return None
+
+
 class QueueSource(Protocol):
     """What the controller reads of the canary (:class:`qosfs.qos.latency_probe.LatencyProbe`)."""
 
@@ -418,8 +486,12 @@ class LatencyLoop:
     """
 
     def __init__(self, engine: PolicyQos, probe: QueueSource | None = None,
-                 window: float = WINDOW) -> None:
+                 window: float = WINDOW,
+                 reads_bypass: Callable[[ClassRule], bool] | None = None) -> None:
         self.engine = engine
+        # Whether a class's reads bypass the daemon on this mount (kernel passthrough),
+        # asked at every policy check: it depends on the policy and on what INIT gave.
+        self._reads_bypass = reads_bypass
         self.probe = probe
         self.window = window
         self.controller = LatencyDecider(engine.policy)
@@ -430,16 +502,36 @@ class LatencyLoop:
         self._last: float | None = None
         self.samples: list[ProtectedSample] = []
         self.windows = 0
+        self._unobserved: set[str] = set()  # classes whose reads bypass the daemon
+        # Per protected class: its activity count at the last tick (Accounts.activity).
+        self._activity: dict[str, int] = {}
+        self.early_ticks = 0  # windows decided at once because a class became active
         self.on_window: list[Callable[[float, LatencyLoop], None]] = []  # for tests
 
     def __repr__(self) -> str:
         return f"<LatencyLoop {self.controller!r} windows={self.windows}>"
 
+    def reads_unobserved(self, class_name: str, unobserved: bool = True) -> None:
+        """Say that *class_name*'s reads do (not) reach the daemon, e.g. because the kernel
+        sends them straight to the backing file (FUSE passthrough). Such a class is
+        judged on the canary alone and seen active by its opens and metadata requests;
+        the canary runs for it whatever its ``latency_measure``."""
+        if unobserved:
+            self._unobserved.add(class_name)
+        else:
+            self._unobserved.discard(class_name)
+
+    def unobserved(self) -> frozenset[str]:
+        """The classes whose reads are not seen (:meth:`reads_unobserved`)."""
+        return frozenset(self._unobserved)
+
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Decide every window until cancelled; the canary runs only when needed."""
+        """Decide every window until cancelled, and at once when a protected class becomes
+        active (checked every :data:`PROBE_CHECK`); the canary runs only when needed."""
         self._sync_policy()
         self._last = trio.current_time()
         self._sample_levels()
+        self._activity = self._activity_counts()
         task_status.started()
         try:
             next_tick = self._last + self.window
@@ -451,6 +543,11 @@ class LatencyLoop:
                 if now >= next_tick:
                     self.tick(now)
                     next_tick = max(next_tick + self.window, now + self.window / 2)
+                elif self._became_active(now):
+                    # Protection from the first request: decide now, a window from here on.
+                    self.early_ticks += 1
+                    self.tick(now)
+                    next_tick = now + self.window
         finally:
             if self.probe is not None:
                 self.probe.stop()
@@ -470,6 +567,9 @@ class LatencyLoop:
     # -- measuring ------------------------------------------------------------------
 
     def _sync_policy(self) -> None:
+        if self._reads_bypass is not None:
+            for rule in protected_classes(self.engine.policy):
+                self.reads_unobserved(rule.name, self._reads_bypass(rule))
         if self.engine.generation == self._generation:
             return
         self._generation = self.engine.generation
@@ -479,17 +579,52 @@ class LatencyLoop:
         self._fine = {k: v for k, v in self._fine.items() if k in guarded}
         self._apply(self.controller.caps())
 
+    def _activity_counts(self) -> dict[str, int]:
+        accounts = self.engine.accounts
+        return {c.name: accounts.activity(c.name) for c in protected_classes(self.engine.policy)}
+
+    def _became_active(self, now: float) -> bool:
+        """Whether a protected class the last window found idle became active since (see
+        :meth:`_active`), at least :data:`PROBE_CHECK` after the last decision (so a
+        window's rates are not noise)."""
+        if self._last is None or now - self._last < PROBE_CHECK:
+            return False
+        idle = [c.name for c in protected_classes(self.engine.policy)
+                if c.name not in self.controller.active]
+        if not idle:
+            return False
+        accounts = self.engine.accounts
+        holding = self.engine.open_classes()
+        return any(self._active(name, accounts.activity(name), holding) for name in idle)
+
+    def _active(self, name: str, count: int, holding: set[str]) -> bool:
+        """Whether class *name* opened, read or made a metadata request since the last
+        decision (its activity count moved) -- or, when its reads are not seen, holds files
+        open (it may be reading them through the kernel). A class whose reads are seen and
+        that only holds files open is idle: nothing of it waits."""
+        before = self._activity.get(name)
+        if before is not None and before != count:
+            return True
+        return name in self._unobserved and name in holding
+
     def _wants_probe(self) -> bool:
-        """A protected class measured as "request" has files open."""
+        """A protected class measured as "request", or whose reads are not seen, is
+        active: it has files open or was active in the last window."""
         names = {c.name for c in protected_classes(self.engine.policy)
-                 if c.latency_measure == "request"}
-        return bool(names) and not names.isdisjoint(self.engine.open_classes())
+                 if c.latency_measure == "request" or c.name in self._unobserved}
+        return bool(names) and not (names.isdisjoint(self.engine.open_classes())
+                                    and names.isdisjoint(self.controller.active))
 
     def _steer_probe(self) -> None:
         if self.probe is None or self.engine.draining:
             return
         wanted = self._wants_probe()
         if wanted and not self.probe.running:
+            # The canary's histogram outlives its runs: its first window starts here, or
+            # the round trips of its last run (another epoch, a quieter storm) would be
+            # judged as this one's -- measured, a reader starting into a storm was "met"
+            # on the last epoch's figures and never protected.
+            self._probe_prev = self.probe.snapshot()
             self.probe.start()
         elif not wanted and self.probe.running:
             self.probe.stop()
@@ -517,6 +652,8 @@ class LatencyLoop:
 
     def _measure(self) -> list[ProtectedSample]:
         accounts = self.engine.accounts
+        activity = self._activity_counts()
+        holding = self.engine.open_classes()
         queue_counts: tuple[int, ...] | None = None
         if self.probe is not None and self.probe.running:
             snap = self.probe.snapshot()
@@ -535,16 +672,32 @@ class LatencyLoop:
                 window = d if window is None else tuple(a + b for a, b in zip(window, d,
                                                                                 strict=True))
             reads = sum(window) if window is not None else 0
+            active = self._active(rule.name, activity[rule.name], holding)
             q = rule.latency_percentile / 100.0
+            if rule.name in self._unobserved:
+                # Its reads bypass the daemon: the canary is all there is to judge on.
+                queue = (FineHistogram.quantile(queue_counts, q)
+                         if queue_counts is not None else None)
+                samples.append(ProtectedSample(
+                    rule.name, queue, 0, sum(queue_counts) if queue_counts else 0, queue,
+                    None, active))
+                continue
             backend = FineHistogram.quantile(window, q) if window is not None else None
             latency, samples_n, queue = backend, reads, None
-            if rule.latency_measure == "request" and queue_counts is not None and reads:
-                queue = FineHistogram.quantile(queue_counts, q)
-                if queue is not None and backend is not None:
-                    latency = queue + backend
-                    samples_n = sum(queue_counts)
+            if rule.latency_measure == "request" and self.probe is not None:
+                # Judged on the canary's round trips, never on the backend part alone: in
+                # the first window of a reader the canary has only just been started, and
+                # a storm shows in the queue, not in a memory-backed source's times.
+                # The queue part is shown whenever the canary ran (the reads of a file in
+                # the page cache never reach us), the estimate only with reads of its own.
+                queue = (FineHistogram.quantile(queue_counts, q)
+                         if queue_counts is not None else None)
+                latency = queue + backend if queue is not None and backend is not None \
+                    else None
+                samples_n = sum(queue_counts) if queue_counts is not None else 0
             samples.append(ProtectedSample(rule.name, latency, reads, samples_n, queue,
-                                           backend))
+                                           backend, active))
+        self._activity = activity
         return samples
 
     # -- deciding and applying --------------------------------------------------------
@@ -567,10 +720,12 @@ class LatencyLoop:
     def status(self) -> dict[str, Any]:
         """What ``ctl status``, ``top`` and ``/metrics`` show (plain JSON data)."""
         c = self.controller
+        now = _clock()
         protected = []
         by_name = {s.name: s for s in self.samples}
         for rule in protected_classes(c.policy):
             s = by_name.get(rule.name)
+            activity = c.active.get(rule.name)
             protected.append({
                 "class": rule.name, "target_seconds": c.target_of(rule),
                 "slowdown": rule.target_read_slowdown,
@@ -579,13 +734,27 @@ class LatencyLoop:
                 "latency_seconds": s.latency if s else None,
                 "queue_seconds": s.queue if s else None,
                 "backend_seconds": s.backend if s else None,
-                "reads": s.reads if s else 0, "verdict": c.verdicts.get(rule.name, "idle")})
+                "reads": s.reads if s else 0, "verdict": c.verdicts.get(rule.name, "idle"),
+                # How its protection began (see "Starting" in the module docstring);
+                # times on the daemon's monotonic clock (trio.current_time()).
+                "reads_observed": rule.name not in self._unobserved,
+                "active_since": activity.since if activity else None,
+                "first_cut_at": activity.first_cut if activity else None,
+                "first_cut_reason": activity.cut_reason if activity else None,
+                "baseline_source": c.baseline_source(rule.name),
+                # The same as durations, for readers without the daemon's clock.
+                "active_seconds": (now - activity.since
+                                   if activity is not None and now is not None else None),
+                "first_cut_after_seconds": (activity.first_cut - activity.since
+                                            if activity and activity.first_cut is not None
+                                            else None)})
         throttled = []
         for name, low in sorted(c.low.items()):
             caps = low.caps()
             throttled.append({"class": name, "read_bandwidth": caps.read_bandwidth,
                               "write_bandwidth": caps.write_bandwidth})
         return {"state": c.state, "window_seconds": self.window, "windows": self.windows,
+                "early_windows": self.early_ticks, "now": now,
                 "decisions": dict(c.decisions),
                 "probe_running": bool(self.probe is not None and self.probe.running),
                 "protected": protected, "throttled": throttled}

@@ -175,6 +175,15 @@ def charged(stats: dict[str, Any], kind: str) -> dict[str, int]:
     return out
 
 
+def opens(stats: dict[str, Any]) -> dict[str, int]:
+    """Files opened per class, from ``ctl stats --json`` (a class whose reads the kernel
+    serves, kernel passthrough, shows its opens there and no read bytes)."""
+    out: dict[str, int] = {}
+    for account in stats["accounts"]:
+        out[account["class"]] = out.get(account["class"], 0) + account["opens"]
+    return out
+
+
 def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     """The classes whose counters moved, and by how much."""
     return {cls: n - before.get(cls, 0) for cls, n in after.items() if n != before.get(cls, 0)}

@@ -242,7 +242,7 @@ def test_the_mount_is_found_from_the_path_and_answers_what_is_in_force(
         assert code == 0, err
         words = " ".join(out.split())  # long temporary paths wrap
         assert f"policy {policy}, generation 1, in force on {mnt}" in words
-        assert "served the daemon (kernel passthrough is not available in this version)" \
+        assert "served the daemon (only read-only opens are passed through to the kernel)" \
             in words
         assert cli.main(["ctl", "--socket", str(mnt), "set", "by_path",
                          "write_bandwidth=3MiB/s"]) == 0

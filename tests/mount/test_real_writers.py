@@ -113,14 +113,12 @@ def test_real_checkpoint_writers_are_charged_to_checkpoints_and_capped(tmp_tree:
             code = proc.wait(60)
             proc.stdout.close()
         assert code == 0
-        # A .pt shard under data/ is read as a dataset, not as a checkpoint.
-        with Client(str(sock)) as client:
-            levels = client.request({"cmd": "status"})["levels"]
-        data_before = next(lv for lv in levels if lv["name"] == "datasets")["read_bytes"]
+        # A .pt shard under data/ is read as a dataset, not as a checkpoint: its bytes
+        # are the datasets class's, or, where the kernel reads it (passthrough), its open.
+        seen = _dataset_reads(sock)
         assert (mnt / "data" / "shard.pt").read_bytes() == b"d" * MiB
-        with Client(str(sock)) as client:
-            levels = client.request({"cmd": "status"})["levels"]
-        assert next(lv for lv in levels if lv["name"] == "datasets")["read_bytes"] > data_before
+        now = _dataset_reads(sock)
+        assert now[0] > seen[0] or now[1] > seen[1], (seen, now)
     print(f"\n{json.dumps(results)}")
     expected_seconds = (SIZE_MIB - BURST_MIB) / CAP_MIB
     # safetensors writes ".tmpXXXXXX", whose final name is known only at the rename,
@@ -136,3 +134,12 @@ def test_real_checkpoint_writers_are_charged_to_checkpoints_and_capped(tmp_tree:
         # Capped: at least the time the cap allows (the bucket refills between steps).
         assert step["seconds"] >= expected_seconds * 0.85, (name, results)
         assert step["seconds"] <= expected_seconds * 1.15 + 1.0, (name, results)
+
+
+def _dataset_reads(sock: Path) -> tuple[int, int]:
+    """The datasets class's read bytes seen by the daemon, and its opens the kernel
+    reads for (kernel passthrough: those bytes never reach the daemon)."""
+    with Client(str(sock)) as client:
+        status = client.request({"cmd": "status"})
+    read_bytes = next(lv for lv in status["levels"] if lv["name"] == "datasets")["read_bytes"]
+    return read_bytes, status["passthrough"]["opens"].get("datasets", 0)

@@ -115,3 +115,10 @@ def test_an_inode_is_passed_through_or_served_never_both() -> None:
     kp.plain_release(7)
     kp.plain_release(7)  # an extra release changes nothing
     assert kp.register(7, fd=13) is not None
+
+
+@pytest.mark.parametrize(("fstype", "depth"), [
+    ("ext4", 0), ("tmpfs", 0), (None, 0), ("nfs4", 0), ("overlay", 1), ("fuse", 1),
+    ("fuse.sshfs", 1), ("fuseblk", 1), ("fuse.qosfs", 1), ("ecryptfs", 1)])
+def test_stack_depth_is_one_for_a_stacking_filesystem(fstype: str | None, depth: int) -> None:
+    assert kernel.stack_depth(fstype) == depth

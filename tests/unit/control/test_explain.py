@@ -17,7 +17,7 @@ from qosfs.control.service import ControlService
 from qosfs.daemon import cli
 from qosfs.policy.loading import parse_policy
 from qosfs.qos.engine import PolicyQos
-from qosfs.qos.explain import PASSTHROUGH_ABSENT
+from qosfs.qos.explain import PASSTHROUGH_READS_ONLY
 from qosfs.qos.interface import PassThroughQos
 from tests.mock_clock import mock_clock
 from tests.unit.qos.test_explain import TEXT, line_of
@@ -116,7 +116,7 @@ charged  user fair/uid=2001: an equal share of the class's caps among its active
          tenant team: w:1GiB/s
          backend: r:4GiB/s w:2GiB/s; priority low (weight 1), guaranteed
          w:10MiB/s
-served   the daemon ({PASSTHROUGH_ABSENT})
+served   the daemon ({PASSTHROUGH_READS_ONLY})
 """
     assert line_of(TEXT, "classes.fair", "paths") == 48  # the numbers above
 
@@ -184,7 +184,7 @@ def test_text_of_a_mount_says_which_generation_is_in_force() -> None:
             "levels": [{"level": "class", "name": "default", "limits": {"read_bandwidth": 2.0},
                         "configured": {"read_bandwidth": 4.0}, "scope": "node",
                         "auto_limits": {"read_bandwidth": 2.0}}],
-            "served_by": {"by": "daemon", "passthrough": False, "reason": PASSTHROUGH_ABSENT},
+            "served_by": {"by": "daemon", "passthrough": False, "reason": PASSTHROUGH_READS_ONLY},
             "notes": []}
     assert format_explanation(body).splitlines()[:2] == [
         "/: meta by uid 0, gid 0 (yours)",

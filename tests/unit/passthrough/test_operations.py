@@ -18,6 +18,7 @@ import trio
 
 from qosfs.core import syscalls
 from qosfs.passthrough.backing_io import BackingIO, IoMode
+from qosfs.passthrough.kernel import KernelPassthrough
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import parse_policy
 from qosfs.qos.engine import PolicyQos
@@ -321,3 +322,16 @@ def test_writes_and_renames_are_reported_to_the_opens_charge(tmp_path: Path) -> 
     assert (tmp_path / "ckpt" / "w.pt").stat().st_size == tail
     assert all(flow.open_files == 0 for flow in engine._flows.values())
     assert engine.counters().rename_charged_bytes == {"ckpt": tail}
+
+
+def test_passthrough_that_cannot_work_is_not_negotiated_and_says_why(tmp_path: Path) -> None:
+    ops = _ops(tmp_path)
+    ops.kernel = KernelPassthrough(SimpleNamespace())  # a pyfuse3 without the patch
+    ops.request_passthrough(0)
+    assert not vars(ops).get("enable_passthrough")  # INIT will not ask the kernel
+    status = ops.resources()["passthrough"]
+    assert status["state"] == "unavailable" and "patch" in status["reason"]
+    assert status["registered"] == status["live_backing_ids"] == 0
+    off = _ops(tmp_path)
+    off.passthrough_off("turned off (--no-passthrough)")
+    assert off.passthrough_status()["reason"] == "turned off (--no-passthrough)"

@@ -66,6 +66,29 @@ CASES = {
         'min_read_bandwidth = "100MiB/s"\n',
         6, "classes.ckpt.min_read_bandwidth", "min_read_bandwidth has no effect: the class "
         'takes no reads (ops = ["write"])'),
+    "passthrough-on-a-read-capped-class": (
+        '[classes.data]\npaths = ["data/**"]\npassthrough = "reads"\n'
+        'read_bandwidth = "1GiB/s"\n',
+        3, "classes.data.passthrough", "the class caps its reads: those reads stay in the "
+        "daemon, where the cap holds, and such opens are not passed through to the kernel"),
+    "passthrough-under-a-backend-read-cap": (
+        '[backend]\nread_bandwidth = "4GiB/s"\n'
+        '[classes.data]\npaths = ["data/**"]\npassthrough = "reads"\n',
+        5, "classes.data.passthrough", "[backend] caps reads, which every class shares by "
+        "priority: those reads stay in the daemon"),
+    "passthrough-with-a-read-capped-tenant": (
+        '[tenants.t]\nuids = [1]\nread_iops = 100\n'
+        '[classes.data]\npaths = ["data/**"]\npassthrough = "reads"\n',
+        6, "classes.data.passthrough", "tenant t caps reads: opens charged to it stay in "
+        "the daemon"),
+    "passthrough-per-user": (
+        '[classes.data]\npaths = ["data/**"]\nper_user = "fair"\npassthrough = "reads"\n',
+        4, "classes.data.passthrough", 'per_user = "fair" shares the class\'s reads out per '
+        "uid"),
+    "passthrough-without-reads": (
+        '[classes.data]\npaths = ["data/**"]\nops = ["write"]\npassthrough = "reads"\n',
+        4, "classes.data.passthrough", "passthrough has no effect: the class takes no reads "
+        '(ops = ["write"])'),
     "fractional-iops": (
         '[tenants.t]\nuids = [1]\nmeta_iops = 0.5\n[classes.c]\npaths = ["a/**"]\n'
         'write_iops = "2.5"\n',

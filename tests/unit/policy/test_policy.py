@@ -247,6 +247,8 @@ SEMANTIC_ERRORS = [
      'mlfs.toml:2: classes.x.per_user: expected one of "none", "fair", got "yes"'),
     ('[classes.x]\ncache = "off"\n',
      'mlfs.toml:2: classes.x.cache: expected one of "auto", "keep", "direct", "direct-writes", got "off"'),  # noqa: E501
+    ('[classes.x]\npaths = ["a/**"]\npassthrough = "all"\n',
+     'mlfs.toml:3: classes.x.passthrough: expected one of "off", "reads", got "all"'),
     ('[classes.x]\njobs = ["1"]\n',
      ('mlfs.toml:2: classes.x.jobs: jobs needs job_env, the variable holding the value (e.g. '
       '"SLURM_JOB_ID")')),
@@ -357,9 +359,9 @@ def test_with_changes() -> None:
      ('ctl: classes.checkpoints.paths: not settable live: change it in the policy file, then '
       '`qosfs ctl reload` (settable live on a class: read_bandwidth, '
       'write_bandwidth, read_iops, write_iops, meta_iops, burst, burst_iops, '
-      'min_read_bandwidth, min_write_bandwidth, priority, per_user, cache, target_read_latency, '
-      'target_read_slowdown, latency_percentile, latency_measure, detect_streaming_writes, '
-      'entry_timeout, attr_timeout)')),
+      'min_read_bandwidth, min_write_bandwidth, priority, per_user, cache, passthrough, '
+      'target_read_latency, target_read_slowdown, latency_percentile, latency_measure, '
+      'detect_streaming_writes, entry_timeout, attr_timeout)')),
     ('tenant', 'team-a', {'uids': '7'},
      ('ctl: tenants.team-a.uids: not settable live: change it in the policy file, then '
       '`qosfs ctl reload` (settable live on a tenant: read_bandwidth, write_bandwidth, '
@@ -645,3 +647,10 @@ def test_cache_timeouts_need_paths_and_render_back() -> None:
     d = p.class_by_name("d")
     assert d is not None and (d.entry_timeout, d.attr_timeout) == (60.0, 0.0)
     assert parse_policy(p.render()) == p
+
+
+def test_passthrough_is_off_unless_set_and_on_for_datasets_by_default() -> None:
+    policy = parse_policy('[classes.a]\npaths = ["a/**"]\n[classes.b]\npaths = ["b/**"]\n'
+                          'passthrough = "reads"\n')
+    assert [c.passthrough for c in policy.classes] == ["off", "reads", "off"]
+    assert {c.name: c.passthrough for c in default_policy().classes}["datasets"] == "reads"

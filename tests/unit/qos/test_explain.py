@@ -18,7 +18,14 @@ from qosfs.policy.classify import CallerKey, Classifier, JobInfo
 from qosfs.policy.loading import default_policy, parse_policy, with_changes
 from qosfs.qos.backend import ClassPort
 from qosfs.qos.engine import PolicyQos
-from qosfs.qos.explain import PASSTHROUGH_ABSENT, Asked, explain, job_of, mount_relative
+from qosfs.qos.explain import (
+    PASSTHROUGH_NOT_SET,
+    PASSTHROUGH_READS_ONLY,
+    Asked,
+    explain,
+    job_of,
+    mount_relative,
+)
 from qosfs.qos.stats import AutoCaps
 from tests.mock_clock import mock_clock
 from tests.unit.qos.test_engine import FakeFs, fake_inode
@@ -217,9 +224,45 @@ def test_notes_say_what_can_still_move_or_skip_a_request() -> None:
 def test_served_by_the_daemon_and_where_the_page_cache_answers() -> None:
     body = ask("x")
     assert body["served_by"] == {"by": "daemon", "passthrough": False,
-                                 "reason": PASSTHROUGH_ABSENT, "page_cache": "used"}
+                                 "reason": PASSTHROUGH_NOT_SET, "page_cache": "used"}
     assert ask("ops/r")["served_by"]["page_cache"] == "bypassed"  # a read cap
     assert "page_cache" not in ask("x", op="write")["served_by"]
+
+
+PASSING = """\
+[tenants.capped]
+uids = [3000]
+read_iops = 500
+
+[classes.fair]
+paths = ["fair/**"]
+per_user = "fair"
+passthrough = "reads"
+
+[classes.data]
+paths = ["data/**"]
+passthrough = "reads"
+"""
+
+
+def test_reads_of_a_passthrough_class_nothing_caps_are_served_by_the_kernel() -> None:
+    served = ask("data/x", policy=default_policy())["served_by"]
+    assert served["by"] == "kernel" and served["passthrough"] is True
+    assert "page_cache" not in served
+    policy = parse_policy(PASSING)
+    assert ask("data/x", policy=policy, uid=1)["served_by"]["by"] == "kernel"
+    # Writes, metadata, and every level that caps reads keep the daemon.
+    assert ask("data/x", op="write", policy=policy)["served_by"]["reason"] == \
+        PASSTHROUGH_READS_ONLY
+    tenant = ask("data/x", policy=policy, uid=3000)["served_by"]
+    assert tenant["by"] == "daemon" and "tenant capped caps reads" in tenant["reason"]
+    assert "per_user" in ask("fair/x", policy=policy, uid=1)["served_by"]["reason"]
+    backend = parse_policy('[backend]\nread_bandwidth = "1GiB/s"\n' + PASSING)
+    assert "[backend] caps reads" in ask("data/x", policy=backend,
+                                         uid=1)["served_by"]["reason"]
+    own = parse_policy(PASSING + 'read_bandwidth = "1MiB/s"\n')  # in [classes.data]
+    served = ask("data/x", policy=own, uid=1)["served_by"]
+    assert served["reason"] == "the class caps its reads" and served["page_cache"] == "bypassed"
 
 
 def test_levels_from_a_file_are_its_caps_in_charging_order() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import trio
@@ -13,16 +14,20 @@ import trio.testing
 
 from qosfs.policy.loading import parse_policy, with_changes
 from qosfs.qos.accounting import FineHistogram, fine_index, fine_upper_bound
+from qosfs.qos.charge import OpenCharge
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.latency_control import (
     DEEPEST,
     FLOOR,
-    LEARN_PATIENCE,
+    PROBE_CHECK,
+    STARTING_WINDOWS,
+    WINDOW,
     ClassSample,
     LatencyDecider,
     LatencyLoop,
     ProtectedSample,
     low_classes,
+    protected_classes,
 )
 from qosfs.qos.stats import AutoCaps
 from tests.mock_clock import mock_clock
@@ -322,6 +327,14 @@ async def test_status_top_and_metrics_show_the_controller() -> None:
     assert lc["throttled"] == [{"class": "checkpoints", "read_bandwidth": None,
                                 "write_bandwidth": 70 * MiB}]
     assert lc["protected"][0]["target_seconds"] == 0.005
+    # How its protection began: active (it read), cut in that window, on a miss.
+    started = {k: lc["protected"][0][k] for k in (
+        "active_since", "first_cut_at", "first_cut_reason", "first_cut_after_seconds",
+        "baseline_source", "reads_observed")}
+    assert started == {"active_since": 0.0, "first_cut_at": 0.0, "first_cut_reason": "missed",
+                       "first_cut_after_seconds": 0.0, "baseline_source": None,
+                       "reads_observed": True}
+    assert lc["protected"][0]["active_seconds"] == trio.current_time()
     level = next(lv for lv in body["levels"] if lv["name"] == "checkpoints")
     assert level["limits"] == {"write_bandwidth": 70 * MiB}
     assert level["auto_limits"] == {"write_bandwidth": 70 * MiB}
@@ -333,6 +346,15 @@ async def test_status_top_and_metrics_show_the_controller() -> None:
     assert ('qosfs_latency_auto_limit_bytes_per_second{class="checkpoints",'
             'direction="write"} 7.340032e+07') in metrics
     assert 'qosfs_latency_target_seconds{class="datasets"} 0.005' in metrics
+    assert 'qosfs_latency_active{class="datasets"} 1.0' in metrics
+    assert ('qosfs_latency_first_cut_after_seconds{class="datasets",reason="missed"} 0.0'
+            in metrics)
+    assert 'qosfs_latency_reads_observed{class="datasets"} 1.0' in metrics
+    control.reads_unobserved("datasets")
+    assert control.unobserved() == {"datasets"}
+    metrics = render(take_snapshot(engine, trio.current_time(),
+                                   latency=control.status())).decode()
+    assert 'qosfs_latency_reads_observed{class="datasets"} 0.0' in metrics
 
 
 RELATIVE = POLICY.replace('target_read_latency = "5ms"', "target_read_slowdown = 1.5")
@@ -341,11 +363,14 @@ RELATIVE = POLICY.replace('target_read_latency = "5ms"', "target_read_slowdown =
 def test_a_relative_target_learns_its_baseline_while_the_classes_below_are_quiet() -> None:
     c = LatencyDecider(parse_policy(RELATIVE.format(ckpt=""), "t"))
     c.step(0.0, ds(0.004), ck(write=500 * MiB))  # a storm from the start: nothing to go by
-    assert c.verdicts == {"datasets": "learning"} and c.caps()["checkpoints"] == AutoCaps()
+    assert c.verdicts == {"datasets": "learning"}  # so it is cut at once, as for a large miss
+    assert c.caps()["checkpoints"].write_bandwidth == pytest.approx(500 * MiB * DEEPEST)
     for t in (0.5, 1.0, 1.5):  # the storm pauses (under the floor counts as quiet)
         c.step(t, ds(0.001 if t != 1.0 else 0.0012), ck(write=0.5 * MiB))
     assert c.baseline("datasets") == pytest.approx(0.001)
+    assert c.baseline_source("datasets") == "learned"
     assert c.verdicts == {"datasets": "met"} and c.quiet  # the canary may slow down
+    assert c.caps()["checkpoints"] == AutoCaps()  # idle under its cap for 3 windows
     changed = c.step(2.0, ds(0.002), ck(write=500 * MiB))  # 2x > 1.5x: capped
     assert not c.quiet
     assert changed["checkpoints"].write_bandwidth == pytest.approx(500 * MiB * 0.7)
@@ -358,12 +383,8 @@ def test_a_relative_target_learns_its_baseline_while_the_classes_below_are_quiet
 def test_a_relative_target_makes_a_quiet_window_when_the_storm_never_pauses() -> None:
     c = LatencyDecider(parse_policy(RELATIVE.format(ckpt=""), "t"))
     t = 0.0
-    for _ in range(LEARN_PATIENCE - 1):  # a storm from the start: wait a little first
-        assert c.step(t, ds(0.004), ck(write=400 * MiB)) == {}
-        assert c.verdicts == {"datasets": "learning"}
-        t += 0.5
     cap = 400 * MiB
-    while cap > FLOOR:  # then cut the classes below as for a large miss, to their floor
+    while cap > FLOOR:  # from the first window, cut the classes below as for a large miss
         changed = c.step(t, ds(0.004), ck(write=cap, waited=True))
         cap = max(FLOOR, cap * DEEPEST)
         assert changed["checkpoints"].write_bandwidth == pytest.approx(cap)
@@ -372,19 +393,65 @@ def test_a_relative_target_makes_a_quiet_window_when_the_storm_never_pauses() ->
     assert c.baseline("datasets") is None
     c.step(t, ds(0.001), ck(write=FLOOR, waited=True))  # held at the floor: quiet
     assert c.baseline("datasets") == pytest.approx(0.001)
-    assert c.verdicts == {"datasets": "met"} and c.learning_windows == {}
+    assert c.verdicts == {"datasets": "met"}
+    assert c.active["datasets"].first_cut == 0.0
+    assert c.active["datasets"].cut_reason == "learning"
     changed = c.step(t + 0.5, ds(0.001), ck(write=FLOOR, waited=True))
     assert changed["checkpoints"].write_bandwidth > FLOOR  # met: the caps climb again
 
 
-def test_a_relative_target_does_not_press_a_storm_that_pauses_in_time() -> None:
+def test_a_baseline_is_remembered_from_an_earlier_epoch_and_judged_on_at_once() -> None:
     c = LatencyDecider(parse_policy(RELATIVE.format(ckpt=""), "t"))
-    for t in range(LEARN_PATIENCE - 1):
-        c.step(t * 0.5, ds(0.004), ck(write=400 * MiB))
-    c.step(2.0, ds(0.001), ck(write=0.0))  # a pause: the baseline, and no cap at all
-    assert c.caps()["checkpoints"] == AutoCaps() and c.baseline("datasets") == 0.001
-    c.step(2.5, ds(0.0012), ck(write=400 * MiB))
+    c.step(0.0, ds(0.001), ck(write=0.0))  # epoch 1, alone: the baseline
+    assert c.baseline_source("datasets") == "learned"
+    c.step(0.5, ds(None, reads=0), ck(write=0.0))  # between epochs: idle
+    assert "datasets" not in c.active and c.baseline_source("datasets") == "remembered"
+    c.step(1.0, ds(None, reads=0), ck(write=400 * MiB))  # a storm, still idle: no cut
+    assert c.caps()["checkpoints"] == AutoCaps()
+    c.step(1.5, ds(0.0012), ck(write=400 * MiB))  # epoch 2: judged on the remembered 1 ms
     assert c.verdicts == {"datasets": "met"} and c.caps()["checkpoints"] == AutoCaps()
+    c.step(2.0, ds(0.004), ck(write=400 * MiB))
+    assert c.verdicts == {"datasets": "missed"}
+    assert c.caps()["checkpoints"].write_bandwidth == pytest.approx(400 * MiB * 0.375)
+    assert c.active["datasets"].cut_reason == "missed"
+    assert c.baseline_source("datasets") == "remembered"
+
+
+def active(latency: float | None = None, samples: int = 0) -> list[ProtectedSample]:
+    """A window in which datasets opened files (or made metadata requests) but no read
+    was seen: its first instants, or a class whose reads bypass the daemon."""
+    return [ProtectedSample("datasets", latency, 0, samples, latency, None, active=True)]
+
+
+def test_a_class_becoming_active_protects_itself_before_any_judgement() -> None:
+    c = LatencyDecider(policy())
+    c.step(0.0, ds(None, reads=0), ck(write=800 * MiB))  # the storm runs, datasets idle
+    assert c.caps()["checkpoints"] == AutoCaps() and c.verdicts == {"datasets": "idle"}
+    cap = 800 * MiB
+    for i in range(STARTING_WINDOWS):  # opens, no latency yet: cut as for a large miss
+        changed = c.step(0.05 + i * 0.5, active(), ck(write=cap, waited=True))
+        cap *= DEEPEST
+        assert changed == {"checkpoints": AutoCaps(None, pytest.approx(cap))}
+        assert c.verdicts == {"datasets": "starting"}
+    activity = c.active["datasets"]
+    assert (activity.since, activity.first_cut, activity.cut_reason) == (0.05, 0.05, "starting")
+    # Still nothing to judge: the cut holds (few samples), it does not go deeper.
+    assert c.step(2.0, active(0.5, samples=3), ck(write=cap, waited=True)) == {}
+    assert c.verdicts == {"datasets": "few-samples"}
+    # Judged and met: the usual rules, the cap climbs back.
+    c.step(2.5, active(0.001, samples=100), ck(write=cap, waited=True))
+    assert c.verdicts == {"datasets": "met"} and c.caps()["checkpoints"].write_bandwidth > cap
+    # Idle, then active again: a new start (another epoch), protected again at once.
+    c.step(3.0, ds(None, reads=0), ck(write=800 * MiB))
+    assert "datasets" not in c.active
+    c.step(3.5, active(), ck(write=800 * MiB))
+    assert c.verdicts == {"datasets": "starting"} and c.active["datasets"].first_cut == 3.5
+
+
+def test_a_class_judged_in_its_first_window_is_not_cut_when_it_meets_its_target() -> None:
+    c = LatencyDecider(policy())
+    assert c.step(0.0, ds(0.002), ck(write=800 * MiB)) == {}
+    assert c.verdicts == {"datasets": "met"} and c.active["datasets"].first_cut is None
 
 
 def test_absolute_and_relative_targets_together_take_the_lower() -> None:
@@ -397,3 +464,207 @@ def test_absolute_and_relative_targets_together_take_the_lower() -> None:
     assert c.targets == {"datasets": pytest.approx(0.003)}  # 3 x 1 ms < 5 ms
     c.step(1.0, ds(0.004), ck(write=500 * MiB))
     assert c.verdicts == {"datasets": "missed"}
+
+
+# ------------------------------------------------------------------ from the first open
+
+
+class Paths:
+    """Every open is of ``data/x`` (a datasets file)."""
+
+    epoch = 0
+
+    def relpath_until(self, node: Any) -> tuple[str, float]:
+        return "data/x", math.inf
+
+
+def open_dataset(engine: PolicyQos) -> OpenCharge:
+    """Open a datasets file as the filesystem does (the charge counts the open)."""
+    return OpenCharge(engine, Paths(), SimpleNamespace(qos_memo=None), CTX,  # type: ignore[arg-type]
+                      writing=False)
+
+
+class FakeCanary:
+    """A canary reporting one round trip every 2 ms while it runs: what the device's
+    read latency is at that moment (it stands for a request queued behind the storm)."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.histogram = FineHistogram()
+        self.running = False
+        self.started: list[float] = []
+
+    def snapshot(self) -> tuple[int, ...]:
+        return self.histogram.snapshot()
+
+    def start(self) -> None:
+        self.running = True
+        self.started.append(trio.current_time())
+
+    def stop(self) -> None:
+        self.running = False
+
+    def set_interval(self, interval: float) -> None:
+        pass
+
+    async def run(self) -> None:
+        while True:
+            if self.running:
+                self.histogram.observe(int(self.device.read_latency(trio.current_time()) * 1e9))
+            await trio.sleep(0.002)
+
+
+async def _storm(engine: PolicyQos, device: Device | None = None) -> None:
+    """One checkpoint writer: 1 GiB/s when nothing caps it."""
+    writer = engine._flow_for("ckpt/x", CTX, "write")
+    while True:
+        await writer.admit_write(1 << 20)
+        if device is not None:
+            device.write(trio.current_time(), 1 << 20)
+        await trio.sleep(0.001)
+
+
+async def _until(what: str, probe: Any, timeout: float = 5.0) -> Any:
+    deadline = trio.current_time() + timeout
+    while not (value := probe()):
+        assert trio.current_time() < deadline, f"waited {timeout} s for {what}"
+        await trio.sleep(0.005)
+    return value
+
+
+@mock_clock
+async def test_the_first_open_into_a_running_storm_is_protected_within_one_check() -> None:
+    """The bound: a cut within PROBE_CHECK (50 ms) of the first open, wherever in the
+    window the open falls, before a single read is seen."""
+    engine = PolicyQos(policy())
+    control = LatencyLoop(engine)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(control.run)
+        nursery.start_soon(_storm, engine)
+        delays = []
+        for offset in (0.3, 0.02, 0.49):  # where in the window the open falls
+            await trio.sleep_until(math.floor(trio.current_time() / WINDOW + 2) * WINDOW
+                                   + offset)
+            assert engine.auto_caps.get("checkpoints", AutoCaps()) == AutoCaps()
+            opened = trio.current_time()
+            charge = open_dataset(engine)
+            assert charge.flow.stats.opens >= 1
+            await _until("the first cut", lambda: engine.auto_caps.get("checkpoints"))
+            status = control.status()["protected"][0]
+            assert status["verdict"] == "starting" and status["first_cut_reason"] == "starting"
+            assert status["active_since"] == status["first_cut_at"]
+            delays.append(status["first_cut_at"] - opened)
+            cap = engine.auto_caps["checkpoints"].write_bandwidth
+            assert cap is not None and cap <= DEEPEST * 1.1 * GiB
+            charge.release()  # no read, no open: idle, the cap doubles back and goes
+            await _until("the release", lambda: "checkpoints" not in engine.auto_caps,
+                         timeout=10.0)
+        assert max(delays) <= PROBE_CHECK + 1e-6, delays
+        assert control.early_ticks == 3
+        nursery.cancel_scope.cancel()
+
+
+@mock_clock
+async def test_a_class_whose_reads_are_not_seen_is_judged_on_the_canary() -> None:
+    """Kernel passthrough: the reader's reads never reach the daemon; its opens and the
+    canary do. A relative target still protects it: cut at the open, baseline learned
+    from the canary at the floor, then the caps climb while it is met."""
+    engine = PolicyQos(parse_policy(RELATIVE.format(ckpt=""), "t"))
+    device = Device(base=0.001)
+    canary = FakeCanary(device)
+    control = LatencyLoop(engine, canary)
+    control.reads_unobserved("datasets")
+    trace: list[tuple[float, str, float | None]] = []
+    control.on_window.append(lambda now, lc: trace.append(
+        (now, lc.controller.verdicts.get("datasets", "idle"),
+         engine.auto_caps.get("checkpoints", AutoCaps()).write_bandwidth)))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(control.run)
+        nursery.start_soon(canary.run)
+        nursery.start_soon(_storm, engine, device)
+        await trio.sleep(2.2)
+        assert not canary.running and not engine.auto_caps  # idle: no canary, no cut
+        opened = trio.current_time()
+        charge = open_dataset(engine)  # held open: reads may go on through the kernel
+        await _until("the first cut", lambda: engine.auto_caps.get("checkpoints"))
+        assert control.controller.active["datasets"].first_cut - opened <= PROBE_CHECK + 1e-6
+        assert canary.running and canary.started[0] - opened <= PROBE_CHECK + 1e-6
+        await _until("a baseline", lambda: control.controller.baseline("datasets"),
+                     timeout=10.0)
+        # The device's 1 ms, plus what the storm held at its floor still adds.
+        assert 0.001 <= control.controller.baseline("datasets") <= 0.0015
+        await trio.sleep(5.0)
+        status = control.status()["protected"][0]
+        assert status["reads_observed"] is False and status["reads"] == 0
+        assert status["baseline_source"] == "learned" and status["backend_seconds"] is None
+        assert status["first_cut_reason"] == "starting"
+        from qosfs.control.metrics import render
+        from qosfs.control.snapshot import take_snapshot
+
+        metrics = render(take_snapshot(engine, trio.current_time(),
+                                       latency=control.status())).decode()
+        assert 'qosfs_latency_baseline_seconds{class="datasets",source="learned"}' in metrics
+        late = [row for row in trace if row[0] >= trio.current_time() - 3.0]
+        assert {v for _, v, _ in late} <= {"met", "missed"}
+        assert all(cap is not None and cap < 0.5 * GiB for _, _, cap in late)
+        assert max(cap for _, _, cap in late if cap) > 2 * FLOOR  # climbed off the floor
+        charge.release()
+        await _until("the canary to stop", lambda: not canary.running)
+        await _until("the release", lambda: "checkpoints" not in engine.auto_caps)
+        nursery.cancel_scope.cancel()
+
+
+@mock_clock
+async def test_a_request_target_is_not_judged_on_the_backend_alone_before_the_canary_reports(
+) -> None:
+    """Reads on a memory-backed source take microseconds while a storm makes the
+    requests wait milliseconds in the queue: a reader's first window, before the canary
+    has reported, is "starting" (cut), not "met" on the backend time -- nor on what the
+    canary reported in an earlier epoch, without the storm."""
+    engine = PolicyQos(parse_policy(POLICY.format(ckpt="").replace(
+        'latency_measure = "backend"', 'latency_measure = "request"'), "t"))
+    device = Device(base=0.001)  # what the canary sees: the storm adds 20 ms per GiB/s
+    canary = FakeCanary(device)
+    control = LatencyLoop(engine, canary)
+    verdicts: list[str] = []
+    control.on_window.append(lambda now, lc: verdicts.append(lc.controller.verdicts["datasets"]))
+
+    async def reader(charge: OpenCharge) -> None:
+        while True:
+            await charge.flow.admit_read(4096)
+            charge.flow.stats.record_read(4096, 0.0, 10_000)  # 10 us at the backend
+            await trio.sleep(0.001)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(control.run)
+        nursery.start_soon(canary.run)
+        async with trio.open_nursery() as epoch:  # epoch 1, alone: the canary sees 1 ms
+            charge = open_dataset(engine)
+            epoch.start_soon(reader, charge)
+            await _until("a judged window", lambda: verdicts and verdicts[-1] == "met")
+            await trio.sleep(1.0)
+            epoch.cancel_scope.cancel()
+        charge.release()
+        await _until("the canary to stop", lambda: not canary.running)
+        assert sum(canary.histogram.counts) > 100 and not engine.auto_caps
+        nursery.start_soon(_storm, engine, device)
+        await trio.sleep(1.2)
+        nursery.start_soon(reader, open_dataset(engine))  # epoch 2, into the storm
+        await _until("the first cut", lambda: engine.auto_caps.get("checkpoints"))
+        assert verdicts[-1] == "starting"
+        await _until("a judged window", lambda: verdicts[-1] in ("met", "missed"))
+        assert verdicts[-1] == "missed"  # the canary's ~5 ms at a quarter of the storm
+        nursery.cancel_scope.cancel()
+
+
+def test_the_mount_says_which_classes_reads_bypass_it_at_every_policy_check() -> None:
+    """The daemon hands the loop a predicate (kernel passthrough active and the class
+    eligible): a policy change or INIT's answer shows at the next check, no call needed."""
+    engine = PolicyQos(parse_policy(POLICY.format(ckpt=""), "t"))
+    passing = {"on": False}
+    control = LatencyLoop(engine, reads_bypass=lambda rule: passing["on"])
+    control._sync_policy()
+    assert control.unobserved() == frozenset()
+    passing["on"] = True  # INIT answered: passthrough negotiated
+    control._sync_policy()
+    assert control.unobserved() == {c.name for c in protected_classes(engine.policy)}

@@ -1,0 +1,265 @@
+"""A peer in the bench: libfuse's own ``passthrough_hp`` beside native and qosfs.
+
+qosfs is a FUSE daemon in Python; the question a reader asks is how far it is from what a
+FUSE daemon can do on this machine, not only from the directory itself. libfuse ships
+one: ``passthrough_hp``, its C++ "high-performance" example, built here from the same
+source package as the libfuse the project links pyfuse3 to (``deploy/libfuse/build.sh``,
+``make passthrough-hp``). It is measured in the same run, over the same files, as:
+
+* ``hp-single``: one thread (``--single``), kernel passthrough off (``--nopassthrough``):
+  a compiled daemon that serves every request, like qosfs's one Python thread;
+* ``hp-multi``: libfuse's worker threads (its default), passthrough off;
+* ``hp-passthrough``: one thread with kernel passthrough (its default): reads of an
+  open file go from the kernel to the backing file, opens and lookups still reach it.
+
+qosfs runs ``--no-qos`` and with the embedded default policy, the files under ``data/``
+so the policy classifies them as ``datasets``. When ``ctl status`` has a ``passthrough``
+entry (qosfs passing a class's reads to the kernel), it is recorded as it is.
+
+Two tables (issue 30's):
+
+* tmpfs: fio psync, O_DIRECT so that the page cache answers no read and each one takes
+  the column's path: 4 KiB random reads at QD1 and with 4 jobs (IOPS), 128 KiB random
+  reads at QD1 and 1 MiB sequential reads (MB/s), on one file; then the small-file loader
+  (:func:`bench.loader.epoch`: 4 processes open, read whole and close 4,000 files of
+  128 KiB), ``cold`` = the first pass after the daemon started and caches were dropped,
+  ``warm`` = the pass after it (files/s).
+* disk (the run's disk area, ext4 on the VM's disk here): the loader with 2 processes
+  over 6,000 files of 112 KiB, page cache dropped before the cold pass.
+
+Each column is mounted fresh, measured once, unmounted; a column that fails is recorded
+with its one-line reason and the others go on. Without passthrough_hp (no libfuse source
+build), its columns say why in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from bench import loader
+from bench.context import Run
+from bench.figures import PEER_DISK_COLUMNS, PEER_TMPFS_COLUMNS, PeerResult
+from bench.fio import FioError, FioMetrics, parse_fio_json
+from bench.system import REPO, BenchError, cpu_seconds, drop_caches, wait_quiet
+from qosfs.control.ctl import Client, checked
+
+MiB = 1 << 20
+TMPFS_FILES, TMPFS_KIB, TMPFS_WORKERS = 4000, 128, 4
+DISK_FILES, DISK_KIB, DISK_WORKERS = 6000, 112, 2
+BUILD_DIR = REPO / "build" / "libfuse"
+PEER_OPTIONS = {"hp-single": ("--single", "--nopassthrough"),
+                "hp-multi": ("--nopassthrough",),
+                "hp-passthrough": ("--single",)}
+# The daemon used less CPU than this share of the QD1 job's time: its reads did not reach it.
+PASSED_THROUGH_CPU = 0.05
+FIO_JOB = "randread_4k_qd1_iops"
+
+
+def build_peer() -> tuple[str | None, str | None]:
+    """(passthrough_hp's path, None), or (None, why not) in one line. deploy/libfuse/build.sh
+    builds it from the libfuse source the venv's library came from; it does nothing when
+    the binary is up to date."""
+    script = REPO / "deploy" / "libfuse" / "build.sh"
+    try:
+        proc = subprocess.run([str(script), sys.prefix, str(BUILD_DIR), "passthrough_hp"],
+                              capture_output=True, text=True, timeout=1800, cwd=str(REPO))
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"deploy/libfuse/build.sh passthrough_hp: {exc}"
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode == 0 and lines and os.access(lines[-1], os.X_OK):
+        binary = Path(lines[-1]).resolve()
+        # the report names it relative to the checkout, as the Makefile builds it
+        return str(binary.relative_to(REPO) if binary.is_relative_to(REPO) else binary), None
+    why = (proc.stderr or proc.stdout).strip().splitlines()
+    return None, why[-1] if why else f"deploy/libfuse/build.sh exited {proc.returncode}"
+
+
+@contextmanager
+def peer_mount(binary: str, source: Path, mnt: Path, options: tuple[str, ...],
+               log: Path) -> Iterator[int]:
+    """passthrough_hp serving *source* on *mnt* (in the foreground, so its pid is ours);
+    yields its pid, unmounts and waits for it on the way out."""
+    mnt.mkdir(exist_ok=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([binary, "--foreground", *options, str(source), str(mnt)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 15
+        while not os.path.ismount(mnt):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                last = log.read_text(errors="replace").strip().splitlines()
+                raise BenchError(f"passthrough_hp did not mount: "
+                                 f"{last[-1] if last else 'no message'}")
+            time.sleep(0.05)
+        yield proc.pid
+    finally:
+        if os.path.ismount(mnt) and subprocess.run(
+                ["fusermount3", "-u", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def fio_read(fio: str, path: Path, rw: str, bs: str, jobs: int, seconds: int) -> FioMetrics:
+    """One fio psync O_DIRECT read job on *path*, time based."""
+    cmd = [fio, "--name=peer", f"--filename={path}", f"--rw={rw}", f"--bs={bs}",
+           f"--numjobs={jobs}", "--direct=1", "--ioengine=psync", "--time_based",
+           f"--runtime={seconds}", "--norandommap", "--randrepeat=0", "--group_reporting",
+           "--output-format=json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120)
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        raise FioError(f"fio {rw} {bs} on {path}: {lines[-1] if lines else proc.returncode}")
+    return parse_fio_json(json.loads(proc.stdout[proc.stdout.find("{"):]))
+
+
+def fio_figures(run: Run, path: Path, pid: int | None) -> tuple[dict[str, float], float | None]:
+    """The four fio figures of one column, and the share of the QD1 job's time the
+    daemon *pid* spent on CPU (None for native)."""
+    seconds = int(run.pick(8, 3))
+    out: dict[str, float] = {}
+    cpu0 = cpu_seconds(pid) if pid else None
+    start = time.monotonic()
+    out[FIO_JOB] = fio_read(run.fio, path, "randread", "4k", 1, seconds).iops
+    cpu1 = cpu_seconds(pid) if pid else None
+    busy = None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / (time.monotonic() - start)
+    out["randread_4k_4jobs_iops"] = fio_read(run.fio, path, "randread", "4k", 4, seconds).iops
+    out["randread_128k_qd1_mb_s"] = fio_read(
+        run.fio, path, "randread", "128k", 1, seconds).bw_bytes / 1e6
+    out["read_1m_direct_mb_s"] = fio_read(run.fio, path, "read", "1m", 1, seconds).bw_bytes / 1e6
+    return out, busy
+
+
+def loader_figures(root: Path, names: list[str], workers: int) -> dict[str, float]:
+    """Cold (the caller dropped caches after mounting) and warm passes, files/s."""
+    cold = loader.epoch(root, names, seed=1, workers=workers)["samples_per_s"]
+    warm = loader.epoch(root, names, seed=2, workers=workers)["samples_per_s"]
+    return {"loader_cold_files_s": cold, "loader_warm_files_s": warm}
+
+
+def _passthrough_entry(sock: str) -> Any:
+    """``ctl status``'s ``passthrough`` entry, None when the daemon has none."""
+    with Client(sock) as client:
+        return checked(client.request({"cmd": "status"})).get("passthrough")
+
+
+def _disk_description(path: Path) -> str:
+    proc = subprocess.run(["findmnt", "-no", "SOURCE,FSTYPE,TARGET", "--target", str(path)],
+                          capture_output=True, text=True)
+    fields = proc.stdout.split()
+    if proc.returncode != 0 or len(fields) < 3:
+        return str(path)
+    return f"{fields[1]} on {fields[0]}, mounted at {fields[2]}"
+
+
+class _Columns:
+    """Mounts one column at a time over a source and measures it (see the module
+    docstring); records what each column gave or why it did not."""
+
+    def __init__(self, run: Run, peer: str | None, peer_missing: str | None) -> None:
+        self.run, self.peer, self.peer_missing = run, peer, peer_missing
+        self.errors: dict[str, str] = {}
+        self.passthrough: dict[str, Any] = {}
+        self.peer_busy: float | None = None
+        self.peer_refused = False
+        self.busy: dict[str, dict[str, float]] = {}
+
+    @contextmanager
+    def root(self, column: str, source: Path) -> Iterator[tuple[Path, int | None, str | None]]:
+        """(where to read, the daemon's pid, qosfs's control socket) for *column*."""
+        if column == "native":
+            yield source, None, None
+            return
+        if column.startswith("hp-"):
+            if self.peer is None:
+                raise BenchError(f"passthrough_hp not measured: {self.peer_missing}")
+            log = self.run.work / f"peer-{column}-{time.monotonic_ns()}.log"
+            mnt = self.run.work / f"peer-mnt-{column}"
+            try:
+                with peer_mount(str(REPO / self.peer), source, mnt, PEER_OPTIONS[column],
+                                log) as pid:
+                    yield mnt, pid, None
+            finally:
+                if log.exists() and "passthrough_open failed" in log.read_text(errors="replace"):
+                    self.peer_refused = True
+            return
+        with self.run.mount(source, no_qos=column == "no-qos") as mounted:
+            yield mounted.path, mounted.mount.pid, mounted.socket
+
+    def measure(self, table: str, column: str, source: Path, names: list[str],
+                workers: int, fio_file: Path | None) -> dict[str, float]:
+        figures: dict[str, float] = {}
+        try:
+            with self.root(column, source) as (root, pid, sock):
+                # the machine's busy share with nothing of ours running (other tenants):
+                # on a shared machine, read a column's ratio with it
+                _, busy = wait_quiet(self.run.quiet_wait)
+                self.busy.setdefault(table, {})[column] = busy
+                drop_caches()
+                figures.update(loader_figures(root, names, workers))
+                if fio_file is not None:
+                    fio, busy = fio_figures(self.run, root / fio_file, pid)
+                    figures.update(fio)
+                    if column == "hp-passthrough":
+                        self.peer_busy = busy
+                if sock is not None:
+                    entry = _passthrough_entry(sock)
+                    if entry is not None:
+                        self.passthrough[f"{table} {column}"] = entry
+        except (BenchError, FioError, OSError, subprocess.SubprocessError) as exc:
+            self.errors[f"{table} {column}"] = str(exc).strip().splitlines()[0]
+        self.run.log(f"  peer {table} {column}: " + ", ".join(
+            f"{k} {v:,.0f}" for k, v in figures.items()))
+        return figures
+
+
+def run(run: Run) -> PeerResult:
+    peer, missing = build_peer()
+    run.log(f"  peer: passthrough_hp {peer or 'not built: ' + str(missing)}")
+    columns = _Columns(run, peer, missing)
+
+    src = run.scratch("peer")
+    names = loader.make_samples(src, TMPFS_FILES, kib=TMPFS_KIB)
+    fio_file = Path("data") / "fio.bin"
+    size = int(run.pick(1024, 256))
+    with open(src / fio_file, "wb") as f:
+        block = os.urandom(MiB)
+        for _ in range(size):
+            f.write(block)
+    tmpfs = {c: columns.measure("tmpfs", c, src, names, TMPFS_WORKERS, fio_file)
+             for c in PEER_TMPFS_COLUMNS}
+
+    disk_figures: dict[str, dict[str, float]] = {}
+    disk = None
+    if run.disk is None:
+        columns.errors["disk"] = "no disk area in this run (--disk-dir '')"
+    else:
+        dsrc = run.scratch("peer", "disk")
+        disk = _disk_description(dsrc)
+        dnames = loader.make_samples(dsrc, DISK_FILES, kib=DISK_KIB)
+        os.sync()
+        disk_figures = {c: columns.measure("disk", c, dsrc, dnames, DISK_WORKERS, None)
+                        for c in PEER_DISK_COLUMNS}
+
+    passed = None
+    if peer is not None and columns.peer_busy is not None:
+        passed = not columns.peer_refused and columns.peer_busy < PASSED_THROUGH_CPU
+    return PeerResult(
+        seconds=int(run.pick(8, 3)), tmpfs_files=TMPFS_FILES, tmpfs_file_kib=TMPFS_KIB,
+        tmpfs_workers=TMPFS_WORKERS, disk_files=DISK_FILES, disk_file_kib=DISK_KIB,
+        disk_workers=DISK_WORKERS, disk=disk, peer=peer, peer_missing=missing,
+        peer_passthrough=passed,
+        tmpfs={c: f for c, f in tmpfs.items() if f},
+        disk_figures={c: f for c, f in disk_figures.items() if f},
+        errors=columns.errors, busy_pct=columns.busy, qosfs_passthrough=columns.passthrough or None)
