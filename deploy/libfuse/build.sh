@@ -30,6 +30,9 @@
 #   (build/libfuse; `make clean` removes both, like the venv).
 # - pyfuse3 from its sdist with deploy/libfuse/pyfuse3-passthrough.patch (written to be
 #   proposed upstream); its C file is regenerated from the patched Cython source.
+#   Two more on top, each for upstream on its own (README.md says why):
+#   pyfuse3-no-splice-read.patch stops libfuse's pipe churn before every request;
+#   pyfuse3-read-queued.patch reads a queued request without waiting for readiness.
 set -eu
 
 venv=$(realpath -m "$1")
@@ -37,6 +40,7 @@ build=$(realpath -m "${2:-build/libfuse}")
 what=${3:-library}
 here=$(cd "$(dirname "$0")" && pwd)
 patch_file=$here/pyfuse3-passthrough.patch
+more_patches="$here/pyfuse3-no-splice-read.patch $here/pyfuse3-read-queued.patch"
 
 LIBFUSE_DEB_VERSION=${LIBFUSE_DEB_VERSION:-3.18.3-1}
 LIBFUSE_MIN=3.17.3
@@ -67,7 +71,7 @@ if pkg-config --atleast-version=$LIBFUSE_MIN fuse3 2>/dev/null; then
 else
     source_kind="Debian fuse3 $LIBFUSE_DEB_VERSION"
 fi
-patch_sum=$(sha256sum "$patch_file" | cut -c1-16)
+patch_sum=$(cat "$patch_file" $more_patches | sha256sum | cut -c1-16)
 script_sum=$(sha256sum "$0" | cut -c1-16)
 want="$source_kind; pyfuse3 $PYFUSE3_VERSION; patch $patch_sum; script $script_sum"
 
@@ -133,6 +137,9 @@ build_pyfuse3() {
     step "unpack pyfuse3" tar xzf "$sdist_dir/pyfuse3-$PYFUSE3_VERSION.tar.gz" -C "$sdist_dir"
     tree=$sdist_dir/pyfuse3-$PYFUSE3_VERSION
     step "patch pyfuse3" patch -d "$tree" -p1 -i "$patch_file"
+    for more in $more_patches; do
+        step "patch pyfuse3 ($(basename "$more"))" patch -d "$tree" -p1 -i "$more"
+    done
     rm -f "$tree/src/pyfuse3/__init__.c"   # regenerated from the patched .pyx by Cython
     case $source_kind in
         system*) pc_path=${PKG_CONFIG_PATH:-}; ldflags=${LDFLAGS:-} ;;

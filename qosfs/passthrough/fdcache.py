@@ -95,13 +95,19 @@ class FdCache:
         capacity: Upper bound of descriptors held (>= 8).
         close: How an evicted descriptor is closed (``os.close``, or
             :meth:`DeferredClose.retire` when threads may be using it).
+        evicting: Called with an entry and its descriptor just before the descriptor
+            is evicted (it must not raise).
     """
 
-    __slots__ = ("_close", "_free", "_hand", "_ring", "capacity", "evictions")
+    __slots__ = ("_close", "_evicting", "_free", "_hand", "_ring", "capacity", "evictions")
 
-    def __init__(self, capacity: int, close: Callable[[int], None] = os.close) -> None:
+    def __init__(self, capacity: int, close: Callable[[int], None] = os.close,
+                 evicting: Callable[[CachedFd, int], None] | None = None) -> None:
         self.capacity = max(8, capacity)
         self._close = close
+        # Told of an entry and its descriptor just before the descriptor is evicted (not
+        # when dropped): the inode table takes a file's handle only then (inodes.py).
+        self._evicting = evicting
         self._ring: list[CachedFd | None] = []
         self._free: list[int] = []  # ring slots emptied by drop()
         self._hand = 0
@@ -170,6 +176,8 @@ class FdCache:
         self._hand = (hand + 1) % size
         entry.slot = -1
         fd, entry.cached_fd = entry.cached_fd, -1
+        if self._evicting is not None:
+            self._evicting(entry, fd)
         self._close(fd)
         self.evictions += 1
         return hand

@@ -160,6 +160,36 @@ def test_a_handle_follows_a_rename_underneath_and_a_deleted_object_is_stale(
     assert stale(g) and g.stale
 
 
+def test_a_files_handle_is_taken_at_eviction_and_a_directorys_at_lookup(
+        handles: Tree) -> None:
+    (handles.path / "d").mkdir()
+    (handles.path / "f").write_bytes(b"")
+    d, f = handles.look(handles.root, "d"), handles.look(handles.root, "f")
+    assert d.handle is not None  # lookup_parent revives directories by it
+    assert f.handle is None and f.handle_due and f.entry == (handles.root, b"f")
+    handles.table.cache.shrink(0)
+    assert f.handle is not None and not f.handle_due and f.entry is None
+    os.rename(handles.path / "f", handles.path / "moved")  # the old name is gone...
+    assert os.fstat(f.fd).st_ino == f.nodeid  # ...and the handle still finds the file
+
+
+def test_a_file_whose_handle_cannot_be_taken_at_eviction_reopens_by_name(
+        handles: Tree, monkeypatch: pytest.MonkeyPatch) -> None:
+    (handles.path / "f").write_bytes(b"")
+    f = handles.look(handles.root, "f")
+
+    def refuse(fd: int) -> tuple[bytes, int]:
+        raise OSError(errno.EOPNOTSUPP, "no handles")
+
+    monkeypatch.setattr(inodes_module.syscalls, "handle_of_fd", refuse)
+    handles.table.cache.shrink(0)
+    assert f.handle is None and not f.handle_due and f.entry == (handles.root, b"f")
+    assert os.fstat(f.fd).st_ino == f.nodeid  # reopened by its name
+    os.rename(handles.path / "f", handles.path / "moved")
+    handles.table.cache.shrink(0)
+    assert stale(f)  # its name holds nothing now: the kernel looks it up again
+
+
 def test_without_handles_an_inode_reopens_by_its_name_if_it_still_holds_it(
         names_only: Tree) -> None:
     tree = names_only

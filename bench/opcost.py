@@ -1,0 +1,223 @@
+"""Per-open cost of the small-file loader: files/s and the FUSE requests each file costs,
+qosfs (embedded default policy) beside libfuse's single-threaded ``passthrough_hp``.
+
+Not a suite (``bench loader`` is the figure of record): a profiling tool for changes to
+the lookup/open/release path, run by hand::
+
+    python -m bench.opcost [--files 4000] [--kib 128] [--workers 4] [--source DIR]
+                           [--hp PATH] [--rounds 3] [SIDE ...]
+
+A SIDE is ``hp`` (passthrough_hp, single-threaded, reads through the daemon), ``native``,
+or ``NAME=PYTHONPATH``: qosfs with the embedded default policy, its daemon run with that
+PYTHONPATH (e.g. ``before=/work/main after=$PWD``; a directory holding another pyfuse3
+build may come first). Default: ``qosfs=`` (this environment) and ``hp``.
+
+Each side serves the same tree (default: a tmpfs under /dev/shm); per round, caches are
+dropped, one epoch (every file opened, read whole, closed by the readers) is ``cold``,
+the next ``warm``. The kernel's own ``fuse_request_send`` tracepoint, in a tracing
+instance of its own filtered on the mount's connection, counts the requests by opcode
+(so the count is the kernel's, whatever the daemon does); the table gives them per file.
+Rounds alternate the sides, and the figures are medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from bench.loader import epoch
+from bench.system import drop_caches
+
+TRACING = Path("/sys/kernel/tracing")
+WORKERS = 4
+_SEND = re.compile(r"opcode \d+ \((FUSE_\w+)\)")
+
+
+def make_tree(top: Path, count: int, size: int) -> list[str]:
+    """*count* files of *size* bytes under top/data/shardNN/ (the default policy's
+    datasets class); their relative paths."""
+    block = os.urandom(size)
+    names = []
+    for i in range(count):
+        rel = f"data/shard{i % 16:02d}/sample{i:06d}.bin"
+        path = top / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(block)
+        names.append(rel)
+    return names
+
+
+class RequestCounter:
+    """FUSE requests the kernel sends on one connection, by opcode, from a tracing
+    instance of our own (the global trace buffer and other instances are left alone)."""
+
+    def __init__(self, mountpoint: Path) -> None:
+        self.dev = os.stat(mountpoint).st_dev
+        self.inst: Path | None = None
+        if not (TRACING / "instances").is_dir():
+            subprocess.run(["mount", "-t", "tracefs", "nodev", str(TRACING)], check=False,
+                           capture_output=True)
+        inst = TRACING / "instances" / f"opcost-{os.getpid()}-{self.dev}"
+        try:
+            inst.mkdir()
+        except OSError:
+            return
+        self.inst = inst
+        (inst / "buffer_size_kb").write_text("65536\n")
+        event = inst / "events" / "fuse" / "fuse_request_send"
+        (event / "filter").write_text(f"connection == {self.dev}\n")
+        (event / "enable").write_text("1\n")
+
+    def take(self) -> collections.Counter[str]:
+        """The requests sent since the last call."""
+        counts: collections.Counter[str] = collections.Counter()
+        if self.inst is None:
+            return counts
+        text = (self.inst / "trace").read_text()
+        (self.inst / "trace").write_text("")
+        for m in _SEND.finditer(text):
+            counts[m.group(1).removeprefix("FUSE_")] += 1
+        return counts
+
+    def close(self) -> None:
+        if self.inst is not None:
+            (self.inst / "events" / "fuse" / "fuse_request_send" / "enable").write_text("0\n")
+            self.inst.rmdir()
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User+system CPU time of a daemon (all its threads), 0 for no daemon."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def hp_mount(binary: str, source: Path, mnt: Path) -> Iterator[tuple[Path, int | None]]:
+    """passthrough_hp single-threaded, reads through the daemon (no kernel passthrough)."""
+    proc = subprocess.Popen([binary, "--single", "--nopassthrough", "--foreground",
+                             str(source), str(mnt)])
+    try:
+        for _ in range(200):
+            if os.path.ismount(mnt):
+                break
+            time.sleep(0.05)
+        yield mnt, proc.pid
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+        proc.wait(timeout=10)
+
+
+@contextmanager
+def qosfs_mount(source: Path, mnt: Path, work: Path, pythonpath: str,
+                extra: list[str]) -> Iterator[tuple[Path, int | None]]:
+    """qosfs with the embedded default policy (as users mount it), in the foreground, its
+    daemon run with *pythonpath* (empty: this process's)."""
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qosfs", "mount", "--foreground", str(source), str(mnt),
+         "--socket", str(work / f"ctl-{mnt.name}.sock"),
+         "--log-file", str(work / f"{mnt.name}.log"), *extra], env=env, cwd=str(work))
+    try:
+        for _ in range(600):
+            if os.path.ismount(mnt) or proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        if not os.path.ismount(mnt):
+            raise RuntimeError(f"qosfs did not mount {mnt} (see {work / mnt.name}.log)")
+        yield mnt, proc.pid
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+        proc.wait(timeout=30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--files", type=int, default=4000)
+    ap.add_argument("--kib", type=int, default=128)
+    ap.add_argument("--source", type=Path, help="backing tree's parent (default /dev/shm)")
+    ap.add_argument("--hp", default=os.environ.get("PASSTHROUGH_HP", ""),
+                    help="the passthrough_hp binary (side 'hp')")
+    ap.add_argument("--workers", type=int, default=WORKERS)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--qosfs-arg", action="append", default=[])
+    ap.add_argument("sides", nargs="*", default=["qosfs=", "hp"])
+    opts = ap.parse_args()
+    paths = dict(side.partition("=")[::2] for side in opts.sides)
+    sides = list(paths)
+    work = Path(tempfile.mkdtemp(prefix="opcost-", dir=opts.source or "/dev/shm"))
+    try:
+        src = work / "src"
+        names = make_tree(src, opts.files, opts.kib * 1024)
+        figures: dict[str, dict[str, list[float]]] = {
+            s: {"cold": [], "warm": [], "cold_cpu": [], "warm_cpu": []} for s in sides}
+        requests: dict[str, dict[str, collections.Counter[str]]] = {}
+        for rnd in range(opts.rounds):
+            for side in sides[rnd % len(sides):] + sides[:rnd % len(sides)]:
+                mnt = work / f"mnt-{side}"
+                mnt.mkdir(exist_ok=True)
+                if side == "hp":
+                    ctx = hp_mount(opts.hp, src, mnt)
+                elif side == "native":
+                    ctx = _native(src)
+                else:
+                    ctx = qosfs_mount(src, mnt, work, paths[side], opts.qosfs_arg)
+                with ctx as (root, pid):
+                    counter = RequestCounter(root) if side != "native" else None
+                    try:
+                        per: dict[str, collections.Counter[str]] = {}
+                        for kind, seed in (("cold", rnd), ("warm", rnd + 1000)):
+                            if kind == "cold":
+                                drop_caches()
+                                if counter:
+                                    counter.take()
+                            cpu = cpu_seconds(pid)
+                            got = epoch(root, names, seed, opts.workers)
+                            figures[side][kind].append(got["samples_per_s"])
+                            figures[side][kind + "_cpu"].append(
+                                (cpu_seconds(pid) - cpu) / opts.files * 1e6)
+                            per[kind] = counter.take() if counter else collections.Counter()
+                        requests[side] = per
+                    finally:
+                        if counter:
+                            counter.close()
+                print(f"round {rnd} {side}: cold {figures[side]['cold'][-1]:,.0f} "
+                      f"warm {figures[side]['warm'][-1]:,.0f} files/s", file=sys.stderr)
+        print(f"{opts.files} x {opts.kib} KiB, {opts.workers} readers, {opts.rounds} rounds "
+              f"(medians): files/s, the daemon's CPU us per file, requests per file "
+              f"(last round)")
+        for side in sides:
+            line = [f"{side:8}"]
+            for kind in ("cold", "warm"):
+                med = statistics.median(figures[side][kind])
+                cpu_us = statistics.median(figures[side][kind + "_cpu"])
+                per_file = requests.get(side, {}).get(kind, collections.Counter())
+                ops = " ".join(f"{op}={n / opts.files:.2f}" for op, n in
+                               sorted(per_file.items(), key=lambda kv: -kv[1]))
+                line.append(f"{kind} {med:7,.0f}/s {cpu_us:4.0f} us  [{ops}]")
+            print("  ".join(line))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@contextmanager
+def _native(src: Path) -> Iterator[tuple[Path, int | None]]:
+    yield src, None
+
+
+if __name__ == "__main__":
+    main()
