@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from qosfs.core import syscalls
+from qosfs.passthrough import operations
 from qosfs.passthrough.backing_io import BackingIO, IoMode
 from qosfs.passthrough.kernel import KernelPassthrough
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
@@ -238,6 +239,8 @@ def test_backing_errors_on_the_data_path_reach_the_caller_and_leave_handles_soun
         with monkeypatch.context() as patched:
             for name in ("read", "write", "blocking"):
                 patched.setattr(ops.io, name, fail)
+            # release closes inline on a local filesystem, in a thread on a network one
+            patched.setattr(operations, "_close_file", fail)
             for call in (ops.read(info.fh, 0, 4096), ops.write(info.fh, 0, b"y" * 4096),
                          ops.fsync(info.fh, False), ops.fsync(info.fh, True)):
                 with pytest.raises(pyfuse3.FUSEError) as raised:
