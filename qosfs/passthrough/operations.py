@@ -104,13 +104,8 @@ def fuse_handler(fn: _F) -> _F:
     async def wrapper(*args: Any) -> Any:
         try:
             return await fn(*args)
-        except FUSEError:
-            raise
-        except OSError as exc:
-            raise FUSEError(exc.errno or errno.EIO) from None
         except Exception as exc:
-            args[0].failures.record(where, exc, "answered EIO")
-            raise FUSEError(errno.EIO) from None
+            raise args[0]._answer(where, exc) from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -219,11 +214,8 @@ class PassthroughOperations(pyfuse3.Operations):
     def passthrough_status(self) -> dict[str, Any]:
         """The ``passthrough`` entry of ``ctl status`` (and its metrics)."""
         s = self.kernel.statistics()
-        if self._kernel_on:
-            cap = self.kernel.capability()
-            state, reason = ("active" if cap.available else "unavailable"), cap.reason
-        else:
-            state, reason = "unavailable", self._kernel_off_reason
+        state = "active" if self.passthrough_active() else "unavailable"
+        reason = self.kernel.capability().reason if self._kernel_on else self._kernel_off_reason
         return {"state": state, "reason": reason, "stack_depth": self._stack_depth,
                 "registered": s.registered, "refused": s.refused,
                 "last_refusal": s.last_refusal, "declined": s.declined,
@@ -402,12 +394,8 @@ class PassthroughOperations(pyfuse3.Operations):
                 e.entry_timeout = self.options.entry_timeout
                 return e
             return self._entry(self._adopt(parent, name, fd, st), st)
-        except FUSEError:
-            raise
-        except OSError as exc:
-            raise FUSEError(exc.errno or errno.EIO) from None
-        except Exception as exc:  # a bug: this request fails, the mount serves on
-            raise self._unexpected("lookup", exc) from None
+        except Exception as exc:  # the errno, or EIO for a bug: the mount serves on
+            raise self._answer("lookup", exc) from None
 
     def _resolve_inline(self, parent: Inode, name: bytes) -> tuple[int, os.stat_result]:
         """:meth:`InodeTable.resolve` of *parent*'s *name* on the event loop's thread, as
@@ -440,12 +428,8 @@ class PassthroughOperations(pyfuse3.Operations):
             else:
                 st = os.fstat(node.fd)
             return self._entry(node, st)
-        except FUSEError:
-            raise
-        except OSError as exc:
-            raise FUSEError(exc.errno or errno.EIO) from None
-        except Exception as exc:  # a bug: this request fails, the mount serves on
-            raise self._unexpected("getattr", exc) from None
+        except Exception as exc:  # the errno, or EIO for a bug: the mount serves on
+            raise self._answer("getattr", exc) from None
 
     @fuse_handler
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes,
@@ -779,12 +763,8 @@ class PassthroughOperations(pyfuse3.Operations):
             start = _now_ns()
             data = await self.io.read(fd, off, size, direct, flow.threads)
             took = _now_ns() - start
-        except FUSEError:
-            raise
-        except OSError as exc:
-            raise FUSEError(exc.errno or errno.EIO) from None
-        except Exception as exc:  # a bug: this request fails, the mount serves on
-            raise self._unexpected("read", exc) from None
+        except Exception as exc:  # the errno, or EIO for a bug: the mount serves on
+            raise self._answer("read", exc) from None
         try:
             n = len(data)
             if n < size and flow.limited:
@@ -812,12 +792,8 @@ class PassthroughOperations(pyfuse3.Operations):
             n = await self.io.write(fd, off, buf, direct, flow.threads, flow.throttled_writes,
                                     handle.fsuid)
             took = _now_ns() - start
-        except FUSEError:
-            raise
-        except OSError as exc:
-            raise FUSEError(exc.errno or errno.EIO) from None
-        except Exception as exc:  # a bug: this request fails, the mount serves on
-            raise self._unexpected("write", exc) from None
+        except Exception as exc:  # the errno, or EIO for a bug: the mount serves on
+            raise self._answer("write", exc) from None
         handle.inode.cache_stamp = None  # the next open drops cached pages (keep_cache)
         try:
             flow.stats.record_write(n, waited, took)
@@ -872,9 +848,16 @@ class PassthroughOperations(pyfuse3.Operations):
         handle.buffered = fd
         return fd
 
-    def _unexpected(self, where: str, exc: Exception) -> FUSEError:
-        """The EIO for a request that failed in a way nothing expected (counted, logged
-        once per kind). Off the hot path: reached only once something was raised."""
+    def _answer(self, where: str, exc: Exception) -> FUSEError:
+        """What the kernel is told of a request of handler *where* that raised *exc*: a
+        ``FUSEError`` as it is, a backing-store ``OSError`` as its own errno, anything
+        else (a bug here or in the QoS layer) as EIO, counted and logged once per kind.
+        The one mapping of every handler (``fuse_handler`` and the handlers that catch
+        in their body); off the hot path: reached only once something was raised."""
+        if isinstance(exc, FUSEError):
+            return exc
+        if isinstance(exc, OSError):
+            return FUSEError(exc.errno or errno.EIO)
         self.failures.record(where, exc, "answered EIO")
         return FUSEError(errno.EIO)
 
