@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,18 +49,25 @@ class Mounted:
     """A qosfs mount of the policy above, with or without kernel passthrough."""
 
     def __init__(self, tmp: Path, passthrough: bool, source: Path | None = None,
-                 name: str = "mnt", policy_text: str = POLICY) -> None:
+                 name: str = "mnt", policy_text: str = POLICY, in_place: bool = False) -> None:
+        """In place: ``tmp/src`` is mounted over itself, and ``src`` (where the tests
+        put and check backing files) is ``tmp/view``, a bind mount of it the caller
+        took before."""
         self.passthrough = passthrough
-        self.src = source if source is not None else tmp / "src"
-        self.mnt, self.sock = tmp / name, tmp / f"{name}.sock"
-        self.mnt.mkdir()
-        if source is None:
-            for d in ("", "data", "capped", "direct"):
-                (self.src / d).mkdir(exist_ok=True)
+        self.sock = tmp / f"{name}.sock"
+        if in_place:
+            self.src, self.mnt = tmp / "view", tmp / "src"
+        else:
+            self.src = source if source is not None else tmp / "src"
+            self.mnt = tmp / name
+            self.mnt.mkdir()
+            if source is None:
+                for d in ("", "data", "capped", "direct"):
+                    (self.src / d).mkdir(exist_ok=True)
         policy = tmp / "policy.toml"
         policy.write_text(policy_text)
         args = ["--policy", str(policy), "--socket", str(self.sock)]
-        self.mount = QosfsMount(self.src, self.mnt, *args,
+        self.mount = QosfsMount(self.mnt if in_place else self.src, self.mnt, *args,
                                 *(() if passthrough else ("--no-passthrough",)))
 
     def status(self) -> dict[str, Any]:
@@ -81,19 +89,33 @@ class Mounted:
         return len(os.listdir(f"/proc/{self.mount.proc.pid}/fd"))
 
 
-@pytest.fixture(params=["passthrough", "fallback"])
+@pytest.fixture(params=["passthrough", "fallback", "passthrough-inplace"])
 def mounted(request: pytest.FixtureRequest, tmp_tree: Path) -> Iterator[Mounted]:
-    passthrough = request.param == "passthrough"
+    """Passthrough and the daemon's own reads, source -> mountpoint; and passthrough on
+    a mount in place (as systemd and the DaemonSet run it), whose backing files are the
+    covered directory's: the tests see that tree through a bind mount taken before."""
+    passthrough = request.param.startswith("passthrough")
     if passthrough and not getattr(pyfuse3, "PASSTHROUGH_SUPPORTED", False):
         pytest.skip("pyfuse3 without kernel passthrough: `make deps` builds it")
-    m = Mounted(tmp_tree, passthrough)
-    with m.mount:
-        if passthrough and m.kernel()["state"] != "active":
-            pytest.skip(f"kernel passthrough unavailable here: {m.kernel()['reason']}")
-        if not passthrough:
-            assert m.kernel()["state"] == "unavailable"
-            assert m.kernel()["reason"] == "turned off (--no-passthrough)"
-        yield m
+    in_place = request.param.endswith("inplace")
+    if in_place:
+        covered, view = tmp_tree / "src", tmp_tree / "view"
+        for d in ("", "data", "capped", "direct"):
+            (covered / d).mkdir(exist_ok=True)
+        view.mkdir()
+        subprocess.run(["mount", "--bind", str(covered), str(view)], check=True)
+    m = Mounted(tmp_tree, passthrough, in_place=in_place)
+    try:
+        with m.mount:
+            if passthrough and m.kernel()["state"] != "active":
+                pytest.skip(f"kernel passthrough unavailable here: {m.kernel()['reason']}")
+            if not passthrough:
+                assert m.kernel()["state"] == "unavailable"
+                assert m.kernel()["reason"] == "turned off (--no-passthrough)"
+            yield m
+    finally:
+        if in_place:
+            subprocess.run(["umount", str(tmp_tree / "view")], check=False)
 
 
 def put(m: Mounted, rel: str, size: int) -> bytes:
