@@ -284,8 +284,9 @@ def commit(fs: HandoverFs, sock: socket.socket, stopped_at: float) -> None:
         raise handover.HandoverError(f"successor did not take over: {reply.kind}")
 
 
-def adopt_from(path: str, fs: HandoverFs, mountpoint: str, refuse: bool) -> None:
-    """The successor's side of both phases."""
+def adopt_from(path: str, fs: HandoverFs, mountpoint: str, refuse: bool) -> float:
+    """The successor's side of both phases; returns when (time.monotonic()) the
+    predecessor stopped reading requests."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
     with sock:
@@ -304,14 +305,18 @@ def adopt_from(path: str, fs: HandoverFs, mountpoint: str, refuse: bool) -> None
         if tables.payload.get("resend"):  # the predecessor died: what it held comes again
             handover.resend()
         handover.send_message(sock, "serving", {})
-        stall = time.monotonic() - tables.payload["stopped_at"]
-        print(f"adopted after {stall * 1000:.1f} ms without a reader", flush=True)
+        return float(tables.payload["stopped_at"])
 
 
-async def run(name: str, offer: Offer | None) -> None:
+async def run(name: str, offer: Offer | None, stopped_at: float | None) -> None:
     async with trio.open_nursery() as nursery:
         if offer is not None:
             await nursery.start(offer.serve)  # listening: a successor may connect
+        if stopped_at is not None:
+            # The window in which nobody reads /dev/fuse: from the predecessor's last read
+            # to this loop's first (requests queue in the kernel meanwhile).
+            stall = time.monotonic() - stopped_at
+            print(f"adopted after {stall * 1000:.1f} ms without a reader", flush=True)
         print(f"serving {name}", flush=True)
         await pyfuse3.main()
         nursery.cancel_scope.cancel()
@@ -330,8 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     # A node id base of its own per process (see the module's docstring).
     fs = HandoverFs(args.source, args.name, inode_base=1000 * (os.getpid() % 1000 + 1),
                     park=args.park)
+    stopped_at = None
     if args.adopt:
-        adopt_from(args.adopt, fs, args.mountpoint, args.refuse)
+        stopped_at = adopt_from(args.adopt, fs, args.mountpoint, args.refuse)
     else:
         reason = handover.unavailable_reason()
         if reason is not None:
@@ -339,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         pyfuse3.init(fs, args.mountpoint, set(OPTIONS))
     offer = Offer(args.listen) if args.listen else None
     try:
-        trio.run(run, args.name, offer)
+        trio.run(run, args.name, offer, stopped_at)
     except BaseException:
         pyfuse3.close(unmount=True)
         raise
