@@ -259,7 +259,8 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
     _request_passthrough(cfg, ops, engine, fstype)
     mountpoint = os.path.realpath(cfg.mountpoint)  # resolved before we serve it
     latency = (LatencyLoop(policy_engine, LatencyProbe(mountpoint, ops.probe_tids),
-                           reads_bypass=_reads_bypass(ops, policy_engine))
+                           reads_bypass=_reads_bypass(ops, policy_engine),
+                           backing_file=ops.recent_file)
                if policy_engine is not None else None)
     with ExitStack() as stack:
         services = _open_services(cfg, mountpoint, engine, stack, latency, ops.resources,

@@ -169,6 +169,11 @@ class PassthroughOperations(pyfuse3.Operations):
         self._kernel_opens: dict[str, int] = {}
         self._uncapped_reads: dict[str, int] = {}
         self._uncapped_writes: dict[str, int] = {}
+        self._recent: dict[str, FileHandle] = {}
+
+    def recent_file(self, name: str) -> int | None:
+        h = self._recent.get(name)
+        return h.fd if h is not None and self.files.get(h.fd) is h else None
 
     # ----------------------------------------------------------------- kernel passthrough
 
@@ -255,6 +260,7 @@ class PassthroughOperations(pyfuse3.Operations):
                 handle.inode.cache_stamp = None
         handle.kernel = PASSED_THROUGH
         name = flow.class_name
+        self._recent[name] = handle
         self._kernel_opens[name] = self._kernel_opens.get(name, 0) + 1
         if joined:
             self._joined(name, read_only)

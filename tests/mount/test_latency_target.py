@@ -144,3 +144,67 @@ def test_a_reader_starting_into_a_running_storm_is_cut_for_at_its_first_open(
         m.stop()
     assert not is_mounted(mnt)
     assert "Traceback" not in m.log()
+
+
+PASSTHROUGH_POLICY = POLICY.replace('target_read_latency = "50ms"',
+                                    'target_read_latency = "50ms"\npassthrough = "reads"')
+
+
+def _open_by(pid: int, target: Path) -> bool:
+    """Whether process *pid* holds *target* open (False once it is gone)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.path.realpath(f"/proc/{pid}/fd/{fd}") == str(target):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def test_a_passthrough_reader_is_judged_on_reads_of_its_backing_file(tmp_tree: Path) -> None:
+    """The kernel reads the class's files itself, so none of its reads reaches the daemon
+    and none waits in its queue: the canary times reads of the very backing file the
+    reader holds (opened through the daemon's descriptor), the status shows them as the
+    class's backend time, and the canary lets the file go when the reader closes it."""
+    import pyfuse3
+
+    if not getattr(pyfuse3, "PASSTHROUGH_SUPPORTED", False):
+        pytest.skip("pyfuse3 without kernel passthrough: `make deps` builds it")
+    src, mnt = tmp_tree / "src", tmp_tree / "mnt"
+    for d in (src, mnt, src / "data"):
+        d.mkdir()
+    shard = src / "data" / "shard"
+    shard.write_bytes(os.urandom(4 << 20))
+    policy = tmp_tree / "policy.toml"
+    policy.write_text(PASSTHROUGH_POLICY)
+    sock = tmp_tree / "ctl.sock"
+    m = QosfsMount(src, mnt, "--policy", str(policy), "--socket", str(sock)).start()
+    try:
+        assert m.proc is not None
+        with Client(str(sock)) as client:
+            kernel = client.request({"cmd": "status"})["passthrough"]
+        if kernel["state"] != "active":
+            pytest.skip(f"kernel passthrough unavailable here: {kernel['reason']}")
+        with open(mnt / "data" / "shard", "rb") as f:
+            assert f.read(4096)  # served by the kernel: the daemon sees the open only
+            status = wait_for("the canary's reads of the backing file",
+                              lambda: _latency_status(sock),
+                              until=lambda s: s["protected"][0]["backend_seconds"],
+                              timeout=20.0, interval=0.1)
+            p = status["protected"][0]
+            assert p["reads_observed"] is False and p["reads"] == 0, status
+            assert 0 < p["backend_seconds"] < 0.05, status  # an idle tmpfs file
+            assert p["latency_seconds"] is not None, status
+            canaries = _canaries(m.proc.pid)
+            assert len(canaries) == 1 and _open_by(canaries[0], shard.resolve())
+        wait_for("the canary to let the file go",
+                 lambda: not any(_open_by(c, shard.resolve()) for c in canaries),
+                 timeout=20.0, interval=0.1)
+    finally:
+        m.stop()
+    assert not is_mounted(mnt)
+    assert "Traceback" not in m.log()
