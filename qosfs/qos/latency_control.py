@@ -529,8 +529,9 @@ class LatencyLoop:
     def reads_unobserved(self, class_name: str, unobserved: bool = True) -> None:
         """Say that *class_name*'s reads do (not) reach the daemon, e.g. because the kernel
         sends them straight to the backing file (FUSE passthrough). Such a class is
-        judged on the canary alone and seen active by its opens and metadata requests;
-        the canary runs for it whatever its ``latency_measure``."""
+        judged on the canary's timed reads of a file it holds (and its round trips while
+        it opens files) and seen active by its opens, metadata requests and the files it
+        holds; the canary runs for it whatever its ``latency_measure``."""
         if unobserved:
             self._unobserved.add(class_name)
         else:
