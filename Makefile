@@ -6,9 +6,9 @@
 #               (the training suite alone took 19 min here; make bench-quick: shorter, noisier)
 #   make passthrough-hp   libfuse's C++ example passthrough_hp, the bench's peer (from the
 #                         same source as the libfuse that make deps builds)
-#   make install          qosfs in its own virtualenv, /usr/local/bin/qosfs, the systemd
-#                         unit, the samples, shell completions and the man page
-#                         (PREFIX, DESTDIR respected)
+#   make install          qosfs in its own virtualenv (with kernel passthrough, as make deps
+#                         builds it), /usr/local/bin/qosfs, the systemd unit, the samples,
+#                         shell completions and the man page (PREFIX, DESTDIR respected)
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
@@ -40,7 +40,8 @@ MAN1DIR     := $(PREFIX)/share/man/man1
 CONFDIR := /etc/qosfs
 
 .PHONY: deps system-deps venv kernel-passthrough passthrough-hp demo test lint bench-deps \
-	bench bench-quick clean install install-python install-files install-cli-docs uninstall
+	bench bench-quick clean install install-python install-passthrough install-files \
+	install-cli-docs uninstall
 
 deps: system-deps venv kernel-passthrough
 
@@ -103,12 +104,23 @@ bench-quick: bench-deps
 # qosfs and its dependencies in a virtualenv of their own (pyfuse3 is built against
 # libfuse3, hence system-deps). The launcher runs its python by path, which stays valid
 # when DESTDIR is moved into place; -P keeps the caller's directory off sys.path.
-install: system-deps install-python install-files install-cli-docs
+# The prerequisites run in this order (install-passthrough replaces install-python's
+# pyfuse3, install-cli-docs runs its python).
+install: system-deps install-python install-passthrough install-files install-cli-docs
 	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
 
 install-python:
 	$(PYTHON) -m venv --clear $(DESTDIR)$(LIBDIR)
 	$(DESTDIR)$(LIBDIR)/bin/python -m pip install -q '.[cli-docs]'
+
+# Kernel passthrough in the installed virtualenv, as make deps gives $(VENV): libfuse under
+# $(LIBDIR)/opt/libfuse and pyfuse3 patched and linked to it by rpath, both naming PREFIX
+# paths only, staged under DESTDIR (deploy/libfuse/build.sh, target "installed"; its build
+# tree is $(LIBFUSE_BUILD)/bld-installed, the sources are shared with make deps). If it
+# cannot be built it says why in one line and the install goes on with PyPI's pyfuse3,
+# without passthrough.
+install-passthrough:
+	@DESTDIR='$(DESTDIR)' deploy/libfuse/build.sh $(LIBDIR) $(LIBFUSE_BUILD) installed || true
 
 # Everything but the Python package: no network, no compiler.
 install-files:

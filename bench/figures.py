@@ -450,6 +450,8 @@ class TrainingScenario(Record):
     plan: list[PlanRow]
     daemon_cpu_pct: float | None
     epochs: Json = None  # DLIO's figures per epoch
+    # s from the storm's start to its first round (0: writing when the first epoch starts)
+    storm_lead_s: float | None = None
     cap_changes: Json = None
 
 

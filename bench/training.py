@@ -29,10 +29,14 @@ state each, a round every ``interval`` (8 s) seconds, in turn ``torch.save`` /
 which the default policy classifies as checkpoints. 2 GiB a round is more than this
 machine writes through a FUSE mount in 8 s, so the rounds run back to back there.
 
-Scenarios, in one run: the bare directory alone and under the storm; qosfs ``--no-qos``
-alone and under the storm; qosfs with the embedded default policy and the storm; qosfs
-with a latency target (the default policy with ``target_read_latency`` on datasets) and
-the storm; a fixed checkpoints cap (no read target, so nothing moves it) and the storm.
+Scenarios, in one run: the bare directory alone, under the storm and under a storm
+already running when the job starts; qosfs ``--no-qos`` alone and under the storm; qosfs
+with the embedded default policy alone, under the storm and under the running storm
+(dataset reads pass through the kernel there: its first epoch is what the protection
+from the first request is for); qosfs with a latency target (the default policy with
+``target_read_latency`` on datasets) and the storm; a fixed checkpoints cap (no read
+target, so nothing moves it) and the storm. The report shows each scenario's first
+epoch on its own: the later ones start with the controller's state warm.
 For the capped scenarios each checkpoint round's write time is compared with what
 ``qosfs plan`` predicts for its size and the cap (T = size x replicas / rate), for the
 configured cap and for the mean cap in force during the round (:class:`CapWatch`).
@@ -102,12 +106,21 @@ STORM = Storm(2, 1024 * MiB, 8.0)
 STORM_LEAD = 5.0  # s from the storm's start to its first round (see _storm)
 FIXED_CAP = "128MiB/s"  # the fixed-cap scenario's checkpoints cap (see _fixed_cap_policy)
 
-# (label, how it is served, whether the storm runs)
-SCENARIOS = (("bare", "bare", False), ("bare + storm", "bare", True),
-             ("no-qos", "no-qos", False), ("no-qos + storm", "no-qos", True),
-             ("default policy + storm", "default", True),
-             ("latency target + storm", "latency", True),
-             (f"fixed cap {FIXED_CAP} + storm", "fixed", True))
+RUNNING_LEAD = 0.0  # ... in the "running storm" scenarios: writing before DLIO starts
+
+# (label, how it is served, seconds from the storm's start to its first round: None, no
+# storm). A "running storm" writes from the start, so the first epoch begins in it (the
+# issue: a reader starting into a storm was left unprotected for half an epoch); the
+# others' first round comes some 3 s into the first epoch.
+SCENARIOS: tuple[tuple[str, str, float | None], ...] = (
+    ("bare", "bare", None), ("bare + storm", "bare", STORM_LEAD),
+    ("bare + running storm", "bare", RUNNING_LEAD),
+    ("no-qos", "no-qos", None), ("no-qos + storm", "no-qos", STORM_LEAD),
+    ("default policy", "default", None),
+    ("default policy + storm", "default", STORM_LEAD),
+    ("default policy + running storm", "default", RUNNING_LEAD),
+    ("latency target + storm", "latency", STORM_LEAD),
+    (f"fixed cap {FIXED_CAP} + storm", "fixed", STORM_LEAD))
 CAPPED = ("default", "latency", "fixed")
 
 
@@ -272,12 +285,13 @@ def _dlio(config: dict[str, Any], name: str, work: Path) -> Path:
 
 
 @contextmanager
-def _storm(top: Path, work: Path, storm: Storm) -> Iterator[Path]:
+def _storm(top: Path, work: Path, storm: Storm, lead: float) -> Iterator[Path]:
     """The checkpoint storm writing under *top*/checkpoints while the block runs, its
-    first round :data:`STORM_LEAD` s in (a trainer saves every N steps, not at step 0;
-    DLIO starts its epoch about 2 s in, so the first round comes some 3 s into it, after
-    a few latency-control windows of reading alone);
-    yields the records directory. Stopped by its stop file, killed (by its pid) if it
+    first round *lead* s in (:data:`STORM_LEAD`: a trainer saves every N steps, not at
+    step 0; DLIO starts its epoch about 2 s in, so the first round comes some 3 s into
+    it, after a few latency-control windows of reading alone; :data:`RUNNING_LEAD`: the
+    storm is writing when the block starts, one second in, so the first epoch begins in
+    it); yields the records directory. Stopped by its stop file, killed (by its pid) if it
     does not stop."""
     records = work / f"storm-{time.monotonic_ns()}"
     records.mkdir()
@@ -285,7 +299,7 @@ def _storm(top: Path, work: Path, storm: Storm) -> Iterator[Path]:
     cmd = [sys.executable, "-m", "bench.ckpt_storm", str(top / "checkpoints" / "storm"),
            "--records", str(records), "--stop", str(stop), "--ranks", str(storm.ranks),
            "--shard", str(storm.shard), "--interval", str(storm.interval),
-           "--lead", str(STORM_LEAD)]
+           "--lead", str(lead)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with open(records / "stderr.txt", "w") as err:
         proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=err, stderr=err,
@@ -298,6 +312,8 @@ def _storm(top: Path, work: Path, storm: Storm) -> Iterator[Path]:
                 raise BenchError("the checkpoint storm did not start: "
                                  + (tail.splitlines()[-1] if tail else "no output"))
             time.sleep(0.1)
+        if lead == RUNNING_LEAD:
+            time.sleep(1.0)  # the ranks are writing their first round
         yield records
     finally:
         stop.touch()
@@ -452,11 +468,11 @@ def _shape_run(run: Run, shape: Shape, storm: Storm, epochs: int) -> dict[str, A
                           output_folder=str(work / "out-generate"), files=files,
                           generate=True), f"{shape.name}-generate", work)
     scenarios = []
-    for label, serve, stormy in SCENARIOS:
+    for label, serve, lead in SCENARIOS:
         (src / "checkpoints").mkdir(exist_ok=True)
         tag = label.replace(" + ", "-").replace(" ", "-").replace("/", "")
         scenarios.append(_scenario(run, shape, storm, src, work, files, epochs,
-                                   label, serve, stormy, tag))
+                                   label, serve, lead, tag))
     cap, burst = checkpoint_cap(None)
     return {"shape": asdict(shape), "files": files, "area": area,
             "config": workload_config(shape, data_folder="<top>/data/" + shape.name,
@@ -465,9 +481,12 @@ def _shape_run(run: Run, shape: Shape, storm: Storm, epochs: int) -> dict[str, A
 
 
 def _scenario(run: Run, shape: Shape, storm: Storm, src: Path, work: Path, files: int,
-              epochs: int, label: str, serve: str, stormy: bool, tag: str) -> dict[str, Any]:
+              epochs: int, label: str, serve: str, lead: float | None,
+              tag: str) -> dict[str, Any]:
     """One scenario: *epochs* DLIO epochs over *src* served as *serve*, under the storm
-    if *stormy*; for a capped one the cap in force is watched for the planner check."""
+    unless *lead* is None (its first round *lead* s after it starts); for a capped one
+    the cap in force is watched for the planner check."""
+    stormy = lead is not None
     policy = policy_for(serve)
     cap, burst = checkpoint_cap(policy) if serve in CAPPED else (0.0, 0.0)
     rounds: list[dict[str, Any]] = []
@@ -479,7 +498,8 @@ def _scenario(run: Run, shape: Shape, storm: Storm, src: Path, work: Path, files
         with ExitStack() as stack:
             if mounted is not None and serve in CAPPED:
                 caps = stack.enter_context(CapWatch(mounted.socket, cap)).samples
-            records = stack.enter_context(_storm(top, work, storm)) if stormy else None
+            records = (stack.enter_context(_storm(top, work, storm, lead))
+                       if lead is not None else None)
             figs = _epochs(shape, top, src, files, epochs, work, tag, mount)
         elapsed = time.monotonic() - t0
         cpu1 = mount.cpu_seconds() if mount else None
@@ -489,7 +509,8 @@ def _scenario(run: Run, shape: Shape, storm: Storm, src: Path, work: Path, files
     run.log(f"  training {shape.name} {label}: AU " + ", ".join(f"{a:.1f}%" for a in au)
             + (f"; {len(rounds)} checkpoints, "
                + ", ".join(f"{r['duration_s']:.2f}s" for r in rounds) if stormy else ""))
-    return {"label": label, "serve": serve, "storm": stormy, "epochs": figs, "au_pct": au,
+    return {"label": label, "serve": serve, "storm": stormy, "storm_lead_s": lead,
+            "epochs": figs, "au_pct": au,
             "read_mib_s": [v for f in figs for v in f["read_mib_s"]], "rounds": rounds,
             "cap": cap or None, "burst": burst or None,
             "plan": plan_check(rounds, cap, caps) if serve in CAPPED else [],

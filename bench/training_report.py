@@ -23,6 +23,12 @@ def au_of(shape: ShapeRun, label: str) -> float | None:
     return None if s is None else _mean(s.au_pct)
 
 
+def first_epoch_of(shape: ShapeRun, label: str) -> float | None:
+    """AU (%) of the first epoch of scenario *label* (its controller state still cold)."""
+    s = shape.scenario(label)
+    return s.au_pct[0] if s is not None and s.au_pct else None
+
+
 def worst_plan_error(shape: ShapeRun, serve: str,
                      key: str = "error_pct") -> float | None:
     """The round of scenario kind *serve* furthest from the planner (*key*: against the
@@ -58,6 +64,17 @@ def targets(r: TrainingResult, name: str) -> Rows:
         else:
             rows.append([f"{name}: AU alone through the mount is under MLPerf's pass line",
                          f"{mount_alone:.1f}%", f"≥ {au_pass:.0f}%", "(premise not met)"])
+    alone, bare_alone = au_of(shape, "default policy"), au_of(shape, "bare")
+    if alone is not None and bare_alone:
+        rows.append([f"{name}: AU through the mount alone, default policy / bare alone "
+                     f"({alone:.1f}% / {bare_alone:.1f}%)", f"{alone / bare_alone:.2f}×",
+                     "(for the record)", "—"])
+    first, bare_first = (first_epoch_of(shape, "default policy + running storm"),
+                         first_epoch_of(shape, "bare + running storm"))
+    if first is not None and bare_first is not None:
+        rows.append([f"{name}: first epoch's AU in a storm already running, default policy "
+                     "vs the bare directory", f"{first:.1f}% vs {bare_first:.1f}%", "≥ bare",
+                     verdict(first >= bare_first, f"by {bare_first - first:.1f} points")])
     if free is not None:
         rows.append([f"{name}: AU under the storm without QoS (--no-qos)", f"{free:.1f}%",
                      f"(contrast: {au_pass:.0f}%)",
@@ -86,7 +103,8 @@ def _scenario_rows(shape: ShapeRun) -> Rows:
     for s in shape.scenarios:
         rounds = s.rounds
         au = s.au_pct
-        rows.append([s.label, ", ".join(f"{a:.1f}" for a in au),
+        rows.append([s.label, "—" if not au else f"{au[0]:.1f}%",
+                     ", ".join(f"{a:.1f}" for a in au),
                      "—" if not au else f"{mean(au):.1f}%",
                      "—" if not s.read_mib_s else f"{mean(s.read_mib_s):.0f} MiB/s",
                      str(len(rounds)) if s.storm else "—",
@@ -135,7 +153,8 @@ def section(plots: Plots, r: TrainingResult) -> list[str]:
         lines += ["", f"### {name}: {shape.files} files of "
                   f"{sh.record_length / MiB:.2f} MiB, batch {sh.batch_size}, "
                   f"{sh.computation_time} s compute per batch, on {shape.area}", ""]
-        lines += table(["scenario", "AU per epoch (%)", "AU mean", "read", "checkpoints",
+        lines += table(["scenario", "first epoch AU", "AU per epoch (%)", "AU mean", "read",
+                        "checkpoints",
                         "each checkpoint's duration (s)",
                         "training waited (median / max)"], _scenario_rows(shape))
         plan = _plan_rows(shape)

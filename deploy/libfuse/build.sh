@@ -5,8 +5,12 @@
 #   deploy/libfuse/build.sh VENV [BUILD_DIR] passthrough_hp
 #                                                 also libfuse's C++ example passthrough_hp
 #                                                 (the bench's peer), from the same source
+#   DESTDIR=D deploy/libfuse/build.sh VENV BUILD_DIR installed
+#                                                 the same into an installed virtualenv:
+#                                                 VENV is its path at run time (absolute),
+#                                                 its files are under D (may be empty)
 #
-# Called by `make deps`. Idempotent: a stamp in the prefix names what was built, and a
+# Called by `make deps`, and by `make install` (installed). Idempotent: a stamp in the prefix names what was built, and a
 # second run with the same versions and patch does nothing. On failure it prints one
 # line saying why and exits 1; the Makefile then goes on with the system's libfuse (the
 # mount works, kernel passthrough is reported unavailable).
@@ -28,6 +32,11 @@
 # - The prefix is VENV/opt/libfuse: it lives and dies with the venv whose pyfuse3 is linked
 #   to it (rpath, no LD_LIBRARY_PATH). The sources and the build tree stay in BUILD_DIR
 #   (build/libfuse; `make clean` removes both, like the venv).
+# - An installed venv (make install) is staged under DESTDIR and used from VENV: libfuse
+#   is configured with the run-time prefix and installed with meson's DESTDIR, pyfuse3
+#   compiled against the staged headers (pkg-config's sysroot) and linked with the
+#   run-time rpath, so no installed file names DESTDIR. Its build tree is bld-installed,
+#   apart from make deps' bld (passthrough_hp is built there); the sources are shared.
 # - pyfuse3 from its sdist with deploy/libfuse/pyfuse3-passthrough.patch (written to be
 #   proposed upstream); its C file is regenerated from the patched Cython source.
 #   Two more on top, each for upstream on its own (README.md says why):
@@ -39,9 +48,21 @@
 #   and reports ADOPT_SUPPORTED = False.
 set -eu
 
-venv=$(realpath -m "$1")
 build=$(realpath -m "${2:-build/libfuse}")
 what=${3:-library}
+case $what in
+    library|passthrough_hp)
+        venv=$(realpath -m "$1"); dest=; bld=$build/bld; log=$build/build.log ;;
+    installed)
+        case $1 in
+            /*) venv=$1 ;;
+            *) echo "build.sh: an installed VENV is its absolute path at run time: $1" >&2
+               exit 2 ;;
+        esac
+        dest=${DESTDIR:-}; bld=$build/bld-installed; log=$build/installed.log ;;
+    *) echo "build.sh: unknown target $what (library, passthrough_hp, installed)" >&2
+       exit 2 ;;
+esac
 here=$(cd "$(dirname "$0")" && pwd)
 patch_file=$here/pyfuse3-passthrough.patch
 more_patches="$here/pyfuse3-no-splice-read.patch $here/pyfuse3-read-queued.patch $here/pyfuse3-adopt.patch"
@@ -53,10 +74,11 @@ PYFUSE3_VERSION=3.5.0   # the version the patch is written against
 DEB_SUITE=${DEB_SUITE:-forky}
 DEB_MIRROR=${DEB_MIRROR:-http://deb.debian.org/debian}
 
-prefix=$venv/opt/libfuse
-stamp=$prefix/.stamp            # what the venv's pyfuse3 was built with
-lib_stamp=$prefix/.libfuse      # which libfuse the prefix holds
-log=$build/build.log
+root=$dest$venv                 # where the venv's files are now
+prefix=$venv/opt/libfuse        # libfuse at run time: what pyfuse3's rpath names
+staged=$dest$prefix             # and where its files are now (the same without DESTDIR)
+stamp=$staged/.stamp            # what the venv's pyfuse3 was built with
+lib_stamp=$staged/.libfuse      # which libfuse the prefix holds
 mkdir -p "$build"
 
 fail() {
@@ -114,7 +136,7 @@ build_library() {
     # meson and ninja from PyPI, in the build's own venv.
     tools=$build/tools
     if [ ! -x "$tools/bin/meson" ] || [ ! -x "$tools/bin/ninja" ]; then
-        step "venv for meson" "$venv/bin/python" -m venv "$tools"
+        step "venv for meson" "$root/bin/python" -m venv "$tools"
         step "meson and ninja from PyPI" "$tools/bin/python" -m pip install -q meson ninja
     fi
     upstream=${LIBFUSE_DEB_VERSION%-*}
@@ -122,16 +144,16 @@ build_library() {
     rm -rf "$srcdir"
     (cd "$build/src" && step "dpkg-source -x" dpkg-source -x "fuse3_${LIBFUSE_DEB_VERSION}.dsc")
     step "patch libfuse ($(basename "$libfuse_patch"))" patch -d "$srcdir" -p1 -i "$libfuse_patch"
-    rm -rf "$build/bld"
-    step "meson setup" env PATH="$tools/bin:$PATH" "$tools/bin/meson" setup "$build/bld" "$srcdir" \
+    rm -rf "$bld"
+    step "meson setup" env PATH="$tools/bin:$PATH" "$tools/bin/meson" setup "$bld" "$srcdir" \
         --prefix="$prefix" --libdir=lib --bindir=/usr/bin --buildtype=release \
         -Dexamples=false -Dutils=false -Dtests=false -Denable-io-uring=false \
         -Duseroot=false -Dinitscriptdir=
-    step "ninja" env PATH="$tools/bin:$PATH" ninja -C "$build/bld"
+    step "ninja" env PATH="$tools/bin:$PATH" ninja -C "$bld"
     # The prefix is replaced only once the new library is built: until then the venv's
     # pyfuse3 keeps the one it is linked to.
-    rm -rf "$prefix"
-    step "ninja install" env PATH="$tools/bin:$PATH" ninja -C "$build/bld" install
+    rm -rf "$staged"
+    step "ninja install" env PATH="$tools/bin:$PATH" DESTDIR="$dest" ninja -C "$bld" install
     echo "$source_kind" >"$lib_stamp"
 }
 
@@ -139,7 +161,7 @@ build_pyfuse3() {
     sdist_dir=$build/pyfuse3
     rm -rf "$sdist_dir"
     mkdir -p "$sdist_dir"
-    step "pip download pyfuse3 $PYFUSE3_VERSION (sdist)" "$venv/bin/python" -m pip download \
+    step "pip download pyfuse3 $PYFUSE3_VERSION (sdist)" "$root/bin/python" -m pip download \
         -q --no-binary :all: --no-deps -d "$sdist_dir" "pyfuse3==$PYFUSE3_VERSION"
     step "unpack pyfuse3" tar xzf "$sdist_dir/pyfuse3-$PYFUSE3_VERSION.tar.gz" -C "$sdist_dir"
     tree=$sdist_dir/pyfuse3-$PYFUSE3_VERSION
@@ -148,40 +170,52 @@ build_pyfuse3() {
         step "patch pyfuse3 ($(basename "$more"))" patch -d "$tree" -p1 -i "$more"
     done
     rm -f "$tree/src/pyfuse3/__init__.c"   # regenerated from the patched .pyx by Cython
+    # Staged, the .pc file names the run-time prefix: the sysroot points pkg-config's -I
+    # and -L at the staged copy, while the rpath names the run-time one. Until the venv
+    # is in place, the check finds the staged library through LD_LIBRARY_PATH (the rpath
+    # is a RUNPATH, which it precedes; a run-time one that does not exist yet is skipped).
+    # The compiler's file names (debug info) lose the DESTDIR prefix likewise.
+    sysroot=${PKG_CONFIG_SYSROOT_DIR:-}; library_path=${LD_LIBRARY_PATH:-}; cflags=${CFLAGS:-}
     case $source_kind in
         system*) pc_path=${PKG_CONFIG_PATH:-}; ldflags=${LDFLAGS:-} ;;
-        *) pc_path=$prefix/lib/pkgconfig; ldflags="-Wl,-rpath,$prefix/lib ${LDFLAGS:-}" ;;
+        *) pc_path=$staged/lib/pkgconfig; ldflags="-Wl,-rpath,$prefix/lib ${LDFLAGS:-}"
+           sysroot=$dest
+           if [ -n "$dest" ]; then
+               library_path=$staged/lib${library_path:+:$library_path}
+               cflags="-ffile-prefix-map=$dest= $cflags"
+           fi ;;
     esac
-    step "build and install patched pyfuse3" env PKG_CONFIG_PATH="$pc_path" LDFLAGS="$ldflags" \
-        "$venv/bin/python" -m pip install -q --no-deps --force-reinstall "$tree"
-    step "check pyfuse3" "$venv/bin/python" -c \
+    step "build and install patched pyfuse3" env PKG_CONFIG_PATH="$pc_path" \
+        PKG_CONFIG_SYSROOT_DIR="$sysroot" LDFLAGS="$ldflags" CFLAGS="$cflags" \
+        "$root/bin/python" -m pip install -q --no-deps --force-reinstall "$tree"
+    step "check pyfuse3" env LD_LIBRARY_PATH="$library_path" "$root/bin/python" -c \
         'import pyfuse3, sys; sys.exit(0 if pyfuse3.PASSTHROUGH_SUPPORTED else 1)'
     rm -rf "$tree"   # the build tree (20 MB); the sdist stays
 }
 
 build_passthrough_hp() {
     case $source_kind in system*) fail "passthrough_hp comes from the source build (system libfuse in use)" ;; esac
-    if [ ! -f "$build/bld/build.ninja" ]; then   # build/ removed, the venv kept
+    if [ ! -f "$bld/build.ninja" ]; then   # build/ removed, the venv kept
         rm -f "$lib_stamp"
         build_library
     fi
     step "meson configure (examples)" env PATH="$build/tools/bin:$PATH" \
-        "$build/tools/bin/meson" configure "$build/bld" -Dexamples=true
+        "$build/tools/bin/meson" configure "$bld" -Dexamples=true
     step "ninja passthrough_hp" env PATH="$build/tools/bin:$PATH" \
-        ninja -C "$build/bld" example/passthrough_hp
-    echo "$build/bld/example/passthrough_hp"
+        ninja -C "$bld" example/passthrough_hp
+    echo "$bld/example/passthrough_hp"
 }
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     :
 else
     : >"$log"
-    [ -x "$venv/bin/python" ] || fail "no venv at $venv"
+    [ -x "$root/bin/python" ] || fail "no venv at $root"
     command -v cc >/dev/null || fail "no C compiler (build-essential)"
     start=$(date +%s)
     build_library
     build_pyfuse3
-    mkdir -p "$prefix"
+    mkdir -p "$staged"
     echo "$want" >"$stamp"
     echo "kernel passthrough: pyfuse3 $PYFUSE3_VERSION (patched) on $source_kind," \
         "built in $(($(date +%s) - start)) s"

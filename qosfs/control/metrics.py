@@ -36,7 +36,8 @@ its becoming active to the first cut of the classes below; reason starting, lear
 missed; absent before a cut), ``qosfs_latency_baseline_seconds{class, source}`` (a
 relative target's baseline, learned during this activity or remembered from an earlier
 one) and ``qosfs_latency_reads_observed{class}`` (0 when its reads bypass the daemon: its
-estimate is then the canary's alone).
+estimate is then the canary's timed reads of its backing file, plus the canary's round
+trips while it opens files).
 
 Identity: ``qosfs_build_info{version, python, pyfuse3, trio}``, ``qosfs_mount_info
 {mountpoint, source}``, ``qosfs_policy_info{source, hash}`` (hash of the policy in force as
@@ -241,7 +242,8 @@ class SnapshotCollector:
                                      labels=["class", "source"], unit="seconds")
         observed_reads = GaugeMetricFamily(
             "qosfs_latency_reads_observed",
-            "0 when a protected class's reads bypass the daemon (judged on the canary alone).",
+            "0 when a protected class's reads bypass the daemon (judged on the canary's reads "
+            "of its backing file).",
             labels=["class"])
         for p in lc["protected"]:
             if p["target_seconds"] is not None:  # a relative target still learning: absent

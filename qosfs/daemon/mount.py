@@ -259,7 +259,8 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
     _request_passthrough(cfg, ops, engine, fstype)
     mountpoint = os.path.realpath(cfg.mountpoint)  # resolved before we serve it
     latency = (LatencyLoop(policy_engine, LatencyProbe(mountpoint, ops.probe_tids),
-                           reads_bypass=_reads_bypass(ops, policy_engine))
+                           reads_bypass=_reads_bypass(ops, policy_engine),
+                           backing_file=ops.kernel_opens.recent_file)
                if policy_engine is not None else None)
     with ExitStack() as stack:
         services = _open_services(cfg, mountpoint, engine, stack, latency, ops.resources,
@@ -274,7 +275,7 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
             # the pause before that service is restarted after a failure.
             signal.signal(signal.SIGHUP, signal.SIG_IGN)
             trio.run(_serve, cfg, mountpoint, engine, on_ready, services, latency, failures,
-                     ops.log_passthrough)
+                     ops.kernel_opens.log)
             unmounted_by_us = True
         finally:
             still_mounted = mount_type(mountpoint) == QOSFS_FSTYPE
@@ -293,7 +294,7 @@ def _reads_bypass(ops: PassthroughOperations,
     opens and metadata (qosfs.qos.latency_control)."""
 
     def bypass(rule: ClassRule) -> bool:
-        return (rule.passthrough == "reads" and ops.passthrough_active()
+        return (rule.passthrough == "reads" and ops.kernel_opens.active()
                 and passthrough_blocker(engine.policy, rule) is None)
 
     return bypass
@@ -305,15 +306,15 @@ def _request_passthrough(cfg: MountConfig, ops: PassthroughOperations, engine: Q
     backing files as deep as the source's filesystem stacks them (qosfs.passthrough.kernel)."""
     policy = engine.policy
     if not cfg.kernel_passthrough:
-        ops.passthrough_off("turned off (--no-passthrough)")
+        ops.kernel_opens.off("turned off (--no-passthrough)")
     elif policy is None:
-        ops.passthrough_off("no policy (--no-qos)")
+        ops.kernel_opens.off("no policy (--no-qos)")
     elif not any(c.passthrough == "reads" for c in policy.classes):
-        ops.passthrough_off('no class of the policy at mount set passthrough = "reads" '
-                            "(it is negotiated with the kernel at mount: a later policy "
-                            "needs a remount to use it)")
+        ops.kernel_opens.off('no class of the policy at mount set passthrough = "reads" '
+                             "(it is negotiated with the kernel at mount: a later policy "
+                             "needs a remount to use it)")
     else:
-        ops.request_passthrough(stack_depth(fstype))
+        ops.kernel_opens.request(ops, stack_depth(fstype))
 
 
 def _open_services(cfg: MountConfig, mountpoint: str, engine: QosEngine,

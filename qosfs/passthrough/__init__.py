@@ -8,6 +8,8 @@
 - ``paths``: where an inode is in the tree, for classification by path.
 - ``backing_io``: the data-path syscalls, without stalling the one event loop.
 - ``interrupts``: who sent a parked request, and FUSE INTERRUPT for it.
+- ``kernel``: pyfuse3's kernel passthrough API, one backing id per inode.
+- ``kernel_opens``: which opens of the mount the kernel serves itself, counted by class.
 
 This file only describes the layer: import names from the module that defines them.
 """

@@ -25,11 +25,12 @@ Choices made here, each for a reason:
   mapping's writeback ending at EOF, dd's unaligned tail) goes to a buffered descriptor
   of the same file (``_buffered``): the kernel sends them, and refusing lost the data.
 * A read-only open of a class with ``passthrough = "reads"`` whose reads nothing caps now
-  is passed through to the kernel (:mod:`qosfs.passthrough.kernel`): its reads never
-  reach the daemon. The kernel passes an inode's opens through all or none, so while one
-  is, every other open of that inode joins its backing id, a write open too: uncapped,
-  counted and logged once per class (``_kernel_open``), because refusing it would break
-  a writer of a file someone reads, and serving it in the daemon the kernel forbids.
+  is passed through to the kernel (:mod:`qosfs.passthrough.kernel_opens`, over
+  :mod:`qosfs.passthrough.kernel`): its reads never reach the daemon. The kernel passes
+  an inode's opens through all or none, so while one is, every other open of that inode
+  joins its backing id, a write open too: uncapped, counted and logged once per class,
+  because refusing it would break a writer of a file someone reads, and serving it in
+  the daemon the kernel forbids.
 * Only ``FUSEError`` may leave a handler (anything else ends pyfuse3's main loop, and
   every caller then gets ENOTCONN): a backing-store ``OSError`` becomes its own errno;
   anything unexpected (a bug here or in the QoS layer) is answered with EIO, counted and
@@ -62,16 +63,9 @@ from qosfs.core.failures import Failures
 from qosfs.passthrough import interrupts
 from qosfs.passthrough.backing_io import BackingIO, IoMode
 from qosfs.passthrough.fdcache import DeferredClose
-from qosfs.passthrough.handles import (
-    NOT_COUNTED,
-    PASSED_THROUGH,
-    SERVED,
-    DirHandle,
-    FileHandle,
-    OpenQuota,
-)
+from qosfs.passthrough.handles import DirHandle, FileHandle, OpenQuota
 from qosfs.passthrough.inodes import Inode, InodeTable, default_fd_budget
-from qosfs.passthrough.kernel import KernelPassthrough, attach, request
+from qosfs.passthrough.kernel_opens import KernelOpens
 from qosfs.passthrough.paths import PathBook
 from qosfs.qos.charge import CUT_MIN, MAX_WRITE, OpenCharge, charge_renamed
 from qosfs.qos.interface import QosEngine
@@ -160,119 +154,9 @@ class PassthroughOperations(pyfuse3.Operations):
         self._meta_limiter = qos.meta_limiter
         # Pids of the latency canary process (qosfs.qos.latency_probe), filled by it.
         self.probe_tids: set[int] = set()
-        # Kernel passthrough: asked for at INIT by request_passthrough (daemon/mount.py),
-        # or why not (passthrough_off); opens passed through and joined, by class.
-        self.kernel = KernelPassthrough()
-        self._kernel_on = False
-        self._kernel_off_reason = "not requested"
-        self._stack_depth = 0
-        self._kernel_opens: dict[str, int] = {}
-        self._uncapped_reads: dict[str, int] = {}
-        self._uncapped_writes: dict[str, int] = {}
-
-    # ----------------------------------------------------------------- kernel passthrough
-
-    def request_passthrough(self, stack_depth: int) -> None:
-        """Ask the kernel for passthrough at INIT (before ``pyfuse3.init``), for backing
-        files stacked *stack_depth* deep (:func:`qosfs.passthrough.kernel.stack_depth`)."""
-        self._stack_depth = stack_depth
-        # What is known before INIT: not negotiating what cannot be used keeps the mount
-        # exactly as before (passthrough also deepens the mount's own stack depth).
-        cap = self.kernel.capability()
-        if not cap.available and not self.kernel.negotiation_pending():
-            self.passthrough_off(cap.reason)
-            return
-        request(self, stack_depth)
-        self._kernel_on = True
-
-    def passthrough_off(self, reason: str) -> None:
-        """Passthrough is not asked for on this mount, because of *reason*."""
-        self._kernel_on = False
-        self._kernel_off_reason = reason
-
-    def log_passthrough(self) -> None:
-        """One line at mount, once INIT is answered: whether opens may be passed through,
-        and if they were asked for and cannot be, why not. An open of an inode served by
-        nobody yet must not pay for the capability test again: it is cached here."""
-        if not self._kernel_on:
-            log.info("kernel passthrough off: %s", self._kernel_off_reason)
-            return
-        cap = self.kernel.capability()
-        if cap.available:
-            log.info("kernel passthrough active (backing stack depth %d)", self._stack_depth)
-        else:
-            # INFO, not WARNING: the mount works as it always did (ctl status says it too).
-            log.info("kernel passthrough unavailable, reads are served by the daemon: %s",
-                     cap.reason)
-            self.passthrough_off(cap.reason)
-
-    def passthrough_active(self) -> bool:
-        """Whether this mount passes opens through to the kernel: asked for, and accepted
-        at INIT (False before INIT is answered)."""
-        return self._kernel_on and self.kernel.capability().available
-
-    def passthrough_status(self) -> dict[str, Any]:
-        """The ``passthrough`` entry of ``ctl status`` (and its metrics)."""
-        s = self.kernel.statistics()
-        state = "active" if self.passthrough_active() else "unavailable"
-        reason = self.kernel.capability().reason if self._kernel_on else self._kernel_off_reason
-        return {"state": state, "reason": reason, "stack_depth": self._stack_depth,
-                "registered": s.registered, "refused": s.refused,
-                "last_refusal": s.last_refusal, "declined": s.declined,
-                "live_backing_ids": s.live, "opens": dict(self._kernel_opens),
-                "uncapped_read_opens": dict(self._uncapped_reads),
-                "uncapped_write_opens": dict(self._uncapped_writes)}
-
-    def _kernel_open(self, handle: FileHandle, read_only: bool) -> pyfuse3.FileInfo | None:
-        """Pass the new open *handle* through to the kernel and return its reply, or count
-        it as served by the daemon and return None. Once per open, never per request.
-
-        A read-only open of a flow whose reads nothing caps now registers its descriptor
-        (or shares the inode's backing id). Any other open is served by the daemon unless
-        the inode is passed through now: the kernel fails a daemon-served open of such an
-        inode (EIO), so it joins the backing id instead. A read-only one of a capped
-        class then reads uncapped, a write one writes uncapped: counted per class, the
-        first of each class logged. POSIX lets anyone with the permission write a file
-        others read; refusing the writer to keep a cap would break that, and an open
-        that joins is one of a file already read at native speed.
-        """
-        kernel = self.kernel
-        nodeid = handle.inode.nodeid
-        flow = handle.charge.flow
-        backing_id = None
-        if read_only and flow.passes_reads_through():
-            backing_id = kernel.register(nodeid, handle.fd)
-        joined = False
-        if backing_id is None:
-            if kernel.plain_open(nodeid):
-                handle.kernel = SERVED
-                return None
-            backing_id = kernel.register(nodeid, handle.fd)  # shares the inode's id
-            if backing_id is None:  # cannot happen: plain_open said it is passed through
-                raise FUSEError(errno.EIO)
-            joined = True
-            if not read_only:  # writes the daemon will not see: the next open drops pages
-                handle.inode.cache_stamp = None
-        handle.kernel = PASSED_THROUGH
-        name = flow.class_name
-        self._kernel_opens[name] = self._kernel_opens.get(name, 0) + 1
-        if joined:
-            self._joined(name, read_only)
-        info = pyfuse3.FileInfo(fh=handle.fd)
-        attach(info, backing_id)
-        return info
-
-    def _joined(self, name: str, read_only: bool) -> None:
-        """Count an open of class *name* that joined a passed-through inode uncapped."""
-        counts = self._uncapped_reads if read_only else self._uncapped_writes
-        first = name not in counts
-        counts[name] = counts.get(name, 0) + 1
-        if first:
-            log.warning("class %s: %s open of a file passed through to the kernel joins it, "
-                        "%s uncapped (the kernel serves an inode's opens all through "
-                        "passthrough or none; counted in ctl status)", name,
-                        "a read-only" if read_only else "a write",
-                        "reading" if read_only else "writing")
+        # Kernel passthrough (asked for at INIT by daemon/mount.py, or why not), which
+        # opens the kernel serves itself, counted by class.
+        self.kernel_opens = KernelOpens(self.files)
 
     # ----------------------------------------------------------------- helpers
 
@@ -657,8 +541,9 @@ class PassthroughOperations(pyfuse3.Operations):
         fsuid = ctx.uid if self._write_as_caller else 0
         handle = self.files[fd] = FileHandle(fd, direct, charge, node, kill_priv, fsuid,
                                              owner, _dio_mask(fd) if direct else 0)
-        if self._kernel_on:
-            passed = self._kernel_open(handle, accmode == os.O_RDONLY and not writing)
+        kernel_opens = self.kernel_opens
+        if kernel_opens.on:  # one attribute per open while passthrough is not asked for
+            passed = kernel_opens.open(handle, accmode == os.O_RDONLY and not writing)
             if passed is not None:
                 return passed
         cache = self.options.cache
@@ -883,11 +768,7 @@ class PassthroughOperations(pyfuse3.Operations):
             handle.charge.release()
         finally:  # whatever the bookkeeping did, a bug must not leak a descriptor per open
             handle.inode.opens -= 1
-            if handle.kernel != NOT_COUNTED:  # a backing id must not leak either
-                if handle.kernel == PASSED_THROUGH:
-                    self.kernel.unregister(handle.inode.nodeid)
-                else:
-                    self.kernel.plain_release(handle.inode.nodeid)
+            self.kernel_opens.release(handle)  # a backing id must not leak either
             if self.io.mode is IoMode.THREADS:
                 # A network client flushes and reports deferred write errors at close.
                 await self.io.blocking(handle.charge.flow.threads, _close_file, handle.fd,
@@ -1049,7 +930,7 @@ class PassthroughOperations(pyfuse3.Operations):
             "open_refused": self.open_quota.refused,
             "killed_callers": interrupts.killed_callers,
             "internal_errors": self.failures.counts(),
-            "passthrough": self.passthrough_status(),
+            "passthrough": self.kernel_opens.status(),
         }
 
     # ----------------------------------------------------------------- shutdown

@@ -74,10 +74,15 @@ What latency (``latency_measure``):
     measures both), which is why this is the default.
 
 **Reads not seen** (:meth:`LatencyLoop.reads_unobserved`): a class whose reads bypass the
-daemon (kernel passthrough) has no read or backend histogram; its estimate is the
-canary's percentile alone, which the canary measures whatever the class, and its
-activity comes from opens and metadata. A relative target learns its baseline from the
-canary in quiet windows the same way.
+daemon (kernel passthrough) has no read or backend histogram, and its reads wait in no
+queue of the daemon's. Its estimate is the percentile of the canary's timed reads of a
+file the class has open (``backing_file``;
+:meth:`qosfs.qos.latency_probe.LatencyProbe.watch_backing`), plus the percentile of
+the canary's round trips in a window in which the class sent the daemon opens or
+metadata requests (those do queue behind the storm: a small-file loader pays them per
+file). Until the canary has read a file of the class, the round trips
+alone. Its activity comes from opens, metadata and the files it holds open. A relative
+target learns its baseline from the same estimate in quiet windows.
 
 Latencies come from :class:`qosfs.qos.accounting.FineHistogram` (8 buckets per octave, upper
 bounds, so estimates are at most 12.5 % high), differenced per window.
@@ -475,6 +480,10 @@ class QueueSource(Protocol):
 
     def set_interval(self, interval: float) -> None: ...  # seconds between probes
 
+    def watch_backing(self, class_name: str, fd: int | None) -> None: ...
+
+    def backing_snapshot(self, class_name: str) -> tuple[int, ...] | None: ...
+
 
 class LatencyLoop:
     """The daemon task: every window, measure the protected classes, decide, apply.
@@ -483,15 +492,21 @@ class LatencyLoop:
         engine: The running :class:`~qosfs.qos.engine.PolicyQos`.
         probe: The canary for ``latency_measure = "request"``; None: backend times only.
         window: Seconds per decision.
+        reads_bypass: Whether a class's reads bypass the daemon on this mount.
+        backing_file: A backing descriptor a class whose reads bypass the daemon has open
+            now (None: none), for the canary to time reads of.
     """
 
     def __init__(self, engine: PolicyQos, probe: QueueSource | None = None,
                  window: float = WINDOW,
-                 reads_bypass: Callable[[ClassRule], bool] | None = None) -> None:
+                 reads_bypass: Callable[[ClassRule], bool] | None = None,
+                 backing_file: Callable[[str], int | None] | None = None) -> None:
         self.engine = engine
         # Whether a class's reads bypass the daemon on this mount (kernel passthrough),
         # asked at every policy check: it depends on the policy and on what INIT gave.
         self._reads_bypass = reads_bypass
+        self._backing_file = backing_file
+        self._backing_prev: dict[str, tuple[int, ...] | None] = {}
         self.probe = probe
         self.window = window
         self.controller = LatencyDecider(engine.policy)
@@ -514,8 +529,9 @@ class LatencyLoop:
     def reads_unobserved(self, class_name: str, unobserved: bool = True) -> None:
         """Say that *class_name*'s reads do (not) reach the daemon, e.g. because the kernel
         sends them straight to the backing file (FUSE passthrough). Such a class is
-        judged on the canary alone and seen active by its opens and metadata requests;
-        the canary runs for it whatever its ``latency_measure``."""
+        judged on the canary's timed reads of a file it holds (and its round trips while
+        it opens files) and seen active by its opens, metadata requests and the files it
+        holds; the canary runs for it whatever its ``latency_measure``."""
         if unobserved:
             self._unobserved.add(class_name)
         else:
@@ -625,9 +641,13 @@ class LatencyLoop:
             # judged as this one's -- measured, a reader starting into a storm was "met"
             # on the last epoch's figures and never protected.
             self._probe_prev = self.probe.snapshot()
+            self._backing_prev = {n: self.probe.backing_snapshot(n) for n in self._unobserved}
             self.probe.start()
         elif not wanted and self.probe.running:
             self.probe.stop()
+        if self.probe.running and self._backing_file is not None:
+            for name in self._unobserved:
+                self.probe.watch_backing(name, self._backing_file(name))
         # Full rate only while something below a protected class moves (or is capped):
         # a quiet window only feeds a baseline, for which fewer samples do.
         busy = self.controller.low or not self.controller.quiet
@@ -675,12 +695,8 @@ class LatencyLoop:
             active = self._active(rule.name, activity[rule.name], holding)
             q = rule.latency_percentile / 100.0
             if rule.name in self._unobserved:
-                # Its reads bypass the daemon: the canary is all there is to judge on.
-                queue = (FineHistogram.quantile(queue_counts, q)
-                         if queue_counts is not None else None)
-                samples.append(ProtectedSample(
-                    rule.name, queue, 0, sum(queue_counts) if queue_counts else 0, queue,
-                    None, active))
+                sent = self._activity.get(rule.name, activity[rule.name]) != activity[rule.name]
+                samples.append(self._unobserved_sample(rule, q, queue_counts, sent, active))
                 continue
             backend = FineHistogram.quantile(window, q) if window is not None else None
             latency, samples_n, queue = backend, reads, None
@@ -699,6 +715,30 @@ class LatencyLoop:
                                            backend, active))
         self._activity = activity
         return samples
+
+    def _unobserved_sample(self, rule: ClassRule, q: float,
+                           queue_counts: tuple[int, ...] | None, sent: bool,
+                           active: bool) -> ProtectedSample:
+        """The window of a class whose reads bypass the daemon (see "Reads not seen" in
+        the module docstring): its backing reads as the canary timed them, plus the
+        canary's round trips when the class *sent* the daemon requests in the window."""
+        name = rule.name
+        counts: tuple[int, ...] | None = None
+        if self.probe is not None and self.probe.running:
+            snap = self.probe.backing_snapshot(name)
+            if snap is not None:
+                counts = FineHistogram.window(snap, self._backing_prev.get(name))
+            self._backing_prev[name] = snap
+        queue = (FineHistogram.quantile(queue_counts, q)
+                 if queue_counts is not None else None)
+        backend = FineHistogram.quantile(counts, q) if counts is not None else None
+        if backend is None:  # no file read yet: the round trips alone
+            return ProtectedSample(name, queue, 0, sum(queue_counts) if queue_counts else 0,
+                                   queue, None, active)
+        assert counts is not None
+        latency = backend + queue if sent and queue is not None else backend
+        return ProtectedSample(name, latency, 0, sum(counts), queue if sent else None,
+                               backend, active)
 
     # -- deciding and applying --------------------------------------------------------
 

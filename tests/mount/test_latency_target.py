@@ -144,3 +144,77 @@ def test_a_reader_starting_into_a_running_storm_is_cut_for_at_its_first_open(
         m.stop()
     assert not is_mounted(mnt)
     assert "Traceback" not in m.log()
+
+
+PASSTHROUGH_POLICY = POLICY.replace('target_read_latency = "50ms"',
+                                    'target_read_latency = "50ms"\npassthrough = "reads"')
+
+
+def _open_by(pid: int, target: tuple[int, int]) -> bool:
+    """Whether process *pid* holds the file (st_dev, st_ino) *target* open (False once it
+    is gone). By identity, not path: in place, the backing file and the mount's file have
+    the same path."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == target:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["apart", "in-place"])
+def test_a_passthrough_reader_is_judged_on_reads_of_its_backing_file(
+        tmp_tree: Path, in_place: bool) -> None:
+    """The kernel reads the class's files itself, so none of its reads reaches the daemon
+    and none waits in its queue: the canary times reads of the very backing file the
+    reader holds (opened through the daemon's descriptor, which in place is the covered
+    file, not the mount's), the status shows them as the class's backend time, and the
+    canary lets the file go when the reader closes it."""
+    import pyfuse3
+
+    if not getattr(pyfuse3, "PASSTHROUGH_SUPPORTED", False):
+        pytest.skip("pyfuse3 without kernel passthrough: `make deps` builds it")
+    src = tmp_tree / "src"
+    mnt = src if in_place else tmp_tree / "mnt"
+    for d in (src, mnt, src / "data"):
+        d.mkdir(exist_ok=True)
+    shard = src / "data" / "shard"
+    shard.write_bytes(os.urandom(4 << 20))
+    st = shard.stat()
+    backing = (st.st_dev, st.st_ino)
+    policy = tmp_tree / "policy.toml"
+    policy.write_text(PASSTHROUGH_POLICY)
+    sock = tmp_tree / "ctl.sock"
+    m = QosfsMount(src, mnt, "--policy", str(policy), "--socket", str(sock)).start()
+    try:
+        assert m.proc is not None
+        with Client(str(sock)) as client:
+            kernel = client.request({"cmd": "status"})["passthrough"]
+        if kernel["state"] != "active":
+            pytest.skip(f"kernel passthrough unavailable here: {kernel['reason']}")
+        with open(mnt / "data" / "shard", "rb") as f:
+            assert os.fstat(f.fileno()).st_dev != backing[0]  # through the mount
+            assert f.read(4096)  # served by the kernel: the daemon sees the open only
+            status = wait_for("the canary's reads of the backing file",
+                              lambda: _latency_status(sock),
+                              until=lambda s: s["protected"][0]["backend_seconds"],
+                              timeout=20.0, interval=0.1)
+            p = status["protected"][0]
+            assert p["reads_observed"] is False and p["reads"] == 0, status
+            assert 0 < p["backend_seconds"] < 0.05, status  # an idle file, page-cached
+            assert p["latency_seconds"] is not None, status
+            canaries = _canaries(m.proc.pid)
+            assert len(canaries) == 1 and _open_by(canaries[0], backing)
+        wait_for("the canary to let the file go",
+                 lambda: not any(_open_by(c, backing) for c in canaries),
+                 timeout=20.0, interval=0.1)
+    finally:
+        m.stop()
+    assert not is_mounted(mnt)
+    assert "Traceback" not in m.log()

@@ -329,12 +329,12 @@ def test_writes_and_renames_are_reported_to_the_opens_charge(tmp_path: Path) -> 
 
 def test_passthrough_that_cannot_work_is_not_negotiated_and_says_why(tmp_path: Path) -> None:
     ops = _ops(tmp_path)
-    ops.kernel = KernelPassthrough(SimpleNamespace())  # a pyfuse3 without the patch
-    ops.request_passthrough(0)
+    ops.kernel_opens.kernel = KernelPassthrough(SimpleNamespace())  # pyfuse3 without the patch
+    ops.kernel_opens.request(ops, 0)
     assert not vars(ops).get("enable_passthrough")  # INIT will not ask the kernel
     status = ops.resources()["passthrough"]
     assert status["state"] == "unavailable" and "patch" in status["reason"]
     assert status["registered"] == status["live_backing_ids"] == 0
     off = _ops(tmp_path)
-    off.passthrough_off("turned off (--no-passthrough)")
-    assert off.passthrough_status()["reason"] == "turned off (--no-passthrough)"
+    off.kernel_opens.off("turned off (--no-passthrough)")
+    assert off.kernel_opens.status()["reason"] == "turned off (--no-passthrough)"
