@@ -149,7 +149,7 @@ class KernelOpens:
         self._recent[name] = handle  # one dict store per open, for recent_file
         if joined:
             self._joined(name, read_only)
-        info = pyfuse3.FileInfo(fh=handle.fd)
+        info = pyfuse3.FileInfo(fh=handle.fh)
         binding.attach(info, backing_id)
         return info
 
@@ -172,12 +172,12 @@ class KernelOpens:
         still open is not looked for). A daemon-served open is never the answer.
 
         Still open means the operations' table still holds this very handle under its
-        descriptor: the release takes it out before the descriptor is closed, and a new
-        open that reuses the number is another handle. O(1), and nothing per read."""
+        fh: the release takes it out before the descriptor is closed. O(1), and nothing
+        per read."""
         handle = self._recent.get(class_name)
         if handle is None:
             return None
-        if self._files.get(handle.fd) is not handle:
+        if self._files.get(handle.fh) is not handle:
             del self._recent[class_name]  # released: do not keep its inode and charge alive
             return None
         return handle.fd
