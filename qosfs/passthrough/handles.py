@@ -26,7 +26,7 @@ class FileHandle:
 
     ``fh`` is what the kernel knows the open by, a number the operations hand out in
     sequence and never reuse while the process lives, not the backing descriptor's number:
-    a successor process (:mod:`qosfs.daemon.upgrade`) must answer the kernel's ``fh``
+    a successor process (``qosfs upgrade``) must answer the kernel's ``fh``
     with descriptors it received under other numbers, and a number of its own must never
     collide with one the kernel still holds from the predecessor."""
 
@@ -94,6 +94,12 @@ class OpenQuota:
             raise OSError(errno.ENFILE, os.strerror(errno.ENFILE))
         self._by_uid[uid] = held + 1
         return uid
+
+    def adopt(self, owner: int) -> None:
+        """Count an open a predecessor process made for *owner* (-1: none), past the
+        share if need be: it is open already, refusing it now would help nobody."""
+        if owner >= 0:
+            self._by_uid[owner] = self._by_uid.get(owner, 0) + 1
 
     def release(self, owner: int) -> None:
         if owner < 0:

@@ -34,7 +34,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -574,6 +574,22 @@ class PolicyQos:
             self._flows[key] = flow
             self._all_flows.add(flow)
         return flow
+
+    def flow_key(self, flow: Flow) -> list[Any]:
+        """[class, tenant or None, uid]: a flow is one per those three (`_flow`)."""
+        assert isinstance(flow, PolicyFlow)  # this engine's open_flow made it
+        return [flow.cls.rule.name, flow.tenant_name, flow.uid]
+
+    def flow_from_key(self, key: Sequence[Any]) -> PolicyFlow:
+        """The flow of [class, tenant, uid], made if need be (counting nothing: the open
+        that comes with it counts itself). A class or tenant this policy lacks gives way
+        to the default class or no tenant, as a policy swap rebinds flows (`_rebind`)."""
+        name, tenant, uid = str(key[0]), key[1], int(key[2])
+        if name not in self.classes:
+            name = "default"
+        if tenant is not None and tenant not in self.tenants:
+            tenant = None
+        return self._flow(name, None if tenant is None else str(tenant), uid)
 
     # ------------------------------------------------------------------ streaming writers
 
