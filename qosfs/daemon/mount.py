@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -237,6 +238,9 @@ class Daemon:
     failures: Failures
     backing_options: frozenset[str]
     handovers: int = 0  # how many times the mount changed process before this one
+    # time.monotonic() when the predecessor stopped reading, while this process has not
+    # started to (an adopted session); None otherwise.
+    adopted_at: float | None = None
 
     @property
     def fuse_options(self) -> set[str]:
@@ -339,7 +343,8 @@ def serve_mount(daemon: Daemon, start: Callable[[], None],
                 signal.signal(signal.SIGHUP, signal.SIG_IGN)
                 trio.run(_serve, cfg, mountpoint, daemon.engine, on_ready, services,
                          daemon.latency, daemon.failures, ops.kernel_opens.log,
-                         offer.stopping if offer is not None else None)
+                         offer.stopping if offer is not None else None, daemon.adopted_at)
+                daemon.adopted_at = None
                 if offer is None or offer.successor is None:
                     unmounted_by_us = True
                     break
@@ -348,6 +353,7 @@ def serve_mount(daemon: Daemon, start: Callable[[], None],
                     handed_over = True
                     break
                 offer.take_back()  # serving again, with the same tables
+                daemon.adopted_at = offer.stopped_at
                 services, offer = _services_after_adoption(daemon, stack)
                 on_ready = _notify_ready
         finally:
@@ -482,17 +488,32 @@ async def _serve(cfg: MountConfig, mountpoint: str, engine: QosEngine,
                  services: Sequence[tuple[str, Service]] = (),
                  latency: LatencyLoop | None = None, failures: Failures | None = None,
                  after_init: Callable[[], None] | None = None,
-                 handing_over: Callable[[], bool] | None = None) -> None:
+                 handing_over: Callable[[], bool] | None = None,
+                 adopted_at: float | None = None) -> None:
+    """Serve requests and the services until the session ends. *adopted_at*: the session
+    was taken over from a process that stopped reading at that ``time.monotonic()``;
+    requests wait in the kernel until this one reads, so it reads before the services
+    start, and says how long nobody read."""
     failures = failures if failures is not None else Failures()
     async with trio.open_nursery() as nursery:
+
+        async def serve_requests() -> None:
+            if adopted_at is not None:
+                log.info("adopted %s: %.1f ms without a reader of /dev/fuse", mountpoint,
+                         (time.monotonic() - adopted_at) * 1000)
+            await pyfuse3.main(min_tasks=MIN_TASKS, max_tasks=MAX_TASKS)
+            if handing_over is None or not handing_over():
+                _notify_stopping()  # the kernel ended the session (fusermount3 -u)
+            nursery.cancel_scope.cancel()
+
+        if adopted_at is not None:
+            nursery.start_soon(serve_requests)
         nursery.start_soon(_watch_signals, engine, latency, failures)
         for name, service in services:  # already bound: "started" means "answering"
             await nursery.start(supervised, name, service, failures)
         nursery.start_soon(_become_ready, cfg, mountpoint, on_ready, failures, after_init)
-        await pyfuse3.main(min_tasks=MIN_TASKS, max_tasks=MAX_TASKS)
-        if handing_over is None or not handing_over():
-            _notify_stopping()  # the kernel ended the session (fusermount3 -u)
-        nursery.cancel_scope.cancel()
+        if adopted_at is None:
+            await serve_requests()
 
 
 async def _become_ready(cfg: MountConfig, mountpoint: str,

@@ -39,7 +39,6 @@ import logging
 import os
 import socket
 import stat
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -161,8 +160,6 @@ def _commit(sock: socket.socket, daemon: Daemon, session: handover.Session) -> N
             and policy.render() != daemon.engine.policy.render():
         daemon.engine.swap(policy)  # changed (ctl set) while we prepared
     handover.adopt(daemon.ops, session, daemon.mountpoint, daemon.fuse_options)
-    stall = time.monotonic() - float(payload["stopped_at"])  # CLOCK_MONOTONIC: shared
+    daemon.adopted_at = float(payload["stopped_at"])  # CLOCK_MONOTONIC: one per system
     handover.send_message(sock, "serving", {})
     sock.close()  # the predecessor exits now
-    log.info("adopted %s: %.1f ms without a reader of /dev/fuse", daemon.mountpoint,
-             stall * 1000)

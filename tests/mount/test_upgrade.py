@@ -22,6 +22,8 @@ import contextlib
 import functools
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -199,6 +201,7 @@ class Load:
     expected: bytes
     errors: list[str] = field(default_factory=list)
     worst: float = 0.0
+    worst_by: dict[str, float] = field(default_factory=dict)  # by call: pread, write, fsync
     read_bytes: int = 0
     written: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -224,7 +227,10 @@ class Load:
             self.errors.append(f"{call}: {exc}")
             return None
         finally:
-            self.worst = max(self.worst, time.monotonic() - t0)
+            took = time.monotonic() - t0
+            self.worst = max(self.worst, took)
+            name = getattr(call, "func", call).__name__
+            self.worst_by[name] = max(self.worst_by.get(name, 0.0), took)
 
     def _read(self) -> None:
         off = 0
@@ -247,7 +253,7 @@ class Load:
             if self._timed(functools.partial(os.write, self.wfd, block)) == len(block):
                 self.out.update(block)
                 self.written += len(block)
-                self._timed(lambda: os.fsync(self.wfd))
+                self._timed(functools.partial(os.fsync, self.wfd))
             i += 1
 
     def stop(self) -> None:
@@ -275,8 +281,9 @@ def test_reader_and_writer_keep_their_descriptors_across_upgrades(
         expected = (mount.mountpoint / "plain" / "big.bin").read_bytes()
     load = Load(mount.mountpoint / "plain" / "big.bin", mount.mountpoint / "plain" / "log.bin",
                 expected).start()
-    time.sleep(0.5)
+    time.sleep(3)  # the longest call without a handover, for scale
     baseline, load.worst = load.worst, 0.0
+    load.worst_by.clear()
     before = mount.status()
     assert before["version"] == "G0" and before["handovers"] == 0
     took = []
@@ -296,14 +303,15 @@ def test_reader_and_writer_keep_their_descriptors_across_upgrades(
     worst_ms = round(load.worst * 1000, 1)
     record_property("worst_call_ms", worst_ms)
     record_property("baseline_worst_call_ms", round(baseline * 1000, 1))
-    stalls = [float(line.split(": ")[1].split()[0])
-              for g in mount.generations[1:] for line in g.log().splitlines()
-              if "without a reader of /dev/fuse" in line]
+    stalls = [float(found[1]) for g in mount.generations[1:]
+              for found in re.finditer(r"([\d.]+) ms without a reader of /dev/fuse", g.log())]
     assert len(stalls) == HANDOVERS
     print(f"{HANDOVERS} upgrades: read {load.read_bytes // MiB} MiB, appended "
           f"{load.written // KiB} KiB; nobody reading /dev/fuse {min(stalls):.1f}-"
           f"{max(stalls):.1f} ms (median {sorted(stalls)[len(stalls) // 2]:.1f}); "
-          f"longest call {worst_ms} ms across them, {baseline * 1000:.1f} ms before; "
+          f"longest call {worst_ms} ms across them ("
+          + ", ".join(f"{k} {v * 1000:.1f}" for k, v in sorted(load.worst_by.items()))
+          + f"), {baseline * 1000:.1f} ms before; "
           f"upgrade command {min(took):.2f}-{max(took):.2f} s")
 
 
@@ -337,7 +345,9 @@ def test_a_refused_upgrade_leaves_the_old_daemon_serving(mount: Mount, mode: str
     peer = subprocess.run([sys.executable, "-m", "tests.mount.upgrade_peer",
                            str(mount.handover_socket), mode], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
-    assert peer.returncode == 0, peer.stderr
+    # One that vanishes after ready may be killed by the old daemon before it is gone.
+    assert peer.returncode in ((0, -signal.SIGKILL) if mode == "vanish-after-ready"
+                               else (0,)), peer.stderr
     answered = "refused" if mode == "wrong-protocol" else "prepare"
     assert peer.stdout.split()[0] == answered
     time.sleep(0.5)
