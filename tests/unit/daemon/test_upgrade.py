@@ -98,7 +98,7 @@ class _Daemon:
     ops = None
     latency = None
     handovers = 0
-    fuse_options: set[str] = set()
+    fuse_options: frozenset[str] = frozenset()
     config = MountConfig("/srv", "/mnt")
 
 
