@@ -190,6 +190,23 @@ def mount(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Mount]:
         m.close()
 
 
+@pytest.fixture
+def start_load(mount: Mount) -> Iterator[Callable[[], Load]]:
+    """Starts the load on *mount*; halted before the mount is closed, whatever happened."""
+    started: list[Load] = []
+
+    def start() -> Load:
+        expected = (mount.mountpoint / "plain" / "big.bin").read_bytes()
+        load = Load(mount.mountpoint / "plain" / "big.bin",
+                    mount.mountpoint / "plain" / "log.bin", expected).start()
+        started.append(load)
+        return load
+
+    yield start
+    for load in started:
+        load.halt()
+
+
 @dataclass
 class Load:
     """A reader streaming a large file through one descriptor (each chunk compared, the
@@ -261,8 +278,18 @@ class Load:
         for t in self._threads:
             t.join(timeout=30)
             assert not t.is_alive(), "a call on the mount hung"
-        os.close(self.rfd)
-        os.close(self.wfd)
+        self.halt()
+
+    def halt(self) -> None:
+        """Stop without asking how it went (a failed test's cleanup): the descriptors
+        are closed, so that the mount can be unmounted."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        for fd in (self.rfd, self.wfd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.rfd = self.wfd = -1
 
     def check(self, written_file: Path) -> None:
         assert self.errors == []
@@ -274,13 +301,9 @@ class Load:
 
 
 def test_reader_and_writer_keep_their_descriptors_across_upgrades(
-        mount: Mount, record_property: Callable[[str, object], None]) -> None:
-    expected = (mount.source / "plain" / "big.bin").read_bytes() \
-        if mount.source != mount.mountpoint else None
-    if expected is None:  # in place: the source is under the mount; read it there once
-        expected = (mount.mountpoint / "plain" / "big.bin").read_bytes()
-    load = Load(mount.mountpoint / "plain" / "big.bin", mount.mountpoint / "plain" / "log.bin",
-                expected).start()
+        mount: Mount, start_load: Callable[[], Load],
+        record_property: Callable[[str, object], None]) -> None:
+    load = start_load()
     time.sleep(3)  # the longest call without a handover, for scale
     baseline, load.worst = load.worst, 0.0
     load.worst_by.clear()
@@ -337,10 +360,9 @@ def test_a_passed_through_open_keeps_its_backing_id_across_upgrades(mount: Mount
 
 @pytest.mark.parametrize("mode", ["wrong-protocol", "refuse", "vanish-at-prepare",
                                   "vanish-after-ready"])
-def test_a_refused_upgrade_leaves_the_old_daemon_serving(mount: Mount, mode: str) -> None:
-    expected = (mount.mountpoint / "plain" / "big.bin").read_bytes()
-    load = Load(mount.mountpoint / "plain" / "big.bin", mount.mountpoint / "plain" / "log.bin",
-                expected).start()
+def test_a_refused_upgrade_leaves_the_old_daemon_serving(
+        mount: Mount, start_load: Callable[[], Load], mode: str) -> None:
+    load = start_load()
     old = mount.current
     peer = subprocess.run([sys.executable, "-m", "tests.mount.upgrade_peer",
                            str(mount.handover_socket), mode], cwd=ROOT, capture_output=True,
