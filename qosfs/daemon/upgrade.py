@@ -43,6 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from qosfs.core.errors import EXIT_DAEMON, EXIT_MOUNTPOINT, QosfsError
+from qosfs.core.mountinfo import lies_within
 from qosfs.daemon import handover
 from qosfs.daemon.mount import (
     Daemon,
@@ -79,8 +80,9 @@ def adopt_mount(mountpoint: str, socket_path: str | None, foreground: bool,
     """Take the live mount at *mountpoint* over from the daemon serving it and serve it
     until unmounted, signalled or handed over again. QosfsError, with the old daemon
     serving on, if anything fails before commit."""
-    control = socket_path or control_socket_path(MountConfig("", mountpoint),
-                                                 os.path.realpath(mountpoint))
+    top = os.path.realpath(mountpoint)
+    close_inherited(top)
+    control = socket_path or control_socket_path(MountConfig("", mountpoint), top)
     path = handover_socket_path(os.path.abspath(control))
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
@@ -93,6 +95,25 @@ def adopt_mount(mountpoint: str, socket_path: str | None, foreground: bool,
         daemon, session = _prepare(sock, foreground)
         return serve_mount(daemon, lambda: _commit(sock, daemon, session), on_ready,
                            adopting=True)
+
+
+def close_inherited(top: str) -> None:
+    """Close what this process inherited open under the mount at *top* (a shell that
+    runs ``qosfs upgrade`` with a file of the mount open, a job's wrapper): the daemon
+    would hold its own mount open, which keeps ``fusermount3 -u`` from unmounting it and
+    makes it the server of its own FLUSH at exit. Standard input, output and error stay:
+    they are where a --foreground daemon logs. Nothing under the mount is asked: the
+    descriptors' paths are read from /proc."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd < 3:
+            continue
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # the listing's own descriptor, closed already
+        if lies_within(target, top):
+            os.close(fd)
 
 
 def _prepare(sock: socket.socket, foreground: bool) -> tuple[Daemon, handover.Session]:

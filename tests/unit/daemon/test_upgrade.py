@@ -125,3 +125,20 @@ def test_a_successor_of_another_protocol_is_refused_and_nothing_is_sent(
     record.expected = True  # type: ignore[attr-defined]
     assert reply.kind == "refused" and reply.fds == []
     assert "protocol" in reply.payload["reason"]
+
+
+def test_descriptors_inherited_under_the_mount_are_closed(tmp_path: Path) -> None:
+    from qosfs.daemon.upgrade import close_inherited
+
+    (tmp_path / "mnt").mkdir()
+    (tmp_path / "mnt" / "f").write_text("x")
+    (tmp_path / "other").write_text("y")
+    under = os.open(tmp_path / "mnt" / "f", os.O_RDONLY)
+    beside = os.open(tmp_path / "other", os.O_RDONLY)
+    try:
+        close_inherited(str(tmp_path / "mnt"))
+        with pytest.raises(OSError):
+            os.fstat(under)
+        os.fstat(beside)  # not under the mount: kept
+    finally:
+        os.close(beside)
