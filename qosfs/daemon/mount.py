@@ -241,6 +241,9 @@ class Daemon:
     # time.monotonic() when the predecessor stopped reading, while this process has not
     # started to (an adopted session); None otherwise.
     adopted_at: float | None = None
+    # Bucket balances to put in force when the event loop starts (QosEngine.
+    # export_balances): a predecessor's, or this process's previous loop's.
+    balances: list[list[Any]] | None = None
 
     @property
     def fuse_options(self) -> set[str]:
@@ -249,6 +252,17 @@ class Daemon:
     @property
     def config(self) -> MountConfig:
         return self.cfg
+
+    def restore_balances(self) -> None:
+        """Inside the event loop, before any request is read: put the carried bucket
+        balances in force (trio's clock differs per run, so they travel on
+        ``time.monotonic()``), so that a cap goes on from where it stood."""
+        if self.balances is None:
+            return
+        taken = self.engine.import_balances(self.balances,
+                                            trio.current_time() - time.monotonic())
+        self.balances = None
+        log.info("%d bucket balances carried over", taken)
 
 
 def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> int:
@@ -343,7 +357,8 @@ def serve_mount(daemon: Daemon, start: Callable[[], None],
                 signal.signal(signal.SIGHUP, signal.SIG_IGN)
                 trio.run(_serve, cfg, mountpoint, daemon.engine, on_ready, services,
                          daemon.latency, daemon.failures, ops.kernel_opens.log,
-                         offer.stopping if offer is not None else None, daemon.adopted_at)
+                         offer.stopping if offer is not None else None, daemon.adopted_at,
+                         daemon.restore_balances)
                 daemon.adopted_at = None
                 if offer is None or offer.successor is None:
                     unmounted_by_us = True
@@ -354,6 +369,7 @@ def serve_mount(daemon: Daemon, start: Callable[[], None],
                     break
                 offer.take_back()  # serving again, with the same tables
                 daemon.adopted_at = offer.stopped_at
+                daemon.balances = daemon.engine.export_balances(offer.to_monotonic)
                 services, offer = _services_after_adoption(daemon, stack)
                 on_ready = _notify_ready
         finally:
@@ -489,11 +505,12 @@ async def _serve(cfg: MountConfig, mountpoint: str, engine: QosEngine,
                  latency: LatencyLoop | None = None, failures: Failures | None = None,
                  after_init: Callable[[], None] | None = None,
                  handing_over: Callable[[], bool] | None = None,
-                 adopted_at: float | None = None) -> None:
+                 adopted_at: float | None = None,
+                 before_reading: Callable[[], None] | None = None) -> None:
     """Serve requests and the services until the session ends. *adopted_at*: the session
     was taken over from a process that stopped reading at that ``time.monotonic()``;
     requests wait in the kernel until this one reads, so it reads before the services
-    start, and says how long nobody read."""
+    start, and says how long nobody read. *before_reading* runs first, in the loop."""
     failures = failures if failures is not None else Failures()
     async with trio.open_nursery() as nursery:
 
@@ -506,6 +523,8 @@ async def _serve(cfg: MountConfig, mountpoint: str, engine: QosEngine,
                 _notify_stopping()  # the kernel ended the session (fusermount3 -u)
             nursery.cancel_scope.cancel()
 
+        if before_reading is not None:
+            before_reading()
         if adopted_at is not None:
             nursery.start_soon(serve_requests)
         nursery.start_soon(_watch_signals, engine, latency, failures)

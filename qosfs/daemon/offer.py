@@ -118,6 +118,7 @@ class HandoverOffer:
         self._pidfd = -1
         self._state: dict[str, int] = {}
         self.stopped_at = 0.0  # time.monotonic() when this process stopped reading
+        self.to_monotonic = 0.0  # time.monotonic() - trio.current_time() in this run
 
     @classmethod
     def open(cls, daemon: Served, control_path: str,
@@ -181,6 +182,7 @@ class HandoverOffer:
         if latency is not None:  # its canary must not be left waiting on the mount
             await latency.stop_probe()
         self.stopped_at = time.monotonic()
+        self.to_monotonic = self.stopped_at - trio.current_time()  # for the buckets' times
         self.successor = sock
         log.info("handing %s over to pid %d: no more requests read here",
                  self.daemon.mountpoint, self.successor_pid)
@@ -239,7 +241,8 @@ class HandoverOffer:
                 handover.send_message(sock, "fds", {}, fds[at:at + handover.MAX_FDS])
             handover.send_message(sock, "commit", {
                 "filesystem": tables, "fd_count": len(fds), "stopped_at": self.stopped_at,
-                "policy": policy_payload(daemon.engine)})
+                "policy": policy_payload(daemon.engine),
+                "balances": daemon.engine.export_balances(self.to_monotonic)})
             reply = handover.receive_message(sock)
             if reply.kind != "serving":
                 raise handover.HandoverError(f"successor answered {reply.kind}")

@@ -27,10 +27,12 @@ else), nothing it did can have been seen by the kernel but requests it never rea
 old daemon kills it, adopts its own session again with the tables it never changed,
 and serves on (:meth:`qosfs.daemon.offer.HandoverOffer.take_back`).
 
-What starts fresh in the successor: the latency controller's caps, the buckets' levels,
-the cluster leases, the control socket's connections and the metrics counters (a counter
-reset, which Prometheus' rate() takes as one). ``ctl status`` says which process and
-version serve and how many handovers the mount has had.
+The buckets' balances travel too (debt included, on ``time.monotonic()``), so a cap goes
+on from where it stood instead of from a full burst. What starts fresh in the successor:
+the latency controller's caps, the backend's dispatch tags, the cluster leases, the
+control socket's connections and the metrics counters (a counter reset, which
+Prometheus' rate() takes as one). ``ctl status`` says which process and version serve
+and how many handovers the mount has had.
 """
 
 from __future__ import annotations
@@ -182,5 +184,6 @@ def _commit(sock: socket.socket, daemon: Daemon, session: handover.Session) -> N
         daemon.engine.swap(policy)  # changed (ctl set) while we prepared
     handover.adopt(daemon.ops, session, daemon.mountpoint, daemon.fuse_options)
     daemon.adopted_at = float(payload["stopped_at"])  # CLOCK_MONOTONIC: one per system
+    daemon.balances = list(payload["balances"])  # put in force when the loop starts
     handover.send_message(sock, "serving", {})
     sock.close()  # the predecessor exits now

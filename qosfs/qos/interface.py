@@ -146,6 +146,12 @@ class QosEngine(Protocol):
         """The flow `flow_key` named, made if need be; where the key names what this
         engine's policy lacks, the flow an open of the default class would have."""
 
+    def export_balances(self, to_monotonic: float) -> list[list[Any]]:
+        """The buckets' balances, on ``time.monotonic()`` (a successor takes them over)."""
+
+    def import_balances(self, balances: list[list[Any]], to_trio: float) -> int:
+        """Put `export_balances`' figures in force, inside a trio run."""
+
     # -- observation and control (qosfs.control, qosfs.daemon) --------------------------
 
     @property
@@ -300,6 +306,12 @@ class PassThroughQos:
 
     def flow_from_key(self, key: Sequence[Any]) -> Flow:
         return self.flow
+
+    def export_balances(self, to_monotonic: float) -> list[list[Any]]:
+        return []  # nothing is capped
+
+    def import_balances(self, balances: list[list[Any]], to_trio: float) -> int:
+        return 0
 
     def swap(self, policy: Policy) -> None:
         raise PolicyError("this mount has no policy (mounted with --no-qos); remount with "

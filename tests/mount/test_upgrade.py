@@ -10,6 +10,9 @@ mountpoint and in place.
   handover for scale.
 - Kernel passthrough: an open the kernel reads itself keeps its backing id across
   handovers, and its release in a successor gives the id back.
+- A cap goes on from where it stood: a writer of a capped class, in debt, writes no more
+  across upgrades than the cap allows once (each successor starting from a full burst
+  would have let a burst more through per upgrade).
 - Refused halfway: a successor with another protocol, one that refuses, one that
   vanishes at prepare, and one that vanishes after it said ready (the old daemon has
   stopped reading by then, and takes its session back) all leave the old daemon serving
@@ -52,10 +55,15 @@ MiB = 1 << 20
 CHUNK = 256 * KiB
 DATA = 32 * MiB
 HANDOVERS = 20
+CAP = 8 * MiB  # the capped class's write bandwidth per second, and its burst
 POLICY = """
 [classes.data]
 paths = ["data/**"]
 passthrough = "reads"
+[classes.capped]
+paths = ["capped/**"]
+write_bandwidth = "8MiB/s"
+burst = "8MiB"
 """
 
 
@@ -172,6 +180,7 @@ def abort_connection(mountpoint: Path) -> None:
 def mount(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Mount]:
     src = tmp_path / "src"
     (src / "data").mkdir(parents=True)
+    (src / "capped").mkdir()
     (src / "plain").mkdir()
     (src / "plain" / "big.bin").write_bytes(os.urandom(DATA))
     (src / "plain" / "log.bin").write_bytes(b"")
@@ -356,6 +365,44 @@ def test_a_passed_through_open_keeps_its_backing_id_across_upgrades(mount: Mount
         os.close(fd)
     wait_for("the backing id to be released", lambda: mount.status()["passthrough"],
              until=lambda p: p["live_backing_ids"] == 0)
+
+
+def test_a_cap_goes_on_from_where_it_stood_across_upgrades(mount: Mount) -> None:
+    upgrades = 4
+    written = 0
+    done = threading.Event()
+    errors: list[OSError] = []
+
+    def write() -> None:
+        nonlocal written
+        block = b"c" * MiB
+        fd = os.open(mount.mountpoint / "capped" / "f.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            while not done.is_set():
+                written += os.write(fd, block)
+        except OSError as exc:
+            errors.append(exc)
+        finally:
+            os.close(fd)
+
+    writer = threading.Thread(target=write, daemon=True)
+    t0 = time.monotonic()
+    writer.start()
+    for _ in range(upgrades):
+        time.sleep(1.0)
+        mount.upgrade()
+    time.sleep(1.0)
+    done.set()
+    writer.join(timeout=30)
+    elapsed = time.monotonic() - t0
+    assert not writer.is_alive() and errors == []
+    allowed = CAP * elapsed + CAP + 2 * MiB  # the rate, one burst, the writes in flight
+    print(f"capped writer: {written / MiB:.0f} MiB in {elapsed:.1f} s across {upgrades} "
+          f"upgrades; the cap allows {allowed / MiB:.0f} MiB, a fresh burst per upgrade "
+          f"{(allowed + upgrades * CAP) / MiB:.0f}")
+    assert written <= allowed
+    assert written >= CAP * (elapsed - 1.5)  # and it was not held back either
+    assert "bucket balances carried over" in mount.current.log()
 
 
 @pytest.mark.parametrize("mode", ["wrong-protocol", "refuse", "vanish-at-prepare",

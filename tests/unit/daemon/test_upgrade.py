@@ -142,3 +142,35 @@ def test_descriptors_inherited_under_the_mount_are_closed(tmp_path: Path) -> Non
         os.fstat(beside)  # not under the mount: kept
     finally:
         os.close(beside)
+
+
+def test_bucket_balances_carry_debt_over_to_another_engine_and_event_loop() -> None:
+    """What commit sends and the successor's loop puts in force: a class in debt stays in
+    debt (trio's clock differs per run: the times travel on time.monotonic())."""
+    import time
+
+    import trio
+
+    from qosfs.qos.levels import Kind
+
+    policy = parse_policy('[classes.ckpt]\npaths = ["ckpt/**"]\n'
+                          'write_bandwidth = "1MiB/s"\nburst = "1MiB"\n')
+    old = PolicyQos(policy)
+
+    async def spend() -> list[list[Any]]:
+        old.classes["ckpt"].level.charge(Kind.WRITE, 3 * MiB, trio.current_time())
+        return old.export_balances(time.monotonic() - trio.current_time())
+
+    balances = json.loads(json.dumps(trio.run(spend)))
+    new = PolicyQos(policy)
+
+    async def take() -> tuple[int, float, float]:
+        now = trio.current_time()
+        fresh = new.classes["ckpt"].level.delay(Kind.WRITE, MiB, now)
+        taken = new.import_balances(balances, now - time.monotonic())
+        return taken, fresh, new.classes["ckpt"].level.delay(Kind.WRITE, MiB, now)
+
+    taken, fresh, delay = trio.run(take)
+    assert taken == 1
+    assert fresh == 0.0  # a full burst: what the successor had without the balances
+    assert 2.5 < delay <= 3.0  # 2 MiB of debt, then the 1 MiB asked, at 1 MiB/s
