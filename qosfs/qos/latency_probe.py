@@ -22,10 +22,10 @@ while a storm made a small-file loader's cold reads wait on the disk. Judged on 
 trip instead, a passthrough reader looked slow whenever checkpoint writes filled the
 daemon's queue -- which its reads never enter -- and the storm was cut to its floor for
 nothing (``python -m bench demo``: checkpoints kept 15-18% of their capped rate with the
-reader at 98-103% of its solo rate). The file is named by ``/proc/<daemon>/fd/<fd>``: opening that link reaches the
-backing file itself, also when the mount sits on top of its source, and the canary checks
-the device and inode it was told so a descriptor number the daemon reused in between is
-never measured.
+reader at 98-103% of its solo rate). The file is named by ``/proc/<daemon>/fd/<fd>``:
+opening that link reaches the backing file itself, also when the mount sits on top of its
+source, and the canary checks the device and inode it was told so a descriptor number the
+daemon reused in between is never measured.
 
 The canary is a separate process (``python -m qosfs.qos.latency_probe MOUNTPOINT INTERVAL``)
 that reports each round trip in nanoseconds on its stdout. A thread inside the daemon
