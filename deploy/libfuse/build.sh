@@ -42,6 +42,10 @@
 #   Two more on top, each for upstream on its own (README.md says why):
 #   pyfuse3-no-splice-read.patch stops libfuse's pipe churn before every request;
 #   pyfuse3-read-queued.patch reads a queued request without waiting for readiness.
+# - libfuse-session-adopt.patch, applied to the source build only (README.md, "Live
+#   handover"): a new process can serve a mounted, initialised connection without INIT;
+#   pyfuse3-adopt.patch exposes it. Against the system's libfuse pyfuse3 still builds,
+#   and reports ADOPT_SUPPORTED = False.
 set -eu
 
 build=$(realpath -m "${2:-build/libfuse}")
@@ -61,7 +65,8 @@ case $what in
 esac
 here=$(cd "$(dirname "$0")" && pwd)
 patch_file=$here/pyfuse3-passthrough.patch
-more_patches="$here/pyfuse3-no-splice-read.patch $here/pyfuse3-read-queued.patch"
+more_patches="$here/pyfuse3-no-splice-read.patch $here/pyfuse3-read-queued.patch $here/pyfuse3-adopt.patch"
+libfuse_patch=$here/libfuse-session-adopt.patch
 
 LIBFUSE_DEB_VERSION=${LIBFUSE_DEB_VERSION:-3.18.3-1}
 LIBFUSE_MIN=3.17.3
@@ -91,7 +96,8 @@ step() {
 if pkg-config --atleast-version=$LIBFUSE_MIN fuse3 2>/dev/null; then
     source_kind="system libfuse $(pkg-config --modversion fuse3)"
 else
-    source_kind="Debian fuse3 $LIBFUSE_DEB_VERSION"
+    source_kind="Debian fuse3 $LIBFUSE_DEB_VERSION + $(basename "$libfuse_patch" .patch)"
+    source_kind="$source_kind $(sha256sum "$libfuse_patch" | cut -c1-16)"
 fi
 patch_sum=$(cat "$patch_file" $more_patches | sha256sum | cut -c1-16)
 script_sum=$(sha256sum "$0" | cut -c1-16)
@@ -137,6 +143,7 @@ build_library() {
     srcdir=$build/src/fuse3-$upstream
     rm -rf "$srcdir"
     (cd "$build/src" && step "dpkg-source -x" dpkg-source -x "fuse3_${LIBFUSE_DEB_VERSION}.dsc")
+    step "patch libfuse ($(basename "$libfuse_patch"))" patch -d "$srcdir" -p1 -i "$libfuse_patch"
     rm -rf "$bld"
     step "meson setup" env PATH="$tools/bin:$PATH" "$tools/bin/meson" setup "$bld" "$srcdir" \
         --prefix="$prefix" --libdir=lib --bindir=/usr/bin --buildtype=release \

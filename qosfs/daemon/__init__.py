@@ -9,6 +9,8 @@ import every other.
 - ``notify``: telling systemd the daemon's state, without libsystemd.
 - ``tuning``: the FUSE connection's kernel-side knobs, set through sysfs.
 - ``privileges``: root's resource privileges, kept from the users it serves.
+- ``handover``: a successor process serving the live mount (the FUSE descriptor, the
+  state negotiated at INIT, FUSE_NOTIFY_RESEND), over deploy/libfuse's adopt patches.
 
 This file only describes the layer: import names from the module that defines them.
 """
