@@ -222,8 +222,13 @@ def format_levels(reply: dict[str, Any]) -> list[str]:
 
 
 def format_header(reply: dict[str, Any]) -> list[str]:
+    served = f"pid {reply.get('pid', '?')}"
+    if "version" in reply:  # which code serves: a handover (qosfs upgrade) may change it
+        served += f", qosfs {reply['version']}"
+    if "handovers" in reply:
+        served += f", {reply['handovers']} handover{'s' * (reply['handovers'] != 1)}"
     lines = [f"qosfs {reply.get('source', '?')} on {reply.get('mountpoint', '?')} "
-             f"(pid {reply.get('pid', '?')}, up {human_seconds(reply.get('uptime_seconds'))})"]
+             f"({served}, up {human_seconds(reply.get('uptime_seconds'))})"]
     if reply.get("qos"):
         applied = sum(c["count"] for c in reply.get("changes", []) if c["result"] == "applied")
         rejected = sum(c["count"] for c in reply.get("changes", [])

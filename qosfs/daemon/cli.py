@@ -1,4 +1,4 @@
-"""Command line: ``qosfs mount | check | policy | plan | ctl | top | explain``.
+"""Command line: ``qosfs mount | upgrade | check | policy | plan | ctl | top | explain``.
 
 ``main(argv) -> int`` never raises for a user mistake: it prints one line naming what is
 wrong and returns a distinct exit code (see :mod:`qosfs.core.errors`); ``--debug`` adds the
@@ -87,6 +87,22 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="accept a source that is (inside) a qosfs mount: every request is "
                         "then throttled by both mounts")
     m.set_defaults(func=_cmd_mount)
+
+    u = sub.add_parser(
+        "upgrade", help="hand a live mount over to a new daemon process (this qosfs)",
+        description="Start a new daemon that takes the mount at MOUNTPOINT over from the "
+        "one serving it, without unmounting: open files, node ids, the policy in force "
+        "and the caps carry on, and the old daemon exits once the new one serves. Run it "
+        "after installing a new qosfs; a successor that cannot take over says why and "
+        "the old daemon serves on. Returns once the new daemon serves (--foreground: "
+        "serves in this process).")
+    u.add_argument("mountpoint")
+    u.add_argument("--socket", metavar="PATH",
+                   help="the mount's control socket, if it was mounted with --socket "
+                        "(the handover socket is beside it)")
+    u.add_argument("--foreground", "-f", action="store_true", help="do not daemonize")
+    u.add_argument("--log-file", help="log here instead of syslog when daemonized")
+    u.set_defaults(func=_cmd_upgrade)
 
     ctl.add_parser(sub)
     top.add_parser(sub)
@@ -221,6 +237,19 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         return run_mount(cfg)
     setup_logging(args.debug, daemon=True, log_file=args.log_file)
     return daemonize_and_mount(cfg)
+
+
+def _cmd_upgrade(args: argparse.Namespace) -> int:
+    import functools
+
+    from qosfs.daemon.mount import daemonize
+    from qosfs.daemon.upgrade import adopt_mount
+
+    socket_path = os.path.abspath(args.socket) if args.socket else None
+    setup_logging(args.debug, daemon=not args.foreground, log_file=args.log_file)
+    if args.foreground:
+        return adopt_mount(args.mountpoint, socket_path, True)
+    return daemonize(functools.partial(adopt_mount, args.mountpoint, socket_path, False))
 
 
 def _cmd_check(args: argparse.Namespace) -> int:

@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ from qosfs.core.failures import Failures
 from qosfs.core.mountinfo import lies_within, mounts
 from qosfs.daemon import tuning
 from qosfs.daemon.notify import notify, reloading
+from qosfs.daemon.offer import HandoverOffer, daemon_version
 from qosfs.daemon.privileges import shed_resource_privileges
 from qosfs.daemon.supervise import Service, supervised
 from qosfs.daemon.topology import QOSFS_FSTYPE, check_before_stat, check_topology
@@ -62,7 +64,7 @@ from qosfs.passthrough.backing_io import BackingIO, IoMode, backing_mount, choos
 from qosfs.passthrough.kernel import stack_depth
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import default_policy, load_policy
-from qosfs.policy.model import ClassRule, passthrough_blocker
+from qosfs.policy.model import ClassRule, Policy, passthrough_blocker
 from qosfs.qos.cluster import ClusterCoordinator
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.interface import PassThroughQos, QosEngine
@@ -219,11 +221,72 @@ def _fuse_options(cfg: MountConfig, backing_options: frozenset[str]) -> set[str]
     return opts
 
 
+@dataclass
+class Daemon:
+    """What serves one mount, built before the session starts (`build_daemon`): the
+    first process of a mount builds it in `run_mount`, a successor in
+    :func:`qosfs.daemon.upgrade.adopt_mount` from what its predecessor sent."""
+
+    cfg: MountConfig
+    mountpoint: str  # resolved: never resolved again once served
+    root_fd: int
+    engine: QosEngine
+    policy_engine: PolicyQos | None
+    ops: PassthroughOperations
+    latency: LatencyLoop | None
+    cluster: ClusterCoordinator | None
+    failures: Failures
+    backing_options: frozenset[str]
+    handovers: int = 0  # how many times the mount changed process before this one
+    # time.monotonic() when the predecessor stopped reading, while this process has not
+    # started to (an adopted session); None otherwise.
+    adopted_at: float | None = None
+    # Bucket balances to put in force when the event loop starts (QosEngine.
+    # export_balances): a predecessor's, or this process's previous loop's.
+    balances: list[list[Any]] | None = None
+
+    @property
+    def fuse_options(self) -> set[str]:
+        return _fuse_options(self.cfg, self.backing_options)
+
+    @property
+    def config(self) -> MountConfig:
+        return self.cfg
+
+    def restore_balances(self) -> None:
+        """Inside the event loop, before any request is read: put the carried bucket
+        balances in force (trio's clock differs per run, so they travel on
+        ``time.monotonic()``), so that a cap goes on from where it stood."""
+        if self.balances is None:
+            return
+        taken = self.engine.import_balances(self.balances,
+                                            trio.current_time() - time.monotonic())
+        self.balances = None
+        log.info("%d bucket balances carried over", taken)
+
+
 def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> int:
-    """Mount and serve until unmounted or signalled. Returns the exit code."""
+    """Mount and serve until unmounted, signalled or handed over. Returns the exit code."""
     check_mount_args(cfg.source, cfg.mountpoint, cfg.allow_stacked)
     policy = load_policy(cfg.policy_path) if cfg.policy_path else default_policy()
     root_fd = os.open(cfg.source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    daemon = build_daemon(cfg, policy if cfg.qos else None, root_fd,
+                          os.path.realpath(cfg.mountpoint))  # resolved before we serve it
+
+    def start() -> None:
+        try:
+            pyfuse3.init(daemon.ops, daemon.mountpoint, daemon.fuse_options)
+        except RuntimeError as exc:
+            raise QosfsError(f"mounting {daemon.mountpoint} failed: {exc}", EXIT_FUSE) from None
+
+    return serve_mount(daemon, start, on_ready)
+
+
+def build_daemon(cfg: MountConfig, policy: Policy | None, root_fd: int,
+                 mountpoint: str) -> Daemon:
+    """Everything that serves the mount, built on the source's open root *root_fd* with
+    *policy* (None: --no-qos), before any session: the engine, the operations, the
+    latency controller. Changes the process: its descriptor limit, privileges, umask."""
     fstype, backing_options = backing_mount(root_fd)
     if cfg.io_mode == "auto":
         mode = choose_io_mode(fstype)
@@ -239,16 +302,16 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
     # Cluster-scoped levels are built by the coordinator, which renews their grants with
     # the [cluster] Redis; the mount is a node named by host and mountpoint.
     cluster = None
-    if cfg.qos and policy.cluster is not None:
-        node = f"{socket.gethostname()}:{os.path.realpath(cfg.mountpoint)}"
+    if policy is not None and policy.cluster is not None:
+        node = f"{socket.gethostname()}:{mountpoint}"
         cluster = ClusterCoordinator(policy.cluster, node)
     # The one place that knows which engine it built: everything after it holds a
     # QosEngine, except the latency controller, which only a policy has use for. Parked
     # requests of killed callers are answered at once (qosfs.passthrough.interrupts).
     policy_engine = (PolicyQos(policy, level_factory=cluster or local_level,
-                               callers=interrupts.WATCH) if cfg.qos else None)
+                               callers=interrupts.WATCH) if policy is not None else None)
     engine: QosEngine = policy_engine if policy_engine is not None else PassThroughQos()
-    if cfg.qos:
+    if policy is not None:
         interrupts.install()
     # Unexpected failures of handlers and services, answered and counted, not fatal.
     failures = Failures()
@@ -257,33 +320,97 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
     # Kernel passthrough is negotiated at INIT, once per mount: asked for only if the
     # policy in force now wants it (a later policy cannot add it; ctl status says so).
     _request_passthrough(cfg, ops, engine, fstype)
-    mountpoint = os.path.realpath(cfg.mountpoint)  # resolved before we serve it
     latency = (LatencyLoop(policy_engine, LatencyProbe(mountpoint, ops.probe_tids),
                            reads_bypass=_reads_bypass(ops, policy_engine),
                            backing_file=ops.kernel_opens.recent_file)
                if policy_engine is not None else None)
+    return Daemon(cfg, mountpoint, root_fd, engine, policy_engine, ops, latency, cluster,
+                  failures, backing_options)
+
+
+def serve_mount(daemon: Daemon, start: Callable[[], None],
+                on_ready: Callable[[], None] | None = None, adopting: bool = False) -> int:
+    """Serve *daemon*'s mount: bind the services, *start* the session (``pyfuse3.init``),
+    serve until unmounted, signalled or handed over to a successor
+    (:mod:`qosfs.daemon.upgrade`), then close what the process holds. A successor that
+    fails after this process stopped reading gives the session back here
+    (`upgrade.HandoverOffer.take_back`), and serving goes on.
+
+    *adopting*: *start* takes the session over from a predecessor, which holds the
+    control socket and the metrics port until then: they are bound after it, and a
+    failure to bind them is logged, not fatal (nobody else serves the mount by then).
+    """
+    cfg, mountpoint, ops = daemon.cfg, daemon.mountpoint, daemon.ops
+    handed_over = False
     with ExitStack() as stack:
-        services = _open_services(cfg, mountpoint, engine, stack, latency, ops.resources,
-                                  cluster)
-        try:
-            pyfuse3.init(ops, mountpoint, _fuse_options(cfg, backing_options))
-        except RuntimeError as exc:
-            raise QosfsError(f"mounting {mountpoint} failed: {exc}", EXIT_FUSE) from None
+        if adopting:
+            start()  # a failure here leaves the mount alone: the predecessor takes it back
+            services, offer = _services_after_adoption(daemon, stack)
+        else:
+            services, offer = _services(daemon, stack)
+            start()
         unmounted_by_us = False
         try:
-            # SIGHUP reloads while the control service listens; ignored, not fatal, in
-            # the pause before that service is restarted after a failure.
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)
-            trio.run(_serve, cfg, mountpoint, engine, on_ready, services, latency, failures,
-                     ops.kernel_opens.log)
-            unmounted_by_us = True
+            while True:
+                # SIGHUP reloads while the control service listens; ignored, not fatal,
+                # in the pause before that service is restarted after a failure.
+                signal.signal(signal.SIGHUP, signal.SIG_IGN)
+                trio.run(_serve, cfg, mountpoint, daemon.engine, on_ready, services,
+                         daemon.latency, daemon.failures, ops.kernel_opens.log,
+                         offer.stopping if offer is not None else None, daemon.adopted_at,
+                         daemon.restore_balances)
+                daemon.adopted_at = None
+                if offer is None or offer.successor is None:
+                    unmounted_by_us = True
+                    break
+                stack.close()  # the sockets go first: the successor binds them anew
+                if offer.commit():
+                    handed_over = True
+                    break
+                offer.take_back()  # serving again, with the same tables
+                daemon.adopted_at = offer.stopped_at
+                daemon.balances = daemon.engine.export_balances(offer.to_monotonic)
+                services, offer = _services_after_adoption(daemon, stack)
+                on_ready = _notify_ready
         finally:
-            still_mounted = mount_type(mountpoint) == QOSFS_FSTYPE
+            still_mounted = not handed_over and mount_type(mountpoint) == QOSFS_FSTYPE
             pyfuse3.close(unmount=still_mounted)
             ops.close_all()
-            log.info("unmounted %s (%s)", mountpoint,
-                     "clean" if unmounted_by_us else "after an error")
+            if handed_over:
+                log.info("%s handed over; this process exits", mountpoint)
+            else:
+                log.info("unmounted %s (%s)", mountpoint,
+                         "clean" if unmounted_by_us else "after an error")
     return 0
+
+
+def _services(daemon: Daemon,
+              stack: ExitStack) -> tuple[list[tuple[str, Service]], HandoverOffer | None]:
+    """Bind the control socket, the metrics port and the handover socket."""
+    services = open_services(daemon, stack)
+    offer = HandoverOffer.open(daemon, control_socket_path(daemon.cfg, daemon.mountpoint),
+                               stack)
+    if offer is not None:
+        services.append(("handover", offer.serve))
+    return services, offer
+
+
+def _services_after_adoption(
+        daemon: Daemon,
+        stack: ExitStack) -> tuple[list[tuple[str, Service]], HandoverOffer | None]:
+    """`_services` for a process that serves already: without the ones that cannot be
+    bound (said in the log; the mount is what must not stop)."""
+    try:
+        return _services(daemon, stack)
+    except QosfsError as exc:
+        log.error("serving %s without its control socket and metrics: %s",
+                  daemon.mountpoint, exc)
+        return [], None
+
+
+def control_socket_path(cfg: MountConfig, mountpoint: str) -> str:
+    """Where the mount's control socket is: --socket, or derived from the mountpoint."""
+    return os.path.abspath(cfg.socket_path or default_socket_path(mountpoint))
 
 
 def _reads_bypass(ops: PassthroughOperations,
@@ -317,14 +444,29 @@ def _request_passthrough(cfg: MountConfig, ops: PassthroughOperations, engine: Q
         ops.kernel_opens.request(ops, stack_depth(fstype))
 
 
+def open_services(daemon: Daemon, stack: ExitStack) -> list[tuple[str, Service]]:
+    """Bind the control socket (and metrics port) now; closed when ``stack`` unwinds."""
+    return _open_services(daemon.cfg, daemon.mountpoint, daemon.engine, stack,
+                          daemon.latency, daemon.ops.resources, daemon.cluster,
+                          _daemon_info(daemon))
+
+
+def _daemon_info(daemon: Daemon) -> Callable[[], dict[str, Any]]:
+    """Which process and code serve the mount, for ``ctl status``."""
+    version = daemon_version()
+    return lambda: {"version": version, "handovers": daemon.handovers}
+
+
 def _open_services(cfg: MountConfig, mountpoint: str, engine: QosEngine,
                    stack: ExitStack,
                    latency: LatencyLoop | None = None,
                    resources: Callable[[], dict[str, Any]] | None = None,
-                   cluster: ClusterCoordinator | None = None) -> list[tuple[str, Service]]:
+                   cluster: ClusterCoordinator | None = None,
+                   identity: Callable[[], dict[str, Any]] | None = None,
+                   ) -> list[tuple[str, Service]]:
     """Bind the control socket (and metrics port) now; closed when ``stack`` unwinds."""
     source = os.path.abspath(cfg.source)
-    path = os.path.abspath(cfg.socket_path or default_socket_path(mountpoint))
+    path = control_socket_path(cfg, mountpoint)
     admin_gid = engine.policy.control.admin_gid if engine.policy is not None else None
     control = ControlSocket(path, admin_gid)
     stack.callback(control.close)
@@ -336,6 +478,8 @@ def _open_services(cfg: MountConfig, mountpoint: str, engine: QosEngine,
     controller.reloading = functools.partial(_notify_reloading, controller)
     if resources is not None:
         controller.info_sources.append(resources)
+    if identity is not None:
+        controller.info_sources.append(identity)
     # Named as ctl status counts their failures (qosfs.daemon.supervise).
     services: list[tuple[str, Service]] = [
         ("control", controller.run),
@@ -359,16 +503,36 @@ async def _serve(cfg: MountConfig, mountpoint: str, engine: QosEngine,
                  on_ready: Callable[[], None] | None,
                  services: Sequence[tuple[str, Service]] = (),
                  latency: LatencyLoop | None = None, failures: Failures | None = None,
-                 after_init: Callable[[], None] | None = None) -> None:
+                 after_init: Callable[[], None] | None = None,
+                 handing_over: Callable[[], bool] | None = None,
+                 adopted_at: float | None = None,
+                 before_reading: Callable[[], None] | None = None) -> None:
+    """Serve requests and the services until the session ends. *adopted_at*: the session
+    was taken over from a process that stopped reading at that ``time.monotonic()``;
+    requests wait in the kernel until this one reads, so it reads before the services
+    start, and says how long nobody read. *before_reading* runs first, in the loop."""
     failures = failures if failures is not None else Failures()
     async with trio.open_nursery() as nursery:
+
+        async def serve_requests() -> None:
+            if adopted_at is not None:
+                log.info("adopted %s: %.1f ms without a reader of /dev/fuse", mountpoint,
+                         (time.monotonic() - adopted_at) * 1000)
+            await pyfuse3.main(min_tasks=MIN_TASKS, max_tasks=MAX_TASKS)
+            if handing_over is None or not handing_over():
+                _notify_stopping()  # the kernel ended the session (fusermount3 -u)
+            nursery.cancel_scope.cancel()
+
+        if before_reading is not None:
+            before_reading()
+        if adopted_at is not None:
+            nursery.start_soon(serve_requests)
         nursery.start_soon(_watch_signals, engine, latency, failures)
         for name, service in services:  # already bound: "started" means "answering"
             await nursery.start(supervised, name, service, failures)
         nursery.start_soon(_become_ready, cfg, mountpoint, on_ready, failures, after_init)
-        await pyfuse3.main(min_tasks=MIN_TASKS, max_tasks=MAX_TASKS)
-        _notify_stopping()  # the kernel ended the session (fusermount3 -u)
-        nursery.cancel_scope.cancel()
+        if adopted_at is None:
+            await serve_requests()
 
 
 async def _become_ready(cfg: MountConfig, mountpoint: str,
@@ -454,6 +618,12 @@ async def _drain(engine: QosEngine) -> bool:
 
 def daemonize_and_mount(cfg: MountConfig) -> int:
     """Fork; the parent returns 0 once the child's mount answers, or the child's error."""
+    return daemonize(functools.partial(run_mount, cfg))
+
+
+def daemonize(serve: Callable[[Callable[[], None]], int]) -> int:
+    """Fork; the child runs ``serve(on_ready)``, the parent returns 0 once the child
+    called on_ready (its mount answers), or the child's error."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid:
@@ -479,7 +649,7 @@ def daemonize_and_mount(cfg: MountConfig) -> int:
         _detach_stdio()
 
     try:
-        code = run_mount(cfg, on_ready=ready)
+        code = serve(ready)
     except QosfsError as exc:
         if not to_parent.closed:
             to_parent.write(f"ERR {exc}\n".encode())

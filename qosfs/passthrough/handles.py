@@ -1,8 +1,9 @@
 """Open files and directories: what a FUSE file handle stands for.
 
 Everything a read or write needs is resolved at open and kept here, so the hot path is a
-dict lookup and an attribute read (an open the kernel passes through keeps its handle
-for release, fsync and setattr, but no read or write of it reaches the daemon): the
+dict lookup (by the ``fh`` the kernel was given) and an attribute read (an open the
+kernel passes through keeps its handle for release, fsync and setattr, but no read or
+write of it reaches the daemon): the
 backing descriptor (one per open, never shared, because the open's flags matter),
 whether it was opened ``O_DIRECT`` and the alignment that asks for, and the open's QoS
 charge (:class:`qosfs.qos.charge.OpenCharge`: the flow its requests are admitted by, and
@@ -21,7 +22,13 @@ from qosfs.qos.charge import OpenCharge
 
 @dataclass(slots=True, eq=False)
 class FileHandle:
-    """An open regular file. The FUSE ``fh`` is the backing descriptor number."""
+    """An open regular file.
+
+    ``fh`` is what the kernel knows the open by, a number the operations hand out in
+    sequence and never reuse while the process lives, not the backing descriptor's number:
+    a successor process (``qosfs upgrade``) must answer the kernel's ``fh``
+    with descriptors it received under other numbers, and a number of its own must never
+    collide with one the kernel still holds from the predecessor."""
 
     fd: int
     direct: bool  # backing fd has O_DIRECT: buffers must be aligned
@@ -40,6 +47,7 @@ class FileHandle:
     # PASSED_THROUGH (the kernel reads and writes the backing file itself: no READ or
     # WRITE of this handle ever reaches the daemon; its release gives the backing id back).
     kernel: int = 0
+    fh: int = -1  # the kernel's file handle (the operations' files table key)
 
 
 # FileHandle.kernel
@@ -55,6 +63,7 @@ class DirHandle:
     names: list[bytes] = field(default_factory=list)
     listed: bool = False
     owner: int = -1  # the uid whose OpenQuota it counts against (-1: none)
+    fh: int = -1  # the kernel's handle of the listing (the operations' dirs table key)
 
 
 class OpenQuota:
@@ -85,6 +94,12 @@ class OpenQuota:
             raise OSError(errno.ENFILE, os.strerror(errno.ENFILE))
         self._by_uid[uid] = held + 1
         return uid
+
+    def adopt(self, owner: int) -> None:
+        """Count an open a predecessor process made for *owner* (-1: none), past the
+        share if need be: it is open already, refusing it now would help nobody."""
+        if owner >= 0:
+            self._by_uid[owner] = self._by_uid.get(owner, 0) + 1
 
     def release(self, owner: int) -> None:
         if owner < 0:

@@ -54,6 +54,7 @@ import logging
 import os
 import resource
 import stat
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import pyfuse3
@@ -453,6 +454,97 @@ class InodeTable:
             del self._by_key[inode.key]
         inode.stale = True
         self._let_go(inode)
+
+    # ----------------------------------------------------------------- handover
+
+    def export_state(self, fds: list[int],
+                     also: Iterable[Inode] = ()) -> tuple[dict[str, Any], dict[int, int]]:
+        """The table as plain data, for a successor process that serves the same kernel
+        connection (:mod:`qosfs.passthrough.transfer`): every inode the kernel holds a
+        node id of, every inode those name as their parent or entry (a directory the kernel
+        forgot included) and the inodes of *also* (open files' and directories'), each
+        with its lookup count and what reopens it: its file handle, or its (parent, name).
+        A cached descriptor is appended to *fds* (they travel by SCM_RIGHTS) and its
+        record names its index. Returns the payload and, by ``id(inode)``, each inode's
+        record index. Nothing is closed or changed here: refused, the handover leaves the
+        table serving as it was."""
+        index: dict[int, int] = {}
+        order: list[Inode] = []
+
+        def ref(inode: Inode | None) -> int:
+            if inode is None:
+                return -1
+            at = index.get(id(inode))
+            if at is None:
+                at = index[id(inode)] = len(order)
+                order.append(inode)
+            return at
+
+        ref(self.root)  # record 0: the successor's own root (the root descriptor travels apart)
+        for inode in (*self._by_id.values(), *self._by_key.values(), *also):
+            ref(inode)
+        records: list[dict[str, Any]] = []
+        at = 0
+        while at < len(order):  # ref() appends the parents and entries it meets
+            inode = order[at]
+            at += 1
+            entry = inode.entry
+            fd, pinned = -1, False
+            if inode is not self.root and inode.cached_fd >= 0:
+                fd, pinned = len(fds), inode.slot < 0
+                fds.append(inode.cached_fd)
+            records.append({
+                "nodeid": inode.nodeid, "key": list(inode.key), "lookups": inode.lookups,
+                "handle": None if inode.handle is None else inode.handle.hex(),
+                "handle_due": inode.handle_due,
+                "entry": None if entry is None else [ref(entry[0]), entry[1].hex()],
+                "parent": ref(inode.parent), "stale": inode.stale,
+                "known": self._by_id.get(inode.nodeid) is inode,
+                "keyed": self._by_key.get(inode.key) is inode,
+                "cache_stamp": None if inode.cache_stamp is None else list(inode.cache_stamp),
+                "fd": fd, "pinned": pinned,
+            })
+        return {"records": records, "next_synthetic": self._next_synthetic,
+                "reopens": self.reopens}, index
+
+    def import_state(self, state: dict[str, Any], fds: Sequence[int]) -> list[Inode]:
+        """Take over a predecessor's table (`export_state`'s payload, the descriptors it
+        names received as *fds*, owned from here on); returns the inodes by record index.
+        The table must be new: record 0 is its root."""
+        records = state["records"]
+        nodes: list[Inode] = [self.root]
+        for rec in records[1:]:
+            handle = rec["handle"]
+            nodes.append(Inode(self, int(rec["nodeid"]), (int(rec["key"][0]),
+                               int(rec["key"][1])), int(rec["lookups"]),
+                               None if handle is None else bytes.fromhex(handle), -1))
+        for inode, rec in zip(nodes, records, strict=True):
+            if inode is not self.root:
+                inode.handle_due = bool(rec["handle_due"])
+                inode.stale = bool(rec["stale"])
+                entry = rec["entry"]
+                inode.entry = None if entry is None else (nodes[entry[0]],
+                                                          bytes.fromhex(entry[1]))
+                stamp = rec["cache_stamp"]
+                inode.cache_stamp = None if stamp is None else (int(stamp[0]), int(stamp[1]),
+                                                                int(stamp[2]))
+                if rec["known"]:
+                    self._by_id[inode.nodeid] = inode
+                if rec["keyed"]:
+                    self._by_key[inode.key] = inode
+            parent = rec["parent"]
+            inode.parent = None if parent < 0 else nodes[parent]
+            inode.lookups = int(rec["lookups"])
+            if rec["fd"] >= 0:
+                fd = fds[rec["fd"]]
+                if rec["pinned"]:
+                    inode.cached_fd = fd
+                    self.pinned += 1
+                else:
+                    self.cache.put(inode, fd)
+        self._next_synthetic = max(self._next_synthetic, int(state["next_synthetic"]))
+        self.reopens += int(state["reopens"])
+        return nodes
 
     def close_all(self) -> None:
         """Close every descriptor (after unmount, when the kernel will send no more forgets)."""

@@ -232,6 +232,24 @@ class KernelPassthrough:
         entry = self._ids.get(inode)
         return None if entry is None else entry[0]
 
+    def export_state(self) -> dict[str, Any]:
+        """The backing ids and counts as plain data, for a successor process serving the
+        same connection: the kernel keeps backing ids per connection, not per
+        descriptor, so they stay valid there (and are released there, by the last open)."""
+        return {"ids": [[inode, entry[0], entry[1]] for inode, entry in self._ids.items()],
+                "plain": [[inode, n] for inode, n in self._plain.items()],
+                "declined": self._declined, "registered": self._registered,
+                "refused": self._refused, "last_refusal": self._last_refusal}
+
+    def import_state(self, state: dict[str, Any]) -> None:
+        """Take over a predecessor's backing ids and counts (`export_state`)."""
+        self._ids = {int(i): [int(b), int(n)] for i, b, n in state["ids"]}
+        self._plain = {int(i): int(n) for i, n in state["plain"]}
+        self._declined = int(state["declined"])
+        self._registered = int(state["registered"])
+        self._refused = int(state["refused"])
+        self._last_refusal = state["last_refusal"]
+
     def statistics(self) -> PassthroughStats:
         return PassthroughStats(live=len(self._ids), registered=self._registered,
                                 refused=self._refused, last_refusal=self._last_refusal,

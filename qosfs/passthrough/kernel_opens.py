@@ -110,6 +110,32 @@ class KernelOpens:
                 "uncapped_read_opens": dict(self._uncapped_reads),
                 "uncapped_write_opens": dict(self._uncapped_writes)}
 
+    # ----------------------------------------------------------------- handover
+
+    def export_state(self) -> dict[str, Any]:
+        """What a successor process serving the same connection needs (plain data): on
+        or off and why, the backing ids and counts, and the recent open of each class by
+        its fh (:mod:`qosfs.passthrough.transfer`)."""
+        return {"on": self.on, "off_reason": self._off_reason,
+                "stack_depth": self._stack_depth, "opens": dict(self._opens),
+                "uncapped_reads": dict(self._uncapped_reads),
+                "uncapped_writes": dict(self._uncapped_writes),
+                "recent": {name: handle.fh for name, handle in self._recent.items()},
+                "kernel": self.kernel.export_state()}
+
+    def import_state(self, state: dict[str, Any]) -> None:
+        """Take over a predecessor's state (`export_state`), once the operations' files
+        table holds the handles it refers to by fh."""
+        self.on = bool(state["on"])
+        self._off_reason = str(state["off_reason"])
+        self._stack_depth = int(state["stack_depth"])
+        self._opens = {str(k): int(v) for k, v in state["opens"].items()}
+        self._uncapped_reads = {str(k): int(v) for k, v in state["uncapped_reads"].items()}
+        self._uncapped_writes = {str(k): int(v) for k, v in state["uncapped_writes"].items()}
+        self._recent = {str(name): self._files[int(fh)] for name, fh in state["recent"].items()
+                        if int(fh) in self._files}
+        self.kernel.import_state(state["kernel"])
+
     # ----------------------------------------------------------------- opens
 
     def open(self, handle: FileHandle, read_only: bool) -> pyfuse3.FileInfo | None:
@@ -149,7 +175,7 @@ class KernelOpens:
         self._recent[name] = handle  # one dict store per open, for recent_file
         if joined:
             self._joined(name, read_only)
-        info = pyfuse3.FileInfo(fh=handle.fd)
+        info = pyfuse3.FileInfo(fh=handle.fh)
         binding.attach(info, backing_id)
         return info
 
@@ -172,12 +198,12 @@ class KernelOpens:
         still open is not looked for). A daemon-served open is never the answer.
 
         Still open means the operations' table still holds this very handle under its
-        descriptor: the release takes it out before the descriptor is closed, and a new
-        open that reuses the number is another handle. O(1), and nothing per read."""
+        fh: the release takes it out before the descriptor is closed. O(1), and nothing
+        per read."""
         handle = self._recent.get(class_name)
         if handle is None:
             return None
-        if self._files.get(handle.fd) is not handle:
+        if self._files.get(handle.fh) is not handle:
             del self._recent[class_name]  # released: do not keep its inode and charge alive
             return None
         return handle.fd

@@ -145,8 +145,12 @@ class PassthroughOperations(pyfuse3.Operations):
         self.io = io
         self.qos = qos
         self.options = options
+        # Open files and directories by the fh the kernel was given: a sequence number,
+        # not the backing descriptor (qosfs.passthrough.handles says why); the hot path's
+        # cost is the same dict lookup by an int.
         self.files: dict[int, FileHandle] = {}
         self.dirs: dict[int, DirHandle] = {}
+        self.next_fh = 1
         self._as_root = os.geteuid() == 0
         # Paths for the QoS engine's classification (it asks paths.relpath_until(inode)).
         self.paths = PathBook(root_fd, self.inodes.root)
@@ -539,8 +543,10 @@ class PassthroughOperations(pyfuse3.Operations):
         charge = OpenCharge(self.qos, self.paths, node, ctx, writing)
         node.opens += 1
         fsuid = ctx.uid if self._write_as_caller else 0
-        handle = self.files[fd] = FileHandle(fd, direct, charge, node, kill_priv, fsuid,
-                                             owner, _dio_mask(fd) if direct else 0)
+        fh = self.next_fh
+        self.next_fh = fh + 1
+        handle = self.files[fh] = FileHandle(fd, direct, charge, node, kill_priv, fsuid,
+                                             owner, _dio_mask(fd) if direct else 0, fh=fh)
         kernel_opens = self.kernel_opens
         if kernel_opens.on:  # one attribute per open while passthrough is not asked for
             passed = kernel_opens.open(handle, accmode == os.O_RDONLY and not writing)
@@ -549,8 +555,8 @@ class PassthroughOperations(pyfuse3.Operations):
         cache = self.options.cache
         bypass = charge.flow.direct_io_for(accmode)  # per class and access mode
         if bypass or cache == "never":
-            return pyfuse3.FileInfo(fh=fd, direct_io=True, keep_cache=False)
-        return pyfuse3.FileInfo(fh=fd, direct_io=False,
+            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+        return pyfuse3.FileInfo(fh=fh, direct_io=False,
                                 keep_cache=cache == "always" or self._unchanged(node, fd))
 
     @staticmethod
@@ -803,8 +809,10 @@ class PassthroughOperations(pyfuse3.Operations):
         except BaseException:
             self.open_quota.release(owner)
             raise
-        self.dirs[fd] = DirHandle(fd, node, owner=owner)
-        return fd
+        fh = self.next_fh
+        self.next_fh = fh + 1
+        self.dirs[fh] = DirHandle(fd, node, owner=owner, fh=fh)
+        return fh
 
     @fuse_handler
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
@@ -938,7 +946,8 @@ class PassthroughOperations(pyfuse3.Operations):
     def close_all(self) -> None:
         """Close every backing descriptor once the kernel connection is gone."""
         held = [h.buffered for h in self.files.values() if h.buffered >= 0]
-        for fd in list(self.files) + held + list(self.dirs):
+        fds = [h.fd for h in self.files.values()] + [h.fd for h in self.dirs.values()]
+        for fd in fds + held:
             try:
                 os.close(fd)
             except OSError:

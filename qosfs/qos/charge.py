@@ -168,6 +168,31 @@ class OpenCharge:
         self._stream_limit = self._stream_left = 0
         self.watching = self._split_end >= 0
 
+    # -- handover (qosfs.passthrough.transfer) -------------------------------------------
+
+    _STATE = ("_scattered", "_split_bytes", "_split_end", "_split_ops", "_stream_left",
+              "_stream_limit", "_stream_off")
+
+    def export_state(self) -> dict[str, int]:
+        """Where the open's streaming detection and split-write tracking stand, as plain
+        integers (its flow travels apart, by the engine's ``flow_key``)."""
+        return {name.lstrip("_"): getattr(self, name) for name in self._STATE}
+
+    @classmethod
+    def restore(cls, engine: QosEngine, flow: Flow, node: Classified,
+                state: dict[str, Any]) -> OpenCharge:
+        """The charge of an open a predecessor process made, in *flow*, where its
+        `export_state` left it: counted in the flow's ``open_files`` (not as a new open)."""
+        charge = cls.__new__(cls)
+        charge.flow = flow
+        flow.open_files += 1
+        charge._engine = engine
+        for name in cls._STATE:
+            setattr(charge, name, int(state[name.lstrip("_")]))
+        charge._inode = inode_charge(node) if charge._stream_limit else None
+        charge.watching = charge._stream_limit != 0 or charge._split_end >= 0
+        return charge
+
     @property
     def moves_at_rename(self) -> bool:
         """Whether a rename of its file may still move this open (it is watched)."""

@@ -31,10 +31,11 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import math
 import os
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -62,6 +63,7 @@ from qosfs.qos.levels import (
     Kind,
     Level,
     LevelFactory,
+    RateLevel,
     admit_rest,
     local_level,
     refund_bytes,
@@ -574,6 +576,71 @@ class PolicyQos:
             self._flows[key] = flow
             self._all_flows.add(flow)
         return flow
+
+    def flow_key(self, flow: Flow) -> list[Any]:
+        """[class, tenant or None, uid]: a flow is one per those three (`_flow`)."""
+        assert isinstance(flow, PolicyFlow)  # this engine's open_flow made it
+        return [flow.cls.rule.name, flow.tenant_name, flow.uid]
+
+    def flow_from_key(self, key: Sequence[Any]) -> PolicyFlow:
+        """The flow of [class, tenant, uid], made if need be (counting nothing: the open
+        that comes with it counts itself). A class or tenant this policy lacks gives way
+        to the default class or no tenant, as a policy swap rebinds flows (`_rebind`)."""
+        name, tenant, uid = str(key[0]), key[1], int(key[2])
+        if name not in self.classes:
+            name = "default"
+        if tenant is not None and tenant not in self.tenants:
+            tenant = None
+        return self._flow(name, None if tenant is None else str(tenant), uid)
+
+    # ------------------------------------------------------------------ handover
+
+    def _node_levels(self) -> list[tuple[tuple[str, str, int], Level]]:
+        """Every class, user and tenant level, by (kind, name, uid or -1)."""
+        levels: list[tuple[tuple[str, str, int], Level]] = []
+        for name, st in self.classes.items():
+            levels.append((("class", name, -1), st.level))
+            if st.group is not None:
+                levels += [(("user", name, uid), child)
+                           for uid, child in st.group.children.items()]
+        levels += [(("tenant", name, -1), level) for name, level in self.tenants.items()]
+        return levels
+
+    def export_balances(self, to_monotonic: float) -> list[list[Any]]:
+        """What each limited bucket of this mount's levels holds, for a process that takes
+        the mount over or a new event loop (trio's clock differs per run): [kind, name,
+        uid, bucket, tokens, updated as ``time.monotonic()``], *to_monotonic* being
+        ``time.monotonic() - trio.current_time()``. A cluster level's share is its
+        coordinator's business, and the backend's tags start afresh."""
+        balances: list[list[Any]] = []
+        for key, level in self._node_levels():
+            if not isinstance(level, RateLevel) or level.steering is not None:
+                continue
+            for name, bucket in level.buckets.items():
+                if not bucket.unlimited and math.isfinite(bucket.updated):
+                    balances.append([*key, name, bucket.tokens, bucket.updated + to_monotonic])
+        return balances
+
+    def import_balances(self, balances: list[list[Any]], to_trio: float) -> int:
+        """Put `export_balances`' figures in force (inside a trio run; *to_trio* is
+        ``trio.current_time() - time.monotonic()``): a cap goes on from where it stood,
+        debt included, instead of from a full burst. Returns how many buckets took one."""
+        levels = dict(self._node_levels())
+        taken = 0
+        for kind, name, uid, key, tokens, updated in balances:
+            level = levels.get((kind, name, uid))
+            if level is None and kind == "user" and name in self.classes:
+                group = self.classes[name].group
+                level = group.level_for(int(uid)) if group is not None else None
+            if not isinstance(level, RateLevel) or level.steering is not None:
+                continue
+            bucket = level.buckets.get(key)
+            if bucket is None or bucket.unlimited:
+                continue
+            bucket.tokens = min(float(tokens), bucket.burst)
+            bucket.updated = float(updated) + to_trio
+            taken += 1
+        return taken
 
     # ------------------------------------------------------------------ streaming writers
 

@@ -23,7 +23,7 @@ counted in one flow and nothing waits.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -137,6 +137,20 @@ class QosEngine(Protocol):
 
     def drain(self) -> None:
         """Shutdown: let every parked request through now (they are delayed, never dropped)."""
+
+    def flow_key(self, flow: Flow) -> list[Any]:
+        """What names *flow* in this engine, as plain data (JSON): an open's flow travels
+        to a successor process by it (:mod:`qosfs.passthrough.transfer`)."""
+
+    def flow_from_key(self, key: Sequence[Any]) -> Flow:
+        """The flow `flow_key` named, made if need be; where the key names what this
+        engine's policy lacks, the flow an open of the default class would have."""
+
+    def export_balances(self, to_monotonic: float) -> list[list[Any]]:
+        """The buckets' balances, on ``time.monotonic()`` (a successor takes them over)."""
+
+    def import_balances(self, balances: list[list[Any]], to_trio: float) -> int:
+        """Put `export_balances`' figures in force, inside a trio run."""
 
     # -- observation and control (qosfs.control, qosfs.daemon) --------------------------
 
@@ -286,6 +300,18 @@ class PassThroughQos:
 
     def drain(self) -> None:
         return None
+
+    def flow_key(self, flow: Flow) -> list[Any]:
+        return []  # one flow
+
+    def flow_from_key(self, key: Sequence[Any]) -> Flow:
+        return self.flow
+
+    def export_balances(self, to_monotonic: float) -> list[list[Any]]:
+        return []  # nothing is capped
+
+    def import_balances(self, balances: list[list[Any]], to_trio: float) -> int:
+        return 0
 
     def swap(self, policy: Policy) -> None:
         raise PolicyError("this mount has no policy (mounted with --no-qos); remount with "

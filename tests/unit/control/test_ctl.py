@@ -136,3 +136,10 @@ def test_socket_discovery(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     (mine / "other.sock").touch()
     with pytest.raises(QosfsError, match="several qosfs mounts"):
         ctl.resolve_socket(None)
+
+
+def test_status_says_which_version_serves_and_how_many_handovers_it_had() -> None:
+    lines = ctl.format_status({**REPLY, "version": "0.2.0", "handovers": 3}).splitlines()
+    assert lines[0] == "qosfs /srv on /mnt (pid 7, qosfs 0.2.0, 3 handovers, up 65.0s)"
+    first = ctl.format_status({**REPLY, "version": "0.1.0", "handovers": 1}).splitlines()
+    assert first[0] == "qosfs /srv on /mnt (pid 7, qosfs 0.1.0, 1 handover, up 65.0s)"

@@ -73,10 +73,10 @@ def test_recent_file_is_the_last_open_passed_through_while_it_is_open(
         assert kernel_opens.active()
         assert kernel_opens.recent_file("data") is None
         first = await _open(ops, "data/a", os.O_RDONLY)
-        assert kernel_opens.recent_file("data") == first.fh
+        assert kernel_opens.recent_file("data") == ops.files[first.fh].fd
         second = await _open(ops, "data/b", os.O_RDONLY)
         assert second.backing_id > 0  # passed through: the reply carries its id
-        assert kernel_opens.recent_file("data") == second.fh
+        assert kernel_opens.recent_file("data") == ops.files[second.fh].fd
         await ops.release(second.fh)
         assert kernel_opens.recent_file("data") is None  # the last one, released
         await ops.release(first.fh)
@@ -88,14 +88,17 @@ def test_recent_file_is_the_last_open_passed_through_while_it_is_open(
 def test_a_released_opens_reused_descriptor_is_not_taken_for_it(
         ops: PassthroughOperations) -> None:
     """The backing descriptor number of a released open comes back for the next open: a
-    daemon-served one of the same number must not pass for the released one."""
+    daemon-served one on the same descriptor must not pass for the released one (nor
+    get its fh: fh numbers are never reused)."""
 
     async def main() -> None:
         plain = await _lookup(ops, "plain/c")  # its inode descriptors taken before
         passed = await _open(ops, "data/a", os.O_RDONLY)
+        passed_fd = ops.files[passed.fh].fd
         await ops.release(passed.fh)
         served = await ops.open(plain, os.O_RDONLY, _Ctx())
-        assert served.fh == passed.fh  # the lowest free descriptor, reused
+        assert ops.files[served.fh].fd == passed_fd  # the lowest free descriptor, reused
+        assert served.fh != passed.fh
         assert ops.kernel_opens.recent_file("data") is None
         await ops.release(served.fh)
 

@@ -281,7 +281,7 @@ def test_requests_o_direct_refuses_go_to_one_buffered_twin_closed_at_release(
         assert bytes(await ops.read(info.fh, 4090, 10)) == b"aaaaaatail"
         assert handle.buffered == twin  # one per open, kept
         await ops.release(info.fh)
-        for fd in (info.fh, twin):
+        for fd in (handle.fd, twin):
             with pytest.raises(OSError) as closed:
                 os.fstat(fd)
             assert closed.value.errno == errno.EBADF

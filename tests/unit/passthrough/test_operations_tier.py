@@ -389,7 +389,7 @@ def test_unaligned_requests_on_an_o_direct_open_go_through_one_buffered_twin(
 
     async def main() -> None:
         info, _ = await ops.create(ROOT, b"f", FILE_MODE, RW_CREATE | os.O_DIRECT, ctx)
-        if not fcntl.fcntl(info.fh, fcntl.F_GETFL) & os.O_DIRECT:
+        if not fcntl.fcntl(ops.files[info.fh].fd, fcntl.F_GETFL) & os.O_DIRECT:
             await ops.release(info.fh)
             pytest.skip("the temporary directory refuses O_DIRECT")
         assert await ops.write(info.fh, 0, b"a" * 4096) == 4096  # aligned: O_DIRECT itself

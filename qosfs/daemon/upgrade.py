@@ -1,0 +1,189 @@
+"""Planned handover of a live mount to a new daemon process: ``qosfs upgrade MOUNTPOINT``.
+
+A training job must not notice that the daemon serving its mount was replaced (issue
+31): its open descriptors, node ids and caps carry on. The native piece
+(:mod:`qosfs.daemon.handover`) lets a process serve a connection another one initialised;
+this module is the successor's side of the daemon's protocol over it, and
+:mod:`qosfs.daemon.offer` the serving daemon's, on a Unix socket next to the control
+socket (``/run/qosfs/NAME.handover`` for ``/run/qosfs/NAME.sock``):
+
+1. hello: the successor says ``adopt`` with its handover protocol and version; the old
+   daemon refuses another protocol (and keeps serving);
+2. prepare, while the old daemon serves on: it sends the FUSE descriptor and the source's
+   root descriptor (SCM_RIGHTS), the state negotiated at INIT, the mount's configuration
+   and the policy in force (text and source; ``ctl set`` changes included). The
+   successor builds everything that serves the mount from them and answers ``ready``,
+   or ``refuse`` with a reason: the old daemon then serves on as if nothing happened;
+3. commit: the old daemon stops reading /dev/fuse (the latency canary stopped first,
+   ``pyfuse3.terminate``: requests already read are answered, parked ones within their
+   waits, under their caps), closes its control socket and metrics listener, and sends
+   its tables (:mod:`qosfs.passthrough.transfer`; descriptors in batches of at most
+   253) and the policy again. The successor takes them over, adopts the session and
+   answers ``serving``; the old daemon closes its own copies and exits 0, leaving the
+   mount in place.
+
+If the successor fails between ``ready`` and ``serving`` (it died, or said something
+else), nothing it did can have been seen by the kernel but requests it never read: the
+old daemon kills it, adopts its own session again with the tables it never changed,
+and serves on (:meth:`qosfs.daemon.offer.HandoverOffer.take_back`).
+
+The buckets' balances travel too (debt included, on ``time.monotonic()``), so a cap goes
+on from where it stood instead of from a full burst. What starts fresh in the successor:
+the latency controller's caps, the backend's dispatch tags, the cluster leases, the
+control socket's connections and the metrics counters (a counter reset, which
+Prometheus' rate() takes as one). ``ctl status`` says which process and version serve
+and how many handovers the mount has had.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+from collections.abc import Callable
+from typing import Any
+
+from qosfs.core.errors import EXIT_DAEMON, EXIT_MOUNTPOINT, QosfsError
+from qosfs.core.mountinfo import lies_within
+from qosfs.daemon import handover
+from qosfs.daemon.mount import (
+    Daemon,
+    MountConfig,
+    build_daemon,
+    control_socket_path,
+    serve_mount,
+)
+from qosfs.daemon.offer import PROTOCOL, daemon_version, handover_socket_path
+from qosfs.passthrough.operations import FsOptions
+from qosfs.passthrough.transfer import import_state
+from qosfs.policy.loading import parse_policy
+from qosfs.policy.model import Policy, PolicyError
+
+log = logging.getLogger(__name__)
+
+
+def config_from_payload(raw: dict[str, Any], foreground: bool) -> MountConfig:
+    """The predecessor's MountConfig (:func:`qosfs.daemon.offer.config_payload`);
+    HandoverError if it lacks a field this version needs, or has one it does not know."""
+    try:
+        fields = dict(raw)
+        fields["fs_options"] = FsOptions(**fields["fs_options"])
+        fields["fuse_options"] = tuple(fields["fuse_options"])
+        fields["foreground"] = foreground
+        return MountConfig(**fields)
+    except (KeyError, TypeError) as exc:
+        raise handover.HandoverError(f"the mount's configuration is not this version's: "
+                                     f"{exc}") from None
+
+
+def adopt_mount(mountpoint: str, socket_path: str | None, foreground: bool,
+                on_ready: Callable[[], None] | None = None) -> int:
+    """Take the live mount at *mountpoint* over from the daemon serving it and serve it
+    until unmounted, signalled or handed over again. QosfsError, with the old daemon
+    serving on, if anything fails before commit."""
+    top = os.path.realpath(mountpoint)
+    close_inherited(top)
+    control = socket_path or control_socket_path(MountConfig("", mountpoint), top)
+    path = handover_socket_path(os.path.abspath(control))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.connect(path)
+    except OSError as exc:
+        sock.close()
+        raise QosfsError(f"no qosfs daemon offers {mountpoint} for handover at {path}: "
+                         f"{exc.strerror}", EXIT_MOUNTPOINT) from None
+    with sock:
+        daemon, session = _prepare(sock, foreground)
+        return serve_mount(daemon, lambda: _commit(sock, daemon, session), on_ready,
+                           adopting=True)
+
+
+def close_inherited(top: str) -> None:
+    """Close what this process inherited open under the mount at *top* (a shell that
+    runs ``qosfs upgrade`` with a file of the mount open, a job's wrapper): the daemon
+    would hold its own mount open, which keeps ``fusermount3 -u`` from unmounting it and
+    makes it the server of its own FLUSH at exit. Standard input, output and error stay:
+    they are where a --foreground daemon logs. Nothing under the mount is asked: the
+    descriptors' paths are read from /proc."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd < 3:
+            continue
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # the listing's own descriptor, closed already
+        if lies_within(target, top):
+            os.close(fd)
+
+
+def _prepare(sock: socket.socket, foreground: bool) -> tuple[Daemon, handover.Session]:
+    """Phase 1: receive the session and the configuration, build what serves the mount,
+    answer ready (or refuse, leaving the old daemon serving)."""
+    handover.send_message(sock, "adopt", {"protocol": PROTOCOL, "version": daemon_version(),
+                                          "pid": os.getpid()})
+    try:
+        prepare = handover.receive_message(sock)
+    except handover.HandoverError as exc:
+        raise QosfsError(f"handover refused: {exc}", EXIT_DAEMON) from None
+    if prepare.kind != "prepare":
+        raise QosfsError(f"handover refused: {prepare.payload.get('reason', prepare.kind)}",
+                         EXIT_DAEMON)
+    try:
+        if len(prepare.fds) != 2:
+            raise handover.HandoverError(f"expected 2 descriptors, got {len(prepare.fds)}")
+        fuse_fd, root_fd = prepare.fds
+        p = prepare.payload
+        if p.get("protocol") != PROTOCOL:
+            raise handover.HandoverError(f"handover protocol {p.get('protocol')} is not "
+                                         f"this version's ({PROTOCOL})")
+        session = handover.Session(fuse_fd, handover.check_state(p["state"]))
+        handover.check_fuse_fd(fuse_fd)
+        if not stat.S_ISDIR(os.fstat(root_fd).st_mode):
+            raise handover.HandoverError("the source's descriptor is not a directory")
+        cfg = config_from_payload(p["config"], foreground)
+        policy = _policy(p["policy"])
+        daemon = build_daemon(cfg, policy, root_fd, str(p["mountpoint"]))
+        daemon.handovers = int(p["handovers"]) + 1
+    except (handover.HandoverError, PolicyError, OSError, KeyError, ValueError) as exc:
+        for fd in prepare.fds:
+            os.close(fd)
+        handover.send_message(sock, "refuse", {"reason": str(exc)})
+        raise QosfsError(f"handover refused here: {exc}", EXIT_DAEMON) from None
+    log.info("taking %s over from pid %s (qosfs %s, %d handovers before)",
+             daemon.mountpoint, p.get("pid"), p.get("version"), daemon.handovers - 1)
+    handover.send_message(sock, "ready", {})
+    return daemon, session
+
+
+def _policy(raw: dict[str, Any] | None) -> Policy | None:
+    return None if raw is None else parse_policy(str(raw["text"]), str(raw["source"]))
+
+
+def _commit(sock: socket.socket, daemon: Daemon, session: handover.Session) -> None:
+    """Phase 2 (serve_mount's start): the tables and descriptors come, the session is
+    adopted, and the old daemon is told so."""
+    fds: list[int] = []
+    while True:
+        message = handover.receive_message(sock)
+        fds.extend(message.fds)
+        if message.kind == "commit":
+            break
+        if message.kind != "fds":
+            raise QosfsError(f"handover failed: the old daemon sent {message.kind}",
+                             EXIT_DAEMON)
+    payload = message.payload
+    if len(fds) != payload["fd_count"]:
+        raise QosfsError(f"handover failed: {len(fds)} descriptors of "
+                         f"{payload['fd_count']}", EXIT_DAEMON)
+    import_state(daemon.ops, payload["filesystem"], fds)
+    policy = _policy(payload["policy"])
+    if policy is not None and daemon.engine.policy is not None \
+            and policy.render() != daemon.engine.policy.render():
+        daemon.engine.swap(policy)  # changed (ctl set) while we prepared
+    handover.adopt(daemon.ops, session, daemon.mountpoint, daemon.fuse_options)
+    daemon.adopted_at = float(payload["stopped_at"])  # CLOCK_MONOTONIC: one per system
+    daemon.balances = list(payload["balances"])  # put in force when the loop starts
+    handover.send_message(sock, "serving", {})
+    sock.close()  # the predecessor exits now

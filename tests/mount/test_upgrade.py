@@ -1,0 +1,433 @@
+"""``qosfs upgrade``: a new daemon process takes a live qosfs mount over from the running
+one (qosfs.daemon.offer, qosfs.daemon.upgrade), through real mounts, source ->
+mountpoint and in place.
+
+- A reader streaming a large file (pread, every chunk checked, the stream xxhash-checked)
+  and a writer appending with fsync keep the SAME descriptors across HANDOVERS
+  ``qosfs upgrade`` runs in a row: no error, the data intact, each successor reporting
+  its version ($QOSFS_VERSION) and its handover count in ``ctl status``, the old one
+  exiting 0. The longest call of either is reported, with the longest before any
+  handover for scale.
+- Kernel passthrough: an open the kernel reads itself keeps its backing id across
+  handovers, and its release in a successor gives the id back.
+- A cap goes on from where it stood: a writer of a capped class, in debt, writes no more
+  across upgrades than the cap allows once (each successor starting from a full burst
+  would have let a burst more through per upgrade).
+- Refused halfway: a successor with another protocol, one that refuses, one that
+  vanishes at prepare, and one that vanishes after it said ready (the old daemon has
+  stopped reading by then, and takes its session back) all leave the old daemon serving
+  the same descriptors; a real successor takes over afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyfuse3
+import pytest
+import xxhash
+
+from qosfs.daemon import handover
+from tests.mounting import ROOT, is_mounted
+from tests.waiting import wait_for
+
+pytestmark = [pytest.mark.mount, pytest.mark.root]
+
+_reason = handover.unavailable_reason()
+if _reason is not None:
+    pytest.skip(f"handover unavailable: {_reason}", allow_module_level=True)
+
+KiB = 1 << 10
+MiB = 1 << 20
+CHUNK = 256 * KiB
+DATA = 32 * MiB
+HANDOVERS = 20
+CAP = 8 * MiB  # the capped class's write bandwidth per second, and its burst
+POLICY = """
+[classes.data]
+paths = ["data/**"]
+passthrough = "reads"
+[classes.capped]
+paths = ["capped/**"]
+write_bandwidth = "8MiB/s"
+burst = "8MiB"
+"""
+
+
+class Generation:
+    """One daemon process of the mount (the first, or a successor), its log in a file."""
+
+    def __init__(self, name: str, cmd: list[str], log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
+        env = {**os.environ, "QOSFS_VERSION": name}
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     cwd=ROOT, env=env)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_serving(self, timeout: float = 30.0) -> None:
+        def serving() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} exited {self.proc.returncode}: "
+                                     f"{self.log()}")
+            return "qosfs serving" in self.log()
+
+        wait_for(f"{self.name} to serve", serving, timeout=timeout, interval=0.01)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+@dataclass
+class Mount:
+    """A qosfs mount whose daemon is replaced by ``qosfs upgrade`` runs."""
+
+    source: Path
+    mountpoint: Path
+    run: Path  # the control socket's directory (the handover socket is beside it)
+    args: tuple[str, ...] = ()
+    generations: list[Generation] = field(default_factory=list)
+
+    @property
+    def socket(self) -> Path:
+        return self.run / "qosfs.sock"
+
+    @property
+    def handover_socket(self) -> Path:
+        return self.run / "qosfs.handover"
+
+    @property
+    def current(self) -> Generation:
+        return self.generations[-1]
+
+    def mount(self) -> Generation:
+        cmd = [sys.executable, "-m", "qosfs", "mount", "--foreground", str(self.source)]
+        if self.mountpoint != self.source:
+            cmd.append(str(self.mountpoint))
+        cmd += ["--socket", str(self.socket), *self.args]
+        return self._start("G0", cmd)
+
+    def upgrade(self) -> Generation:
+        """One ``qosfs upgrade``: the successor serves, the old daemon exits 0."""
+        old = self.current
+        name = f"G{len(self.generations)}"
+        new = self._start(name, [sys.executable, "-m", "qosfs", "upgrade",
+                                 str(self.mountpoint), "--socket", str(self.socket),
+                                 "--foreground"])
+        assert old.proc.wait(timeout=30) == 0, old.log()
+        assert "handed over" in old.log()
+        return new
+
+    def _start(self, name: str, cmd: list[str]) -> Generation:
+        g = Generation(name, cmd, self.run / f"{name}.log")
+        self.generations.append(g)
+        g.wait_serving()
+        return g
+
+    def status(self) -> dict[str, Any]:
+        out = subprocess.run([sys.executable, "-m", "qosfs", "ctl", "--socket",
+                              str(self.socket), "status", "--json"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        result: dict[str, Any] = json.loads(out)
+        return result
+
+    def close(self) -> None:
+        if is_mounted(self.mountpoint):
+            if all(g.proc.poll() is not None for g in self.generations):
+                abort_connection(self.mountpoint)  # nobody serves it: nothing may wait
+            if subprocess.run(["fusermount3", "-u", str(self.mountpoint)],
+                              capture_output=True, timeout=30).returncode:
+                abort_connection(self.mountpoint)
+                subprocess.run(["umount", "-l", str(self.mountpoint)], check=False)
+        for g in self.generations:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                g.proc.wait(timeout=10)
+            g.close()
+
+
+def abort_connection(mountpoint: Path) -> None:
+    """Abort the FUSE connection mounted on *mountpoint* (found in mountinfo: a stat of
+    the mountpoint could wait for ever)."""
+    target = str(mountpoint.resolve())
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == target:
+                minor = fields[2].split(":")[1]
+                Path(f"/sys/fs/fuse/connections/{minor}/abort").write_text("1")
+
+
+@pytest.fixture(params=["separate", "in-place"])
+def mount(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Mount]:
+    src = tmp_path / "src"
+    (src / "data").mkdir(parents=True)
+    (src / "capped").mkdir()
+    (src / "plain").mkdir()
+    (src / "plain" / "big.bin").write_bytes(os.urandom(DATA))
+    (src / "plain" / "log.bin").write_bytes(b"")
+    mnt = src if request.param == "in-place" else tmp_path / "mnt"
+    mnt.mkdir(exist_ok=True)
+    run = tmp_path / "run"
+    run.mkdir()
+    policy = tmp_path / "policy.toml"
+    policy.write_text(POLICY)
+    # --cache never: every read of the daemon-served file reaches a daemon.
+    m = Mount(src, mnt, run, ("--cache", "never", "--policy", str(policy)))
+    try:
+        m.mount()
+        yield m
+    finally:
+        m.close()
+
+
+@pytest.fixture
+def start_load(mount: Mount) -> Iterator[Callable[[], Load]]:
+    """Starts the load on *mount*; halted before the mount is closed, whatever happened."""
+    started: list[Load] = []
+
+    def start() -> Load:
+        expected = (mount.mountpoint / "plain" / "big.bin").read_bytes()
+        load = Load(mount.mountpoint / "plain" / "big.bin",
+                    mount.mountpoint / "plain" / "log.bin", expected).start()
+        started.append(load)
+        return load
+
+    yield start
+    for load in started:
+        load.halt()
+
+
+@dataclass
+class Load:
+    """A reader streaming a large file through one descriptor (each chunk compared, the
+    whole stream hashed) and a writer appending with fsync through another, in threads,
+    recording every error and the longest call."""
+
+    path_read: Path
+    path_write: Path
+    expected: bytes
+    errors: list[str] = field(default_factory=list)
+    worst: float = 0.0
+    worst_by: dict[str, float] = field(default_factory=dict)  # by call: pread, write, fsync
+    read_bytes: int = 0
+    written: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> Load:
+        self.rfd = os.open(self.path_read, os.O_RDONLY)
+        self.wfd = os.open(self.path_write, os.O_WRONLY | os.O_APPEND)
+        self.read_hash = xxhash.xxh64()
+        self.expected_hash = xxhash.xxh64()
+        self.out = xxhash.xxh64()
+        for target in (self._read, self._write):
+            t = threading.Thread(target=target, daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def _timed(self, call: Callable[[], Any]) -> Any:
+        t0 = time.monotonic()
+        try:
+            return call()
+        except OSError as exc:
+            self.errors.append(f"{call}: {exc}")
+            return None
+        finally:
+            took = time.monotonic() - t0
+            self.worst = max(self.worst, took)
+            name = getattr(call, "func", call).__name__
+            self.worst_by[name] = max(self.worst_by.get(name, 0.0), took)
+
+    def _read(self) -> None:
+        off = 0
+        while not self._stop.is_set():
+            data = self._timed(functools.partial(os.pread, self.rfd, CHUNK, off))
+            if data is None:
+                continue
+            want = self.expected[off:off + CHUNK]
+            if data != want:
+                self.errors.append(f"read at {off}: {len(data)} bytes differ")
+            self.read_hash.update(data)
+            self.expected_hash.update(want)
+            self.read_bytes += len(data)
+            off = (off + CHUNK) % len(self.expected)
+
+    def _write(self) -> None:
+        i = 0
+        while not self._stop.is_set():
+            block = (b"%08d" % i) * (64 * KiB // 8)
+            if self._timed(functools.partial(os.write, self.wfd, block)) == len(block):
+                self.out.update(block)
+                self.written += len(block)
+                self._timed(functools.partial(os.fsync, self.wfd))
+            i += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=30)
+            assert not t.is_alive(), "a call on the mount hung"
+        self.halt()
+
+    def halt(self) -> None:
+        """Stop without asking how it went (a failed test's cleanup): the descriptors
+        are closed, so that the mount can be unmounted."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        for fd in (self.rfd, self.wfd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.rfd = self.wfd = -1
+
+    def check(self, written_file: Path) -> None:
+        assert self.errors == []
+        assert self.read_bytes > 0 and self.written > 0
+        assert self.read_hash.hexdigest() == self.expected_hash.hexdigest()
+        data = written_file.read_bytes()
+        assert len(data) == self.written
+        assert xxhash.xxh64(data).hexdigest() == self.out.hexdigest()
+
+
+def test_reader_and_writer_keep_their_descriptors_across_upgrades(
+        mount: Mount, start_load: Callable[[], Load],
+        record_property: Callable[[str, object], None]) -> None:
+    load = start_load()
+    time.sleep(3)  # the longest call without a handover, for scale
+    baseline, load.worst = load.worst, 0.0
+    load.worst_by.clear()
+    before = mount.status()
+    assert before["version"] == "G0" and before["handovers"] == 0
+    took = []
+    for n in range(1, HANDOVERS + 1):
+        t0 = time.monotonic()
+        new = mount.upgrade()
+        took.append(time.monotonic() - t0)
+        status = mount.status()
+        assert (status["pid"], status["version"], status["handovers"]) == \
+            (new.proc.pid, f"G{n}", n)
+        assert status["file_handles"] >= 2  # the load's opens were taken over
+        time.sleep(0.2)
+    load.stop()
+    load.check(mount.mountpoint / "plain" / "log.bin")
+    assert is_mounted(mount.mountpoint)
+    assert mount.status()["internal_errors"] == {}
+    worst_ms = round(load.worst * 1000, 1)
+    record_property("worst_call_ms", worst_ms)
+    record_property("baseline_worst_call_ms", round(baseline * 1000, 1))
+    stalls = [float(found[1]) for g in mount.generations[1:]
+              for found in re.finditer(r"([\d.]+) ms without a reader of /dev/fuse", g.log())]
+    assert len(stalls) == HANDOVERS
+    print(f"{HANDOVERS} upgrades: read {load.read_bytes // MiB} MiB, appended "
+          f"{load.written // KiB} KiB; nobody reading /dev/fuse {min(stalls):.1f}-"
+          f"{max(stalls):.1f} ms (median {sorted(stalls)[len(stalls) // 2]:.1f}); "
+          f"longest call {worst_ms} ms across them ("
+          + ", ".join(f"{k} {v * 1000:.1f}" for k, v in sorted(load.worst_by.items()))
+          + f"), {baseline * 1000:.1f} ms before; "
+          f"upgrade command {min(took):.2f}-{max(took):.2f} s")
+
+
+def test_a_passed_through_open_keeps_its_backing_id_across_upgrades(mount: Mount) -> None:
+    if not getattr(pyfuse3, "PASSTHROUGH_SUPPORTED", False):
+        pytest.skip("pyfuse3 without kernel passthrough")
+    (mount.mountpoint / "data" / "x.bin").write_bytes(b"x" * MiB)
+    fd = os.open(mount.mountpoint / "data" / "x.bin", os.O_RDONLY)
+    try:
+        entry = mount.status()["passthrough"]
+        if entry["state"] != "active":
+            pytest.skip(f"kernel passthrough unavailable: {entry['reason']}")
+        assert entry["live_backing_ids"] == 1
+        for _ in range(3):
+            mount.upgrade()
+            assert mount.status()["passthrough"]["live_backing_ids"] == 1
+            assert os.pread(fd, 4, MiB - 4) == b"xxxx"
+    finally:
+        os.close(fd)
+    wait_for("the backing id to be released", lambda: mount.status()["passthrough"],
+             until=lambda p: p["live_backing_ids"] == 0)
+
+
+def test_a_cap_goes_on_from_where_it_stood_across_upgrades(mount: Mount) -> None:
+    upgrades = 4
+    written = 0
+    done = threading.Event()
+    errors: list[OSError] = []
+
+    def write() -> None:
+        nonlocal written
+        block = b"c" * MiB
+        fd = os.open(mount.mountpoint / "capped" / "f.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            while not done.is_set():
+                written += os.write(fd, block)
+        except OSError as exc:
+            errors.append(exc)
+        finally:
+            os.close(fd)
+
+    writer = threading.Thread(target=write, daemon=True)
+    t0 = time.monotonic()
+    writer.start()
+    for _ in range(upgrades):
+        time.sleep(1.0)
+        mount.upgrade()
+    time.sleep(1.0)
+    done.set()
+    writer.join(timeout=30)
+    elapsed = time.monotonic() - t0
+    assert not writer.is_alive() and errors == []
+    allowed = CAP * elapsed + CAP + 2 * MiB  # the rate, one burst, the writes in flight
+    print(f"capped writer: {written / MiB:.0f} MiB in {elapsed:.1f} s across {upgrades} "
+          f"upgrades; the cap allows {allowed / MiB:.0f} MiB, a fresh burst per upgrade "
+          f"{(allowed + upgrades * CAP) / MiB:.0f}")
+    assert written <= allowed
+    assert written >= CAP * (elapsed - 1.5)  # and it was not held back either
+    assert "bucket balances carried over" in mount.current.log()
+
+
+@pytest.mark.parametrize("mode", ["wrong-protocol", "refuse", "vanish-at-prepare",
+                                  "vanish-after-ready"])
+def test_a_refused_upgrade_leaves_the_old_daemon_serving(
+        mount: Mount, start_load: Callable[[], Load], mode: str) -> None:
+    load = start_load()
+    old = mount.current
+    peer = subprocess.run([sys.executable, "-m", "tests.mount.upgrade_peer",
+                           str(mount.handover_socket), mode], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    # One that vanishes after ready may be killed by the old daemon before it is gone.
+    assert peer.returncode in ((0, -signal.SIGKILL) if mode == "vanish-after-ready"
+                               else (0,)), peer.stderr
+    answered = "refused" if mode == "wrong-protocol" else "prepare"
+    assert peer.stdout.split()[0] == answered
+    time.sleep(0.5)
+    assert old.proc.poll() is None, old.log()
+    status = mount.status()  # the control socket answers: rebound if it was let go
+    assert (status["pid"], status["handovers"]) == (old.proc.pid, 0)
+    if mode == "vanish-after-ready":
+        assert "taking the session back" in old.log()
+    else:
+        assert "refused, serving on" in old.log()
+    new = mount.upgrade()  # and a real successor still takes over
+    assert mount.status()["pid"] == new.proc.pid
+    load.stop()
+    load.check(mount.mountpoint / "plain" / "log.bin")

@@ -1,0 +1,44 @@
+"""A successor that fails on purpose, for tests/mount/test_upgrade.py: it connects to a
+serving daemon's handover socket (qosfs.daemon.offer) and stops where it is told to.
+
+    python -m tests.mount.upgrade_peer HANDOVER_SOCKET MODE
+
+MODE: ``wrong-protocol`` (says adopt with another protocol), ``refuse`` (refuses after
+receiving the session), ``vanish-at-prepare`` (exits after receiving it),
+``vanish-after-ready`` (says ready, then exits without taking anything over: the old
+daemon has stopped reading by then and must take its session back). Prints what it was
+answered on stdout, one line.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+from qosfs.daemon import handover
+from qosfs.daemon.offer import PROTOCOL
+
+
+def main(argv: list[str]) -> int:
+    path, mode = argv
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    protocol = PROTOCOL + 1000 if mode == "wrong-protocol" else PROTOCOL
+    handover.send_message(sock, "adopt", {"protocol": protocol, "version": "peer",
+                                          "pid": os.getpid()})
+    reply = handover.receive_message(sock)
+    for fd in reply.fds:
+        os.close(fd)
+    print(reply.kind, reply.payload.get("reason", ""), flush=True)
+    if mode == "refuse":
+        handover.send_message(sock, "refuse", {"reason": "told to"})
+    elif mode == "vanish-after-ready":
+        handover.send_message(sock, "ready", {})
+        handover.receive_message(sock)  # the first message of the commit: then gone
+    sock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
