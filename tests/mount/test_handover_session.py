@@ -33,6 +33,7 @@ import pytest
 import xxhash
 
 from qosfs.daemon import handover
+from tests.mount.timed_load import TimedLoad
 from tests.mounting import ROOT, is_mounted
 from tests.waiting import wait_for
 
@@ -132,42 +133,25 @@ def daemons(tree: tuple[Path, Path]) -> Iterator[Callable[..., Daemon]]:
 
 
 @dataclass
-class Load:
+class Load(TimedLoad):
     """A reader (pread of a 16 MiB file, stat, who served) and a writer (pwrite + fsync at
     growing offsets), each on one descriptor opened before the first handover, in a
     thread, recording every error and the longest call."""
 
     mountpoint: Path
     source: Path
-    errors: list[str] = field(default_factory=list)
     served_by: list[str] = field(default_factory=list)
-    worst: float = 0.0
     reads: int = 0
     written: int = 0
     inodes: set[int] = field(default_factory=set)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _threads: list[threading.Thread] = field(default_factory=list)
 
     def start(self) -> Load:
         self.expected = (self.source / "data.bin").read_bytes()
         self.rfd = os.open(self.mountpoint / "data.bin", os.O_RDONLY)
         self.wfd = os.open(self.mountpoint / "out.bin", os.O_WRONLY)
         self.out = xxhash.xxh64()
-        for target in (self._read, self._write):
-            t = threading.Thread(target=target, daemon=True)
-            t.start()
-            self._threads.append(t)
+        self._spawn(self._read, self._write)
         return self
-
-    def _timed(self, call: Callable[[], object]) -> object:
-        t0 = time.monotonic()
-        try:
-            return call()
-        except OSError as exc:
-            self.errors.append(f"{call}: {exc}")
-            return None
-        finally:
-            self.worst = max(self.worst, time.monotonic() - t0)
 
     def _read(self) -> None:
         off = 0
@@ -196,14 +180,6 @@ class Load:
                 self.out.update(block)
                 self.written += len(block)
             i += 1
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=30)
-            assert not t.is_alive(), "a call on the mount hung"
-        os.close(self.rfd)
-        os.close(self.wfd)
 
 
 def adopted_after_ms(d: Daemon) -> float:

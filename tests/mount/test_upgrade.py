@@ -41,6 +41,7 @@ import pytest
 import xxhash
 
 from qosfs.daemon import handover
+from tests.mount.timed_load import TimedLoad
 from tests.mounting import ROOT, is_mounted
 from tests.waiting import wait_for
 
@@ -217,7 +218,7 @@ def start_load(mount: Mount) -> Iterator[Callable[[], Load]]:
 
 
 @dataclass
-class Load:
+class Load(TimedLoad):
     """A reader streaming a large file through one descriptor (each chunk compared, the
     whole stream hashed) and a writer appending with fsync through another, in threads,
     recording every error and the longest call."""
@@ -225,13 +226,8 @@ class Load:
     path_read: Path
     path_write: Path
     expected: bytes
-    errors: list[str] = field(default_factory=list)
-    worst: float = 0.0
-    worst_by: dict[str, float] = field(default_factory=dict)  # by call: pread, write, fsync
     read_bytes: int = 0
     written: int = 0
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _threads: list[threading.Thread] = field(default_factory=list)
 
     def start(self) -> Load:
         self.rfd = os.open(self.path_read, os.O_RDONLY)
@@ -239,24 +235,8 @@ class Load:
         self.read_hash = xxhash.xxh64()
         self.expected_hash = xxhash.xxh64()
         self.out = xxhash.xxh64()
-        for target in (self._read, self._write):
-            t = threading.Thread(target=target, daemon=True)
-            t.start()
-            self._threads.append(t)
+        self._spawn(self._read, self._write)
         return self
-
-    def _timed(self, call: Callable[[], Any]) -> Any:
-        t0 = time.monotonic()
-        try:
-            return call()
-        except OSError as exc:
-            self.errors.append(f"{call}: {exc}")
-            return None
-        finally:
-            took = time.monotonic() - t0
-            self.worst = max(self.worst, took)
-            name = getattr(call, "func", call).__name__
-            self.worst_by[name] = max(self.worst_by.get(name, 0.0), took)
 
     def _read(self) -> None:
         off = 0
@@ -283,22 +263,9 @@ class Load:
             i += 1
 
     def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=30)
-            assert not t.is_alive(), "a call on the mount hung"
+        """Stop the callers (a hung call fails the test) and close their descriptors."""
+        self._join(30)
         self.halt()
-
-    def halt(self) -> None:
-        """Stop without asking how it went (a failed test's cleanup): the descriptors
-        are closed, so that the mount can be unmounted."""
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=5)
-        for fd in (self.rfd, self.wfd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.rfd = self.wfd = -1
 
     def check(self, written_file: Path) -> None:
         assert self.errors == []
