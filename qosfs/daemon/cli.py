@@ -8,6 +8,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -83,6 +84,15 @@ def _build_parser() -> argparse.ArgumentParser:
     m.add_argument("--metrics", metavar="[HOST:]PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics "
                         "(HOST defaults to 127.0.0.1)")
+    m.add_argument("--keeper", choices=["holder", "systemd", "none"], default="holder",
+                   help="who keeps the FUSE connection alive if the daemon dies, so that "
+                        "`qosfs mount` run again takes over without breaking open files: a "
+                        "small holder process (default), systemd's descriptor store (the "
+                        "unit's choice), or nobody")
+    m.add_argument("--recover-within", type=float, default=30.0, metavar="SECONDS",
+                   help="how long the holder keeps a dead daemon's connection for a new "
+                        "daemon; callers wait that long at most, then get ENOTCONN "
+                        "(default: 30)")
     m.add_argument("--allow-stacked", action="store_true",
                    help="accept a source that is (inside) a qosfs mount: every request is "
                         "then throttled by both mounts")
@@ -202,9 +212,9 @@ def _cmd_mount(args: argparse.Namespace) -> int:
     from qosfs.daemon.mount import (
         MountConfig,
         check_own_paths,
-        daemonize_and_mount,
-        run_mount,
+        daemonize,
     )
+    from qosfs.daemon.recover import mount_or_recover
     from qosfs.passthrough.operations import FsOptions
     from qosfs.policy.loading import load_policy
 
@@ -225,6 +235,8 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         socket_path=os.path.abspath(args.socket) if args.socket else None,
         metrics=args.metrics,
         allow_stacked=args.allow_stacked,
+        keeper=args.keeper,
+        recover_within=args.recover_within,
     )
     check_own_paths(cfg.mountpoint, {"control socket": cfg.socket_path,
                                      "log file": args.log_file})
@@ -234,9 +246,9 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         parse_address(args.metrics)  # likewise a malformed address
     if args.foreground:
         setup_logging(args.debug, daemon=False, log_file=args.log_file)
-        return run_mount(cfg)
+        return mount_or_recover(cfg)
     setup_logging(args.debug, daemon=True, log_file=args.log_file)
-    return daemonize_and_mount(cfg)
+    return daemonize(functools.partial(mount_or_recover, cfg))
 
 
 def _cmd_upgrade(args: argparse.Namespace) -> int:

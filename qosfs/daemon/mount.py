@@ -52,8 +52,9 @@ from qosfs.core.errors import (
     QosfsError,
 )
 from qosfs.core.failures import Failures
-from qosfs.core.mountinfo import lies_within, mounts
+from qosfs.core.mountinfo import lies_within, mounts, resolve_without_touching
 from qosfs.daemon import tuning
+from qosfs.daemon.crash_guard import CrashGuard
 from qosfs.daemon.notify import notify, reloading
 from qosfs.daemon.offer import HandoverOffer, daemon_version
 from qosfs.daemon.privileges import shed_resource_privileges
@@ -107,6 +108,11 @@ class MountConfig:
     allow_stacked: bool = False  # a source in a qosfs mount (qosfs.daemon.topology)
     # False (--no-passthrough): never ask the kernel for passthrough, whatever the policy.
     kernel_passthrough: bool = True
+    # Who keeps the FUSE connection across a crash (qosfs.daemon.keeper): "holder",
+    # "systemd" (its descriptor store) or "none"; and how long a holder waits for a new
+    # daemon before letting the connection end (callers then get ENOTCONN).
+    keeper: str = "holder"
+    recover_within: float = 30.0
 
 
 def check_mount_args(source: str, mountpoint: str, allow_stacked: bool = False) -> None:
@@ -151,7 +157,7 @@ def check_own_paths(mountpoint: str, paths: dict[str, str | None]) -> None:
     connect to the FUSE inode, not to the bound one.) *paths* maps what each is, as the
     message should name it, to its path or None.
     """
-    top = os.path.realpath(mountpoint)
+    top = resolve_without_touching(mountpoint)
     for what, path in paths.items():
         if path is None:
             continue
@@ -244,6 +250,10 @@ class Daemon:
     # Bucket balances to put in force when the event loop starts (QosEngine.
     # export_balances): a predecessor's, or this process's previous loop's.
     balances: list[list[Any]] | None = None
+    # The journal and keeper that let a restarted daemon take over after a crash.
+    guard: CrashGuard | None = None
+    # What was rebuilt from a dead predecessor's journal (ctl status), if anything.
+    recovered: dict[str, Any] | None = None
 
     @property
     def fuse_options(self) -> set[str]:
@@ -324,8 +334,9 @@ def build_daemon(cfg: MountConfig, policy: Policy | None, root_fd: int,
                            reads_bypass=_reads_bypass(ops, policy_engine),
                            backing_file=ops.kernel_opens.recent_file)
                if policy_engine is not None else None)
+    guard = CrashGuard(cfg.keeper, control_socket_path(cfg, mountpoint), cfg.recover_within)
     return Daemon(cfg, mountpoint, root_fd, engine, policy_engine, ops, latency, cluster,
-                  failures, backing_options)
+                  failures, backing_options, guard=guard)
 
 
 def serve_mount(daemon: Daemon, start: Callable[[], None],
@@ -343,12 +354,21 @@ def serve_mount(daemon: Daemon, start: Callable[[], None],
     cfg, mountpoint, ops = daemon.cfg, daemon.mountpoint, daemon.ops
     handed_over = False
     with ExitStack() as stack:
+        guard = daemon.guard
         if adopting:
             start()  # a failure here leaves the mount alone: the predecessor takes it back
             services, offer = _services_after_adoption(daemon, stack)
         else:
             services, offer = _services(daemon, stack)
+            if guard is not None:
+                guard.attach(daemon)  # before the first request: the journal starts empty
             start()
+
+        def after_init() -> None:
+            ops.kernel_opens.log()
+            if guard is not None:
+                guard.keep(daemon)  # the keeper's copy: a crash from here on loses nothing
+
         unmounted_by_us = False
         try:
             while True:
@@ -356,7 +376,7 @@ def serve_mount(daemon: Daemon, start: Callable[[], None],
                 # in the pause before that service is restarted after a failure.
                 signal.signal(signal.SIGHUP, signal.SIG_IGN)
                 trio.run(_serve, cfg, mountpoint, daemon.engine, on_ready, services,
-                         daemon.latency, daemon.failures, ops.kernel_opens.log,
+                         daemon.latency, daemon.failures, after_init,
                          offer.stopping if offer is not None else None, daemon.adopted_at,
                          daemon.restore_balances)
                 daemon.adopted_at = None
@@ -368,6 +388,8 @@ def serve_mount(daemon: Daemon, start: Callable[[], None],
                     handed_over = True
                     break
                 offer.take_back()  # serving again, with the same tables
+                if guard is not None and guard.state is not None:
+                    guard.attach(daemon, guard.state)  # the successor replaced the journal
                 daemon.adopted_at = offer.stopped_at
                 daemon.balances = daemon.engine.export_balances(offer.to_monotonic)
                 services, offer = _services_after_adoption(daemon, stack)
@@ -375,6 +397,8 @@ def serve_mount(daemon: Daemon, start: Callable[[], None],
         finally:
             still_mounted = not handed_over and mount_type(mountpoint) == QOSFS_FSTYPE
             pyfuse3.close(unmount=still_mounted)
+            if guard is not None:
+                guard.end(unmounted=not handed_over)
             ops.close_all()
             if handed_over:
                 log.info("%s handed over; this process exits", mountpoint)
@@ -614,11 +638,6 @@ async def _drain(engine: QosEngine) -> bool:
         await trio.sleep(0.01)
     await trio.sleep(DRAIN_GRACE)
     return emptied
-
-
-def daemonize_and_mount(cfg: MountConfig) -> int:
-    """Fork; the parent returns 0 once the child's mount answers, or the child's error."""
-    return daemonize(functools.partial(run_mount, cfg))
 
 
 def daemonize(serve: Callable[[Callable[[], None]], int]) -> int:

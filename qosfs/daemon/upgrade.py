@@ -178,6 +178,8 @@ def _commit(sock: socket.socket, daemon: Daemon, session: handover.Session) -> N
         raise QosfsError(f"handover failed: {len(fds)} descriptors of "
                          f"{payload['fd_count']}", EXIT_DAEMON)
     import_state(daemon.ops, payload["filesystem"], fds)
+    if daemon.guard is not None:
+        daemon.guard.attach(daemon, session.state)  # this process's journal from now on
     policy = _policy(payload["policy"])
     if policy is not None and daemon.engine.policy is not None \
             and policy.render() != daemon.engine.policy.render():
