@@ -5,6 +5,7 @@ daemon in time, and that it stops the right one after a handover."""
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from qosfs.daemon.mount import mount_type
 from tests.mounting import ROOT, is_mounted
 from tests.systemd_box import SystemdBox, unavailable, wait_until_serving
 from tests.systemd_units import UNIT, escape_path
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.root, pytest.mark.systemd]
 
@@ -88,3 +90,83 @@ def test_systemd_restarts_a_killed_daemon_and_stops_it(box: SystemdBox) -> None:
     assert inst.state()["ActiveState"] == "inactive"
     assert not is_mounted(inst.mnt)
     assert (inst.mnt / "kept").read_text() == "data"
+
+
+# A service that keeps a memfd ("state") and a FUSE connection (mounted, never
+# initialised, in the box's own /run where nothing on the host can stumble into it) in
+# the store on its first start, and reports what each start got back.
+FDSTORE_SERVICE = """
+import ctypes, json, os, signal, sys, time
+from qosfs.daemon.notify import FUSE_FD_NAME, fd_store_possible, inherited_fds, notify
+from qosfs.daemon.notify import remove_fd, store_fd
+report_path, mnt = sys.argv[1], sys.argv[2]
+kept = inherited_fds()
+report = {"possible": fd_store_possible(), "kept": sorted(kept),
+          "env": sorted(k for k in os.environ if k.startswith("LISTEN_"))}
+if "state" in kept:
+    report["state"] = os.pread(kept["state"], 64, 0).decode()
+else:
+    state = os.memfd_create("state")
+    os.write(state, b"generation 1")
+    store_fd(state, "state")
+    store_fd(os.dup(state), "state")  # the same open file again
+if FUSE_FD_NAME in kept:
+    report["fuse"] = os.readlink(f"/proc/self/fd/{kept[FUSE_FD_NAME]}")
+elif not kept:
+    fuse = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+    os.makedirs(mnt, exist_ok=True)
+    options = f"fd={fuse},rootmode=40000,user_id=0,group_id=0".encode()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(b"qosfs-test", mnt.encode(), b"fuse.qosfs-test", 0, options):
+        raise OSError(ctypes.get_errno(), f"mount {mnt}")
+    store_fd(fuse, FUSE_FD_NAME)
+with open(report_path, "a") as f:
+    f.write(json.dumps(report) + "\\n")
+signal.signal(signal.SIGUSR1, lambda *_: remove_fd("state"))
+notify("READY=1")
+while True:
+    time.sleep(3600)
+"""
+
+
+def test_the_descriptor_store_outlives_a_crash_and_a_restart(box: SystemdBox) -> None:
+    script, reports = box.root / "fdstore_service.py", box.root / "reports.jsonl"
+    script.write_text(FDSTORE_SERVICE)
+    raw = "/run/qosfs-test-raw"  # in the box's /run
+    (box.units / "fdstore.service").write_text(
+        f"[Service]\nType=notify\nExecStart={sys.executable} {script} {reports} {raw}\n"
+        f"Environment=PYTHONPATH={ROOT}\nFileDescriptorStoreMax=4\n"
+        "Restart=on-failure\nRestartSec=100ms\n")
+    box.systemctl("daemon-reload")
+
+    def started(n: int) -> dict[str, object]:
+        wait_for(f"start {n}", lambda: reports.exists() and
+                 len(reports.read_text().splitlines()) >= n, timeout=30)
+        report: dict[str, object] = json.loads(reports.read_text().splitlines()[n - 1])
+        assert report["possible"] is True and report["env"] == []
+        return report
+
+    def stored() -> int:
+        return int(box.show("fdstore.service", "NFileDescriptorStore")["NFileDescriptorStore"])
+
+    box.systemctl("start", "fdstore.service")
+    assert started(1)["kept"] == []
+    assert stored() == 2  # the state once, though sent twice, and the FUSE descriptor
+
+    box.systemctl("kill", "--signal=SIGKILL", "--kill-who=main", "fdstore.service")
+    after_crash = started(2)
+    assert after_crash == {**after_crash, "kept": ["qosfs-fuse", "state"],
+                           "state": "generation 1", "fuse": "/dev/fuse"}
+
+    box.systemctl("restart", "fdstore.service")  # 252 keeps the store through this too
+    assert started(3)["kept"] == ["qosfs-fuse", "state"]
+
+    # An unmounted connection reports POLLERR: systemd closes its copy by itself.
+    box.run("umount", "-l", raw)
+    wait_for("systemd to drop the dead FUSE descriptor", stored, until=lambda n: n == 1)
+    box.systemctl("kill", "--signal=SIGUSR1", "--kill-who=main", "fdstore.service")
+    wait_for("FDSTOREREMOVE to empty the store", stored, until=lambda n: n == 0)
+    box.systemctl("kill", "--signal=SIGKILL", "--kill-who=main", "fdstore.service")
+    assert started(4)["kept"] == []  # (and it stores both anew, mounting again)
+    box.systemctl("stop", "fdstore.service")
+    assert stored() == 0  # stop empties the store
