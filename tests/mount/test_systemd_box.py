@@ -6,13 +6,16 @@ daemon in time, and that it stops the right one after a handover."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from qosfs.control.protocol import default_socket_path
 from qosfs.daemon.mount import mount_type
+from qosfs.daemon.offer import handover_socket_path
 from tests.mounting import ROOT, is_mounted
 from tests.systemd_box import SystemdBox, unavailable, wait_until_serving
 from tests.systemd_units import UNIT, escape_path
@@ -37,11 +40,14 @@ class BoxedInstance:
         etc = box.root / "etc" / "qosfs"
         etc.mkdir(parents=True)
         name = escape_path(str(self.mnt))
-        (etc / f"{name}.toml").write_text(SAMPLE.read_text())
+        self.policy = etc / f"{name}.toml"
+        self.policy.write_text(SAMPLE.read_text())
         (etc / f"{name}.env").write_text("QOSFS_METRICS=127.0.0.1:0\n")
+        self.launcher = box.root / "qosfs"  # stands in for what make install writes
+        self.install()
         text = UNIT.read_text()
         assert text.count(LAUNCHER) >= 2 and text.count("%E/qosfs") >= 2
-        text = text.replace(LAUNCHER, f"{sys.executable} -m qosfs")
+        text = text.replace(LAUNCHER, str(self.launcher))
         (box.units / "qosfs@.service").write_text(text.replace("%E/qosfs", str(etc)))
         dropins = box.units / "qosfs@.service.d"
         dropins.mkdir()
@@ -49,9 +55,26 @@ class BoxedInstance:
             f"[Service]\nEnvironment=PYTHONPATH={ROOT}\nWorkingDirectory={ROOT}\n")
         box.systemctl("daemon-reload")
 
+    def install(self, failing_upgrade: bool = False) -> None:
+        """The launcher, ``python -m qosfs``; with *failing_upgrade*, ``upgrade`` is a new
+        version that cannot take over (it refuses once it has the session)."""
+        lines = ["#!/bin/sh"]
+        if failing_upgrade:
+            handover = handover_socket_path(default_socket_path(str(self.mnt)))
+            lines.append(f'[ "$1" = upgrade ] && {{ {sys.executable} -m tests.mount.upgrade_peer '
+                         f'{handover} refuse; exit 1; }}')
+        lines.append(f'exec {sys.executable} -m qosfs "$@"')
+        self.launcher.write_text("\n".join(lines) + "\n")
+        self.launcher.chmod(0o755)
+
     def state(self) -> dict[str, str]:
         return self.box.show(self.unit, "ActiveState", "SubState", "MainPID", "NRestarts",
                              "NFileDescriptorStore")
+
+    def ctl_status(self) -> str:
+        """``qosfs ctl status`` in the box (the control socket is in its /run)."""
+        return self.box.run(sys.executable, "-m", "qosfs", "ctl", "--socket", str(self.mnt),
+                            "status").stdout
 
     def main_cmdline(self) -> str:
         host = self.box.host_pid(int(self.state()["MainPID"]))
@@ -69,27 +92,74 @@ def box(tmp_tree: Path) -> Iterator[SystemdBox]:
     assert not is_mounted(started.share)
 
 
-def test_systemd_restarts_a_killed_daemon_and_stops_it(box: SystemdBox) -> None:
+def test_reload_hands_over_and_systemd_follows_the_new_daemon_through_a_crash(
+        box: SystemdBox) -> None:
+    """systemctl reload: the policy file, then the installed code takes the live mount
+    over and becomes the main process; kill -9 of it is restarted in time; stop stops it."""
     inst = BoxedInstance(box)
     (inst.mnt / "kept").write_text("data")  # in place: there underneath
-    inst.box.systemctl("start", inst.unit)
+    box.systemctl("start", inst.unit)
     first = inst.state()
     assert first["ActiveState"] == "active" and first["SubState"] == "running", box.log()
     assert mount_type(str(inst.mnt)) == "fuse.qosfs"  # the box's mount, seen here
     assert " mount --foreground " in inst.main_cmdline()
-    assert (inst.mnt / "kept").read_text() == "data"
+
+    with open(inst.mnt / "kept", "r+b") as job:  # a job's descriptor, open throughout
+        mains = [first["MainPID"]]
+        for appended, cap in enumerate(("400MiB/s", "100MiB/s")):
+            inst.policy.write_text(SAMPLE.read_text().replace('"400MiB/s"', f'"{cap}"'))
+            box.systemctl("reload", inst.unit)
+            now = inst.state()
+            assert now["MainPID"] not in mains, box.log()
+            assert now["ActiveState"] == "active" and now["NRestarts"] == "0", now
+            assert " upgrade " in inst.main_cmdline()
+            assert f"checkpoints  w:{cap}" in inst.ctl_status()  # step 1, carried over
+            mains.append(now["MainPID"])
+            job.seek(0)
+            assert job.read() == b"data" + b"+" * appended
+            job.write(b"+")
+            os.fsync(job.fileno())
+
+        # A bad file fails the reload at step 1: no handover, and the reason in Status,
+        # from the successor (systemd takes the new main process's notifications).
+        inst.policy.write_text("[classes.checkpoints]\nwrite_bandwidth = 'fast'\n")
+        assert box.systemctl("reload", inst.unit, check=False).returncode != 0
+        assert inst.state()["MainPID"] == mains[-1]
+        status = box.show(inst.unit, "StatusText")["StatusText"]
+        assert status.startswith("policy reload refused at "), status
+        inst.policy.write_text(SAMPLE.read_text())
 
     box.systemctl("kill", "--signal=SIGKILL", "--kill-who=main", inst.unit)
     took = wait_until_serving(inst.mnt, timeout=30)
     again = inst.state()
-    assert again["NRestarts"] == "1" and again["MainPID"] != first["MainPID"], box.log()
+    assert again["NRestarts"] == "1" and again["MainPID"] not in mains, box.log()
+    print(f"serving again {took:.2f} s after kill -9 (RestartSec + a fresh mount)")
     assert took < SERVING_AGAIN, f"serving again after {took:.2f} s"
-    assert (inst.mnt / "kept").read_text() == "data"
+    assert (inst.mnt / "kept").read_text() == "data++"
 
     box.systemctl("stop", inst.unit)
     assert inst.state()["ActiveState"] == "inactive"
     assert not is_mounted(inst.mnt)
-    assert (inst.mnt / "kept").read_text() == "data"
+    assert (inst.mnt / "kept").read_text() == "data++"
+
+
+def test_a_refused_upgrade_fails_the_reload_and_the_old_daemon_serves_on(
+        box: SystemdBox) -> None:
+    inst = BoxedInstance(box)
+    (inst.mnt / "kept").write_text("data")
+    box.systemctl("start", inst.unit)
+    first = inst.state()
+    inst.install(failing_upgrade=True)
+    with open(inst.mnt / "kept", "rb") as job:
+        assert box.systemctl("reload", inst.unit, check=False).returncode != 0
+        now = inst.state()
+        assert now["MainPID"] == first["MainPID"] and now["ActiveState"] == "active", now
+        status = box.show(inst.unit, "StatusText")["StatusText"]
+        assert status.endswith(" generation 2"), status  # step 1 was applied
+        assert "refused, serving on" in box.log()
+        assert job.read() == b"data"
+    box.systemctl("stop", inst.unit)
+    assert not is_mounted(inst.mnt)
 
 
 # A service that keeps a memfd ("state") and a FUSE connection (mounted, never
