@@ -25,11 +25,12 @@ back (``$LISTEN_FDS`` descriptors from 3, named by ``$LISTEN_FDNAMES``, for the 
     kept = inherited_fds()                     # at start: {"qosfs-fuse": 3} after a crash
     remove_fd(FUSE_FD_NAME)                    # nothing to come back to (unmounting)
 
-What systemd does with them (checked on 252, tests/mount/test_systemd_box.py): the store
-outlives a crash with ``Restart=``, a ``systemctl restart`` and a handover to a successor
-(the same open file stored twice is kept once); ``systemctl stop`` empties it. It drops a
-descriptor on its own when polling it reports POLLHUP or POLLERR: /dev/fuse does once its
-connection is aborted or unmounted, so a dead connection is never handed back. With
+What systemd 252 does with them (tests/mount/test_systemd_box.py): the store outlives a
+crash with ``Restart=`` and a ``systemctl restart``; ``systemctl stop`` empties it. The
+same open file stored twice is kept once (a successor may store the FUSE descriptor
+again). systemd drops a descriptor by itself when polling it reports POLLHUP or POLLERR:
+/dev/fuse does once its connection is unmounted or aborted (and before it is mounted:
+store it after), so a dead connection is never handed back. With
 ``FileDescriptorStoreMax=0`` (the default) systemd closes what it is sent and says so only
 in its journal: a daemon cannot know whether the store kept the descriptor.
 """
