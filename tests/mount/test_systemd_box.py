@@ -97,10 +97,18 @@ def test_reload_hands_over_and_systemd_follows_the_new_daemon_through_a_crash(
     """systemctl reload: the policy file, then the installed code takes the live mount
     over and becomes the main process; kill -9 of it is restarted in time; stop stops it."""
     inst = BoxedInstance(box)
+    # Something in the descriptor store, to see it outlive the handovers: a memfd, stored
+    # by ExecStartPost (NotifyAccess=exec lets the unit's commands do that too).
+    store = ("import os; from qosfs.daemon.notify import store_fd; "
+             "store_fd(os.memfd_create('s'), 's')")
+    (box.units / "qosfs@.service.d" / "store.conf").write_text(
+        f'[Service]\nExecStartPost={sys.executable} -c "{store}"\n')
+    box.systemctl("daemon-reload")
     (inst.mnt / "kept").write_text("data")  # in place: there underneath
     box.systemctl("start", inst.unit)
     first = inst.state()
     assert first["ActiveState"] == "active" and first["SubState"] == "running", box.log()
+    assert first["NFileDescriptorStore"] == "1"
     assert mount_type(str(inst.mnt)) == "fuse.qosfs"  # the box's mount, seen here
     assert " mount --foreground " in inst.main_cmdline()
 
@@ -112,6 +120,7 @@ def test_reload_hands_over_and_systemd_follows_the_new_daemon_through_a_crash(
             now = inst.state()
             assert now["MainPID"] not in mains, box.log()
             assert now["ActiveState"] == "active" and now["NRestarts"] == "0", now
+            assert now["NFileDescriptorStore"] == "1"  # the store is the unit's
             assert " upgrade " in inst.main_cmdline()
             assert f"checkpoints  w:{cap}" in inst.ctl_status()  # step 1, carried over
             mains.append(now["MainPID"])
@@ -131,7 +140,9 @@ def test_reload_hands_over_and_systemd_follows_the_new_daemon_through_a_crash(
 
     box.systemctl("kill", "--signal=SIGKILL", "--kill-who=main", inst.unit)
     took = wait_until_serving(inst.mnt, timeout=30)
-    again = inst.state()
+    # (ExecStartPost may still run: a stop now would kill it and fail the unit.)
+    again = wait_for("the restarted unit to run", inst.state,
+                     until=lambda s: s["SubState"] == "running", timeout=30)
     assert again["NRestarts"] == "1" and again["MainPID"] not in mains, box.log()
     print(f"serving again {took:.2f} s after kill -9 (RestartSec + a fresh mount)")
     assert took < SERVING_AGAIN, f"serving again after {took:.2f} s"
