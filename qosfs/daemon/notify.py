@@ -25,8 +25,9 @@ back (``$LISTEN_FDS`` descriptors from 3, named by ``$LISTEN_FDNAMES``, for the 
     kept = inherited_fds()                     # at start: {"qosfs-fuse": 3} after a crash
     remove_fd(FUSE_FD_NAME)                    # nothing to come back to (unmounting)
 
-What systemd 252 does with them (tests/mount/test_systemd_box.py): the store outlives a
-crash with ``Restart=`` and a ``systemctl restart``; ``systemctl stop`` empties it. The
+What systemd 252 does with them (tests/mount/test_systemd_box.py): the store is the
+unit's, not a process's; it outlives a crash with ``Restart=``, a ``systemctl restart``
+and the reload's handovers to a successor; ``systemctl stop`` empties it. The
 same open file stored twice is kept once (a successor may store the FUSE descriptor
 again). systemd drops a descriptor by itself when polling it reports POLLHUP or POLLERR:
 /dev/fuse does once its connection is unmounted or aborted (and before it is mounted:
