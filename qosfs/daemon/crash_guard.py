@@ -16,7 +16,7 @@ import os
 from typing import TYPE_CHECKING
 
 from qosfs.core.errors import QosfsError
-from qosfs.daemon import handover, keeper
+from qosfs.daemon import handover, keeper, notify
 from qosfs.passthrough.journal import SessionJournal
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Names of the descriptors in systemd's store.
-FUSE_NAME, ROOT_NAME = "qosfs-fuse", "qosfs-root"
+FUSE_NAME, ROOT_NAME = notify.FUSE_FD_NAME, "qosfs-root"
 
 
 class CrashGuard:
@@ -72,10 +72,8 @@ class CrashGuard:
             if self.state is None:
                 self._describe(daemon, session.state)
             if self.kind == "systemd":
-                from qosfs.daemon import fdstore
-
-                fdstore.store_fd(session.fuse_fd, FUSE_NAME)
-                fdstore.store_fd(daemon.root_fd, ROOT_NAME)
+                notify.store_fd(session.fuse_fd, FUSE_NAME)
+                notify.store_fd(daemon.root_fd, ROOT_NAME)
                 return
             try:
                 self.lease = keeper.Lease(self.keeper_path)
@@ -93,10 +91,8 @@ class CrashGuard:
             self.lease.end(unmounting=unmounted)
             self.lease = None
         if unmounted and self.kind == "systemd" and self.journal is not None:
-            from qosfs.daemon import fdstore
-
-            fdstore.remove_fd(FUSE_NAME)
-            fdstore.remove_fd(ROOT_NAME)
+            notify.remove_fd(FUSE_NAME)
+            notify.remove_fd(ROOT_NAME)
         if self.journal is not None:
             self.journal.close(remove=unmounted)
             self.journal = None

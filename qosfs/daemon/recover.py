@@ -39,7 +39,7 @@ from typing import Any
 
 from qosfs.core.errors import EXIT_MOUNTPOINT, QosfsError
 from qosfs.core.mountinfo import mounts, resolve_without_touching
-from qosfs.daemon import handover, keeper
+from qosfs.daemon import handover, keeper, notify
 from qosfs.daemon.crash_guard import FUSE_NAME, ROOT_NAME
 from qosfs.daemon.mount import (
     MountConfig,
@@ -85,9 +85,7 @@ def kept_descriptors(cfg: MountConfig, control_path: str) -> tuple[int, int] | N
     holder, if its daemon is dead; None if nothing is kept. QosfsError if a live daemon
     serves it. No system call reaches the mountpoint."""
     if cfg.keeper == "systemd":
-        from qosfs.daemon import fdstore
-
-        fds = fdstore.inherited_fds()
+        fds = notify.inherited_fds()
         fuse_fd, root_fd = fds.get(FUSE_NAME), fds.get(ROOT_NAME)
         if fuse_fd is not None and root_fd is not None:
             return fuse_fd, root_fd
@@ -149,10 +147,8 @@ def _let_go(cfg: MountConfig, fds: tuple[int, int], control_path: str) -> None:
     for fd in fds:
         os.close(fd)
     if cfg.keeper == "systemd":
-        from qosfs.daemon import fdstore
-
-        fdstore.remove_fd(FUSE_NAME)
-        fdstore.remove_fd(ROOT_NAME)
+        notify.remove_fd(FUSE_NAME)
+        notify.remove_fd(ROOT_NAME)
     else:
         keeper.drop(keeper.keeper_socket_path(control_path))
 
