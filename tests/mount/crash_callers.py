@@ -15,6 +15,7 @@ name and duration, or its errno) and a last ``{"done": ...}`` line. KIND:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -36,12 +37,16 @@ def _emit(**fields: object) -> None:
 
 
 def _timed(name: str, call, *args):  # type: ignore[no-untyped-def]
-    """(True, *call*'s result), or (False, None) after an OSError; reported either way."""
+    """(True, *call*'s result), or (False, None) after an OSError; reported either way.
+    ENOTCONN ends the caller (after its report)."""
     t0 = time.monotonic()
     try:
         result = call(*args)
     except OSError as exc:
         _emit(call=name, errno=exc.errno, took=time.monotonic() - t0)
+        if exc.errno == errno.ENOTCONN:  # the connection is gone: nothing more to try
+            _emit(done="ENOTCONN")
+            sys.exit(0)
         return False, None
     _emit(call=name, took=time.monotonic() - t0)
     return True, result
