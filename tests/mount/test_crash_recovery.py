@@ -21,6 +21,7 @@ The time to serve again and each kind's longest call are printed.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -55,18 +56,21 @@ write_bandwidth = "2MiB/s"
 burst = "256KiB"
 """
 READ_FILE_BLOCKS = 256  # 16 MiB
-KINDS = {"read": 300, "write": 64, "parked": 24, "meta": 40}  # ops per caller
+# Ops per caller, and a pause between calls that keeps each in flight for a few seconds.
+KINDS = {"read": 300, "write": 128, "parked": 24, "meta": 40}
+PAUSE = {"read": 0.01, "write": 0.02, "parked": 0.0, "meta": 0.005}
 
 
 class Caller:
     """One caller process and what it reported."""
 
-    def __init__(self, kind: str, path: Path, ops: int) -> None:
+    def __init__(self, kind: str, path: Path, ops: int, pause: float = 0.0) -> None:
         self.kind = kind
         self.path = path
         self.lines: list[dict[str, Any]] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.mount.crash_callers", kind, str(path), str(ops)],
+            [sys.executable, "-m", "tests.mount.crash_callers", kind, str(path), str(ops),
+             str(pause)],
             stdout=subprocess.PIPE, cwd=ROOT, text=True)
         self._reader = threading.Thread(target=self._collect, daemon=True)
         self._reader.start()
@@ -107,6 +111,13 @@ class Caller:
         return max((line["took"] for line in self.lines if "took" in line), default=0.0)
 
 
+def _status(mnt: Path) -> str:
+    out = subprocess.run([sys.executable, "-m", "qosfs", "ctl", "--socket", str(mnt), "status"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 @pytest.mark.parametrize("layout", ["apart", "in place"])
 def test_kill_9_with_16_callers_in_flight_loses_nothing(tmp_tree: Path, layout: str) -> None:
     src = tmp_tree / "mlfs"
@@ -127,13 +138,14 @@ def test_kill_9_with_16_callers_in_flight_loses_nothing(tmp_tree: Path, layout: 
     callers: list[Caller] = []
     try:
         for i in range(4):
-            callers += [Caller("read", mnt / "data" / "set", KINDS["read"]),
-                        Caller("write", mnt / "out" / f"w{i}", KINDS["write"]),
-                        Caller("parked", mnt / "slow" / f"p{i}", KINDS["parked"]),
-                        Caller("meta", mnt / "meta" / str(i), KINDS["meta"])]
+            callers += [Caller(kind, mnt / where, KINDS[kind], PAUSE[kind])
+                        for kind, where in (("read", "data/set"), ("write", f"out/w{i}"),
+                                            ("parked", f"slow/p{i}"), ("meta", f"meta/{i}"))]
         wait_for("every caller to be in flight", lambda: all(c.calls() >= 3 for c in callers),
                  timeout=60)
+        assert "crash protection: connection kept by a holder" in _status(mnt)
         assert first.proc is not None
+        assert not [c.kind for c in callers if c.proc.poll() is not None]  # all in flight
         dead = first.proc.pid
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait(10)
@@ -146,6 +158,11 @@ def test_kill_9_with_16_callers_in_flight_loses_nothing(tmp_tree: Path, layout: 
         codes = [c.finish(BOUND) for c in callers]
         completed = time.monotonic() - killed
         assert f"recovering after the death of pid {dead}" in second.log(), second.log()
+        status = _status(mnt)
+        took_over = re.search(rf"recovered after the death of pid {dead}: (\d+) open files "
+                              r"\(0 lost\)", status)
+        assert took_over and int(took_over[1]) >= 12, status  # readers and writers at least
+        assert "crash protection: connection kept by a holder" in status  # again
         assert codes == [0] * len(callers), [(c.kind, c.lines[-3:]) for c in callers]
         assert all(c.lines[-1] == {"done": c.kind} for c in callers)
         allowed = {("rename", 2), ("unlink", 2)}  # ENOENT: done by the dead daemon already
