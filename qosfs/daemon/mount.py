@@ -40,9 +40,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from qosfs.control.exporter import MetricsServer
 from qosfs.control.protocol import default_socket_path
-from qosfs.control.server import ControlSocket
 from qosfs.control.service import ControlService
 from qosfs.core.errors import (
     EXIT_FUSE,
@@ -54,6 +52,7 @@ from qosfs.core.errors import (
 from qosfs.core.failures import Failures
 from qosfs.core.mountinfo import lies_within, mounts
 from qosfs.daemon import tuning
+from qosfs.daemon.listeners import Listeners
 from qosfs.daemon.notify import notify, reloading
 from qosfs.daemon.offer import HandoverOffer, daemon_version
 from qosfs.daemon.privileges import shed_resource_privileges
@@ -244,6 +243,9 @@ class Daemon:
     # Bucket balances to put in force when the event loop starts (QosEngine.
     # export_balances): a predecessor's, or this process's previous loop's.
     balances: list[list[Any]] | None = None
+    # The control socket and metrics listener: bound by the first process of the mount,
+    # inherited by a successor (qosfs.daemon.listeners); None until then.
+    listeners: Listeners | None = None
 
     @property
     def fuse_options(self) -> set[str]:
@@ -336,58 +338,76 @@ def serve_mount(daemon: Daemon, start: Callable[[], None],
     fails after this process stopped reading gives the session back here
     (`upgrade.HandoverOffer.take_back`), and serving goes on.
 
-    *adopting*: *start* takes the session over from a predecessor, which holds the
-    control socket and the metrics port until then: they are bound after it, and a
-    failure to bind them is logged, not fatal (nobody else serves the mount by then).
+    *adopting*: *start* takes the session over from a predecessor. Its control socket
+    and metrics listener came with the session (``daemon.listeners``), or, from a
+    predecessor that did not pass them, are bound after it: a failure to bind them is
+    then logged, not fatal (nobody else serves the mount by then).
     """
     cfg, mountpoint, ops = daemon.cfg, daemon.mountpoint, daemon.ops
     handed_over = False
-    with ExitStack() as stack:
-        if adopting:
-            start()  # a failure here leaves the mount alone: the predecessor takes it back
-            services, offer = _services_after_adoption(daemon, stack)
-        else:
-            services, offer = _services(daemon, stack)
-            start()
-        unmounted_by_us = False
-        try:
-            while True:
-                # SIGHUP reloads while the control service listens; ignored, not fatal,
-                # in the pause before that service is restarted after a failure.
-                signal.signal(signal.SIGHUP, signal.SIG_IGN)
-                trio.run(_serve, cfg, mountpoint, daemon.engine, on_ready, services,
-                         daemon.latency, daemon.failures, ops.kernel_opens.log,
-                         offer.stopping if offer is not None else None, daemon.adopted_at,
-                         daemon.restore_balances)
-                daemon.adopted_at = None
-                if offer is None or offer.successor is None:
-                    unmounted_by_us = True
-                    break
-                stack.close()  # the sockets go first: the successor binds them anew
-                if offer.commit():
-                    handed_over = True
-                    break
-                offer.take_back()  # serving again, with the same tables
-                daemon.adopted_at = offer.stopped_at
-                daemon.balances = daemon.engine.export_balances(offer.to_monotonic)
+    # Whether the control socket's path is this process's to remove at the end: not
+    # while a successor that failed to start hands it back to its predecessor.
+    owns_path = not adopting
+    try:
+        with ExitStack() as stack:
+            if adopting:
+                start()  # a failure here leaves the mount alone: the predecessor takes it back
+                owns_path = True
                 services, offer = _services_after_adoption(daemon, stack)
-                on_ready = _notify_ready
-        finally:
-            still_mounted = not handed_over and mount_type(mountpoint) == QOSFS_FSTYPE
-            pyfuse3.close(unmount=still_mounted)
-            ops.close_all()
-            if handed_over:
-                log.info("%s handed over; this process exits", mountpoint)
             else:
-                log.info("unmounted %s (%s)", mountpoint,
-                         "clean" if unmounted_by_us else "after an error")
+                services, offer = _services(daemon, stack)
+                start()
+            unmounted_by_us = False
+            try:
+                while True:
+                    # SIGHUP reloads while the control service listens; ignored, not
+                    # fatal, in the pause before that service is restarted after a failure.
+                    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+                    trio.run(_serve, cfg, mountpoint, daemon.engine, on_ready, services,
+                             daemon.latency, daemon.failures, ops.kernel_opens.log,
+                             offer.stopping if offer is not None else None,
+                             daemon.adopted_at, daemon.restore_balances)
+                    daemon.adopted_at = None
+                    if offer is None or offer.successor is None:
+                        unmounted_by_us = True
+                        break
+                    stack.close()  # the handover socket: the successor binds its own
+                    if offer.commit():
+                        handed_over = True
+                        break
+                    offer.take_back()  # serving again, with the same tables and listeners
+                    daemon.adopted_at = offer.stopped_at
+                    daemon.balances = daemon.engine.export_balances(offer.to_monotonic)
+                    services, offer = _services_after_adoption(daemon, stack)
+                    on_ready = _notify_ready
+            finally:
+                still_mounted = not handed_over and mount_type(mountpoint) == QOSFS_FSTYPE
+                pyfuse3.close(unmount=still_mounted)
+                ops.close_all()
+                if handed_over:
+                    log.info("%s handed over; this process exits", mountpoint)
+                else:
+                    log.info("unmounted %s (%s)", mountpoint,
+                             "clean" if unmounted_by_us else "after an error")
+    finally:
+        if daemon.listeners is not None:  # a successor serves them, or nobody will
+            if owns_path and not handed_over:
+                daemon.listeners.close()
+            else:
+                daemon.listeners.release()
     return 0
 
 
 def _services(daemon: Daemon,
               stack: ExitStack) -> tuple[list[tuple[str, Service]], HandoverOffer | None]:
-    """Bind the control socket, the metrics port and the handover socket."""
-    services = open_services(daemon, stack)
+    """Bind the control socket and the metrics port (unless this process has them
+    already: a first loop's, or a predecessor's) and the handover socket."""
+    if daemon.listeners is None:
+        policy = daemon.engine.policy
+        daemon.listeners = Listeners.bind(
+            control_socket_path(daemon.cfg, daemon.mountpoint),
+            policy.control.admin_gid if policy is not None else None, daemon.cfg.metrics)
+    services = open_services(daemon)
     offer = HandoverOffer.open(daemon, control_socket_path(daemon.cfg, daemon.mountpoint),
                                stack)
     if offer is not None:
@@ -444,9 +464,11 @@ def _request_passthrough(cfg: MountConfig, ops: PassthroughOperations, engine: Q
         ops.kernel_opens.request(ops, stack_depth(fstype))
 
 
-def open_services(daemon: Daemon, stack: ExitStack) -> list[tuple[str, Service]]:
-    """Bind the control socket (and metrics port) now; closed when ``stack`` unwinds."""
-    return _open_services(daemon.cfg, daemon.mountpoint, daemon.engine, stack,
+def open_services(daemon: Daemon) -> list[tuple[str, Service]]:
+    """The services of the control socket and metrics port (``daemon.listeners``, bound)
+    and the daemon's own."""
+    assert daemon.listeners is not None
+    return _open_services(daemon.cfg, daemon.mountpoint, daemon.engine, daemon.listeners,
                           daemon.latency, daemon.ops.resources, daemon.cluster,
                           _daemon_info(daemon))
 
@@ -458,18 +480,16 @@ def _daemon_info(daemon: Daemon) -> Callable[[], dict[str, Any]]:
 
 
 def _open_services(cfg: MountConfig, mountpoint: str, engine: QosEngine,
-                   stack: ExitStack,
+                   listeners: Listeners,
                    latency: LatencyLoop | None = None,
                    resources: Callable[[], dict[str, Any]] | None = None,
                    cluster: ClusterCoordinator | None = None,
                    identity: Callable[[], dict[str, Any]] | None = None,
                    ) -> list[tuple[str, Service]]:
-    """Bind the control socket (and metrics port) now; closed when ``stack`` unwinds."""
+    """The control service on the bound *listeners*, and the daemon's own services."""
     source = os.path.abspath(cfg.source)
-    path = control_socket_path(cfg, mountpoint)
-    admin_gid = engine.policy.control.admin_gid if engine.policy is not None else None
-    control = ControlSocket(path, admin_gid)
-    stack.callback(control.close)
+    control = listeners.control
+    path = control.path
     controller = ControlService(engine, cfg.policy_path,
                                 {"source": source, "mountpoint": mountpoint, "socket": path,
                                  "page_cache": cfg.fs_options.cache},
@@ -491,10 +511,9 @@ def _open_services(cfg: MountConfig, mountpoint: str, engine: QosEngine,
         log.info("cluster levels renew every %gs with %s as %s", cluster.config.lease,
                  cluster.config.redis, cluster.node)
     log.info("control socket %s", path)
-    if cfg.metrics is not None:
-        metrics = MetricsServer(cfg.metrics, controller.snapshot)
-        stack.callback(metrics.close)
-        services.append(("metrics", metrics.serve))
+    metrics = listeners.metrics
+    if metrics is not None:
+        services.append(("metrics", functools.partial(metrics.serve, controller.snapshot)))
         log.info("serving metrics on http://%s:%d/metrics", metrics.host, metrics.port)
     return services
 

@@ -33,6 +33,7 @@ import trio
 
 from qosfs import __version__
 from qosfs.daemon import handover
+from qosfs.daemon.listeners import Listeners
 from qosfs.passthrough.operations import PassthroughOperations
 from qosfs.passthrough.transfer import export_state
 from qosfs.qos.interface import QosEngine
@@ -84,6 +85,7 @@ class Served(Protocol):
     ops: PassthroughOperations
     latency: LatencyLoop | None
     handovers: int
+    listeners: Listeners | None
 
     @property
     def fuse_options(self) -> set[str]: ...
@@ -173,11 +175,14 @@ class HandoverOffer:
                 sock = socket.socket(fileno=conn.detach())
                 sock.setblocking(True)  # used from a thread
                 sock.settimeout(PREPARE_TIMEOUT)
-                payload = self._prepare_payload()
-                if await trio.to_thread.run_sync(self._prepare, sock, payload,
+                payload, fds = self._prepare_payload()
+                if await trio.to_thread.run_sync(self._prepare, sock, payload, fds,
                                                  abandon_on_cancel=True):
                     break
                 sock.close()
+        listeners = self.daemon.listeners
+        if listeners is not None:  # the successor answers from here on; ours finish
+            await listeners.wind_down()
         latency = self.daemon.latency
         if latency is not None:  # its canary must not be left waiting on the mount
             await latency.stop_probe()
@@ -188,14 +193,21 @@ class HandoverOffer:
                  self.daemon.mountpoint, self.successor_pid)
         pyfuse3.terminate()  # requests read are answered, then main() returns
 
-    def _prepare_payload(self) -> dict[str, Any]:
-        """What prepare sends, taken on the event loop's thread (the policy in force)."""
+    def _prepare_payload(self) -> tuple[dict[str, Any], list[int]]:
+        """What prepare sends, taken on the event loop's thread (the policy in force),
+        and the descriptors after the session's and the source's: the listening
+        sockets, which the payload's ``listeners`` names by their index."""
         daemon = self.daemon
-        return {"protocol": PROTOCOL, "version": daemon_version(), "pid": os.getpid(),
-                "handovers": daemon.handovers, "mountpoint": daemon.mountpoint,
-                "config": config_payload(daemon.config), "policy": policy_payload(daemon.engine)}
+        listening = daemon.listeners.fds() if daemon.listeners is not None else {}
+        return ({"protocol": PROTOCOL, "version": daemon_version(), "pid": os.getpid(),
+                 "handovers": daemon.handovers, "mountpoint": daemon.mountpoint,
+                 "config": config_payload(daemon.config),
+                 "policy": policy_payload(daemon.engine),
+                 "listeners": {name: 2 + i for i, name in enumerate(listening)}},
+                list(listening.values()))
 
-    def _prepare(self, sock: socket.socket, payload: dict[str, Any]) -> bool:
+    def _prepare(self, sock: socket.socket, payload: dict[str, Any],
+                 listening: list[int]) -> bool:
         """Phase 1, in a thread while the loop serves on; True if the successor is ready."""
         pid, pidfd = 0, -1
         try:
@@ -214,7 +226,7 @@ class HandoverOffer:
             session = handover.export_session()
             self._state = session.state
             handover.send_message(sock, "prepare", {**payload, "state": session.state},
-                                  [session.fuse_fd, self.daemon.root_fd])
+                                  [session.fuse_fd, self.daemon.root_fd, *listening])
             reply = handover.receive_message(sock)
             if reply.kind != "ready":
                 raise handover.HandoverError(f"successor refused: "

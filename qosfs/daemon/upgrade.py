@@ -9,18 +9,21 @@ socket (``/run/qosfs/NAME.handover`` for ``/run/qosfs/NAME.sock``):
 
 1. hello: the successor says ``adopt`` with its handover protocol and version; the old
    daemon refuses another protocol (and keeps serving);
-2. prepare, while the old daemon serves on: it sends the FUSE descriptor and the source's
-   root descriptor (SCM_RIGHTS), the state negotiated at INIT, the mount's configuration
-   and the policy in force (text and source; ``ctl set`` changes included). The
-   successor builds everything that serves the mount from them and answers ``ready``,
-   or ``refuse`` with a reason: the old daemon then serves on as if nothing happened;
-3. commit: the old daemon stops reading /dev/fuse (the latency canary stopped first,
+2. prepare, while the old daemon serves on: it sends the FUSE descriptor, the source's
+   root descriptor and the listening control socket and metrics listener (SCM_RIGHTS,
+   :mod:`qosfs.daemon.listeners`), the state negotiated at INIT, the mount's
+   configuration and the policy in force (text and source; ``ctl set`` changes
+   included). The successor builds everything that serves the mount from them and
+   answers ``ready``, or ``refuse`` with a reason: the old daemon then serves on as if
+   nothing happened;
+3. commit: the old daemon stops accepting on the listeners (it answers the control
+   requests and scrapes it holds; new connections wait in the backlog for the
+   successor), stops reading /dev/fuse (the latency canary stopped first,
    ``pyfuse3.terminate``: requests already read are answered, parked ones within their
-   waits, under their caps), closes its control socket and metrics listener, and sends
-   its tables (:mod:`qosfs.passthrough.transfer`; descriptors in batches of at most
+   waits, under their caps), and sends its tables (:mod:`qosfs.passthrough.transfer`; descriptors in batches of at most
    253) and the policy again. The successor takes them over, adopts the session and
-   answers ``serving``; the old daemon closes its own copies and exits 0, leaving the
-   mount in place.
+   answers ``serving``, then serves the listeners too; the old daemon closes its own
+   copies (the control socket's path stays) and exits 0, leaving the mount in place.
 
 If the successor fails between ``ready`` and ``serving`` (it died, or said something
 else), nothing it did can have been seen by the kernel but requests it never read: the
@@ -30,7 +33,8 @@ and serves on (:meth:`qosfs.daemon.offer.HandoverOffer.take_back`).
 The buckets' balances travel too (debt included, on ``time.monotonic()``), so a cap goes
 on from where it stood instead of from a full burst. What starts fresh in the successor:
 the latency controller's caps, the backend's dispatch tags, the cluster leases, the
-control socket's connections and the metrics counters (a counter reset, which
+control socket's open connections (closed between requests: a client reconnects) and
+the metrics counters (a counter reset, which
 Prometheus' rate() takes as one). ``ctl status`` says which process and version serve
 and how many handovers the mount has had.
 """
@@ -47,6 +51,7 @@ from typing import Any
 from qosfs.core.errors import EXIT_DAEMON, EXIT_MOUNTPOINT, QosfsError
 from qosfs.core.mountinfo import lies_within
 from qosfs.daemon import handover
+from qosfs.daemon.listeners import Listeners
 from qosfs.daemon.mount import (
     Daemon,
     MountConfig,
@@ -131,10 +136,12 @@ def _prepare(sock: socket.socket, foreground: bool) -> tuple[Daemon, handover.Se
         raise QosfsError(f"handover refused: {prepare.payload.get('reason', prepare.kind)}",
                          EXIT_DAEMON)
     try:
-        if len(prepare.fds) != 2:
-            raise handover.HandoverError(f"expected 2 descriptors, got {len(prepare.fds)}")
-        fuse_fd, root_fd = prepare.fds
         p = prepare.payload
+        listening = dict(p.get("listeners", {}))  # absent from a predecessor without them
+        if len(prepare.fds) != 2 + len(listening):
+            raise handover.HandoverError(f"expected {2 + len(listening)} descriptors, got "
+                                         f"{len(prepare.fds)}")
+        fuse_fd, root_fd = prepare.fds[:2]
         if p.get("protocol") != PROTOCOL:
             raise handover.HandoverError(f"handover protocol {p.get('protocol')} is not "
                                          f"this version's ({PROTOCOL})")
@@ -146,6 +153,12 @@ def _prepare(sock: socket.socket, foreground: bool) -> tuple[Daemon, handover.Se
         policy = _policy(p["policy"])
         daemon = build_daemon(cfg, policy, root_fd, str(p["mountpoint"]))
         daemon.handovers = int(p["handovers"]) + 1
+        if listening:  # served from this process's first loop: never a refused connection
+            daemon.listeners = Listeners.inherit(
+                control_socket_path(cfg, daemon.mountpoint),
+                policy.control.admin_gid if policy is not None else None, cfg.metrics,
+                prepare.fds[int(listening["control"])],
+                prepare.fds[int(listening["metrics"])] if "metrics" in listening else None)
     except (handover.HandoverError, PolicyError, OSError, KeyError, ValueError) as exc:
         for fd in prepare.fds:
             os.close(fd)

@@ -13,6 +13,9 @@ mountpoint and in place.
 - A cap goes on from where it stood: a writer of a capped class, in debt, writes no more
   across upgrades than the cap allows once (each successor starting from a full burst
   would have let a burst more through per upgrade).
+- The control socket and the metrics listener travel: ``status`` and ``/metrics``,
+  polled in a loop during LISTENER_UPGRADES upgrades, never fail (the longest wait
+  for an answer is reported), and the metrics port stays the same.
 - Refused halfway: a successor with another protocol, one that refuses, one that
   vanishes at prepare, and one that vanishes after it said ready (the old daemon has
   stopped reading by then, and takes its session back) all leave the old daemon serving
@@ -41,6 +44,7 @@ import pytest
 import xxhash
 
 from qosfs.daemon import handover
+from tests.mount.listener_polls import ListenerPolls
 from tests.mount.timed_load import TimedLoad
 from tests.mounting import ROOT, is_mounted
 from tests.waiting import wait_for
@@ -56,6 +60,7 @@ MiB = 1 << 20
 CHUNK = 256 * KiB
 DATA = 32 * MiB
 HANDOVERS = 20
+LISTENER_UPGRADES = 10
 CAP = 8 * MiB  # the capped class's write bandwidth per second, and its burst
 POLICY = """
 [classes.data]
@@ -144,6 +149,13 @@ class Mount:
         g.wait_serving()
         return g
 
+    def metrics_port(self) -> int:
+        """The port the current daemon serves /metrics on (--metrics 0: any free one)."""
+        found = wait_for("the metrics address in the log", lambda: re.search(
+            r"serving metrics on http://127\.0\.0\.1:(\d+)/", self.current.log()))
+        assert found is not None
+        return int(found[1])
+
     def status(self) -> dict[str, Any]:
         out = subprocess.run([sys.executable, "-m", "qosfs", "ctl", "--socket",
                               str(self.socket), "status", "--json"], cwd=ROOT,
@@ -192,7 +204,7 @@ def mount(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Mount]:
     policy = tmp_path / "policy.toml"
     policy.write_text(POLICY)
     # --cache never: every read of the daemon-served file reaches a daemon.
-    m = Mount(src, mnt, run, ("--cache", "never", "--policy", str(policy)))
+    m = Mount(src, mnt, run, ("--cache", "never", "--policy", str(policy), "--metrics", "0"))
     try:
         m.mount()
         yield m
@@ -312,6 +324,23 @@ def test_reader_and_writer_keep_their_descriptors_across_upgrades(
           + ", ".join(f"{k} {v * 1000:.1f}" for k, v in sorted(load.worst_by.items()))
           + f"), {baseline * 1000:.1f} ms before; "
           f"upgrade command {min(took):.2f}-{max(took):.2f} s")
+
+
+def test_ctl_and_metrics_answer_throughout_upgrades(mount: Mount) -> None:
+    port = mount.metrics_port()
+    polls = ListenerPolls(str(mount.socket), ("127.0.0.1", port)).start()
+    try:
+        for _ in range(LISTENER_UPGRADES):
+            time.sleep(0.2)
+            mount.upgrade()
+            assert mount.metrics_port() == port  # the same listener, not a new one
+        time.sleep(0.2)
+    finally:
+        polls.stop()
+    print(f"{LISTENER_UPGRADES} upgrades: ctl status {polls.control.summary()}; "
+          f"/metrics {polls.metrics.summary()}")
+    assert polls.control.failures == [] and polls.metrics.failures == []
+    assert polls.control.polls >= LISTENER_UPGRADES and polls.metrics.polls >= 10
 
 
 def test_a_passed_through_open_keeps_its_backing_id_across_upgrades(mount: Mount) -> None:
