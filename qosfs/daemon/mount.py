@@ -54,7 +54,7 @@ from qosfs.core.mountinfo import lies_within, mounts
 from qosfs.daemon import tuning
 from qosfs.daemon.listeners import Listeners
 from qosfs.daemon.notify import notify, reloading
-from qosfs.daemon.offer import HandoverOffer, daemon_version
+from qosfs.daemon.offer import FAILURES, HandoverOffer, daemon_version
 from qosfs.daemon.privileges import shed_resource_privileges
 from qosfs.daemon.supervise import Service, supervised
 from qosfs.daemon.topology import QOSFS_FSTYPE, check_before_stat, check_topology
@@ -237,6 +237,10 @@ class Daemon:
     failures: Failures
     backing_options: frozenset[str]
     handovers: int = 0  # how many times the mount changed process before this one
+    # Handovers that failed, by how (qosfs.daemon.offer.FAILURES), over the mount's
+    # processes: carried to a successor, so a failure stays counted after a retry.
+    handover_failures: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(FAILURES, 0))
     # time.monotonic() when the predecessor stopped reading, while this process has not
     # started to (an adopted session); None otherwise.
     adopted_at: float | None = None
@@ -476,7 +480,8 @@ def open_services(daemon: Daemon) -> list[tuple[str, Service]]:
 def _daemon_info(daemon: Daemon) -> Callable[[], dict[str, Any]]:
     """Which process and code serve the mount, for ``ctl status``."""
     version = daemon_version()
-    return lambda: {"version": version, "handovers": daemon.handovers}
+    return lambda: {"version": version, "handovers": daemon.handovers,
+                    "handover_failures": dict(daemon.handover_failures)}
 
 
 def _open_services(cfg: MountConfig, mountpoint: str, engine: QosEngine,

@@ -52,10 +52,31 @@ VERSION_ENV = "QOSFS_VERSION"
 #: operations for a large tree takes a while), then serves on without it.
 PREPARE_TIMEOUT = 60.0
 
-#: How long the old daemon waits, once it stopped reading, for the successor to serve.
-COMMIT_TIMEOUT = 30.0
+#: How long the old daemon waits, once it stopped reading, for the successor to serve:
+#: COMMIT_TIMEOUT, plus COMMIT_PER_ENTRY for each inode, open file and directory sent
+#: (`commit_timeout`). Nobody reads /dev/fuse meanwhile, so every caller of the mount
+#: stalls for as long as a hung successor is waited for: the wait must be as short as a
+#: good commit allows. A good commit took 10-50 ms for a small table and 1.35-1.64 s for
+#: 100,000 inodes and 5,000 open files (about 15 us an entry, on 2 busy cores); the
+#: allowance is three times that per entry, and a base that covers a successor
+#: descheduled for a while. (It was 30 s flat: half a minute of every caller stalled,
+#: and yet too short for two million inodes.)
+COMMIT_TIMEOUT = 3.0
+COMMIT_PER_ENTRY = 45e-6
+
+#: What a handover can come to, as ``qosfs_handovers_total{result}`` counts them: a
+#: successor took over (``completed``, counted by ``handovers``), one failed before this
+#: daemon stopped reading (``refused``: nobody noticed), or after it, so that this daemon
+#: took the session back (``taken_back``: every caller stalled until then).
+FAILURES = ("refused", "taken_back")
 
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def commit_timeout(entries: int) -> float:
+    """How long to wait for a successor's ``serving`` after sending it *entries* inodes,
+    open files and directories."""
+    return COMMIT_TIMEOUT + entries * COMMIT_PER_ENTRY
 
 
 def daemon_version() -> str:
@@ -85,6 +106,7 @@ class Served(Protocol):
     ops: PassthroughOperations
     latency: LatencyLoop | None
     handovers: int
+    handover_failures: dict[str, int]  # FAILURES -> how many, over the mount's processes
     listeners: Listeners | None
 
     @property
@@ -200,7 +222,9 @@ class HandoverOffer:
         daemon = self.daemon
         listening = daemon.listeners.fds() if daemon.listeners is not None else {}
         return ({"protocol": PROTOCOL, "version": daemon_version(), "pid": os.getpid(),
-                 "handovers": daemon.handovers, "mountpoint": daemon.mountpoint,
+                 "handovers": daemon.handovers,
+                 "handover_failures": dict(daemon.handover_failures),
+                 "mountpoint": daemon.mountpoint,
                  "config": config_payload(daemon.config),
                  "policy": policy_payload(daemon.engine),
                  "listeners": {name: 2 + i for i, name in enumerate(listening)}},
@@ -236,9 +260,9 @@ class HandoverOffer:
                 os.close(pidfd)
             log.warning("handover to pid %d refused, serving on: %s", pid,
                         exc.strerror if isinstance(exc, OSError) and exc.strerror else exc)
+            self.daemon.handover_failures["refused"] += 1
             return False
         self.successor_pid, self._pidfd = pid, pidfd
-        sock.settimeout(COMMIT_TIMEOUT)
         return True
 
     def commit(self) -> bool:
@@ -247,8 +271,12 @@ class HandoverOffer:
         sock = self.successor
         assert sock is not None
         daemon = self.daemon
+        timeout = COMMIT_TIMEOUT
         try:
             tables, fds = export_state(daemon.ops)
+            timeout = commit_timeout(
+                len(tables["inodes"]["records"]) + len(tables["files"]) + len(tables["dirs"]))
+            sock.settimeout(timeout)
             for at in range(0, len(fds), handover.MAX_FDS):
                 handover.send_message(sock, "fds", {}, fds[at:at + handover.MAX_FDS])
             handover.send_message(sock, "commit", {
@@ -258,6 +286,10 @@ class HandoverOffer:
             reply = handover.receive_message(sock)
             if reply.kind != "serving":
                 raise handover.HandoverError(f"successor answered {reply.kind}")
+        except TimeoutError:
+            log.error("pid %d did not take %s over within %.1f s: taking the session back",
+                      self.successor_pid, daemon.mountpoint, timeout)
+            return False
         except (OSError, handover.HandoverError) as exc:
             log.error("pid %d failed to take %s over (%s): taking the session back",
                       self.successor_pid, daemon.mountpoint,
@@ -273,6 +305,7 @@ class HandoverOffer:
         """The successor failed after this process stopped reading: make sure it is gone
         (it may have read nothing, never answered anything), then serve the session
         again with the tables it never changed."""
+        self.daemon.handover_failures["taken_back"] += 1
         try:
             signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
         except ProcessLookupError:

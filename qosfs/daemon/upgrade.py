@@ -20,23 +20,25 @@ socket (``/run/qosfs/NAME.handover`` for ``/run/qosfs/NAME.sock``):
    requests and scrapes it holds; new connections wait in the backlog for the
    successor), stops reading /dev/fuse (the latency canary stopped first,
    ``pyfuse3.terminate``: requests already read are answered, parked ones within their
-   waits, under their caps), and sends its tables (:mod:`qosfs.passthrough.transfer`; descriptors in batches of at most
-   253) and the policy again. The successor takes them over, adopts the session and
-   answers ``serving``, then serves the listeners too; the old daemon closes its own
-   copies (the control socket's path stays) and exits 0, leaving the mount in place.
+   waits, under their caps), and sends its tables (:mod:`qosfs.passthrough.transfer`;
+   descriptors in batches of at most 253) and the policy again. The successor takes
+   them over, adopts the session, answers ``serving`` and serves the listeners too;
+   the old daemon closes its own copies (the control socket's path stays) and exits 0,
+   leaving the mount in place.
 
-If the successor fails between ``ready`` and ``serving`` (it died, or said something
-else), nothing it did can have been seen by the kernel but requests it never read: the
-old daemon kills it, adopts its own session again with the tables it never changed,
-and serves on (:meth:`qosfs.daemon.offer.HandoverOffer.take_back`).
+If the successor fails between ``ready`` and ``serving`` (it died, said something else,
+or hangs past :func:`qosfs.daemon.offer.commit_timeout`), nothing it did can have been
+seen by the kernel but requests it never read: the old daemon kills it, adopts its own
+session again with the tables it never changed, and serves on
+(:meth:`qosfs.daemon.offer.HandoverOffer.take_back`). Failed handovers are counted
+(``qosfs_handovers_total{result}``), and the counts travel with the mount.
 
 The buckets' balances travel too (debt included, on ``time.monotonic()``), so a cap goes
 on from where it stood instead of from a full burst. What starts fresh in the successor:
 the latency controller's caps, the backend's dispatch tags, the cluster leases, the
 control socket's open connections (closed between requests: a client reconnects) and
-the metrics counters (a counter reset, which
-Prometheus' rate() takes as one). ``ctl status`` says which process and version serve
-and how many handovers the mount has had.
+the metrics counters (a counter reset, which Prometheus' rate() takes as one). ``ctl
+status`` says which process and version serve and how many handovers the mount has had.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from qosfs.daemon.mount import (
     control_socket_path,
     serve_mount,
 )
-from qosfs.daemon.offer import PROTOCOL, daemon_version, handover_socket_path
+from qosfs.daemon.offer import FAILURES, PROTOCOL, daemon_version, handover_socket_path
 from qosfs.passthrough.operations import FsOptions
 from qosfs.passthrough.transfer import import_state
 from qosfs.policy.loading import parse_policy
@@ -153,6 +155,8 @@ def _prepare(sock: socket.socket, foreground: bool) -> tuple[Daemon, handover.Se
         policy = _policy(p["policy"])
         daemon = build_daemon(cfg, policy, root_fd, str(p["mountpoint"]))
         daemon.handovers = int(p["handovers"]) + 1
+        failed = p.get("handover_failures", {})  # absent from a predecessor that had none
+        daemon.handover_failures = {k: int(failed.get(k, 0)) for k in FAILURES}
         if listening:  # served from this process's first loop: never a refused connection
             daemon.listeners = Listeners.inherit(
                 control_socket_path(cfg, daemon.mountpoint),

@@ -19,7 +19,13 @@ mountpoint and in place.
 - Refused halfway: a successor with another protocol, one that refuses, one that
   vanishes at prepare, and one that vanishes after it said ready (the old daemon has
   stopped reading by then, and takes its session back) all leave the old daemon serving
-  the same descriptors; a real successor takes over afterwards.
+  the same descriptors; a real successor takes over afterwards. Each failure is
+  counted by how it failed (``ctl status``, ``qosfs_handovers_total``), and the count
+  goes on in the successor.
+- A successor that hangs after it said ready (tests/faultinject.py ``handover=hang``:
+  it adopted the session and never says it serves) is killed by the old daemon within
+  its commit timeout, which takes the session back and serves the same descriptors on;
+  the longest stall of the load is that wait.
 """
 
 from __future__ import annotations
@@ -43,8 +49,8 @@ import pyfuse3
 import pytest
 import xxhash
 
-from qosfs.daemon import handover
-from tests.mount.listener_polls import ListenerPolls
+from qosfs.daemon import handover, offer
+from tests.mount.listener_polls import ListenerPolls, get_metrics
 from tests.mount.timed_load import TimedLoad
 from tests.mounting import ROOT, is_mounted
 from tests.waiting import wait_for
@@ -419,11 +425,51 @@ def test_a_refused_upgrade_leaves_the_old_daemon_serving(
     assert old.proc.poll() is None, old.log()
     status = mount.status()  # the control socket answers: rebound if it was let go
     assert (status["pid"], status["handovers"]) == (old.proc.pid, 0)
+    failed = "taken_back" if mode == "vanish-after-ready" else "refused"
     if mode == "vanish-after-ready":
         assert "taking the session back" in old.log()
     else:
         assert "refused, serving on" in old.log()
+    assert status["handover_failures"] == {"refused": 0, "taken_back": 0, failed: 1}
     new = mount.upgrade()  # and a real successor still takes over
+    status = mount.status()
+    assert status["pid"] == new.proc.pid
+    assert status["handover_failures"][failed] == 1  # carried on: the alert still sees it
+    load.stop()
+    load.check(mount.mountpoint / "plain" / "log.bin")
+
+
+def test_a_successor_that_hangs_after_ready_is_killed_and_the_old_daemon_serves_on(
+        mount: Mount, start_load: Callable[[], Load]) -> None:
+    load = start_load()
+    time.sleep(0.5)
+    load.worst = 0.0
+    old = mount.current
+    hung = Generation("hung", [sys.executable, "tests/faultinject.py", "--fault",
+                               "handover=hang", "--", "upgrade", str(mount.mountpoint),
+                               "--socket", str(mount.socket), "--foreground"],
+                      mount.run / "hung.log")
+    try:
+        returned = hung.proc.wait(timeout=offer.COMMIT_TIMEOUT + 60)
+    finally:
+        hung.close()
+    assert returned == -signal.SIGKILL, hung.log()  # killed by the old daemon's pidfd
+    assert "did not take" in old.log()  # its commit timeout, not another failure
+    wait_for("the old daemon to serve again", old.log,
+             until=lambda text: "serving" in text.rsplit("taking the session back", 1)[-1])
+    assert old.proc.poll() is None, old.log()
+    status = mount.status()
+    assert (status["pid"], status["handovers"]) == (old.proc.pid, 0)
+    assert status["handover_failures"] == {"refused": 0, "taken_back": 1}
+    stalled = load.worst
+    new = mount.upgrade()  # a real successor takes over, and carries the count on
+    assert mount.status()["handover_failures"]["taken_back"] == 1
+    scraped = get_metrics("127.0.0.1", mount.metrics_port()).decode()
+    assert re.search(r'^qosfs_handovers_total\{[^}]*result="taken_back"[^}]*\} 1\.0$',
+                     scraped, re.MULTILINE), scraped
     assert mount.status()["pid"] == new.proc.pid
     load.stop()
     load.check(mount.mountpoint / "plain" / "log.bin")
+    print(f"a hung successor: the load stalled {stalled * 1000:.0f} ms at most "
+          f"(commit timeout {offer.COMMIT_TIMEOUT:g} s plus the table's allowance)")
+    assert offer.COMMIT_TIMEOUT * 0.9 <= stalled <= offer.COMMIT_TIMEOUT + 5
