@@ -247,6 +247,8 @@ class Daemon:
     # Bucket balances to put in force when the event loop starts (QosEngine.
     # export_balances): a predecessor's, or this process's previous loop's.
     balances: list[list[Any]] | None = None
+    # The latency controller's state to go on from (LatencyLoop.export_state), likewise.
+    latency_state: dict[str, Any] | None = None
     # The control socket and metrics listener: bound by the first process of the mount,
     # inherited by a successor (qosfs.daemon.listeners); None until then.
     listeners: Listeners | None = None
@@ -259,14 +261,21 @@ class Daemon:
     def config(self) -> MountConfig:
         return self.cfg
 
-    def restore_balances(self) -> None:
-        """Inside the event loop, before any request is read: put the carried bucket
-        balances in force (trio's clock differs per run, so they travel on
-        ``time.monotonic()``), so that a cap goes on from where it stood."""
+    def restore_carried(self) -> None:
+        """Inside the event loop, before any request is read: put the carried latency
+        controller's state and bucket balances in force (trio's clock differs per run,
+        so they travel on ``time.monotonic()``), so that a protected reader stays
+        protected and a cap goes on from where it stood. The automatic caps come first:
+        a bucket they limit takes a balance only once it is limited."""
+        to_trio = trio.current_time() - time.monotonic()
+        if self.latency_state is not None and self.latency is not None:
+            capped = self.latency.import_state(self.latency_state, to_trio)
+            log.info("latency control carried over (%d classes capped automatically)",
+                     capped)
+        self.latency_state = None
         if self.balances is None:
             return
-        taken = self.engine.import_balances(self.balances,
-                                            trio.current_time() - time.monotonic())
+        taken = self.engine.import_balances(self.balances, to_trio)
         self.balances = None
         log.info("%d bucket balances carried over", taken)
 
@@ -370,7 +379,7 @@ def serve_mount(daemon: Daemon, start: Callable[[], None],
                     trio.run(_serve, cfg, mountpoint, daemon.engine, on_ready, services,
                              daemon.latency, daemon.failures, ops.kernel_opens.log,
                              offer.stopping if offer is not None else None,
-                             daemon.adopted_at, daemon.restore_balances)
+                             daemon.adopted_at, daemon.restore_carried)
                     daemon.adopted_at = None
                     if offer is None or offer.successor is None:
                         unmounted_by_us = True
@@ -382,6 +391,8 @@ def serve_mount(daemon: Daemon, start: Callable[[], None],
                     offer.take_back()  # serving again, with the same tables and listeners
                     daemon.adopted_at = offer.stopped_at
                     daemon.balances = daemon.engine.export_balances(offer.to_monotonic)
+                    if daemon.latency is not None:  # its times were on the last run's clock
+                        daemon.latency_state = daemon.latency.export_state(offer.to_monotonic)
                     services, offer = _services_after_adoption(daemon, stack)
                     on_ready = _notify_ready
             finally:

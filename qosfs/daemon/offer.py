@@ -282,7 +282,9 @@ class HandoverOffer:
             handover.send_message(sock, "commit", {
                 "filesystem": tables, "fd_count": len(fds), "stopped_at": self.stopped_at,
                 "policy": policy_payload(daemon.engine),
-                "balances": daemon.engine.export_balances(self.to_monotonic)})
+                "balances": daemon.engine.export_balances(self.to_monotonic),
+                "latency": (daemon.latency.export_state(self.to_monotonic)
+                            if daemon.latency is not None else None)})
             reply = handover.receive_message(sock)
             if reply.kind != "serving":
                 raise handover.HandoverError(f"successor answered {reply.kind}")

@@ -34,11 +34,24 @@ session again with the tables it never changed, and serves on
 (``qosfs_handovers_total{result}``), and the counts travel with the mount.
 
 The buckets' balances travel too (debt included, on ``time.monotonic()``), so a cap goes
-on from where it stood instead of from a full burst. What starts fresh in the successor:
-the latency controller's caps, the backend's dispatch tags, the cluster leases, the
-control socket's open connections (closed between requests: a client reconnects) and
-the metrics counters (a counter reset, which Prometheus' rate() takes as one). ``ctl
-status`` says which process and version serve and how many handovers the mount has had.
+on from where it stood instead of from a full burst, and so does the latency
+controller's state (its automatic caps and where each started, relative targets'
+baselines, the protected classes' activity), put in force before the successor reads a
+request: a protected reader stays protected. What starts fresh in the successor:
+
+- the backend's dispatch tags: they order only requests parked at the backend, and none
+  is parked across a handover (the old daemon answers them first); a class that had
+  just had more than its share starts level with the others;
+- this mount's cluster grants: to Redis the successor is the same node (host and
+  mountpoint), so the cluster's sums carry on; it renews within one lease (100 ms by
+  default) and until then enforces what a new mount does (the cap divided by
+  ``[cluster] fallback`` nodes, or the whole cap);
+- the control socket's open connections (closed between requests: a client reconnects);
+- the traffic counters (``qosfs_read_bytes_total`` and the like: a counter reset, which
+  Prometheus' rate() takes as one; the handover counts do travel).
+
+``ctl status`` says which process and version serve and how many handovers the mount
+has had.
 """
 
 from __future__ import annotations
@@ -202,5 +215,6 @@ def _commit(sock: socket.socket, daemon: Daemon, session: handover.Session) -> N
     handover.adopt(daemon.ops, session, daemon.mountpoint, daemon.fuse_options)
     daemon.adopted_at = float(payload["stopped_at"])  # CLOCK_MONOTONIC: one per system
     daemon.balances = list(payload["balances"])  # put in force when the loop starts
+    daemon.latency_state = payload.get("latency")  # likewise (absent from older daemons)
     handover.send_message(sock, "serving", {})
     sock.close()  # the predecessor exits now

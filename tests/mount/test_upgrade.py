@@ -22,6 +22,10 @@ mountpoint and in place.
   the same descriptors; a real successor takes over afterwards. Each failure is
   counted by how it failed (``ctl status``, ``qosfs_handovers_total``), and the count
   goes on in the successor.
+- A latency-controlled cap survives: a storm the controller holds at its floor for a
+  protected reader is still held there by the successor from its first request (a
+  successor starting without the controller's caps let the storm run uncapped until
+  its first decision, and then cut from that rate).
 - A successor that hangs after it said ready (tests/faultinject.py ``handover=hang``:
   it adopted the session and never says it serves) is killed by the old daemon within
   its commit timeout, which takes the session back and serves the same descriptors on;
@@ -473,3 +477,79 @@ def test_a_successor_that_hangs_after_ready_is_killed_and_the_old_daemon_serves_
     print(f"a hung successor: the load stalled {stalled * 1000:.0f} ms at most "
           f"(commit timeout {offer.COMMIT_TIMEOUT:g} s plus the table's allowance)")
     assert offer.COMMIT_TIMEOUT * 0.9 <= stalled <= offer.COMMIT_TIMEOUT + 5
+
+
+LATENCY_POLICY = """
+[classes.reader]
+paths = ["reader/**"]
+priority = "high"
+target_read_latency = "200us"
+[classes.storm]
+paths = ["storm/**"]
+priority = "low"
+"""
+
+
+def test_a_latency_controlled_cap_survives_an_upgrade(tmp_path: Path) -> None:
+    src, mnt, run = tmp_path / "src", tmp_path / "mnt", tmp_path / "run"
+    for d in (src / "reader", src / "storm", mnt, run):
+        d.mkdir(parents=True)
+    (src / "reader" / "shard").write_bytes(os.urandom(MiB))
+    (tmp_path / "policy.toml").write_text(LATENCY_POLICY)
+    # A target no read can meet: the storm is cut down to the controller's floor.
+    m = Mount(src, mnt, run, ("--cache", "never", "--policy", str(tmp_path / "policy.toml")))
+    stop = threading.Event()
+    written = [0]
+
+    def storm() -> None:
+        chunk = b"s" * MiB
+        fd = os.open(mnt / "storm" / "state", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            while not stop.is_set():
+                written[0] += os.pwrite(fd, chunk, (written[0] // MiB % 32) * MiB)
+        finally:
+            os.close(fd)
+
+    def reader() -> None:
+        with open(mnt / "reader" / "shard", "rb", buffering=0) as f:
+            while not stop.is_set():
+                f.seek(0)
+                f.read(4096)
+                time.sleep(0.005)
+
+    threads = [threading.Thread(target=t, daemon=True) for t in (storm, reader)]
+    try:
+        m.mount()
+        for t in threads:
+            t.start()
+
+        def storm_cap() -> float | None:
+            for t in m.status()["latency_control"]["throttled"]:
+                if t["class"] == "storm":
+                    cap: float | None = t["write_bandwidth"]
+                    return cap
+            return None
+
+        floor = wait_for("the storm to be cut to the floor", storm_cap,
+                         until=lambda cap: cap is not None and cap <= 2 * MiB,
+                         timeout=30, interval=0.1)
+        assert floor is not None
+        before, t0 = written[0], time.monotonic()
+        m.upgrade()
+        carried = storm_cap()  # the successor's, before its first window could cut
+        time.sleep(1.0)
+        moved, took = written[0] - before, time.monotonic() - t0
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        m.close()
+    print(f"storm held at {floor / MiB:.2f} MiB/s before the upgrade, "
+          f"{(carried or 0) / MiB:.2f} MiB/s in the successor; it wrote "
+          f"{moved / MiB:.1f} MiB in the {took:.1f} s of the upgrade and the second after")
+    # At the floor, plus the bucket's burst and a write in flight; uncapped it moves
+    # hundreds of MiB in a second.
+    assert moved <= floor * took + 4 * MiB
+    assert carried is not None and carried <= 2 * MiB
+    assert "latency control carried over (1 classes capped automatically)" in \
+        m.current.log()
