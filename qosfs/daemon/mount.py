@@ -63,7 +63,7 @@ from qosfs.passthrough.backing_io import BackingIO, IoMode, backing_mount, choos
 from qosfs.passthrough.kernel import stack_depth
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import default_policy, load_policy
-from qosfs.policy.model import ClassRule, Policy, passthrough_blocker
+from qosfs.policy.model import ClassRule, Policy, PolicyError, passthrough_blocker
 from qosfs.qos.cluster import ClusterCoordinator
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.interface import PassThroughQos, QosEngine
@@ -138,6 +138,15 @@ def check_mount_args(source: str, mountpoint: str, allow_stacked: bool = False) 
         raise QosfsError("/dev/fuse is missing (load the fuse module)", EXIT_FUSE)
     if os.geteuid() != 0 and shutil.which("fusermount3") is None:
         raise QosfsError("fusermount3 not found (install the fuse3 package)", EXIT_FUSE)
+
+
+def serves_qosfs(mountpoint: str) -> bool:
+    """Whether a live qosfs daemon serves *mountpoint* (``qosfs mount`` on it hands the
+    mount over instead of mounting again, :func:`qosfs.daemon.upgrade.adopt_mount`). A
+    dead one (ENOTCONN) is not live: it is cleaned by `check_mount_args`."""
+    return (os.path.isdir(os.path.dirname(os.path.abspath(mountpoint)))
+            and _statfs_errno(mountpoint) == 0
+            and mount_type(os.path.realpath(mountpoint)) == QOSFS_FSTYPE)
 
 
 def check_own_paths(mountpoint: str, paths: dict[str, str | None]) -> None:
@@ -249,6 +258,9 @@ class Daemon:
     balances: list[list[Any]] | None = None
     # The latency controller's state to go on from (LatencyLoop.export_state), likewise.
     latency_state: dict[str, Any] | None = None
+    # A policy to swap in when the loop starts (a swap needs the loop): one changed by
+    # ctl set while a successor prepared, or the one qosfs mount --policy named.
+    policy_to_apply: Policy | None = None
     # The control socket and metrics listener: bound by the first process of the mount,
     # inherited by a successor (qosfs.daemon.listeners); None until then.
     listeners: Listeners | None = None
@@ -262,11 +274,18 @@ class Daemon:
         return self.cfg
 
     def restore_carried(self) -> None:
-        """Inside the event loop, before any request is read: put the carried latency
-        controller's state and bucket balances in force (trio's clock differs per run,
+        """Inside the event loop, before any request is read: put the policy a
+        successor was given in force (`policy_to_apply`), then the carried latency
+        controller's state and bucket balances (trio's clock differs per run,
         so they travel on ``time.monotonic()``), so that a protected reader stays
         protected and a cap goes on from where it stood. The automatic caps come first:
         a bucket they limit takes a balance only once it is limited."""
+        policy, self.policy_to_apply = self.policy_to_apply, None
+        if policy is not None and self.policy_engine is not None:
+            try:  # checked before the session was adopted: not refused here
+                self.policy_engine.swap(policy)
+            except PolicyError as exc:
+                log.error("serving on with the policy that travelled: %s", exc)
         to_trio = trio.current_time() - time.monotonic()
         if self.latency_state is not None and self.latency is not None:
             capped = self.latency.import_state(self.latency_state, to_trio)

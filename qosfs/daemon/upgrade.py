@@ -56,6 +56,7 @@ has had.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -77,7 +78,7 @@ from qosfs.daemon.mount import (
 from qosfs.daemon.offer import FAILURES, PROTOCOL, daemon_version, handover_socket_path
 from qosfs.passthrough.operations import FsOptions
 from qosfs.passthrough.transfer import import_state
-from qosfs.policy.loading import parse_policy
+from qosfs.policy.loading import load_policy, parse_policy
 from qosfs.policy.model import Policy, PolicyError
 
 log = logging.getLogger(__name__)
@@ -98,10 +99,21 @@ def config_from_payload(raw: dict[str, Any], foreground: bool) -> MountConfig:
 
 
 def adopt_mount(mountpoint: str, socket_path: str | None, foreground: bool,
-                on_ready: Callable[[], None] | None = None) -> int:
+                on_ready: Callable[[], None] | None = None,
+                requested: MountConfig | None = None) -> int:
     """Take the live mount at *mountpoint* over from the daemon serving it and serve it
     until unmounted, signalled or handed over again. QosfsError, with the old daemon
-    serving on, if anything fails before commit."""
+    serving on, if anything fails before commit.
+
+    *requested*: what a ``qosfs mount`` on the live mount asked for (None: ``qosfs
+    upgrade``). Its source must be the mount's. Its policy file, if it names one,
+    replaces the policy in force, as a ``ctl reload`` of that file would; a policy this
+    mount cannot take live is refused before the old daemon stops reading. Without one,
+    the policy in force carries on (a mount command without ``--policy`` does not mean
+    "fall back to the default policy"). Every other option is the running mount's:
+    they were negotiated with the kernel or built into the mount (a difference is logged
+    as a warning).
+    """
     top = os.path.realpath(mountpoint)
     close_inherited(top)
     control = socket_path or control_socket_path(MountConfig("", mountpoint), top)
@@ -111,12 +123,17 @@ def adopt_mount(mountpoint: str, socket_path: str | None, foreground: bool,
         sock.connect(path)
     except OSError as exc:
         sock.close()
+        if requested is not None:  # qosfs mount: say first what the mountpoint is
+            raise QosfsError(f"{mountpoint} is already mounted by qosfs, and its daemon "
+                             f"offers no handover at {path} ({exc.strerror})",
+                             EXIT_MOUNTPOINT) from None
         raise QosfsError(f"no qosfs daemon offers {mountpoint} for handover at {path}: "
                          f"{exc.strerror}", EXIT_MOUNTPOINT) from None
     with sock:
-        daemon, session = _prepare(sock, foreground)
-        return serve_mount(daemon, lambda: _commit(sock, daemon, session), on_ready,
-                           adopting=True)
+        daemon, session = _prepare(sock, foreground, requested)
+        chosen = requested is not None and requested.policy_path is not None
+        return serve_mount(daemon, lambda: _commit(sock, daemon, session, chosen),
+                           on_ready, adopting=True)
 
 
 def close_inherited(top: str) -> None:
@@ -138,7 +155,8 @@ def close_inherited(top: str) -> None:
             os.close(fd)
 
 
-def _prepare(sock: socket.socket, foreground: bool) -> tuple[Daemon, handover.Session]:
+def _prepare(sock: socket.socket, foreground: bool,
+             requested: MountConfig | None = None) -> tuple[Daemon, handover.Session]:
     """Phase 1: receive the session and the configuration, build what serves the mount,
     answer ready (or refuse, leaving the old daemon serving)."""
     handover.send_message(sock, "adopt", {"protocol": PROTOCOL, "version": daemon_version(),
@@ -165,8 +183,12 @@ def _prepare(sock: socket.socket, foreground: bool) -> tuple[Daemon, handover.Se
         if not stat.S_ISDIR(os.fstat(root_fd).st_mode):
             raise handover.HandoverError("the source's descriptor is not a directory")
         cfg = config_from_payload(p["config"], foreground)
+        if requested is not None:
+            _check_requested(requested, cfg)
         policy = _policy(p["policy"])
         daemon = build_daemon(cfg, policy, root_fd, str(p["mountpoint"]))
+        if requested is not None and requested.policy_path is not None:
+            _put_chosen_policy(daemon, requested.policy_path)
         daemon.handovers = int(p["handovers"]) + 1
         failed = p.get("handover_failures", {})  # absent from a predecessor that had none
         daemon.handover_failures = {k: int(failed.get(k, 0)) for k in FAILURES}
@@ -187,13 +209,46 @@ def _prepare(sock: socket.socket, foreground: bool) -> tuple[Daemon, handover.Se
     return daemon, session
 
 
+def _check_requested(requested: MountConfig, running: MountConfig) -> None:
+    """HandoverError if ``qosfs mount`` named another source than the mount's; a warning
+    for each other option that differs from the running mount's (which stays)."""
+    if os.path.realpath(requested.source) != os.path.realpath(running.source):
+        raise handover.HandoverError(
+            f"{requested.mountpoint} is a mount of {running.source}, not of "
+            f"{requested.source}: unmount it first to mount another source there")
+    kept = ("source", "mountpoint", "foreground", "policy_path")
+    for option in dataclasses.fields(MountConfig):
+        asked, has = getattr(requested, option.name), getattr(running, option.name)
+        if option.name not in kept and asked != has:
+            log.warning("%s: %s=%r differs from the running mount's %r, which stays "
+                        "(unmount and mount to change it)", requested.mountpoint,
+                        option.name, asked, has)
+
+
+def _put_chosen_policy(daemon: Daemon, path: str) -> None:
+    """Put the policy file ``qosfs mount --policy`` named in force on the idle successor,
+    in place of the one that travelled, and make it the mount's own (SIGHUP and ``ctl
+    reload`` re-read it). PolicyError if the file is invalid or the mount cannot take
+    it live (the old daemon then serves on with the policy it has)."""
+    if daemon.policy_engine is None:
+        raise handover.HandoverError("the mount runs without QoS (--no-qos): a policy "
+                                     "needs a new mount")
+    policy = load_policy(path)
+    daemon.policy_engine.check_swap(policy)
+    daemon.policy_to_apply = policy  # swapped in as the loop starts, before any request
+    daemon.cfg = dataclasses.replace(daemon.cfg, policy_path=os.path.abspath(path))
+    log.info("policy %s to be in force in place of the running mount's", policy.source)
+
+
 def _policy(raw: dict[str, Any] | None) -> Policy | None:
     return None if raw is None else parse_policy(str(raw["text"]), str(raw["source"]))
 
 
-def _commit(sock: socket.socket, daemon: Daemon, session: handover.Session) -> None:
+def _commit(sock: socket.socket, daemon: Daemon, session: handover.Session,
+            chosen_policy: bool = False) -> None:
     """Phase 2 (serve_mount's start): the tables and descriptors come, the session is
-    adopted, and the old daemon is told so."""
+    adopted, and the old daemon is told so. *chosen_policy*: ``qosfs mount --policy``
+    put another policy in force, which the old daemon's does not replace."""
     fds: list[int] = []
     while True:
         message = handover.receive_message(sock)
@@ -209,10 +264,13 @@ def _commit(sock: socket.socket, daemon: Daemon, session: handover.Session) -> N
                          f"{payload['fd_count']}", EXIT_DAEMON)
     import_state(daemon.ops, payload["filesystem"], fds)
     policy = _policy(payload["policy"])
-    if policy is not None and daemon.engine.policy is not None \
+    if policy is not None and daemon.engine.policy is not None and not chosen_policy \
             and policy.render() != daemon.engine.policy.render():
-        daemon.engine.swap(policy)  # changed (ctl set) while we prepared
+        daemon.policy_to_apply = policy  # changed (ctl set) while we prepared
     handover.adopt(daemon.ops, session, daemon.mountpoint, daemon.fuse_options)
+    chosen = daemon.policy_to_apply
+    if chosen_policy and daemon.listeners is not None and chosen is not None:
+        daemon.listeners.control.set_admin_group(chosen.control.admin_gid)
     daemon.adopted_at = float(payload["stopped_at"])  # CLOCK_MONOTONIC: one per system
     daemon.balances = list(payload["balances"])  # put in force when the loop starts
     daemon.latency_state = payload.get("latency")  # likewise (absent from older daemons)

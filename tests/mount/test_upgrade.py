@@ -22,6 +22,10 @@ mountpoint and in place.
   the same descriptors; a real successor takes over afterwards. Each failure is
   counted by how it failed (``ctl status``, ``qosfs_handovers_total``), and the count
   goes on in the successor.
+- ``qosfs mount`` on the live mount hands it over too, with the policy it names in force
+  (another cap for a class; the open descriptors carry on); a malformed policy is
+  refused with its file and line before anything happens, and another source is
+  refused by the successor: the old daemon serves on in both cases.
 - A latency-controlled cap survives: a storm the controller holds at its floor for a
   protected reader is still held there by the successor from its first request (a
   successor starting without the controller's caps let the storm run uncapped until
@@ -149,6 +153,19 @@ class Mount:
         new = self._start(name, [sys.executable, "-m", "qosfs", "upgrade",
                                  str(self.mountpoint), "--socket", str(self.socket),
                                  "--foreground"])
+        assert old.proc.wait(timeout=30) == 0, old.log()
+        assert "handed over" in old.log()
+        return new
+
+    def mount_again(self, *args: str) -> Generation:
+        """``qosfs mount`` once more on the live mount, with *args* in place of the first
+        mount's options: the successor serves, the old daemon exits 0."""
+        old = self.current
+        cmd = [sys.executable, "-m", "qosfs", "mount", "--foreground", str(self.source)]
+        if self.mountpoint != self.source:
+            cmd.append(str(self.mountpoint))
+        new = self._start(f"G{len(self.generations)}",
+                          [*cmd, "--socket", str(self.socket), *args])
         assert old.proc.wait(timeout=30) == 0, old.log()
         assert "handed over" in old.log()
         return new
@@ -553,3 +570,65 @@ def test_a_latency_controlled_cap_survives_an_upgrade(tmp_path: Path) -> None:
     assert carried is not None and carried <= 2 * MiB
     assert "latency control carried over (1 classes capped automatically)" in \
         m.current.log()
+
+
+def _class_limits(status: dict[str, Any], name: str) -> dict[str, float]:
+    (level,) = [lv for lv in status["levels"]
+                if lv["level"] == "class" and lv["name"] == name]
+    limits: dict[str, float] = level["limits"]
+    return limits
+
+
+def _qosfs(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qosfs", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_qosfs_mount_on_the_live_mount_hands_it_over_with_the_policy_it_names(
+        mount: Mount, start_load: Callable[[], Load], tmp_path: Path) -> None:
+    load = start_load()
+    assert _class_limits(mount.status(), "capped")["write_bandwidth"] == CAP
+    changed = tmp_path / "changed.toml"
+    changed.write_text(POLICY.replace('write_bandwidth = "8MiB/s"',
+                                      'write_bandwidth = "4MiB/s"'))
+    new = mount.mount_again("--cache", "never", "--metrics", "0", "--policy", str(changed))
+    status = mount.status()
+    assert (status["pid"], status["handovers"]) == (new.proc.pid, 1)
+    assert status["policy_source"] == str(changed)
+    assert _class_limits(status, "capped")["write_bandwidth"] == CAP // 2
+    assert "differs from the running mount" not in new.log()  # the same options
+    assert "policy generation 2 in force" in new.log()  # swapped in, as a reload
+    again = mount.mount_again()  # no --policy: the policy in force carries on
+    status = mount.status()
+    assert (status["pid"], status["handovers"]) == (again.proc.pid, 2)
+    assert status["policy_source"] == str(changed)
+    assert re.search(r"fs_options=.*cache='auto'.* differs from the running mount's "
+                     r".*cache='never'", again.log())  # said, and the mount's kept
+    load.stop()
+    load.check(mount.mountpoint / "plain" / "log.bin")
+
+
+def test_qosfs_mount_on_the_live_mount_refuses_a_bad_policy_or_another_source(
+        mount: Mount, start_load: Callable[[], Load], tmp_path: Path) -> None:
+    load = start_load()
+    old = mount.current
+    where = [str(mount.source)] + ([str(mount.mountpoint)]
+                                   if mount.mountpoint != mount.source else [])
+    bad = tmp_path / "bad.toml"
+    bad.write_text(POLICY.replace('burst = "8MiB"', 'burst = "eight"'))
+    refused = _qosfs("mount", "--foreground", *where, "--socket", str(mount.socket),
+                     "--policy", str(bad))
+    assert refused.returncode == 6, refused.stderr
+    assert refused.stderr.startswith(f"qosfs: {bad}:8:"), refused.stderr  # file:line
+    other = tmp_path / "other"
+    other.mkdir()
+    elsewhere = _qosfs("mount", "--foreground", str(other), str(mount.mountpoint),
+                       "--socket", str(mount.socket))
+    assert elsewhere.returncode != 0
+    assert f"is a mount of {mount.source}, not of {other}" in elsewhere.stderr
+    status = mount.status()
+    assert old.proc.poll() is None and status["pid"] == old.proc.pid
+    assert status["policy_source"] == str(tmp_path / "policy.toml")
+    assert status["handover_failures"] == {"refused": 1, "taken_back": 0}  # the source
+    load.stop()
+    load.check(mount.mountpoint / "plain" / "log.bin")
