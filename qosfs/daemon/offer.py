@@ -283,6 +283,7 @@ class HandoverOffer:
                 "filesystem": tables, "fd_count": len(fds), "stopped_at": self.stopped_at,
                 "policy": policy_payload(daemon.engine),
                 "balances": daemon.engine.export_balances(self.to_monotonic),
+                "accounts": daemon.engine.accounts.export_totals(),
                 "latency": (daemon.latency.export_state(self.to_monotonic)
                             if daemon.latency is not None else None)})
             reply = handover.receive_message(sock)

@@ -47,8 +47,11 @@ request: a protected reader stays protected. What starts fresh in the successor:
   default) and until then enforces what a new mount does (the cap divided by
   ``[cluster] fallback`` nodes, or the whole cap);
 - the control socket's open connections (closed between requests: a client reconnects);
-- the traffic counters (``qosfs_read_bytes_total`` and the like: a counter reset, which
-  Prometheus' rate() takes as one; the handover counts do travel).
+- the counters of levels (``qosfs_level_throttled_seconds_total``), policy changes,
+  internal errors, parking and passthrough registrations: a counter reset, which
+  Prometheus' rate() takes as one. The traffic counters per account (bytes, requests,
+  throttled time, duration histograms: what dashboards and rates are built on) and
+  the handover counts do travel.
 
 ``ctl status`` says which process and version serve and how many handovers the mount
 has had.
@@ -263,6 +266,8 @@ def _commit(sock: socket.socket, daemon: Daemon, session: handover.Session,
         raise QosfsError(f"handover failed: {len(fds)} descriptors of "
                          f"{payload['fd_count']}", EXIT_DAEMON)
     import_state(daemon.ops, payload["filesystem"], fds)
+    # The traffic counters go on (absent from older daemons): no reset in /metrics.
+    daemon.engine.accounts.import_totals(payload.get("accounts", []))
     policy = _policy(payload["policy"])
     if policy is not None and daemon.engine.policy is not None and not chosen_policy \
             and policy.render() != daemon.engine.policy.render():

@@ -15,7 +15,8 @@ mountpoint and in place.
   would have let a burst more through per upgrade).
 - The control socket and the metrics listener travel: ``status`` and ``/metrics``,
   polled in a loop during LISTENER_UPGRADES upgrades, never fail (the longest wait
-  for an answer is reported), and the metrics port stays the same.
+  for an answer is reported), and the metrics port stays the same; the traffic
+  counters go on from where they stood (no counter reset).
 - Refused halfway: a successor with another protocol, one that refuses, one that
   vanishes at prepare, and one that vanishes after it said ready (the old daemon has
   stopped reading by then, and takes its session back) all leave the old daemon serving
@@ -353,8 +354,18 @@ def test_reader_and_writer_keep_their_descriptors_across_upgrades(
           f"upgrade command {min(took):.2f}-{max(took):.2f} s")
 
 
+def _read_bytes_total(port: int) -> float:
+    """qosfs_read_bytes_total summed over the mount's accounts."""
+    text = get_metrics("127.0.0.1", port).decode()
+    return sum(float(found[1]) for found in
+               re.finditer(r"^qosfs_read_bytes_total\{.*\} (\S+)$", text, re.MULTILINE))
+
+
 def test_ctl_and_metrics_answer_throughout_upgrades(mount: Mount) -> None:
     port = mount.metrics_port()
+    (mount.mountpoint / "plain" / "big.bin").read_bytes()  # a counter to carry on
+    counted = _read_bytes_total(port)
+    assert counted >= DATA
     polls = ListenerPolls(str(mount.socket), ("127.0.0.1", port)).start()
     try:
         for _ in range(LISTENER_UPGRADES):
@@ -368,6 +379,7 @@ def test_ctl_and_metrics_answer_throughout_upgrades(mount: Mount) -> None:
           f"/metrics {polls.metrics.summary()}")
     assert polls.control.failures == [] and polls.metrics.failures == []
     assert polls.control.polls >= LISTENER_UPGRADES and polls.metrics.polls >= 10
+    assert _read_bytes_total(port) >= counted  # carried on: no counter reset
 
 
 def test_a_passed_through_open_keeps_its_backing_id_across_upgrades(mount: Mount) -> None:
