@@ -23,7 +23,10 @@ Faults (repeat ``--fault``):
   adopted the session hangs for ever instead of telling its predecessor it serves (the
   ``serving`` message of :mod:`qosfs.daemon.upgrade` is never sent), as a successor stuck
   in a system call or a deadlock would: its predecessor, which stopped reading
-  /dev/fuse, must not wait for ever.
+  /dev/fuse, must not wait for ever;
+* ``handover=slow-ready``: a successor takes 2 s to say it is ready (building the
+  operations for a large tree does), so that the policy can change under it (``ctl
+  set`` on the old daemon, which serves on meanwhile).
 """
 
 from __future__ import annotations
@@ -97,15 +100,16 @@ def _refuse_registration(name: str) -> None:
     pyfuse3.passthrough_open = refused  # what qosfs.passthrough.kernel calls
 
 
-def _hang_before_serving() -> None:
+def _stall_before(message: str, seconds: float | None) -> None:
+    """The successor waits *seconds* (None: for ever) before it sends *message*."""
     original = handover.send_message
 
-    def hanging(sock: Any, kind: str, *args: Any) -> None:
-        if kind == "serving":
-            threading.Event().wait()  # for ever: only SIGKILL ends this process
+    def stalling(sock: Any, kind: str, *args: Any) -> None:
+        if kind == message:
+            threading.Event().wait(seconds)  # for ever: only SIGKILL ends this process
         original(sock, kind, *args)
 
-    handover.send_message = hanging  # what qosfs.daemon.upgrade calls
+    handover.send_message = stalling  # what qosfs.daemon.upgrade calls
 
 
 def run(argv: Sequence[str]) -> int:
@@ -125,7 +129,9 @@ def run(argv: Sequence[str]) -> int:
         elif kind == "sampler":
             _break_sampler(what)
         elif fault == "handover=hang":
-            _hang_before_serving()
+            _stall_before("serving", None)
+        elif fault == "handover=slow-ready":
+            _stall_before("ready", 2.0)
         else:
             parser.error(f"unknown fault {fault!r}")
     return main(args[split + 1:])

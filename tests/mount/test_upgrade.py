@@ -27,6 +27,8 @@ mountpoint and in place.
   (another cap for a class; the open descriptors carry on); a malformed policy is
   refused with its file and line before anything happens, and another source is
   refused by the successor: the old daemon serves on in both cases.
+- A policy changed by ``ctl set`` while the successor prepares (it takes 2 s:
+  faultinject ``handover=slow-ready``) is the one in force in the successor.
 - A latency-controlled cap survives: a storm the controller holds at its floor for a
   protected reader is still held there by the successor from its first request (a
   successor starting without the controller's caps let the storm run uncapped until
@@ -644,3 +646,24 @@ def test_qosfs_mount_on_the_live_mount_refuses_a_bad_policy_or_another_source(
     assert status["handover_failures"] == {"refused": 1, "taken_back": 0}  # the source
     load.stop()
     load.check(mount.mountpoint / "plain" / "log.bin")
+
+
+def test_a_policy_changed_while_the_successor_prepares_is_in_force_in_it(
+        mount: Mount) -> None:
+    old = mount.current
+    slow = Generation("G1", [sys.executable, "tests/faultinject.py", "--fault",
+                             "handover=slow-ready", "--", "upgrade", str(mount.mountpoint),
+                             "--socket", str(mount.socket), "--foreground"],
+                      mount.run / "G1.log")
+    mount.generations.append(slow)
+    wait_for("the successor to prepare", slow.log,
+             until=lambda text: "taking" in text and "over from pid" in text)
+    changed = subprocess.run([sys.executable, "-m", "qosfs", "ctl", "--socket",
+                              str(mount.socket), "set", "capped", "write_bandwidth=2MiB/s"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert changed.returncode == 0, changed.stderr
+    slow.wait_serving()
+    assert old.proc.wait(timeout=30) == 0, old.log()
+    status = mount.status()
+    assert status["pid"] == slow.proc.pid and status["handover_failures"]["taken_back"] == 0
+    assert _class_limits(status, "capped")["write_bandwidth"] == 2 * MiB
