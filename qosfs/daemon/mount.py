@@ -144,8 +144,7 @@ def serves_qosfs(mountpoint: str) -> bool:
     """Whether a live qosfs daemon serves *mountpoint* (``qosfs mount`` on it hands the
     mount over instead of mounting again, :func:`qosfs.daemon.upgrade.adopt_mount`). A
     dead one (ENOTCONN) is not live: it is cleaned by `check_mount_args`."""
-    return (os.path.isdir(os.path.dirname(os.path.abspath(mountpoint)))
-            and _statfs_errno(mountpoint) == 0
+    return (_statfs_errno(mountpoint) == 0
             and mount_type(os.path.realpath(mountpoint)) == QOSFS_FSTYPE)
 
 
