@@ -1,9 +1,11 @@
 """Read systemd unit files and turn their command lines into argv the way systemd does.
 
-Just enough of systemd.unit(5)/systemd.service(5) for our own units: sections and keys,
-path escaping (``systemd-escape --path``), the specifiers they use, ``Environment=`` and
-``EnvironmentFile=``, and ``$VAR``/``${VAR}`` expansion of whole words. Anything else
-raises, so a unit that grows past what this understands fails its tests loudly.
+Just enough of systemd.unit(5)/systemd.service(5) for our own units: sections and keys
+(a key given twice, like ``ExecReload=``, keeps its values in order), path escaping
+(``systemd-escape --path``), the specifiers they use, ``Environment=`` and
+``EnvironmentFile=``, ``$VAR``/``${VAR}`` expansion of whole words, and time spans
+(``RestartSec=500ms``). Anything else raises, so a unit that grows past what this
+understands fails its tests loudly.
 """
 
 from __future__ import annotations
@@ -123,3 +125,19 @@ def command(line: str, spec: dict[str, str], env: dict[str, str]) -> list[str]:
         else:
             argv.append(word)
     return argv
+
+
+TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "sec": 1.0, "min": 60.0, "h": 3600.0}
+
+
+def timespan(value: str) -> float:
+    """A systemd.time(7) span in seconds: "2" (seconds), "500ms", "1min 30s"."""
+    total = 0.0
+    words = value.split()
+    assert words, "empty time span"
+    for word in words:
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]*)", word)
+        if not m or (m[2] or "s") not in TIME_UNITS:
+            raise ValueError(f"time span {value!r} not handled by the tests")
+        total += float(m[1]) * TIME_UNITS[m[2] or "s"]
+    return total

@@ -6,7 +6,8 @@ import every other.
 - ``topology``: the source and mountpoint layouts that cannot work, refused.
 - ``supervise``: the services on the event loop, restarted when they fail.
 - ``logsetup``: logging to stderr, journald/syslog or a file.
-- ``notify``: telling systemd the daemon's state, without libsystemd.
+- ``notify``: telling systemd the daemon's state, and keeping descriptors in its store
+  across a crash (``FDSTORE=1``, ``$LISTEN_FDS``), without libsystemd.
 - ``tuning``: the FUSE connection's kernel-side knobs, set through sysfs.
 - ``privileges``: root's resource privileges, kept from the users it serves.
 - ``handover``: a successor process serving the live mount (the FUSE descriptor, the

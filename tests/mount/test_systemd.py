@@ -94,10 +94,17 @@ class Instance:
         self.spec = specifiers(self.name, etc=self.etc, run=self.run_dir)
         self.notify = Notifications()
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.successors: list[int] = []  # daemons `qosfs upgrade` started, not children
         self.logs: list[Path] = []
 
-    def argv(self, key: str) -> list[str]:
-        [line] = self.unit["Service"][key]
+    def argv(self, key: str, step: int | None = None) -> list[str]:
+        """The command of *key*; of its *step*-th line (from 0) if it has several, which
+        systemd runs in order, stopping at the first that fails (ExecReload)."""
+        lines = self.unit["Service"][key]
+        if step is None:
+            [line] = lines
+        else:
+            line = lines[step]
         argv = command(line, self.spec, environment(self.unit, self.spec))
         assert argv[0] == LAUNCHER
         return QOSFS + argv[1:]
@@ -144,6 +151,12 @@ class Instance:
         self.notify.assert_empty()
 
     def stop(self) -> None:
+        for pid in self.successors:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+            _kill_if_alive(pid, grace=20)
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -220,17 +233,18 @@ def test_reload_by_sighup_and_by_exec_reload_is_bracketed(instance: Instance) ->
     proc.send_signal(signal.SIGHUP)
     assert reload_messages(instance) == f"serving; policy {instance.policy} generation 2"
 
+    # Step 1 of ExecReload; step 2, the handover, is the next test's.
     instance.policy.write_text(SAMPLE.read_text().replace('"400MiB/s"', '"100MiB/s"'))
-    done = subprocess.run(instance.argv("ExecReload"), cwd=ROOT, capture_output=True,
+    done = subprocess.run(instance.argv("ExecReload", 0), cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     reload_messages(instance)
     assert checkpoint_cap(instance) == 100 * MiB
 
     instance.policy.write_text("[classes.checkpoints]\nwrite_bandwidth = 'fast'\n")
-    done = subprocess.run(instance.argv("ExecReload"), cwd=ROOT, capture_output=True,
+    done = subprocess.run(instance.argv("ExecReload", 0), cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
-    assert done.returncode == 6  # `systemctl reload` fails and says why
+    assert done.returncode == 6  # `systemctl reload` fails and says why (no step 2)
     reason = (f"{instance.policy}:2: classes.checkpoints.write_bandwidth: expected a "
               'bandwidth like "400MiB/s", got "fast"')
     assert done.stderr == f"qosfs: {reason}\n"  # in the journal, under the unit
@@ -246,6 +260,41 @@ def test_reload_by_sighup_and_by_exec_reload_is_bracketed(instance: Instance) ->
     assert re.fullmatch(rf"policy reload refused at .* \(SIGHUP\), previous policy kept: "
                         rf"{re.escape(str(instance.policy))}:2: classes.checkpoints.write_iops: "
                         r".*", status), status
+    instance.notify.assert_empty()
+
+
+def test_reload_step_2_hands_the_mount_over_and_names_the_new_main_pid(
+        instance: Instance) -> None:
+    """ExecReload's second line, ``qosfs upgrade``, as systemd runs it (the unit's
+    environment, $NOTIFY_SOCKET): a successor takes the live mount over, the command
+    names it the main process (MAINPID=, which NotifyAccess=exec lets it send) and the
+    old daemon exits 0. tests/mount/test_systemd_box.py has a real systemd follow it."""
+    (instance.mnt / "kept").write_text("data")
+    proc = instance.start()
+    instance.await_ready(proc)
+    log = instance.mnt.parent / "upgrade.log"
+    with open(instance.mnt / "kept", "rb") as job, open(log, "wb") as stream:
+        done = subprocess.run(instance.argv("ExecReload", 1), cwd=ROOT, stdout=stream,
+                              stderr=stream, env=instance.env(stream.fileno()), timeout=60)
+        assert done.returncode == 0, log.read_text()
+        message = instance.notify.next()
+        found = re.fullmatch(r"MAINPID=(\d+)\nREADY=1", message)
+        assert found, message
+        successor = int(found[1])
+        instance.successors.append(successor)
+        assert proc.wait(30) == 0, instance.log()  # handed over: the old daemon is done
+        with Client(default_socket_path(str(instance.mnt))) as client:
+            assert client.request({"cmd": "status"})["pid"] == successor
+        assert job.read() == b"data"
+
+    # The successor is the main process now: reloads and stops go to it.
+    done = subprocess.run(instance.argv("ExecReload", 0), cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert reload_messages(instance).startswith("serving; policy ")
+    os.kill(successor, signal.SIGTERM)
+    assert instance.notify.next() == "STOPPING=1"
+    wait_for("the unmount", lambda: not is_mounted(instance.mnt), timeout=30, interval=0.05)
     instance.notify.assert_empty()
 
 
@@ -385,8 +434,8 @@ def test_background_mount_hands_the_main_pid_to_systemd(tmp_tree: Path) -> None:
         notify.close()
 
 
-def _kill_if_alive(pid: int) -> None:
-    deadline = time.monotonic() + 10
+def _kill_if_alive(pid: int, grace: float = 10) -> None:
+    deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         try:
             with open(f"/proc/{pid}/stat") as f:

@@ -21,6 +21,7 @@ from tests.systemd_units import (
     escape_path,
     parse_unit,
     read_environment_file,
+    timespan,
     unescape,
 )
 
@@ -51,7 +52,7 @@ def console_script() -> str:
 @pytest.mark.parametrize("mountpoint", ["/mnt/mlfs", "/srv/ml-data/shared"])
 def test_unit_passes_systemd_analyze_verify(tmp_path: Path, mountpoint: str) -> None:
     text = UNIT.read_text()
-    assert text.count(LAUNCHER) == 2  # ExecStart and ExecReload, all make install rewrites
+    assert text.count(LAUNCHER) == 3  # ExecStart and ExecReload's two: make install rewrites
     verify(text.replace(LAUNCHER, console_script()), tmp_path, escape_path(mountpoint))
 
 
@@ -63,8 +64,18 @@ def test_unit_contract() -> None:
     [start] = service["ExecStart"]
     assert start.startswith(f"{LAUNCHER} mount --foreground %f ")  # systemd tracks this pid
     assert "--policy %E/qosfs/%i.toml" in start
-    assert service["ExecReload"] == [f"{LAUNCHER} ctl --socket %f reload"]
+    # reload: the policy file first (a bad one fails the reload before any handover), then
+    # the installed code takes the mount over in the unit's cgroup and names itself the
+    # main process (MAINPID=, which only NotifyAccess=exec or all accepts from it).
+    assert service["ExecReload"] == [f"{LAUNCHER} ctl --socket %f reload",
+                                     f"{LAUNCHER} upgrade %f"]
+    assert service["NotifyAccess"] == ["exec"]
     assert service["Restart"] == ["on-failure"]
+    # A crash: the FUSE descriptor waits in systemd's store for the next start, which
+    # comes soon enough to serve again within 3 s (tests/mount/test_systemd_box.py).
+    [store] = service["FileDescriptorStoreMax"]
+    assert 1 <= int(store) <= 8
+    assert timespan(service["RestartSec"][0]) <= 1.0
     assert unit_section["RequiresMountsFor"] == ["%f"]  # after the real mount, stops before
     assert "remote-fs.target" in unit_section["Before"]
     assert service["RuntimeDirectory"] == ["qosfs"]
@@ -74,6 +85,13 @@ def test_unit_contract() -> None:
                 "ProtectKernelTunables", "ProtectKernelModules", "ProtectControlGroups",
                 "ProtectProc", "MountFlags", "DeviceAllow", "DevicePolicy"):
         assert key not in service, key
+
+
+def test_timespans_read_as_systemd_does() -> None:
+    assert timespan("2") == 2.0 and timespan("500ms") == 0.5
+    assert timespan("1min 30s") == 90.0 and timespan("100us") == pytest.approx(1e-4)
+    with pytest.raises(ValueError):
+        timespan("2 fortnights")
 
 
 def test_escaping_round_trips() -> None:
