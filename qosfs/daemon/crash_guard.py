@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from qosfs.core.errors import QosfsError
 from qosfs.daemon import handover, keeper, notify
@@ -83,6 +83,17 @@ class CrashGuard:
                 self.lease = keeper.Lease(self.keeper_path)
         except (OSError, QosfsError, handover.HandoverError) as exc:
             log.error("crash protection off: the keeper failed: %s", exc)
+
+    def status(self) -> dict[str, Any]:
+        """For ``ctl status``: who keeps the connection, and whether it is kept now."""
+        kept = self.journal is not None and (self.lease is not None or self.kind == "systemd")
+        reason = None
+        if not kept:
+            reason = ("--keeper none" if self.kind == "none"
+                      else handover.unavailable_reason() or "the keeper failed (see the log)")
+        return {"keeper": self.kind, "kept": kept, "reason": reason,
+                "recover_within": self.grace if self.kind == "holder" else None,
+                "journal_records": 0 if self.journal is None else self.journal.used}
 
     def end(self, unmounted: bool) -> None:
         """This process stops serving: *unmounted* (the mount is gone: the keeper lets go,

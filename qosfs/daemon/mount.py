@@ -478,7 +478,16 @@ def open_services(daemon: Daemon, stack: ExitStack) -> list[tuple[str, Service]]
 def _daemon_info(daemon: Daemon) -> Callable[[], dict[str, Any]]:
     """Which process and code serve the mount, for ``ctl status``."""
     version = daemon_version()
-    return lambda: {"version": version, "handovers": daemon.handovers}
+
+    def info() -> dict[str, Any]:
+        found: dict[str, Any] = {"version": version, "handovers": daemon.handovers}
+        if daemon.guard is not None:
+            found["crash_protection"] = daemon.guard.status()
+        if daemon.recovered is not None:
+            found["recovered"] = daemon.recovered
+        return found
+
+    return info
 
 
 def _open_services(cfg: MountConfig, mountpoint: str, engine: QosEngine,

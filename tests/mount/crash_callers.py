@@ -2,8 +2,9 @@
 of its own so that the test process holds nothing open under the mount when it starts the
 new daemon (a forked child closing a FUSE file would wait on the dead mount).
 
-``python -m tests.mount.crash_callers KIND PATH OPS`` prints one JSON line per call (its
-name and duration, or its errno) and a last ``{"done": ...}`` line. KIND:
+``python -m tests.mount.crash_callers KIND PATH OPS [PAUSE]`` prints one JSON line per
+call (its name and duration, or its errno) and a last ``{"done": ...}`` line, pausing PAUSE
+seconds between calls (so that it is still in flight when the daemon is killed). KIND:
 
 - ``read``: pread 64 KiB at seeded offsets of PATH, each block checked against the
   expected content (``expected_block``);
@@ -15,6 +16,7 @@ name and duration, or its errno) and a last ``{"done": ...}`` line. KIND:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -31,17 +33,26 @@ def expected_block(offset: int) -> bytes:
     return random.Random(offset).randbytes(BLOCK)
 
 
+PAUSE = [0.0]  # seconds between calls (set once, from the command line)
+
+
 def _emit(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
 
 def _timed(name: str, call, *args):  # type: ignore[no-untyped-def]
-    """(True, *call*'s result), or (False, None) after an OSError; reported either way."""
+    """(True, *call*'s result), or (False, None) after an OSError; reported either way.
+    ENOTCONN ends the caller (after its report)."""
+    if PAUSE[0]:
+        time.sleep(PAUSE[0])
     t0 = time.monotonic()
     try:
         result = call(*args)
     except OSError as exc:
         _emit(call=name, errno=exc.errno, took=time.monotonic() - t0)
+        if exc.errno == errno.ENOTCONN:  # the connection is gone: nothing more to try
+            _emit(done="ENOTCONN")
+            sys.exit(0)
         return False, None
     _emit(call=name, took=time.monotonic() - t0)
     return True, result
@@ -93,6 +104,7 @@ def meta(path: str, ops: int) -> None:
 
 def main() -> None:
     kind, path, ops = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    PAUSE[0] = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
     _emit(started=kind)
     {"read": read, "write": write, "parked": write, "meta": meta}[kind](path, ops)
     _emit(done=kind)
