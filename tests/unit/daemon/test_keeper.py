@@ -287,3 +287,30 @@ def test_a_peer_of_another_user_gets_nothing(start: Start) -> None:
     fuse, root = claim_when_free(holder.path)  # it still serves its own user
     holder.mine += [fuse, root]
     assert (identity(fuse), identity(root)) == holder.given
+
+
+def test_a_successor_asking_as_the_old_lease_ends_is_not_told_busy(start: Start) -> None:
+    """The holder learns of the daemon's death and of its successor in the same wakeup
+    (it was busy with another client meanwhile): the death counts first, else the
+    successor would think a daemon serves and wait on the dead mount."""
+    holder = start()
+    lease = Lease(holder.path)
+    with socket.socket(socket.AF_UNIX) as slow:
+        slow.connect(holder.path)
+        slow.sendall(b"status")  # the holder waits for the end of this line...
+        time.sleep(0.1)
+        lease.end(unmounting=False)  # ...while the daemon dies...
+        adopt = socket.socket(socket.AF_UNIX)  # ...and its successor asks
+        adopt.settimeout(5)
+        adopt.connect(holder.path)
+        time.sleep(0.1)
+        slow.sendall(b"\n")
+        assert json.loads(slow.makefile("rb").readline())["leases"] == 1
+    with adopt:
+        adopt.sendall(b"adopt\n")
+        data, ancdata, _, _ = adopt.recvmsg(16, socket.CMSG_SPACE(8),
+                                            socket.MSG_CMSG_CLOEXEC)
+        fds = [fd for _, _, cdata in ancdata
+               for fd in struct.unpack(f"{len(cdata) // 4}i", cdata)]
+    holder.mine += fds
+    assert data == b"fd\n" and len(fds) == 2
