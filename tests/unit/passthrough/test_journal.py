@@ -24,6 +24,7 @@ from qosfs.passthrough.journal import (
     NO_SLOT,
     ROOT_SLOT,
     SLOT_SIZE,
+    STALE,
     Journal,
     JournalError,
     JournalFull,
@@ -354,3 +355,26 @@ def test_an_inode_frees_its_record_when_it_dies_but_not_while_named_as_a_parent(
     del b
     gc.collect()
     assert source.read().records == {} and source.journal.used == 0
+
+
+@pytest.mark.parametrize("kind", ["handles", "names_only"])
+def test_a_node_id_let_go_stays_stale_after_a_crash(request: pytest.FixtureRequest,
+                                                    kind: str) -> None:
+    """A file unlinked through the mount is let go while the kernel still holds its node
+    id (ESTALE from then on). Its inode number may be reused at once by a new file of
+    the same name (ext4 does): the rebuilt table must not take the old node id for it."""
+    src: Source = request.getfixturevalue(kind)
+    (src.path / "ckpt").write_bytes(b"old")
+    old = src.look(src.table.root, "ckpt")
+    os.unlink(src.path / "ckpt")
+    src.table.release_unlinked(old)
+    assert old.stale and src.read().records[old.jslot].flags & STALE
+    (src.path / "ckpt").write_bytes(b"new")
+    new = src.look(src.table.root, "ckpt")
+    assert new.nodeid != old.nodeid
+    table, _ = src.successor()
+    with pytest.raises(OSError, match="Stale"):
+        table.get(old.nodeid)  # as before the crash
+    assert os.fstat(table.get(new.nodeid).fd).st_ino == new.key[1]
+    fd, st = InodeTable.resolve(table.root.fd, b"ckpt")
+    assert table.adopt(fd, st, (table.root, b"ckpt")).nodeid == new.nodeid
