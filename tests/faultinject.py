@@ -18,7 +18,15 @@ Faults (repeat ``--fault``):
   (``pyfuse3.passthrough_open`` raises ``OSError(ERRNO)``, e.g. ``ELOOP``, as for a
   backing file stacked deeper than negotiated);
 * ``sampler=PATH``: the control service's rate sampler (a service on the daemon's event
-  loop, once a second) raises ``RuntimeError`` while PATH exists.
+  loop, once a second) raises ``RuntimeError`` while PATH exists;
+* ``handover=hang``: a successor (``-- upgrade ...``) that took everything over and
+  adopted the session hangs for ever instead of telling its predecessor it serves (the
+  ``serving`` message of :mod:`qosfs.daemon.upgrade` is never sent), as a successor stuck
+  in a system call or a deadlock would: its predecessor, which stopped reading
+  /dev/fuse, must not wait for ever;
+* ``handover=slow-ready``: a successor takes 2 s to say it is ready (building the
+  operations for a large tree does), so that the policy can change under it (``ctl
+  set`` on the old daemon, which serves on meanwhile).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import argparse
 import errno
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # qosfs of this
 import pyfuse3
 
 from qosfs.control.snapshot import RateSampler
+from qosfs.daemon import handover
 from qosfs.daemon.cli import main
 from qosfs.qos.charge import OpenCharge
 from qosfs.qos.engine import PolicyFlow
@@ -90,6 +100,18 @@ def _refuse_registration(name: str) -> None:
     pyfuse3.passthrough_open = refused  # what qosfs.passthrough.kernel calls
 
 
+def _stall_before(message: str, seconds: float | None) -> None:
+    """The successor waits *seconds* (None: for ever) before it sends *message*."""
+    original = handover.send_message
+
+    def stalling(sock: Any, kind: str, *args: Any) -> None:
+        if kind == message:
+            threading.Event().wait(seconds)  # for ever: only SIGKILL ends this process
+        original(sock, kind, *args)
+
+    handover.send_message = stalling  # what qosfs.daemon.upgrade calls
+
+
 def run(argv: Sequence[str]) -> int:
     args = list(argv)
     split = args.index("--") if "--" in args else len(args)
@@ -106,6 +128,10 @@ def run(argv: Sequence[str]) -> int:
             _refuse_registration(what)
         elif kind == "sampler":
             _break_sampler(what)
+        elif fault == "handover=hang":
+            _stall_before("serving", None)
+        elif fault == "handover=slow-ready":
+            _stall_before("ready", 2.0)
         else:
             parser.error(f"unknown fault {fault!r}")
     return main(args[split + 1:])

@@ -19,6 +19,11 @@ them, for as long as they kept reconnecting): the request head must arrive withi
 :data:`HEAD_TIMEOUT`, a remote address holds at most :data:`MAX_PER_ADDRESS` connections,
 and when all :data:`MAX_CONNECTIONS` are taken a new connection evicts the oldest one
 that has not sent its request yet -- a scraper sends it at once, so it is served.
+
+A planned handover (``qosfs upgrade``) passes the listening socket to the successor
+(SCM_RIGHTS), so the port never refuses a scrape: the old daemon stops accepting
+(:meth:`MetricsServer.stop_accepting`; new connections wait in the backlog for the
+successor), finishes the scrapes it holds, and closes its descriptor.
 """
 
 from __future__ import annotations
@@ -59,11 +64,16 @@ def parse_address(text: str) -> tuple[str, int]:
 class MetricsServer:
     """A bound HTTP listener; :meth:`serve` answers scrapes until cancelled."""
 
-    def __init__(self, address: str, snapshot: Callable[[], Snapshot]) -> None:
+    def __init__(self, address: str, inherited: socket.socket | None = None) -> None:
+        """Bind *address*, or serve *inherited*, the listening socket a predecessor bound
+        for it."""
         self.host, self.port = parse_address(address)
-        self._snapshot = snapshot
-        self._sock = _bind(self.host, self.port)
+        if inherited is not None and self.port not in (0, inherited.getsockname()[1]):
+            raise ValueError(f"the inherited metrics listener is on port "
+                             f"{inherited.getsockname()[1]}, not {self.port}")
+        self._sock = _bind(self.host, self.port) if inherited is None else inherited
         self.port = self._sock.getsockname()[1]  # the real one when asked for port 0
+        self._accepting: trio.CancelScope | None = None
         self._open = 0
         self._render = trio.CapacityLimiter(1)
         # Connections still waiting for their request head, oldest first (evictable).
@@ -78,28 +88,50 @@ class MetricsServer:
     def close(self) -> None:
         self._sock.close()
 
-    async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    release = close  # (a TCP port has no path to leave behind: the same as close)
+
+    def fileno(self) -> int:
+        """The listening socket's descriptor (to pass to a successor)."""
+        return self._sock.fileno()
+
+    def connections(self) -> int:
+        """Connections open now."""
+        return self._open
+
+    def stop_accepting(self) -> None:
+        """A successor serves the port from now on: accept nothing more (connections
+        wait in the backlog for it); the scrapes begun are finished. On the event loop."""
+        if self._accepting is not None:
+            self._accepting.cancel()
+
+    async def serve(self, snapshot: Callable[[], Snapshot],
+                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Answer scrapes with *snapshot*'s until cancelled, or until the ones left after
+        :meth:`stop_accepting` are done."""
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._sock.dup()))
+        self._accepting = trio.CancelScope()
         async with listener, trio.open_nursery() as nursery:
             task_status.started()
-            while True:
-                try:
-                    stream = await listener.accept()
-                except OSError as exc:
-                    log.warning("metrics accept failed: %s", exc)
-                    await trio.sleep(0.1)
-                    continue
-                address = _remote_address(stream)
-                if address is not None and self._by_address.get(address, 0) >= MAX_PER_ADDRESS:
-                    await stream.aclose()
-                    continue
-                if self._open >= MAX_CONNECTIONS and not self._evict_oldest_waiting():
-                    await stream.aclose()
-                    continue
-                self._open += 1
-                if address is not None:
-                    self._by_address[address] = self._by_address.get(address, 0) + 1
-                nursery.start_soon(self._connection, stream, address)
+            with self._accepting:
+                while True:
+                    try:
+                        stream = await listener.accept()
+                    except OSError as exc:
+                        log.warning("metrics accept failed: %s", exc)
+                        await trio.sleep(0.1)
+                        continue
+                    address = _remote_address(stream)
+                    if address is not None and \
+                            self._by_address.get(address, 0) >= MAX_PER_ADDRESS:
+                        await stream.aclose()
+                        continue
+                    if self._open >= MAX_CONNECTIONS and not self._evict_oldest_waiting():
+                        await stream.aclose()
+                        continue
+                    self._open += 1
+                    if address is not None:
+                        self._by_address[address] = self._by_address.get(address, 0) + 1
+                    nursery.start_soon(self._connection, stream, address, snapshot)
 
     def _evict_oldest_waiting(self) -> bool:
         """Free a slot by closing the oldest connection that sent no request yet."""
@@ -112,7 +144,8 @@ class MetricsServer:
             return True
         return False
 
-    async def _connection(self, stream: trio.SocketStream, address: str | None) -> None:
+    async def _connection(self, stream: trio.SocketStream, address: str | None,
+                          snapshot: Callable[[], Snapshot]) -> None:
         key = id(stream)
         try:
             async with stream:
@@ -123,7 +156,7 @@ class MetricsServer:
                         head = await _read_head(stream)
                     self._waiting.pop(key, None)
                     if head is not None:
-                        await self._exchange(stream, head)
+                        await self._exchange(stream, head, snapshot)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         except Exception:
@@ -141,7 +174,8 @@ class MetricsServer:
                 else:
                     del self._by_address[address]
 
-    async def _exchange(self, stream: trio.SocketStream, head: bytes) -> None:
+    async def _exchange(self, stream: trio.SocketStream, head: bytes,
+                        snapshot: Callable[[], Snapshot]) -> None:
         if len(head) > HEAD_LIMIT:
             await _respond(stream, 431, b"request head too large\n")
             return
@@ -151,7 +185,7 @@ class MetricsServer:
             await _respond(stream, 405, b"only GET and HEAD\n")
         elif path == b"/metrics":
             headers = _headers(head)
-            snap = self._snapshot()
+            snap = snapshot()
             body, content_type = await trio.to_thread.run_sync(
                 _encode, snap, headers.get("accept", ""),
                 "gzip" in headers.get("accept-encoding", ""), limiter=self._render)

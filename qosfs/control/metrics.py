@@ -57,6 +57,9 @@ Resources (see ``_RESOURCES``): ``qosfs_inode_descriptors``, ``..._budget``,
 and ``qosfs_internal_errors_total{where, type}`` (unexpected exceptions the daemon
 survived: a request answered EIO, a service restarted; :mod:`qosfs.core.failures`).
 
+Handovers (``qosfs upgrade``, :mod:`qosfs.daemon.offer`): ``qosfs_handovers_total{result}``
+(completed, refused, taken_back), counted over the mount's daemon processes.
+
 Kernel passthrough (:mod:`qosfs.passthrough.kernel`): ``qosfs_passthrough_active``,
 ``qosfs_passthrough_backing_ids``, ``qosfs_passthrough_registrations_total{result}``,
 ``qosfs_passthrough_opens_total{class}`` and
@@ -373,6 +376,8 @@ class SnapshotCollector:
             yield moves
         if "passthrough" in info:
             yield from _passthrough(info["passthrough"])
+        if "handovers" in info:
+            yield _handovers(info["handovers"], info.get("handover_failures", {}))
         if "internal_errors" in info:
             errors = CounterMetricFamily(
                 "qosfs_internal_errors", "Unexpected exceptions the daemon survived (the "
@@ -382,6 +387,23 @@ class SnapshotCollector:
                 for kind, n in sorted(kinds.items()):
                     errors.add_metric([where, kind], n)
             yield errors
+
+
+def _handovers(completed: int, failures: dict[str, int]) -> Metric:
+    """Planned handovers of the mount to a new daemon process (``qosfs upgrade``), by
+    result, counted over the mount's processes (each successor carries the counts on),
+    so that a failure stays visible after a retry succeeded; every result is present
+    from the start, so that ``increase()`` sees the first failure."""
+    family = CounterMetricFamily(
+        "qosfs_handovers", "Handovers of the mount to a new daemon process, by result: "
+        "completed; refused (the successor failed before this daemon stopped reading, "
+        "nobody noticed); taken_back (it failed after, and this daemon took the session "
+        "back: callers stalled until then). Counted over the mount's processes.",
+        labels=["result"])
+    family.add_metric(["completed"], completed)
+    for result in ("refused", "taken_back"):
+        family.add_metric([result], failures.get(result, 0))
+    return family
 
 
 def _passthrough(kp: dict[str, Any]) -> Iterator[Metric]:

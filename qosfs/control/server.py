@@ -29,6 +29,14 @@ set at bind. The mode is a first gate only: every change is checked against
 group, and the daemon keeps the mode the administrator chose (a policy change only
 adjusts the group, and the group bits, when ``admin_group`` itself changes). It never acts
 on the path by name: a symlink put in its place is not followed.
+
+A planned handover (``qosfs upgrade``) passes the listening socket itself to the
+successor (SCM_RIGHTS), so the path never stops answering: the old daemon stops
+accepting (:meth:`ControlSocket.stop_accepting`; new connections wait in the backlog for
+the successor), answers the requests it holds, lets idle connections go after
+:data:`LINGER`, and closes its descriptor without removing the path
+(:meth:`ControlSocket.release`). The successor serves the same socket
+(``ControlSocket(path, inherited=sock)``).
 """
 
 from __future__ import annotations
@@ -69,6 +77,9 @@ MAX_CONNECTIONS_PER_UID = 8  # non-root
 RESERVED_CONNECTIONS = 512  # root and the admin group, apart from MAX_CONNECTIONS
 REQUESTS_PER_SECOND = 50.0  # non-root, per uid
 REQUEST_BURST = 50.0
+# Seconds an idle connection is still served once a successor takes the socket over: a
+# client that has just connected has its request on the way.
+LINGER = 0.05
 _RECV = 65536
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13; not in Python's list
 _PEERGROUPS_BYTES = 1024
@@ -80,16 +91,28 @@ Handler = Callable[[Request, Peer], Awaitable[dict[str, Any]]]
 class ControlSocket:
     """A bound, listening control socket; :meth:`serve` answers on it until cancelled."""
 
-    def __init__(self, path: str, admin_gid: int | None = None) -> None:
+    def __init__(self, path: str, admin_gid: int | None = None,
+                 inherited: socket.socket | None = None) -> None:
+        """Bind *path*, or serve *inherited*, the listening socket a predecessor bound at
+        *path* (its mode and group are left as they are: an administrator's chmod stays)."""
         self.path = os.path.abspath(path)
-        self._sock = _bind(self.path)
+        if inherited is not None and inherited.getsockname() != self.path:
+            raise ValueError(f"the inherited control socket is bound to "
+                             f"{inherited.getsockname()!r}, not {self.path}")
+        self._sock = _bind(self.path) if inherited is None else inherited
         self._ino = os.lstat(self.path).st_ino
         self._admin_gid: int | None = None
         self._connections: dict[int, int] = {}  # uid -> open connections
         self._pacing: dict[int, TokenBucket] = {}
         self._total = 0  # unprivileged connections
         self._privileged = 0  # root's and the admin group's
-        self._apply_group(admin_gid, 0o600 if admin_gid is None else 0o660)
+        self._accepting: trio.CancelScope | None = None
+        self._closing_at = math.inf  # trio time at which stop_accepting was called
+        self._idle: set[trio.CancelScope] = set()  # connections waiting for a request
+        if inherited is None:
+            self._apply_group(admin_gid, 0o600 if admin_gid is None else 0o660)
+        else:
+            self._admin_gid = admin_gid
 
     def __repr__(self) -> str:
         return f"<ControlSocket {self.path} connections={self._total}>"
@@ -131,6 +154,28 @@ class ControlSocket:
         finally:
             os.close(fd)
 
+    def fileno(self) -> int:
+        """The listening socket's descriptor (to pass to a successor)."""
+        return self._sock.fileno()
+
+    def connections(self) -> int:
+        """Connections open now."""
+        return self._total + self._privileged
+
+    def stop_accepting(self) -> None:
+        """A successor serves the socket from now on: accept nothing more (connections
+        wait in the backlog for it), finish the requests begun, let idle connections go
+        once :data:`LINGER` has passed. Called on the event loop."""
+        self._closing_at = trio.current_time()
+        if self._accepting is not None:
+            self._accepting.cancel()
+        for wait in self._idle:
+            wait.deadline = min(wait.deadline, self._closing_at + LINGER)
+
+    def release(self) -> None:
+        """Close this process's descriptor and leave the path: a successor serves it."""
+        self._sock.close()
+
     def close(self) -> None:
         """Close, and remove the path if it is still ours (not replaced meanwhile)."""
         self._sock.close()
@@ -142,18 +187,22 @@ class ControlSocket:
 
     async def serve(self, handler: Handler,
                     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Accept and answer connections until cancelled (the socket stays open)."""
+        """Accept and answer connections until cancelled (the socket stays open), or
+        until the connections left after :meth:`stop_accepting` are done."""
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._sock.dup()))
+        self._closing_at = math.inf
+        self._accepting = trio.CancelScope()
         async with listener, trio.open_nursery() as nursery:
             task_status.started()
-            while True:
-                try:
-                    stream = await listener.accept()
-                except OSError as exc:  # EMFILE and friends: back off, keep serving
-                    log.warning("control socket accept failed: %s", exc)
-                    await trio.sleep(0.1)
-                    continue
-                nursery.start_soon(self._connection, stream, handler)
+            with self._accepting:
+                while True:
+                    try:
+                        stream = await listener.accept()
+                    except OSError as exc:  # EMFILE and friends: back off, keep serving
+                        log.warning("control socket accept failed: %s", exc)
+                        await trio.sleep(0.1)
+                        continue
+                    nursery.start_soon(self._connection, stream, handler)
 
     # ------------------------------------------------------------------ one connection
 
@@ -227,8 +276,17 @@ class ControlSocket:
                 scanned = len(buf)
                 if buf.strip() and request_until == math.inf:
                     request_until = trio.current_time() + REQUEST_TIMEOUT
-                with trio.move_on_at(min(idle_until, request_until)):
-                    data = await stream.receive_some(_RECV)
+                # Handed over: an idle connection goes (the successor answers its next
+                # connection), but not before a request on its way has come.
+                lingering = self._closing_at + LINGER if request_until == math.inf \
+                    else math.inf
+                with trio.move_on_at(min(idle_until, request_until, lingering)) as wait:
+                    if request_until == math.inf:
+                        self._idle.add(wait)
+                    try:
+                        data = await stream.receive_some(_RECV)
+                    finally:
+                        self._idle.discard(wait)
                     if not data:
                         return  # the client closed its end
                     buf += data

@@ -57,7 +57,10 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Serve SOURCE at MOUNTPOINT (or over SOURCE itself) with the policy's "
         "classes, tenants and caps in front of every request. Returns once the mount "
         "answers (or fails with a one-line reason and a distinct exit code); --foreground "
-        "serves in this process, as under systemd.")
+        "serves in this process, as under systemd. On a MOUNTPOINT a live qosfs serves, "
+        "this qosfs takes the mount over as `qosfs upgrade` does: open files carry on, "
+        "--policy (if given) replaces the policy in force, other options stay the "
+        "running mount's.")
     m.add_argument("source")
     m.add_argument("mountpoint", nargs="?", help="defaults to SOURCE (mount in place)")
     m.add_argument("--foreground", "-f", action="store_true", help="do not daemonize")
@@ -213,8 +216,9 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         MountConfig,
         check_own_paths,
         daemonize,
+        serves_qosfs,
     )
-    from qosfs.daemon.recover import mount_or_recover
+    from qosfs.daemon.recover import kept_descriptors, mount_or_recover
     from qosfs.passthrough.operations import FsOptions
     from qosfs.policy.loading import load_policy
 
@@ -244,16 +248,24 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         load_policy(args.policy)  # a bad policy fails here, before anything is mounted
     if args.metrics:
         parse_address(args.metrics)  # likewise a malformed address
-    if args.foreground:
-        setup_logging(args.debug, daemon=False, log_file=args.log_file)
-        return mount_or_recover(cfg)
-    setup_logging(args.debug, daemon=True, log_file=args.log_file)
-    return daemonize(functools.partial(mount_or_recover, cfg))
+    setup_logging(args.debug, daemon=not args.foreground, log_file=args.log_file)
+    # First, without touching the mountpoint: a dead daemon's connection that a keeper
+    # holds (a stat there would wait on it) is taken over (issue 31's crash path).
+    kept = kept_descriptors(cfg)
+    if kept is None and serves_qosfs(cfg.mountpoint):
+        # A live qosfs serves it: hand the mount over to this code, as `qosfs upgrade`
+        # does, with the policy named here (if any) in force (issue 31).
+        from qosfs.daemon.upgrade import adopt_mount
+
+        log.info("%s is served by a live qosfs daemon: taking it over", cfg.mountpoint)
+        take_over = functools.partial(adopt_mount, cfg.mountpoint, cfg.socket_path,
+                                      args.foreground, requested=cfg)
+        return take_over() if args.foreground else daemonize(take_over)
+    run = functools.partial(mount_or_recover, cfg, kept)
+    return run() if args.foreground else daemonize(run)
 
 
 def _cmd_upgrade(args: argparse.Namespace) -> int:
-    import functools
-
     from qosfs.daemon.mount import daemonize
     from qosfs.daemon.upgrade import adopt_mount
 

@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from qosfs.core.errors import QosfsError
 from qosfs.daemon import handover, keeper, notify
 from qosfs.passthrough.journal import SessionJournal
+from qosfs.passthrough.operations import PassthroughOperations
 
-if TYPE_CHECKING:
-    from qosfs.daemon.mount import Daemon
+
+class Daemon(Protocol):
+    """What the guard needs of the daemon it serves (qosfs.daemon.mount.Daemon)."""
+
+    ops: PassthroughOperations
+    root_fd: int
+    mountpoint: str
 
 log = logging.getLogger(__name__)
 

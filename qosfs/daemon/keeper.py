@@ -5,7 +5,7 @@ only the daemon holds it, a ``kill -9`` ends the connection and every descriptor
 has open under the mount fails (ENOTCONN). So something outside the daemon holds a copy:
 
 * under systemd, its file descriptor store (``FileDescriptorStoreMax=`` in the unit;
-  :mod:`qosfs.daemon.fdstore`), which hands the descriptors to the restarted service;
+  :mod:`qosfs.daemon.notify`), which hands the descriptors to the restarted service;
 * elsewhere, the holder below: a small process the daemon starts at mount, which holds the
   FUSE descriptor and the source's root (an in-place mount covers the source, and a new
   daemon could not open it through the dead mount), and gives them to a new daemon that

@@ -40,9 +40,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from qosfs.control.exporter import MetricsServer
 from qosfs.control.protocol import default_socket_path
-from qosfs.control.server import ControlSocket
 from qosfs.control.service import ControlService
 from qosfs.core.errors import (
     EXIT_FUSE,
@@ -55,8 +53,9 @@ from qosfs.core.failures import Failures
 from qosfs.core.mountinfo import lies_within, mounts, resolve_without_touching
 from qosfs.daemon import tuning
 from qosfs.daemon.crash_guard import CrashGuard
+from qosfs.daemon.listeners import Listeners
 from qosfs.daemon.notify import notify, reloading
-from qosfs.daemon.offer import HandoverOffer, daemon_version
+from qosfs.daemon.offer import FAILURES, HandoverOffer, daemon_version
 from qosfs.daemon.privileges import shed_resource_privileges
 from qosfs.daemon.supervise import Service, supervised
 from qosfs.daemon.topology import QOSFS_FSTYPE, check_before_stat, check_topology
@@ -65,7 +64,7 @@ from qosfs.passthrough.backing_io import BackingIO, IoMode, backing_mount, choos
 from qosfs.passthrough.kernel import stack_depth
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import default_policy, load_policy
-from qosfs.policy.model import ClassRule, Policy, passthrough_blocker
+from qosfs.policy.model import ClassRule, Policy, PolicyError, passthrough_blocker
 from qosfs.qos.cluster import ClusterCoordinator
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.interface import PassThroughQos, QosEngine
@@ -145,6 +144,14 @@ def check_mount_args(source: str, mountpoint: str, allow_stacked: bool = False) 
         raise QosfsError("/dev/fuse is missing (load the fuse module)", EXIT_FUSE)
     if os.geteuid() != 0 and shutil.which("fusermount3") is None:
         raise QosfsError("fusermount3 not found (install the fuse3 package)", EXIT_FUSE)
+
+
+def serves_qosfs(mountpoint: str) -> bool:
+    """Whether a live qosfs daemon serves *mountpoint* (``qosfs mount`` on it hands the
+    mount over instead of mounting again, :func:`qosfs.daemon.upgrade.adopt_mount`). A
+    dead one (ENOTCONN) is not live: it is cleaned by `check_mount_args`."""
+    return (_statfs_errno(mountpoint) == 0
+            and mount_type(os.path.realpath(mountpoint)) == QOSFS_FSTYPE)
 
 
 def check_own_paths(mountpoint: str, paths: dict[str, str | None]) -> None:
@@ -244,12 +251,24 @@ class Daemon:
     failures: Failures
     backing_options: frozenset[str]
     handovers: int = 0  # how many times the mount changed process before this one
+    # Handovers that failed, by how (qosfs.daemon.offer.FAILURES), over the mount's
+    # processes: carried to a successor, so a failure stays counted after a retry.
+    handover_failures: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(FAILURES, 0))
     # time.monotonic() when the predecessor stopped reading, while this process has not
     # started to (an adopted session); None otherwise.
     adopted_at: float | None = None
     # Bucket balances to put in force when the event loop starts (QosEngine.
     # export_balances): a predecessor's, or this process's previous loop's.
     balances: list[list[Any]] | None = None
+    # The latency controller's state to go on from (LatencyLoop.export_state), likewise.
+    latency_state: dict[str, Any] | None = None
+    # A policy to swap in when the loop starts (a swap needs the loop): one changed by
+    # ctl set while a successor prepared, or the one qosfs mount --policy named.
+    policy_to_apply: Policy | None = None
+    # The control socket and metrics listener: bound by the first process of the mount,
+    # inherited by a successor (qosfs.daemon.listeners); None until then.
+    listeners: Listeners | None = None
     # The journal and keeper that let a restarted daemon take over after a crash.
     guard: CrashGuard | None = None
     # What was rebuilt from a dead predecessor's journal (ctl status), if anything.
@@ -263,14 +282,28 @@ class Daemon:
     def config(self) -> MountConfig:
         return self.cfg
 
-    def restore_balances(self) -> None:
-        """Inside the event loop, before any request is read: put the carried bucket
-        balances in force (trio's clock differs per run, so they travel on
-        ``time.monotonic()``), so that a cap goes on from where it stood."""
+    def restore_carried(self) -> None:
+        """Inside the event loop, before any request is read: put the policy a
+        successor was given in force (`policy_to_apply`), then the carried latency
+        controller's state and bucket balances (trio's clock differs per run,
+        so they travel on ``time.monotonic()``), so that a protected reader stays
+        protected and a cap goes on from where it stood. The automatic caps come first:
+        a bucket they limit takes a balance only once it is limited."""
+        policy, self.policy_to_apply = self.policy_to_apply, None
+        if policy is not None and self.policy_engine is not None:
+            try:  # checked before the session was adopted: not refused here
+                self.policy_engine.swap(policy)
+            except PolicyError as exc:
+                log.error("serving on with the policy that travelled: %s", exc)
+        to_trio = trio.current_time() - time.monotonic()
+        if self.latency_state is not None and self.latency is not None:
+            capped = self.latency.import_state(self.latency_state, to_trio)
+            log.info("latency control carried over (%d classes capped automatically)",
+                     capped)
+        self.latency_state = None
         if self.balances is None:
             return
-        taken = self.engine.import_balances(self.balances,
-                                            trio.current_time() - time.monotonic())
+        taken = self.engine.import_balances(self.balances, to_trio)
         self.balances = None
         log.info("%d bucket balances carried over", taken)
 
@@ -347,71 +380,91 @@ def serve_mount(daemon: Daemon, start: Callable[[], None],
     fails after this process stopped reading gives the session back here
     (`upgrade.HandoverOffer.take_back`), and serving goes on.
 
-    *adopting*: *start* takes the session over from a predecessor, which holds the
-    control socket and the metrics port until then: they are bound after it, and a
-    failure to bind them is logged, not fatal (nobody else serves the mount by then).
+    *adopting*: *start* takes the session over from a predecessor. Its control socket
+    and metrics listener came with the session (``daemon.listeners``), or, from a
+    predecessor that did not pass them, are bound after it: a failure to bind them is
+    then logged, not fatal (nobody else serves the mount by then).
     """
     cfg, mountpoint, ops = daemon.cfg, daemon.mountpoint, daemon.ops
     handed_over = False
-    with ExitStack() as stack:
-        guard = daemon.guard
-        if adopting:
-            start()  # a failure here leaves the mount alone: the predecessor takes it back
-            services, offer = _services_after_adoption(daemon, stack)
-        else:
-            services, offer = _services(daemon, stack)
-            if guard is not None:
-                guard.attach(daemon)  # before the first request: the journal starts empty
-            start()
-
-        def after_init() -> None:
-            ops.kernel_opens.log()
-            if guard is not None:
-                guard.keep(daemon)  # the keeper's copy: a crash from here on loses nothing
-
-        unmounted_by_us = False
-        try:
-            while True:
-                # SIGHUP reloads while the control service listens; ignored, not fatal,
-                # in the pause before that service is restarted after a failure.
-                signal.signal(signal.SIGHUP, signal.SIG_IGN)
-                trio.run(_serve, cfg, mountpoint, daemon.engine, on_ready, services,
-                         daemon.latency, daemon.failures, after_init,
-                         offer.stopping if offer is not None else None, daemon.adopted_at,
-                         daemon.restore_balances)
-                daemon.adopted_at = None
-                if offer is None or offer.successor is None:
-                    unmounted_by_us = True
-                    break
-                stack.close()  # the sockets go first: the successor binds them anew
-                if offer.commit():
-                    handed_over = True
-                    break
-                offer.take_back()  # serving again, with the same tables
-                if guard is not None and guard.state is not None:
-                    guard.attach(daemon, guard.state)  # the successor replaced the journal
-                daemon.adopted_at = offer.stopped_at
-                daemon.balances = daemon.engine.export_balances(offer.to_monotonic)
+    # Whether the control socket's path is this process's to remove at the end: not
+    # while a successor that failed to start hands it back to its predecessor.
+    owns_path = not adopting
+    try:
+        with ExitStack() as stack:
+            guard = daemon.guard
+            if adopting:
+                start()  # a failure here leaves the mount alone: the predecessor takes it back
+                owns_path = True
                 services, offer = _services_after_adoption(daemon, stack)
-                on_ready = _notify_ready
-        finally:
-            still_mounted = not handed_over and mount_type(mountpoint) == QOSFS_FSTYPE
-            pyfuse3.close(unmount=still_mounted)
-            if guard is not None:
-                guard.end(unmounted=not handed_over)
-            ops.close_all()
-            if handed_over:
-                log.info("%s handed over; this process exits", mountpoint)
             else:
-                log.info("unmounted %s (%s)", mountpoint,
-                         "clean" if unmounted_by_us else "after an error")
+                services, offer = _services(daemon, stack)
+                if guard is not None:
+                    guard.attach(daemon)  # before the first request: the journal starts empty
+                start()
+
+            def after_init() -> None:
+                ops.kernel_opens.log()
+                if guard is not None:
+                    guard.keep(daemon)  # the keeper's copy: a crash from here on loses nothing
+
+            unmounted_by_us = False
+            try:
+                while True:
+                    # SIGHUP reloads while the control service listens; ignored, not
+                    # fatal, in the pause before that service is restarted after a failure.
+                    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+                    trio.run(_serve, cfg, mountpoint, daemon.engine, on_ready, services,
+                             daemon.latency, daemon.failures, after_init,
+                             offer.stopping if offer is not None else None,
+                             daemon.adopted_at, daemon.restore_carried)
+                    daemon.adopted_at = None
+                    if offer is None or offer.successor is None:
+                        unmounted_by_us = True
+                        break
+                    stack.close()  # the handover socket: the successor binds its own
+                    if offer.commit():
+                        handed_over = True
+                        break
+                    offer.take_back()  # serving again, with the same tables and listeners
+                    if guard is not None and guard.state is not None:
+                        guard.attach(daemon, guard.state)  # the successor replaced the journal
+                    daemon.adopted_at = offer.stopped_at
+                    daemon.balances = daemon.engine.export_balances(offer.to_monotonic)
+                    if daemon.latency is not None:  # its times were on the last run's clock
+                        daemon.latency_state = daemon.latency.export_state(offer.to_monotonic)
+                    services, offer = _services_after_adoption(daemon, stack)
+                    on_ready = _notify_ready
+            finally:
+                still_mounted = not handed_over and mount_type(mountpoint) == QOSFS_FSTYPE
+                pyfuse3.close(unmount=still_mounted)
+                if guard is not None:
+                    guard.end(unmounted=not handed_over)
+                ops.close_all()
+                if handed_over:
+                    log.info("%s handed over; this process exits", mountpoint)
+                else:
+                    log.info("unmounted %s (%s)", mountpoint,
+                             "clean" if unmounted_by_us else "after an error")
+    finally:
+        if daemon.listeners is not None:  # a successor serves them, or nobody will
+            if owns_path and not handed_over:
+                daemon.listeners.close()
+            else:
+                daemon.listeners.release()
     return 0
 
 
 def _services(daemon: Daemon,
               stack: ExitStack) -> tuple[list[tuple[str, Service]], HandoverOffer | None]:
-    """Bind the control socket, the metrics port and the handover socket."""
-    services = open_services(daemon, stack)
+    """Bind the control socket and the metrics port (unless this process has them
+    already: a first loop's, or a predecessor's) and the handover socket."""
+    if daemon.listeners is None:
+        policy = daemon.engine.policy
+        daemon.listeners = Listeners.bind(
+            control_socket_path(daemon.cfg, daemon.mountpoint),
+            policy.control.admin_gid if policy is not None else None, daemon.cfg.metrics)
+    services = open_services(daemon)
     offer = HandoverOffer.open(daemon, control_socket_path(daemon.cfg, daemon.mountpoint),
                                stack)
     if offer is not None:
@@ -468,9 +521,11 @@ def _request_passthrough(cfg: MountConfig, ops: PassthroughOperations, engine: Q
         ops.kernel_opens.request(ops, stack_depth(fstype))
 
 
-def open_services(daemon: Daemon, stack: ExitStack) -> list[tuple[str, Service]]:
-    """Bind the control socket (and metrics port) now; closed when ``stack`` unwinds."""
-    return _open_services(daemon.cfg, daemon.mountpoint, daemon.engine, stack,
+def open_services(daemon: Daemon) -> list[tuple[str, Service]]:
+    """The services of the control socket and metrics port (``daemon.listeners``, bound)
+    and the daemon's own."""
+    assert daemon.listeners is not None
+    return _open_services(daemon.cfg, daemon.mountpoint, daemon.engine, daemon.listeners,
                           daemon.latency, daemon.ops.resources, daemon.cluster,
                           _daemon_info(daemon))
 
@@ -480,7 +535,8 @@ def _daemon_info(daemon: Daemon) -> Callable[[], dict[str, Any]]:
     version = daemon_version()
 
     def info() -> dict[str, Any]:
-        found: dict[str, Any] = {"version": version, "handovers": daemon.handovers}
+        found: dict[str, Any] = {"version": version, "handovers": daemon.handovers,
+                                 "handover_failures": dict(daemon.handover_failures)}
         if daemon.guard is not None:
             found["crash_protection"] = daemon.guard.status()
         if daemon.recovered is not None:
@@ -491,18 +547,16 @@ def _daemon_info(daemon: Daemon) -> Callable[[], dict[str, Any]]:
 
 
 def _open_services(cfg: MountConfig, mountpoint: str, engine: QosEngine,
-                   stack: ExitStack,
+                   listeners: Listeners,
                    latency: LatencyLoop | None = None,
                    resources: Callable[[], dict[str, Any]] | None = None,
                    cluster: ClusterCoordinator | None = None,
                    identity: Callable[[], dict[str, Any]] | None = None,
                    ) -> list[tuple[str, Service]]:
-    """Bind the control socket (and metrics port) now; closed when ``stack`` unwinds."""
+    """The control service on the bound *listeners*, and the daemon's own services."""
     source = os.path.abspath(cfg.source)
-    path = control_socket_path(cfg, mountpoint)
-    admin_gid = engine.policy.control.admin_gid if engine.policy is not None else None
-    control = ControlSocket(path, admin_gid)
-    stack.callback(control.close)
+    control = listeners.control
+    path = control.path
     controller = ControlService(engine, cfg.policy_path,
                                 {"source": source, "mountpoint": mountpoint, "socket": path,
                                  "page_cache": cfg.fs_options.cache},
@@ -524,10 +578,9 @@ def _open_services(cfg: MountConfig, mountpoint: str, engine: QosEngine,
         log.info("cluster levels renew every %gs with %s as %s", cluster.config.lease,
                  cluster.config.redis, cluster.node)
     log.info("control socket %s", path)
-    if cfg.metrics is not None:
-        metrics = MetricsServer(cfg.metrics, controller.snapshot)
-        stack.callback(metrics.close)
-        services.append(("metrics", metrics.serve))
+    metrics = listeners.metrics
+    if metrics is not None:
+        services.append(("metrics", functools.partial(metrics.serve, controller.snapshot)))
         log.info("serving metrics on http://%s:%d/metrics", metrics.host, metrics.port)
     return services
 

@@ -33,6 +33,7 @@ import trio
 
 from qosfs import __version__
 from qosfs.daemon import handover
+from qosfs.daemon.listeners import Listeners
 from qosfs.passthrough.operations import PassthroughOperations
 from qosfs.passthrough.transfer import export_state
 from qosfs.qos.interface import QosEngine
@@ -51,10 +52,31 @@ VERSION_ENV = "QOSFS_VERSION"
 #: operations for a large tree takes a while), then serves on without it.
 PREPARE_TIMEOUT = 60.0
 
-#: How long the old daemon waits, once it stopped reading, for the successor to serve.
-COMMIT_TIMEOUT = 30.0
+#: How long the old daemon waits, once it stopped reading, for the successor to serve:
+#: COMMIT_TIMEOUT, plus COMMIT_PER_ENTRY for each inode, open file and directory sent
+#: (`commit_timeout`). Nobody reads /dev/fuse meanwhile, so every caller of the mount
+#: stalls for as long as a hung successor is waited for: the wait must be as short as a
+#: good commit allows. A good commit took 10-50 ms for a small table and 1.35-1.64 s for
+#: 100,000 inodes and 5,000 open files (about 15 us an entry, on 2 busy cores); the
+#: allowance is three times that per entry, and a base that covers a successor
+#: descheduled for a while. (It was 30 s flat: half a minute of every caller stalled,
+#: and yet too short for two million inodes.)
+COMMIT_TIMEOUT = 3.0
+COMMIT_PER_ENTRY = 45e-6
+
+#: What a handover can come to, as ``qosfs_handovers_total{result}`` counts them: a
+#: successor took over (``completed``, counted by ``handovers``), one failed before this
+#: daemon stopped reading (``refused``: nobody noticed), or after it, so that this daemon
+#: took the session back (``taken_back``: every caller stalled until then).
+FAILURES = ("refused", "taken_back")
 
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def commit_timeout(entries: int) -> float:
+    """How long to wait for a successor's ``serving`` after sending it *entries* inodes,
+    open files and directories."""
+    return COMMIT_TIMEOUT + entries * COMMIT_PER_ENTRY
 
 
 def daemon_version() -> str:
@@ -84,6 +106,8 @@ class Served(Protocol):
     ops: PassthroughOperations
     latency: LatencyLoop | None
     handovers: int
+    handover_failures: dict[str, int]  # FAILURES -> how many, over the mount's processes
+    listeners: Listeners | None
 
     @property
     def fuse_options(self) -> set[str]: ...
@@ -173,11 +197,14 @@ class HandoverOffer:
                 sock = socket.socket(fileno=conn.detach())
                 sock.setblocking(True)  # used from a thread
                 sock.settimeout(PREPARE_TIMEOUT)
-                payload = self._prepare_payload()
-                if await trio.to_thread.run_sync(self._prepare, sock, payload,
+                payload, fds = self._prepare_payload()
+                if await trio.to_thread.run_sync(self._prepare, sock, payload, fds,
                                                  abandon_on_cancel=True):
                     break
                 sock.close()
+        listeners = self.daemon.listeners
+        if listeners is not None:  # the successor answers from here on; ours finish
+            await listeners.wind_down()
         latency = self.daemon.latency
         if latency is not None:  # its canary must not be left waiting on the mount
             await latency.stop_probe()
@@ -188,14 +215,23 @@ class HandoverOffer:
                  self.daemon.mountpoint, self.successor_pid)
         pyfuse3.terminate()  # requests read are answered, then main() returns
 
-    def _prepare_payload(self) -> dict[str, Any]:
-        """What prepare sends, taken on the event loop's thread (the policy in force)."""
+    def _prepare_payload(self) -> tuple[dict[str, Any], list[int]]:
+        """What prepare sends, taken on the event loop's thread (the policy in force),
+        and the descriptors after the session's and the source's: the listening
+        sockets, which the payload's ``listeners`` names by their index."""
         daemon = self.daemon
-        return {"protocol": PROTOCOL, "version": daemon_version(), "pid": os.getpid(),
-                "handovers": daemon.handovers, "mountpoint": daemon.mountpoint,
-                "config": config_payload(daemon.config), "policy": policy_payload(daemon.engine)}
+        listening = daemon.listeners.fds() if daemon.listeners is not None else {}
+        return ({"protocol": PROTOCOL, "version": daemon_version(), "pid": os.getpid(),
+                 "handovers": daemon.handovers,
+                 "handover_failures": dict(daemon.handover_failures),
+                 "mountpoint": daemon.mountpoint,
+                 "config": config_payload(daemon.config),
+                 "policy": policy_payload(daemon.engine),
+                 "listeners": {name: 2 + i for i, name in enumerate(listening)}},
+                list(listening.values()))
 
-    def _prepare(self, sock: socket.socket, payload: dict[str, Any]) -> bool:
+    def _prepare(self, sock: socket.socket, payload: dict[str, Any],
+                 listening: list[int]) -> bool:
         """Phase 1, in a thread while the loop serves on; True if the successor is ready."""
         pid, pidfd = 0, -1
         try:
@@ -214,7 +250,7 @@ class HandoverOffer:
             session = handover.export_session()
             self._state = session.state
             handover.send_message(sock, "prepare", {**payload, "state": session.state},
-                                  [session.fuse_fd, self.daemon.root_fd])
+                                  [session.fuse_fd, self.daemon.root_fd, *listening])
             reply = handover.receive_message(sock)
             if reply.kind != "ready":
                 raise handover.HandoverError(f"successor refused: "
@@ -224,9 +260,9 @@ class HandoverOffer:
                 os.close(pidfd)
             log.warning("handover to pid %d refused, serving on: %s", pid,
                         exc.strerror if isinstance(exc, OSError) and exc.strerror else exc)
+            self.daemon.handover_failures["refused"] += 1
             return False
         self.successor_pid, self._pidfd = pid, pidfd
-        sock.settimeout(COMMIT_TIMEOUT)
         return True
 
     def commit(self) -> bool:
@@ -235,17 +271,28 @@ class HandoverOffer:
         sock = self.successor
         assert sock is not None
         daemon = self.daemon
+        timeout = COMMIT_TIMEOUT
         try:
             tables, fds = export_state(daemon.ops)
+            timeout = commit_timeout(
+                len(tables["inodes"]["records"]) + len(tables["files"]) + len(tables["dirs"]))
+            sock.settimeout(timeout)
             for at in range(0, len(fds), handover.MAX_FDS):
                 handover.send_message(sock, "fds", {}, fds[at:at + handover.MAX_FDS])
             handover.send_message(sock, "commit", {
                 "filesystem": tables, "fd_count": len(fds), "stopped_at": self.stopped_at,
                 "policy": policy_payload(daemon.engine),
-                "balances": daemon.engine.export_balances(self.to_monotonic)})
+                "balances": daemon.engine.export_balances(self.to_monotonic),
+                "accounts": daemon.engine.accounts.export_totals(),
+                "latency": (daemon.latency.export_state(self.to_monotonic)
+                            if daemon.latency is not None else None)})
             reply = handover.receive_message(sock)
             if reply.kind != "serving":
                 raise handover.HandoverError(f"successor answered {reply.kind}")
+        except TimeoutError:
+            log.error("pid %d did not take %s over within %.1f s: taking the session back",
+                      self.successor_pid, daemon.mountpoint, timeout)
+            return False
         except (OSError, handover.HandoverError) as exc:
             log.error("pid %d failed to take %s over (%s): taking the session back",
                       self.successor_pid, daemon.mountpoint,
@@ -261,6 +308,7 @@ class HandoverOffer:
         """The successor failed after this process stopped reading: make sure it is gone
         (it may have read nothing, never answered anything), then serve the session
         again with the tables it never changed."""
+        self.daemon.handover_failures["taken_back"] += 1
         try:
             signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
         except ProcessLookupError:

@@ -65,25 +65,27 @@ class Unrecoverable(QosfsError):
 # ----------------------------------------------------------------------- restarting
 
 
-def mount_or_recover(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> int:
-    """``qosfs mount``: take over a mount whose daemon died while a keeper held its
-    connection, else mount afresh (:func:`qosfs.daemon.mount.run_mount`). The kept
-    descriptors are looked for before anything touches the mountpoint."""
-    control = control_socket_path(cfg, cfg.mountpoint)
-    if cfg.keeper != "none":
-        kept = kept_descriptors(cfg, control)
-        if kept is not None:
-            try:
-                return recover_mount(cfg, kept, control, on_ready)
-            except Unrecoverable as exc:
-                log.error("%s", exc)  # the connection was let go: mount afresh
+def mount_or_recover(cfg: MountConfig, kept: tuple[int, int] | None,
+                     on_ready: Callable[[], None] | None = None) -> int:
+    """``qosfs mount``: take over the mount whose daemon died while a keeper held its
+    connection (*kept*: `kept_descriptors`), else mount afresh
+    (:func:`qosfs.daemon.mount.run_mount`)."""
+    if kept is not None:
+        control = control_socket_path(cfg, cfg.mountpoint)
+        try:
+            return recover_mount(cfg, kept, control, on_ready)
+        except Unrecoverable as exc:
+            log.error("%s", exc)  # the connection was let go: mount afresh
     return run_mount(cfg, on_ready)
 
 
-def kept_descriptors(cfg: MountConfig, control_path: str) -> tuple[int, int] | None:
+def kept_descriptors(cfg: MountConfig) -> tuple[int, int] | None:
     """The (FUSE, root) descriptors kept for *cfg*'s mountpoint by systemd's store or a
-    holder, if its daemon is dead; None if nothing is kept. QosfsError if a live daemon
-    serves it. No system call reaches the mountpoint."""
+    holder, if its daemon is dead; None if nothing is kept (or a live daemon serves it).
+    No system call reaches the mountpoint: ask this before anything else does."""
+    if cfg.keeper == "none":
+        return None
+    control_path = control_socket_path(cfg, cfg.mountpoint)
     if cfg.keeper == "systemd":
         fds = notify.inherited_fds()
         fuse_fd, root_fd = fds.get(FUSE_NAME), fds.get(ROOT_NAME)

@@ -9,34 +9,57 @@ socket (``/run/qosfs/NAME.handover`` for ``/run/qosfs/NAME.sock``):
 
 1. hello: the successor says ``adopt`` with its handover protocol and version; the old
    daemon refuses another protocol (and keeps serving);
-2. prepare, while the old daemon serves on: it sends the FUSE descriptor and the source's
-   root descriptor (SCM_RIGHTS), the state negotiated at INIT, the mount's configuration
-   and the policy in force (text and source; ``ctl set`` changes included). The
-   successor builds everything that serves the mount from them and answers ``ready``,
-   or ``refuse`` with a reason: the old daemon then serves on as if nothing happened;
-3. commit: the old daemon stops reading /dev/fuse (the latency canary stopped first,
+2. prepare, while the old daemon serves on: it sends the FUSE descriptor, the source's
+   root descriptor and the listening control socket and metrics listener (SCM_RIGHTS,
+   :mod:`qosfs.daemon.listeners`), the state negotiated at INIT, the mount's
+   configuration and the policy in force (text and source; ``ctl set`` changes
+   included). The successor builds everything that serves the mount from them and
+   answers ``ready``, or ``refuse`` with a reason: the old daemon then serves on as if
+   nothing happened;
+3. commit: the old daemon stops accepting on the listeners (it answers the control
+   requests and scrapes it holds; new connections wait in the backlog for the
+   successor), stops reading /dev/fuse (the latency canary stopped first,
    ``pyfuse3.terminate``: requests already read are answered, parked ones within their
-   waits, under their caps), closes its control socket and metrics listener, and sends
-   its tables (:mod:`qosfs.passthrough.transfer`; descriptors in batches of at most
-   253) and the policy again. The successor takes them over, adopts the session and
-   answers ``serving``; the old daemon closes its own copies and exits 0, leaving the
-   mount in place.
+   waits, under their caps), and sends its tables (:mod:`qosfs.passthrough.transfer`;
+   descriptors in batches of at most 253) and the policy again. The successor takes
+   them over, adopts the session, answers ``serving`` and serves the listeners too;
+   the old daemon closes its own copies (the control socket's path stays) and exits 0,
+   leaving the mount in place.
 
-If the successor fails between ``ready`` and ``serving`` (it died, or said something
-else), nothing it did can have been seen by the kernel but requests it never read: the
-old daemon kills it, adopts its own session again with the tables it never changed,
-and serves on (:meth:`qosfs.daemon.offer.HandoverOffer.take_back`).
+If the successor fails between ``ready`` and ``serving`` (it died, said something else,
+or hangs past :func:`qosfs.daemon.offer.commit_timeout`), nothing it did can have been
+seen by the kernel but requests it never read: the old daemon kills it, adopts its own
+session again with the tables it never changed, and serves on
+(:meth:`qosfs.daemon.offer.HandoverOffer.take_back`). Failed handovers are counted
+(``qosfs_handovers_total{result}``), and the counts travel with the mount.
 
 The buckets' balances travel too (debt included, on ``time.monotonic()``), so a cap goes
-on from where it stood instead of from a full burst. What starts fresh in the successor:
-the latency controller's caps, the backend's dispatch tags, the cluster leases, the
-control socket's connections and the metrics counters (a counter reset, which
-Prometheus' rate() takes as one). ``ctl status`` says which process and version serve
-and how many handovers the mount has had.
+on from where it stood instead of from a full burst, and so does the latency
+controller's state (its automatic caps and where each started, relative targets'
+baselines, the protected classes' activity), put in force before the successor reads a
+request: a protected reader stays protected. What starts fresh in the successor:
+
+- the backend's dispatch tags: they order only requests parked at the backend, and none
+  is parked across a handover (the old daemon answers them first); a class that had
+  just had more than its share starts level with the others;
+- this mount's cluster grants: to Redis the successor is the same node (host and
+  mountpoint), so the cluster's sums carry on; it renews within one lease (100 ms by
+  default) and until then enforces what a new mount does (the cap divided by
+  ``[cluster] fallback`` nodes, or the whole cap);
+- the control socket's open connections (closed between requests: a client reconnects);
+- the counters of levels (``qosfs_level_throttled_seconds_total``), policy changes,
+  internal errors, parking and passthrough registrations: a counter reset, which
+  Prometheus' rate() takes as one. The traffic counters per account (bytes, requests,
+  throttled time, duration histograms: what dashboards and rates are built on) and
+  the handover counts do travel.
+
+``ctl status`` says which process and version serve and how many handovers the mount
+has had.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -47,6 +70,7 @@ from typing import Any
 from qosfs.core.errors import EXIT_DAEMON, EXIT_MOUNTPOINT, QosfsError
 from qosfs.core.mountinfo import lies_within
 from qosfs.daemon import handover
+from qosfs.daemon.listeners import Listeners
 from qosfs.daemon.mount import (
     Daemon,
     MountConfig,
@@ -54,10 +78,10 @@ from qosfs.daemon.mount import (
     control_socket_path,
     serve_mount,
 )
-from qosfs.daemon.offer import PROTOCOL, daemon_version, handover_socket_path
+from qosfs.daemon.offer import FAILURES, PROTOCOL, daemon_version, handover_socket_path
 from qosfs.passthrough.operations import FsOptions
 from qosfs.passthrough.transfer import import_state
-from qosfs.policy.loading import parse_policy
+from qosfs.policy.loading import load_policy, parse_policy
 from qosfs.policy.model import Policy, PolicyError
 
 log = logging.getLogger(__name__)
@@ -78,10 +102,21 @@ def config_from_payload(raw: dict[str, Any], foreground: bool) -> MountConfig:
 
 
 def adopt_mount(mountpoint: str, socket_path: str | None, foreground: bool,
-                on_ready: Callable[[], None] | None = None) -> int:
+                on_ready: Callable[[], None] | None = None,
+                requested: MountConfig | None = None) -> int:
     """Take the live mount at *mountpoint* over from the daemon serving it and serve it
     until unmounted, signalled or handed over again. QosfsError, with the old daemon
-    serving on, if anything fails before commit."""
+    serving on, if anything fails before commit.
+
+    *requested*: what a ``qosfs mount`` on the live mount asked for (None: ``qosfs
+    upgrade``). Its source must be the mount's. Its policy file, if it names one,
+    replaces the policy in force, as a ``ctl reload`` of that file would; a policy this
+    mount cannot take live is refused before the old daemon stops reading. Without one,
+    the policy in force carries on (a mount command without ``--policy`` does not mean
+    "fall back to the default policy"). Every other option is the running mount's:
+    they were negotiated with the kernel or built into the mount (a difference is logged
+    as a warning).
+    """
     top = os.path.realpath(mountpoint)
     close_inherited(top)
     control = socket_path or control_socket_path(MountConfig("", mountpoint), top)
@@ -91,12 +126,17 @@ def adopt_mount(mountpoint: str, socket_path: str | None, foreground: bool,
         sock.connect(path)
     except OSError as exc:
         sock.close()
+        if requested is not None:  # qosfs mount: say first what the mountpoint is
+            raise QosfsError(f"{mountpoint} is already mounted by qosfs, and its daemon "
+                             f"offers no handover at {path} ({exc.strerror})",
+                             EXIT_MOUNTPOINT) from None
         raise QosfsError(f"no qosfs daemon offers {mountpoint} for handover at {path}: "
                          f"{exc.strerror}", EXIT_MOUNTPOINT) from None
     with sock:
-        daemon, session = _prepare(sock, foreground)
-        return serve_mount(daemon, lambda: _commit(sock, daemon, session), on_ready,
-                           adopting=True)
+        daemon, session = _prepare(sock, foreground, requested)
+        chosen = requested is not None and requested.policy_path is not None
+        return serve_mount(daemon, lambda: _commit(sock, daemon, session, chosen),
+                           on_ready, adopting=True)
 
 
 def close_inherited(top: str) -> None:
@@ -118,7 +158,8 @@ def close_inherited(top: str) -> None:
             os.close(fd)
 
 
-def _prepare(sock: socket.socket, foreground: bool) -> tuple[Daemon, handover.Session]:
+def _prepare(sock: socket.socket, foreground: bool,
+             requested: MountConfig | None = None) -> tuple[Daemon, handover.Session]:
     """Phase 1: receive the session and the configuration, build what serves the mount,
     answer ready (or refuse, leaving the old daemon serving)."""
     handover.send_message(sock, "adopt", {"protocol": PROTOCOL, "version": daemon_version(),
@@ -131,10 +172,12 @@ def _prepare(sock: socket.socket, foreground: bool) -> tuple[Daemon, handover.Se
         raise QosfsError(f"handover refused: {prepare.payload.get('reason', prepare.kind)}",
                          EXIT_DAEMON)
     try:
-        if len(prepare.fds) != 2:
-            raise handover.HandoverError(f"expected 2 descriptors, got {len(prepare.fds)}")
-        fuse_fd, root_fd = prepare.fds
         p = prepare.payload
+        listening = dict(p.get("listeners", {}))  # absent from a predecessor without them
+        if len(prepare.fds) != 2 + len(listening):
+            raise handover.HandoverError(f"expected {2 + len(listening)} descriptors, got "
+                                         f"{len(prepare.fds)}")
+        fuse_fd, root_fd = prepare.fds[:2]
         if p.get("protocol") != PROTOCOL:
             raise handover.HandoverError(f"handover protocol {p.get('protocol')} is not "
                                          f"this version's ({PROTOCOL})")
@@ -143,9 +186,21 @@ def _prepare(sock: socket.socket, foreground: bool) -> tuple[Daemon, handover.Se
         if not stat.S_ISDIR(os.fstat(root_fd).st_mode):
             raise handover.HandoverError("the source's descriptor is not a directory")
         cfg = config_from_payload(p["config"], foreground)
+        if requested is not None:
+            _check_requested(requested, cfg)
         policy = _policy(p["policy"])
         daemon = build_daemon(cfg, policy, root_fd, str(p["mountpoint"]))
+        if requested is not None and requested.policy_path is not None:
+            _put_chosen_policy(daemon, requested.policy_path)
         daemon.handovers = int(p["handovers"]) + 1
+        failed = p.get("handover_failures", {})  # absent from a predecessor that had none
+        daemon.handover_failures = {k: int(failed.get(k, 0)) for k in FAILURES}
+        if listening:  # served from this process's first loop: never a refused connection
+            daemon.listeners = Listeners.inherit(
+                control_socket_path(cfg, daemon.mountpoint),
+                policy.control.admin_gid if policy is not None else None, cfg.metrics,
+                prepare.fds[int(listening["control"])],
+                prepare.fds[int(listening["metrics"])] if "metrics" in listening else None)
     except (handover.HandoverError, PolicyError, OSError, KeyError, ValueError) as exc:
         for fd in prepare.fds:
             os.close(fd)
@@ -157,13 +212,46 @@ def _prepare(sock: socket.socket, foreground: bool) -> tuple[Daemon, handover.Se
     return daemon, session
 
 
+def _check_requested(requested: MountConfig, running: MountConfig) -> None:
+    """HandoverError if ``qosfs mount`` named another source than the mount's; a warning
+    for each other option that differs from the running mount's (which stays)."""
+    if os.path.realpath(requested.source) != os.path.realpath(running.source):
+        raise handover.HandoverError(
+            f"{requested.mountpoint} is a mount of {running.source}, not of "
+            f"{requested.source}: unmount it first to mount another source there")
+    kept = ("source", "mountpoint", "foreground", "policy_path")
+    for option in dataclasses.fields(MountConfig):
+        asked, has = getattr(requested, option.name), getattr(running, option.name)
+        if option.name not in kept and asked != has:
+            log.warning("%s: %s=%r differs from the running mount's %r, which stays "
+                        "(unmount and mount to change it)", requested.mountpoint,
+                        option.name, asked, has)
+
+
+def _put_chosen_policy(daemon: Daemon, path: str) -> None:
+    """Put the policy file ``qosfs mount --policy`` named in force on the idle successor,
+    in place of the one that travelled, and make it the mount's own (SIGHUP and ``ctl
+    reload`` re-read it). PolicyError if the file is invalid or the mount cannot take
+    it live (the old daemon then serves on with the policy it has)."""
+    if daemon.policy_engine is None:
+        raise handover.HandoverError("the mount runs without QoS (--no-qos): a policy "
+                                     "needs a new mount")
+    policy = load_policy(path)
+    daemon.policy_engine.check_swap(policy)
+    daemon.policy_to_apply = policy  # swapped in as the loop starts, before any request
+    daemon.cfg = dataclasses.replace(daemon.cfg, policy_path=os.path.abspath(path))
+    log.info("policy %s to be in force in place of the running mount's", policy.source)
+
+
 def _policy(raw: dict[str, Any] | None) -> Policy | None:
     return None if raw is None else parse_policy(str(raw["text"]), str(raw["source"]))
 
 
-def _commit(sock: socket.socket, daemon: Daemon, session: handover.Session) -> None:
+def _commit(sock: socket.socket, daemon: Daemon, session: handover.Session,
+            chosen_policy: bool = False) -> None:
     """Phase 2 (serve_mount's start): the tables and descriptors come, the session is
-    adopted, and the old daemon is told so."""
+    adopted, and the old daemon is told so. *chosen_policy*: ``qosfs mount --policy``
+    put another policy in force, which the old daemon's does not replace."""
     fds: list[int] = []
     while True:
         message = handover.receive_message(sock)
@@ -178,14 +266,20 @@ def _commit(sock: socket.socket, daemon: Daemon, session: handover.Session) -> N
         raise QosfsError(f"handover failed: {len(fds)} descriptors of "
                          f"{payload['fd_count']}", EXIT_DAEMON)
     import_state(daemon.ops, payload["filesystem"], fds)
+    # The traffic counters go on (absent from older daemons): no reset in /metrics.
+    daemon.engine.accounts.import_totals(payload.get("accounts", []))
     if daemon.guard is not None:
         daemon.guard.attach(daemon, session.state)  # this process's journal from now on
     policy = _policy(payload["policy"])
-    if policy is not None and daemon.engine.policy is not None \
+    if policy is not None and daemon.engine.policy is not None and not chosen_policy \
             and policy.render() != daemon.engine.policy.render():
-        daemon.engine.swap(policy)  # changed (ctl set) while we prepared
+        daemon.policy_to_apply = policy  # changed (ctl set) while we prepared
     handover.adopt(daemon.ops, session, daemon.mountpoint, daemon.fuse_options)
+    chosen = daemon.policy_to_apply
+    if chosen_policy and daemon.listeners is not None and chosen is not None:
+        daemon.listeners.control.set_admin_group(chosen.control.admin_gid)
     daemon.adopted_at = float(payload["stopped_at"])  # CLOCK_MONOTONIC: one per system
     daemon.balances = list(payload["balances"])  # put in force when the loop starts
+    daemon.latency_state = payload.get("latency")  # likewise (absent from older daemons)
     handover.send_message(sock, "serving", {})
     sock.close()  # the predecessor exits now

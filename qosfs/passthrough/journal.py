@@ -35,6 +35,7 @@ charge restarts from where it stood at open).
 from __future__ import annotations
 
 import json
+import marshal
 import mmap
 import os
 import struct
@@ -180,8 +181,11 @@ class SessionJournal:
     def put_file(self, fh: int, inode_slot: int, flags: int, extra: dict[str, Any]) -> int:
         """Write an open file's record; returns its slot (free it at release)."""
         slot = self._take()
+        # marshal, not JSON: 10x cheaper per open (json.dumps with separators builds an
+        # encoder per call), and the reader is this same Python (a journal another one
+        # cannot read is refused whole: the connection is let go, never misread).
         self._write(slot, FILE, 0, inode_slot, NO_SLOT, fh, 0, 0, flags, b"", b"",
-                    json.dumps(extra, separators=(",", ":")).encode())
+                    marshal.dumps(extra))
         return slot
 
     def put_dir(self, fh: int, inode_slot: int, owner: int) -> int:
@@ -262,7 +266,11 @@ def read_journal(path: str) -> Journal:
         handle = bytes(view[var + name_len:var + name_len + handle_len])
         extra_raw = bytes(view[var + name_len + handle_len:end])
         (lookups,) = _LOOKUPS.unpack_from(data, at)
+        try:
+            extra = marshal.loads(extra_raw) if extra_raw else {}
+        except (EOFError, ValueError, TypeError):
+            raise JournalError(f"{path}: slot {slot} holds what this Python cannot read "
+                               "(written by another version?)") from None
         records[slot] = Record(slot, kind, flags, lookups, entry_slot, parent_slot, nodeid,
-                               dev, ino, aux, name, handle,
-                               json.loads(extra_raw) if extra_raw else {})
+                               dev, ino, aux, name, handle, extra)
     return Journal(session, next_fh, records)

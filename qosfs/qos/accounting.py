@@ -29,8 +29,10 @@ is built this way:
   per power of two, quantiles within 12.5 %), switched on per class
   (:meth:`Accounts.set_fine_classes`) so other classes pay one ``is None`` test.
 
-Keys live as long as the policy has their class and tenant (:meth:`Accounts.retain`), so
-a Prometheus counter only ever restarts when its class was removed and came back -- except
+Keys live as long as the policy has their class and tenant (:meth:`Accounts.retain`), and
+a ``qosfs upgrade`` hands their totals to the new process (:meth:`Accounts.export_totals`),
+so a Prometheus counter only ever restarts when its class was removed and came back, or
+when the daemon restarts -- except
 per-uid keys, whose number is bounded (``[metrics]`` in the policy, see
 :meth:`Accounts.set_user_series`): a class labels at most ``user_series`` uids (later
 ones are counted in the class's uid-less key from their first byte), and a uid idle for
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "BUCKET_BOUNDS_SECONDS",
@@ -317,10 +320,28 @@ class FlowStats:
                 f"opens={self.opens}>")
 
 
+#: The histograms of a key, in the order `Accounts.export_totals` lists them.
+HISTOGRAMS = ("read_latency", "write_latency", "read_backend", "write_backend")
+
+
 def _fold_histogram(into: LatencyHistogram, other: LatencyHistogram) -> None:
     for i, n in enumerate(other.counts):
         into.counts[i] += n
     into.sum_ns += other.sum_ns
+
+
+def _add_totals(into: FlowStats, other: FlowStats) -> None:
+    """Add *other*'s counters to *into*'s (the fine read histogram excepted: a latency
+    controller diffs it per window, and old observations would read as a burst)."""
+    into.read_bytes += other.read_bytes
+    into.write_bytes += other.write_bytes
+    into.read_ops += other.read_ops
+    into.write_ops += other.write_ops
+    into.meta_ops += other.meta_ops
+    into.opens += other.opens
+    into.throttled_seconds += other.throttled_seconds
+    for name in HISTOGRAMS:
+        _fold_histogram(getattr(into, name), getattr(other, name))
 
 
 def _activity(stats: FlowStats) -> int:
@@ -410,16 +431,38 @@ class Accounts:
         self._activity.pop(key, None)
         self._labelled[cls] -= 1
         into = self.get(cls, tenant, None)
-        into.read_bytes += old.read_bytes
-        into.write_bytes += old.write_bytes
-        into.read_ops += old.read_ops
-        into.write_ops += old.write_ops
-        into.meta_ops += old.meta_ops
-        into.opens += old.opens
-        into.throttled_seconds += old.throttled_seconds
-        for name in ("read_latency", "write_latency", "read_backend", "write_backend"):
-            _fold_histogram(getattr(into, name), getattr(old, name))
+        _add_totals(into, old)
         return old, into
+
+    def export_totals(self) -> list[list[Any]]:
+        """Every key's totals as plain data, for a process that takes the mount over
+        (``qosfs upgrade``): [class, tenant, uid, read_bytes, write_bytes, read_ops,
+        write_ops, meta_ops, opens, throttled_seconds, histograms (each its bucket counts
+        then its sum in ns, in `HISTOGRAMS` order)]."""
+        return [[cls, tenant, uid, s.read_bytes, s.write_bytes, s.read_ops, s.write_ops,
+                 s.meta_ops, s.opens, s.throttled_seconds,
+                 [[*h.counts, h.sum_ns] for h in (getattr(s, n) for n in HISTOGRAMS)]]
+                for (cls, tenant, uid), s in self._stats.items()]
+
+    def import_totals(self, totals: list[list[Any]]) -> int:
+        """Add a predecessor's `export_totals` to the keys here, so that every counter
+        of ``/metrics`` goes on from where it stood instead of restarting at 0 (created
+        as at an open: a uid past the ``user_series`` bound adds to its class's uid-less
+        key, as its traffic would). Histograms of another bucket layout are left out.
+        Returns how many keys were taken."""
+        for cls, tenant, uid, rb, wb, ro, wo, mo, opens, throttled, histograms in totals:
+            old = FlowStats()
+            old.read_bytes, old.write_bytes = int(rb), int(wb)
+            old.read_ops, old.write_ops, old.meta_ops = int(ro), int(wo), int(mo)
+            old.opens, old.throttled_seconds = int(opens), float(throttled)
+            if len(histograms) == len(HISTOGRAMS) and all(
+                    len(h) == NBUCKETS + 2 for h in histograms):
+                for name, values in zip(HISTOGRAMS, histograms, strict=True):
+                    h = getattr(old, name)
+                    h.counts = [int(n) for n in values[:-1]]
+                    h.sum_ns = int(values[-1])
+            _add_totals(self.get(str(cls), tenant, uid), old)
+        return len(totals)
 
     def set_fine_classes(self, classes: frozenset[str]) -> None:
         """Record fine read backend histograms for exactly these classes from now on."""

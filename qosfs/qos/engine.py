@@ -398,6 +398,12 @@ class PolicyQos:
 
     # ------------------------------------------------------------------ policy swap
 
+    def check_swap(self, policy: Policy) -> None:
+        """PolicyError if `swap` would refuse *policy* (settings the token store was built
+        from); callable outside the event loop, which `swap` is not (a successor checks
+        the policy ``qosfs mount --policy`` names before its predecessor stops reading)."""
+        self.level_factory.check_swap(self.policy, policy)
+
     def swap(self, policy: Policy) -> None:
         """Put *policy* in force at once; parked requests re-check against it.
 
@@ -406,7 +412,7 @@ class PolicyQos:
                 which take effect only when a mount starts); the running policy stays.
         """
         if self.generation:
-            self.level_factory.check_swap(self.policy, policy)
+            self.check_swap(policy)
         classifier = Classifier(policy)
         classes: dict[str, ClassState] = {}
         for rule in policy.classes:

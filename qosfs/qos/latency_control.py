@@ -248,6 +248,47 @@ class LatencyDecider:
         if not protected_classes(policy):
             self.state = "idle"
 
+    def export_state(self, to_monotonic: float) -> dict[str, Any]:
+        """Where the decisions stand, as plain data, for a process that takes the mount
+        over (``qosfs upgrade``): the automatic caps with the rate each started from, the
+        baselines of relative targets, the protected classes' activity, the state and
+        the decision counts. Times go as ``time.monotonic()``: *to_monotonic* is
+        ``time.monotonic() - trio.current_time()`` of this run."""
+        return {
+            "state": self.state, "decisions": dict(self.decisions),
+            "verdicts": dict(self.verdicts),
+            "low": {name: {d: [t.cap, t.start, t.since + to_monotonic, t.slack]
+                           for d, t in low.throttles.items()}
+                    for name, low in self.low.items()},
+            "baselines": {name: list(values) for name, values in self.baselines.items()},
+            "active": {name: [a.since + to_monotonic, a.windows, a.judged,
+                              None if a.first_cut is None else a.first_cut + to_monotonic,
+                              a.cut_reason, a.learned]
+                       for name, a in self.active.items()}}
+
+    def import_state(self, state: dict[str, Any], to_trio: float) -> None:
+        """Go on from a predecessor's `export_state` (*to_trio*: ``trio.current_time() -
+        time.monotonic()``): a protected reader stays protected, a capped class stays
+        capped where it was, instead of both starting over. What the policy in force no
+        longer caps or protects is dropped."""
+        self.state = str(state["state"])
+        for action, n in state["decisions"].items():
+            self.decisions[action] = self.decisions.get(action, 0) + int(n)
+        self.verdicts = {str(k): str(v) for k, v in state["verdicts"].items()}
+        self.low = {name: _LowClass({d: _Throttle(float(cap), float(start),
+                                                  float(since) + to_trio, int(slack))
+                                     for d, (cap, start, since, slack) in dirs.items()
+                                     if d in _DIRECTIONS})
+                    for name, dirs in state["low"].items() if dirs}
+        self.baselines = {name: deque(map(float, values), maxlen=BASELINE_WINDOWS)
+                          for name, values in state["baselines"].items()}
+        self.active = {name: _Activity(float(since) + to_trio, int(windows), bool(judged),
+                                       None if cut is None else float(cut) + to_trio,
+                                       reason, bool(learned))
+                       for name, (since, windows, judged, cut, reason, learned)
+                       in state["active"].items()}
+        self.set_policy(self.policy)  # drops what the policy in force has no role for
+
     def caps(self) -> dict[str, AutoCaps]:
         """The automatic caps of every class the policy has that may be capped."""
         return {name: (self.low[name].caps() if name in self.low else NO_AUTO_CAPS)
@@ -752,6 +793,21 @@ class LatencyLoop:
         self.windows += 1
         for hook in self.on_window:
             hook(now, self)
+
+    def export_state(self, to_monotonic: float) -> dict[str, Any]:
+        """The controller's state for a successor (:meth:`LatencyDecider.export_state`)."""
+        return {"decider": self.controller.export_state(to_monotonic),
+                "windows": self.windows}
+
+    def import_state(self, state: dict[str, Any], to_trio: float) -> int:
+        """Inside the event loop, before any request is read: go on from a predecessor's
+        `export_state` and put its automatic caps in force at once (the loop's first
+        window is half a second away). Returns how many classes are capped."""
+        self._sync_policy()
+        self.controller.import_state(state["decider"], to_trio)
+        self.windows += int(state["windows"])
+        self._apply(self.controller.caps())
+        return len(self.controller.low)
 
     def _apply(self, caps: dict[str, AutoCaps]) -> None:
         for name, value in caps.items():

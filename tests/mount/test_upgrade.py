@@ -13,10 +13,30 @@ mountpoint and in place.
 - A cap goes on from where it stood: a writer of a capped class, in debt, writes no more
   across upgrades than the cap allows once (each successor starting from a full burst
   would have let a burst more through per upgrade).
+- The control socket and the metrics listener travel: ``status`` and ``/metrics``,
+  polled in a loop during LISTENER_UPGRADES upgrades, never fail (the longest wait
+  for an answer is reported), and the metrics port stays the same; the traffic
+  counters go on from where they stood (no counter reset).
 - Refused halfway: a successor with another protocol, one that refuses, one that
   vanishes at prepare, and one that vanishes after it said ready (the old daemon has
   stopped reading by then, and takes its session back) all leave the old daemon serving
-  the same descriptors; a real successor takes over afterwards.
+  the same descriptors; a real successor takes over afterwards. Each failure is
+  counted by how it failed (``ctl status``, ``qosfs_handovers_total``), and the count
+  goes on in the successor.
+- ``qosfs mount`` on the live mount hands it over too, with the policy it names in force
+  (another cap for a class; the open descriptors carry on); a malformed policy is
+  refused with its file and line before anything happens, and another source is
+  refused by the successor: the old daemon serves on in both cases.
+- A policy changed by ``ctl set`` while the successor prepares (it takes 2 s:
+  faultinject ``handover=slow-ready``) is the one in force in the successor.
+- A latency-controlled cap survives: a storm the controller holds at its floor for a
+  protected reader is still held there by the successor from its first request (a
+  successor starting without the controller's caps let the storm run uncapped until
+  its first decision, and then cut from that rate).
+- A successor that hangs after it said ready (tests/faultinject.py ``handover=hang``:
+  it adopted the session and never says it serves) is killed by the old daemon within
+  its commit timeout, which takes the session back and serves the same descriptors on;
+  the longest stall of the load is that wait.
 """
 
 from __future__ import annotations
@@ -40,7 +60,8 @@ import pyfuse3
 import pytest
 import xxhash
 
-from qosfs.daemon import handover
+from qosfs.daemon import handover, offer
+from tests.mount.listener_polls import ListenerPolls, get_metrics
 from tests.mount.timed_load import TimedLoad
 from tests.mounting import ROOT, is_mounted
 from tests.waiting import wait_for
@@ -56,6 +77,7 @@ MiB = 1 << 20
 CHUNK = 256 * KiB
 DATA = 32 * MiB
 HANDOVERS = 20
+LISTENER_UPGRADES = 10
 CAP = 8 * MiB  # the capped class's write bandwidth per second, and its burst
 POLICY = """
 [classes.data]
@@ -138,11 +160,31 @@ class Mount:
         assert "handed over" in old.log()
         return new
 
+    def mount_again(self, *args: str) -> Generation:
+        """``qosfs mount`` once more on the live mount, with *args* in place of the first
+        mount's options: the successor serves, the old daemon exits 0."""
+        old = self.current
+        cmd = [sys.executable, "-m", "qosfs", "mount", "--foreground", str(self.source)]
+        if self.mountpoint != self.source:
+            cmd.append(str(self.mountpoint))
+        new = self._start(f"G{len(self.generations)}",
+                          [*cmd, "--socket", str(self.socket), *args])
+        assert old.proc.wait(timeout=30) == 0, old.log()
+        assert "handed over" in old.log()
+        return new
+
     def _start(self, name: str, cmd: list[str]) -> Generation:
         g = Generation(name, cmd, self.run / f"{name}.log")
         self.generations.append(g)
         g.wait_serving()
         return g
+
+    def metrics_port(self) -> int:
+        """The port the current daemon serves /metrics on (--metrics 0: any free one)."""
+        found = wait_for("the metrics address in the log", lambda: re.search(
+            r"serving metrics on http://127\.0\.0\.1:(\d+)/", self.current.log()))
+        assert found is not None
+        return int(found[1])
 
     def status(self) -> dict[str, Any]:
         out = subprocess.run([sys.executable, "-m", "qosfs", "ctl", "--socket",
@@ -192,7 +234,7 @@ def mount(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Mount]:
     policy = tmp_path / "policy.toml"
     policy.write_text(POLICY)
     # --cache never: every read of the daemon-served file reaches a daemon.
-    m = Mount(src, mnt, run, ("--cache", "never", "--policy", str(policy)))
+    m = Mount(src, mnt, run, ("--cache", "never", "--policy", str(policy), "--metrics", "0"))
     try:
         m.mount()
         yield m
@@ -314,6 +356,34 @@ def test_reader_and_writer_keep_their_descriptors_across_upgrades(
           f"upgrade command {min(took):.2f}-{max(took):.2f} s")
 
 
+def _read_bytes_total(port: int) -> float:
+    """qosfs_read_bytes_total summed over the mount's accounts."""
+    text = get_metrics("127.0.0.1", port).decode()
+    return sum(float(found[1]) for found in
+               re.finditer(r"^qosfs_read_bytes_total\{.*\} (\S+)$", text, re.MULTILINE))
+
+
+def test_ctl_and_metrics_answer_throughout_upgrades(mount: Mount) -> None:
+    port = mount.metrics_port()
+    (mount.mountpoint / "plain" / "big.bin").read_bytes()  # a counter to carry on
+    counted = _read_bytes_total(port)
+    assert counted >= DATA
+    polls = ListenerPolls(str(mount.socket), ("127.0.0.1", port)).start()
+    try:
+        for _ in range(LISTENER_UPGRADES):
+            time.sleep(0.2)
+            mount.upgrade()
+            assert mount.metrics_port() == port  # the same listener, not a new one
+        time.sleep(0.2)
+    finally:
+        polls.stop()
+    print(f"{LISTENER_UPGRADES} upgrades: ctl status {polls.control.summary()}; "
+          f"/metrics {polls.metrics.summary()}")
+    assert polls.control.failures == [] and polls.metrics.failures == []
+    assert polls.control.polls >= LISTENER_UPGRADES and polls.metrics.polls >= 10
+    assert _read_bytes_total(port) >= counted  # carried on: no counter reset
+
+
 def test_a_passed_through_open_keeps_its_backing_id_across_upgrades(mount: Mount) -> None:
     if not getattr(pyfuse3, "PASSTHROUGH_SUPPORTED", False):
         pytest.skip("pyfuse3 without kernel passthrough")
@@ -390,11 +460,210 @@ def test_a_refused_upgrade_leaves_the_old_daemon_serving(
     assert old.proc.poll() is None, old.log()
     status = mount.status()  # the control socket answers: rebound if it was let go
     assert (status["pid"], status["handovers"]) == (old.proc.pid, 0)
+    failed = "taken_back" if mode == "vanish-after-ready" else "refused"
     if mode == "vanish-after-ready":
         assert "taking the session back" in old.log()
     else:
         assert "refused, serving on" in old.log()
+    assert status["handover_failures"] == {"refused": 0, "taken_back": 0, failed: 1}
     new = mount.upgrade()  # and a real successor still takes over
+    status = mount.status()
+    assert status["pid"] == new.proc.pid
+    assert status["handover_failures"][failed] == 1  # carried on: the alert still sees it
+    load.stop()
+    load.check(mount.mountpoint / "plain" / "log.bin")
+
+
+def test_a_successor_that_hangs_after_ready_is_killed_and_the_old_daemon_serves_on(
+        mount: Mount, start_load: Callable[[], Load]) -> None:
+    load = start_load()
+    time.sleep(0.5)
+    load.worst = 0.0
+    old = mount.current
+    hung = Generation("hung", [sys.executable, "tests/faultinject.py", "--fault",
+                               "handover=hang", "--", "upgrade", str(mount.mountpoint),
+                               "--socket", str(mount.socket), "--foreground"],
+                      mount.run / "hung.log")
+    try:
+        returned = hung.proc.wait(timeout=offer.COMMIT_TIMEOUT + 60)
+    finally:
+        hung.close()
+    assert returned == -signal.SIGKILL, hung.log()  # killed by the old daemon's pidfd
+    assert "did not take" in old.log()  # its commit timeout, not another failure
+    wait_for("the old daemon to serve again", old.log,
+             until=lambda text: "serving" in text.rsplit("taking the session back", 1)[-1])
+    assert old.proc.poll() is None, old.log()
+    status = mount.status()
+    assert (status["pid"], status["handovers"]) == (old.proc.pid, 0)
+    assert status["handover_failures"] == {"refused": 0, "taken_back": 1}
+    stalled = load.worst
+    new = mount.upgrade()  # a real successor takes over, and carries the count on
+    assert mount.status()["handover_failures"]["taken_back"] == 1
+    scraped = get_metrics("127.0.0.1", mount.metrics_port()).decode()
+    assert re.search(r'^qosfs_handovers_total\{[^}]*result="taken_back"[^}]*\} 1\.0$',
+                     scraped, re.MULTILINE), scraped
     assert mount.status()["pid"] == new.proc.pid
     load.stop()
     load.check(mount.mountpoint / "plain" / "log.bin")
+    print(f"a hung successor: the load stalled {stalled * 1000:.0f} ms at most "
+          f"(commit timeout {offer.COMMIT_TIMEOUT:g} s plus the table's allowance)")
+    assert offer.COMMIT_TIMEOUT * 0.9 <= stalled <= offer.COMMIT_TIMEOUT + 5
+
+
+LATENCY_POLICY = """
+[classes.reader]
+paths = ["reader/**"]
+priority = "high"
+target_read_latency = "200us"
+[classes.storm]
+paths = ["storm/**"]
+priority = "low"
+"""
+
+
+def test_a_latency_controlled_cap_survives_an_upgrade(tmp_path: Path) -> None:
+    src, mnt, run = tmp_path / "src", tmp_path / "mnt", tmp_path / "run"
+    for d in (src / "reader", src / "storm", mnt, run):
+        d.mkdir(parents=True)
+    (src / "reader" / "shard").write_bytes(os.urandom(MiB))
+    (tmp_path / "policy.toml").write_text(LATENCY_POLICY)
+    # A target no read can meet: the storm is cut down to the controller's floor.
+    m = Mount(src, mnt, run, ("--cache", "never", "--policy", str(tmp_path / "policy.toml")))
+    stop = threading.Event()
+    written = [0]
+
+    def storm() -> None:
+        chunk = b"s" * MiB
+        fd = os.open(mnt / "storm" / "state", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            while not stop.is_set():
+                written[0] += os.pwrite(fd, chunk, (written[0] // MiB % 32) * MiB)
+        finally:
+            os.close(fd)
+
+    def reader() -> None:
+        with open(mnt / "reader" / "shard", "rb", buffering=0) as f:
+            while not stop.is_set():
+                f.seek(0)
+                f.read(4096)
+                time.sleep(0.005)
+
+    threads = [threading.Thread(target=t, daemon=True) for t in (storm, reader)]
+    try:
+        m.mount()
+        for t in threads:
+            t.start()
+
+        def storm_cap() -> float | None:
+            for t in m.status()["latency_control"]["throttled"]:
+                if t["class"] == "storm":
+                    cap: float | None = t["write_bandwidth"]
+                    return cap
+            return None
+
+        floor = wait_for("the storm to be cut to the floor", storm_cap,
+                         until=lambda cap: cap is not None and cap <= 2 * MiB,
+                         timeout=30, interval=0.1)
+        assert floor is not None
+        before, t0 = written[0], time.monotonic()
+        m.upgrade()
+        carried = storm_cap()  # the successor's, before its first window could cut
+        time.sleep(1.0)
+        moved, took = written[0] - before, time.monotonic() - t0
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        m.close()
+    print(f"storm held at {floor / MiB:.2f} MiB/s before the upgrade, "
+          f"{(carried or 0) / MiB:.2f} MiB/s in the successor; it wrote "
+          f"{moved / MiB:.1f} MiB in the {took:.1f} s of the upgrade and the second after")
+    # At the floor, plus the bucket's burst and a write in flight; uncapped it moves
+    # hundreds of MiB in a second.
+    assert moved <= floor * took + 4 * MiB
+    assert carried is not None and carried <= 2 * MiB
+    assert "latency control carried over (1 classes capped automatically)" in \
+        m.current.log()
+
+
+def _class_limits(status: dict[str, Any], name: str) -> dict[str, float]:
+    (level,) = [lv for lv in status["levels"]
+                if lv["level"] == "class" and lv["name"] == name]
+    limits: dict[str, float] = level["limits"]
+    return limits
+
+
+def _qosfs(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qosfs", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_qosfs_mount_on_the_live_mount_hands_it_over_with_the_policy_it_names(
+        mount: Mount, start_load: Callable[[], Load], tmp_path: Path) -> None:
+    load = start_load()
+    assert _class_limits(mount.status(), "capped")["write_bandwidth"] == CAP
+    changed = tmp_path / "changed.toml"
+    changed.write_text(POLICY.replace('write_bandwidth = "8MiB/s"',
+                                      'write_bandwidth = "4MiB/s"'))
+    new = mount.mount_again("--cache", "never", "--metrics", "0", "--policy", str(changed))
+    status = mount.status()
+    assert (status["pid"], status["handovers"]) == (new.proc.pid, 1)
+    assert status["policy_source"] == str(changed)
+    assert _class_limits(status, "capped")["write_bandwidth"] == CAP // 2
+    assert "differs from the running mount" not in new.log()  # the same options
+    assert "policy generation 2 in force" in new.log()  # swapped in, as a reload
+    again = mount.mount_again()  # no --policy: the policy in force carries on
+    status = mount.status()
+    assert (status["pid"], status["handovers"]) == (again.proc.pid, 2)
+    assert status["policy_source"] == str(changed)
+    assert re.search(r"fs_options=.*cache='auto'.* differs from the running mount's "
+                     r".*cache='never'", again.log())  # said, and the mount's kept
+    load.stop()
+    load.check(mount.mountpoint / "plain" / "log.bin")
+
+
+def test_qosfs_mount_on_the_live_mount_refuses_a_bad_policy_or_another_source(
+        mount: Mount, start_load: Callable[[], Load], tmp_path: Path) -> None:
+    load = start_load()
+    old = mount.current
+    where = [str(mount.source)] + ([str(mount.mountpoint)]
+                                   if mount.mountpoint != mount.source else [])
+    bad = tmp_path / "bad.toml"
+    bad.write_text(POLICY.replace('burst = "8MiB"', 'burst = "eight"'))
+    refused = _qosfs("mount", "--foreground", *where, "--socket", str(mount.socket),
+                     "--policy", str(bad))
+    assert refused.returncode == 6, refused.stderr
+    assert refused.stderr.startswith(f"qosfs: {bad}:8:"), refused.stderr  # file:line
+    other = tmp_path / "other"
+    other.mkdir()
+    elsewhere = _qosfs("mount", "--foreground", str(other), str(mount.mountpoint),
+                       "--socket", str(mount.socket))
+    assert elsewhere.returncode != 0
+    assert f"is a mount of {mount.source}, not of {other}" in elsewhere.stderr
+    status = mount.status()
+    assert old.proc.poll() is None and status["pid"] == old.proc.pid
+    assert status["policy_source"] == str(tmp_path / "policy.toml")
+    assert status["handover_failures"] == {"refused": 1, "taken_back": 0}  # the source
+    load.stop()
+    load.check(mount.mountpoint / "plain" / "log.bin")
+
+
+def test_a_policy_changed_while_the_successor_prepares_is_in_force_in_it(
+        mount: Mount) -> None:
+    old = mount.current
+    slow = Generation("G1", [sys.executable, "tests/faultinject.py", "--fault",
+                             "handover=slow-ready", "--", "upgrade", str(mount.mountpoint),
+                             "--socket", str(mount.socket), "--foreground"],
+                      mount.run / "G1.log")
+    mount.generations.append(slow)
+    wait_for("the successor to prepare", slow.log,
+             until=lambda text: "taking" in text and "over from pid" in text)
+    changed = subprocess.run([sys.executable, "-m", "qosfs", "ctl", "--socket",
+                              str(mount.socket), "set", "capped", "write_bandwidth=2MiB/s"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert changed.returncode == 0, changed.stderr
+    slow.wait_serving()
+    assert old.proc.wait(timeout=30) == 0, old.log()
+    status = mount.status()
+    assert status["pid"] == slow.proc.pid and status["handover_failures"]["taken_back"] == 0
+    assert _class_limits(status, "capped")["write_bandwidth"] == 2 * MiB

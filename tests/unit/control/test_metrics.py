@@ -138,6 +138,16 @@ def test_internal_errors_are_counted_by_where_and_type() -> None:
     assert none["qosfs_internal_errors"].samples == []  # the family is there, no series yet
 
 
+def test_handovers_are_counted_by_result_every_result_from_the_start() -> None:
+    fams = families(render(take_snapshot(FakeEngine(), 1.0, info={
+        "handovers": 3, "handover_failures": {"refused": 0, "taken_back": 2}})))
+    assert sample(fams, "qosfs_handovers", result="completed") == 3
+    assert sample(fams, "qosfs_handovers", result="taken_back") == 2
+    assert sample(fams, "qosfs_handovers", result="refused") == 0  # there, at 0
+    fresh = families(render(take_snapshot(FakeEngine(), 1.0, info={"handovers": 0})))
+    assert len(fresh["qosfs_handovers"].samples) == 3
+
+
 def test_rates_come_from_consecutive_samples() -> None:
     engine = FakeEngine(written=0)
     sampler = RateSampler()

@@ -125,3 +125,40 @@ def test_a_refused_client_that_hung_up_does_not_end_the_server(tmp_path: Path) -
 
     trio.run(main)
     sock.close()
+
+
+def test_a_socket_handed_over_never_refuses_and_drops_no_request(tmp_path: Path) -> None:
+    """A planned handover (qosfs.daemon.listeners): the old server stops accepting, lets
+    an idle connection go, answers a request that came just then; a connection made
+    while nobody accepts waits in the backlog and the successor (the same socket,
+    inherited) answers it; the old server's release leaves the path."""
+    old = ControlSocket(str(tmp_path / "ctl.sock"))
+    new = ControlSocket(old.path, inherited=socket.socket(fileno=os.dup(old.fileno())))
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(old.serve, _status)
+            idle = await trio.open_unix_socket(old.path)
+            late = await trio.open_unix_socket(old.path)
+            await trio.sleep(0.05)
+            assert old.connections() == 2
+            old.stop_accepting()
+            await late.send_all(b'{"cmd": "status"}\n')  # within LINGER: answered
+            assert b'"ok":true' in await late.receive_some(4096)
+            assert await idle.receive_some(4096) == b""  # closed, after LINGER
+            queued = await trio.open_unix_socket(old.path)  # the backlog holds it
+            await queued.send_all(b'{"cmd": "status"}\n')
+            with trio.fail_after(2):
+                while old.connections():
+                    await trio.sleep(0.01)
+            old.release()
+            await nursery.start(new.serve, _status)
+            assert b'"ok":true' in await queued.receive_some(4096)
+            for stream in (idle, late, queued):
+                await stream.aclose()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert os.path.exists(new.path)
+    new.close()
+    assert not os.path.exists(new.path)

@@ -98,8 +98,12 @@ class _Daemon:
     ops = None
     latency = None
     handovers = 0
+    listeners = None
     fuse_options: frozenset[str] = frozenset()
     config = MountConfig("/srv", "/mnt")
+
+    def __init__(self) -> None:
+        self.handover_failures = {"refused": 0, "taken_back": 0}
 
 
 @pytest.fixture
@@ -119,12 +123,13 @@ def test_a_successor_of_another_protocol_is_refused_and_nothing_is_sent(
     ours, theirs = socket.socketpair()
     with ours, theirs:
         handover.send_message(theirs, "adopt", {"protocol": PROTOCOL + 1})
-        assert not offer._prepare(ours, offer._prepare_payload())
+        assert not offer._prepare(ours, *offer._prepare_payload())
         reply = handover.receive_message(theirs)
     (record,) = [r for r in caplog.records if "refused, serving on" in r.getMessage()]
     record.expected = True  # type: ignore[attr-defined]
     assert reply.kind == "refused" and reply.fds == []
     assert "protocol" in reply.payload["reason"]
+    assert offer.daemon.handover_failures == {"refused": 1, "taken_back": 0}
 
 
 def test_descriptors_inherited_under_the_mount_are_closed(tmp_path: Path) -> None:

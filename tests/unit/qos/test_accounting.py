@@ -130,3 +130,30 @@ def test_idle_uids_are_those_without_requests_between_looks() -> None:
     assert acc.idle_uids(10.0, 10.0) == [("c", None, 2)]
     quiet.meta_ops += 1  # any request counts
     assert acc.idle_uids(11.0, 10.0) == []
+
+
+def test_a_successors_accounts_go_on_from_the_predecessors_totals() -> None:
+    """qosfs upgrade: every counter and histogram carries on through JSON; a uid past
+    the successor's bound adds to its class's uid-less key; the fine histogram does not
+    travel (the latency controller diffs it per window)."""
+    import json
+
+    from qosfs.qos.accounting import Accounts
+
+    old = Accounts()
+    old.set_fine_classes(frozenset({"data"}))
+    old.get("data", None, None).record_read(4096, 0.5, 2_000_000)
+    old.get("ckpt", "team", 7).record_write(1 << 20, 0.0, 9_000)
+    old.get("ckpt", "team", 8).record_write(1 << 10, 0.0, 9_000)
+    new = Accounts(user_series=1)
+    new.set_fine_classes(frozenset({"data"}))
+    new.get("data", None, None).record_read(10, 0.0, 1_000)
+    assert new.import_totals(json.loads(json.dumps(old.export_totals()))) == 3
+    data = new.snapshot()[("data", None, None)]
+    assert (data.read_bytes, data.read_ops, data.throttled_seconds) == (4106, 2, 0.5)
+    assert data.read_latency.count == 2 and data.read_backend.sum_seconds == 0.002001
+    assert new.get("data", None, None).read_fine is not None
+    assert sum(new.get("data", None, None).read_fine.snapshot()) == 1  # its own only
+    keys = new.snapshot()
+    assert keys[("ckpt", "team", 7)].write_bytes == 1 << 20
+    assert keys[("ckpt", "team", None)].write_bytes == 1 << 10  # past the bound of 1

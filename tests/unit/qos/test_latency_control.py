@@ -758,3 +758,34 @@ def test_the_mount_says_which_classes_reads_bypass_it_at_every_policy_check() ->
     passing["on"] = True  # INIT answered: passthrough negotiated
     control._sync_policy()
     assert control.unobserved() == {c.name for c in protected_classes(engine.policy)}
+
+
+def test_a_successor_goes_on_from_where_the_decisions_stood() -> None:
+    """qosfs upgrade: the state travels as JSON on time.monotonic(); the successor has the
+    same caps, starts, baselines and activity on its own clock, and decides the next
+    window as the old controller would have."""
+    import json
+
+    old = LatencyDecider(parse_policy(RELATIVE.format(ckpt=""), "t"))
+    old.step(10.0, ds(0.004), ck(write=500 * MiB))  # learning: cut to a quarter
+    for t in (10.5, 11.0, 11.5):
+        old.step(t, ds(0.001), ck(write=0.5 * MiB))  # quiet: a baseline, the cap released
+    old.step(12.0, ds(0.002), ck(write=500 * MiB))  # 2x the baseline: cut by 0.7
+    assert old.low and old.baselines
+    carried = json.loads(json.dumps(old.export_state(1000.0)))  # monotonic = trio + 1000
+    new = LatencyDecider(parse_policy(RELATIVE.format(ckpt=""), "t"))
+    new.import_state(carried, -1000.0 + 5.0)  # the successor's trio clock runs 5 s ahead
+    assert new.caps() == old.caps() and new.state == old.state == "throttling"
+    assert new.baseline("datasets") == old.baseline("datasets")
+    assert new.active["datasets"].since == old.active["datasets"].since + 5.0
+    assert new.low["checkpoints"].throttles["write"].start == \
+        old.low["checkpoints"].throttles["write"].start
+    assert new.decisions == old.decisions
+    assert new.step(17.5, ds(0.003), ck(write=350 * MiB, waited=True)) == \
+        old.step(12.5, ds(0.003), ck(write=350 * MiB, waited=True))
+    assert new.caps() == old.caps()
+    # A policy without the class's role drops what was carried for it.
+    plain = LatencyDecider(parse_policy(POLICY.format(ckpt="").replace(
+        'target_read_latency = "5ms"', ""), "t"))
+    plain.import_state(carried, 0.0)
+    assert plain.low == {} and plain.caps() == {}

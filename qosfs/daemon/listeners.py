@@ -1,0 +1,98 @@
+"""The mount's listening sockets, the control socket and the metrics listener: bound once
+per mount, not per process, and handed from a daemon to its successor with the mount.
+
+A ``qosfs ctl`` or a scrape during an upgrade must not find the mount deaf (issue 31
+lists both among what travels). The old daemon sends the listening sockets themselves at
+prepare (SCM_RIGHTS, :mod:`qosfs.daemon.offer`), stops accepting once the successor is
+ready (:meth:`Listeners.wind_down`: the requests and scrapes it holds are answered, new
+connections wait in the kernel's backlog), and closes its descriptors, leaving the
+socket's path in place, once the successor serves (:meth:`Listeners.release`). The
+successor serves the same sockets from its first loop on, so from the client's side there
+is never a moment without a listener: a connection made meanwhile is answered late, never
+refused. If the successor fails, the old daemon still holds them and serves on.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import trio
+
+from qosfs.control.exporter import MetricsServer
+from qosfs.control.server import ControlSocket
+
+#: The most the old daemon waits, once a successor is ready, for its control requests and
+#: scrapes in progress to be answered (they are quick; a stuck client is not waited for).
+WIND_DOWN_LIMIT = 1.0
+
+
+@dataclass
+class Listeners:
+    """The control socket and, with ``--metrics``, the metrics listener."""
+
+    control: ControlSocket
+    metrics: MetricsServer | None
+
+    @classmethod
+    def bind(cls, control_path: str, admin_gid: int | None,
+             metrics: str | None) -> Listeners:
+        """Bind both (QosfsError, with one line, if either is taken)."""
+        control = ControlSocket(control_path, admin_gid)
+        try:
+            return cls(control, MetricsServer(metrics) if metrics is not None else None)
+        except BaseException:
+            control.close()
+            raise
+
+    @classmethod
+    def inherit(cls, control_path: str, admin_gid: int | None, metrics: str | None,
+                control_fd: int, metrics_fd: int | None) -> Listeners:
+        """Serve the sockets a predecessor passed; ValueError if they are not the ones
+        this mount's configuration names (the descriptors are then still the caller's to
+        close)."""
+        sockets = [socket.socket(fileno=control_fd)]
+        if metrics_fd is not None:
+            sockets.append(socket.socket(fileno=metrics_fd))
+        try:
+            if (metrics is None) != (metrics_fd is None):
+                raise ValueError("the metrics listener does not match --metrics")
+            control = ControlSocket(control_path, admin_gid, inherited=sockets[0])
+            served = MetricsServer(metrics, inherited=sockets[1]) \
+                if metrics is not None else None
+        except BaseException:
+            for sock in sockets:
+                sock.detach()
+            raise
+        return cls(control, served)
+
+    def fds(self) -> dict[str, int]:
+        """The descriptors to pass to a successor, by name."""
+        fds = {"control": self.control.fileno()}
+        if self.metrics is not None:
+            fds["metrics"] = self.metrics.fileno()
+        return fds
+
+    async def wind_down(self, limit: float = WIND_DOWN_LIMIT) -> None:
+        """Stop accepting and wait (at most *limit* seconds) until the connections in
+        progress are done: the successor answers the next ones."""
+        servers: list[ControlSocket | MetricsServer] = [self.control]
+        if self.metrics is not None:
+            servers.append(self.metrics)
+        for server in servers:
+            server.stop_accepting()
+        with trio.move_on_after(limit):
+            while any(server.connections() for server in servers):
+                await trio.sleep(0.002)
+
+    def release(self) -> None:
+        """A successor serves them: close this process's descriptors, leave the path."""
+        self.control.release()
+        if self.metrics is not None:
+            self.metrics.release()
+
+    def close(self) -> None:
+        """The mount ends: close them and remove the control socket's path."""
+        self.control.close()
+        if self.metrics is not None:
+            self.metrics.close()
