@@ -114,7 +114,9 @@ def hold(path: str, fds: list[int], grace: float) -> int:
         events = poller.poll(None if timeout is None else int(timeout * 1000) + 1)
         if deadline is not None and not leases and time.monotonic() >= deadline:
             return finish()  # nobody came back: let the connection end (ENOTCONN)
-        for fd, _event in events:
+        # A lease's end before any new request: a successor that asks in the wakeup that
+        # also brings its predecessor's death must get the descriptors, not "busy".
+        for fd, _event in sorted(events, key=lambda event: event[0] == listener.fileno()):
             if fd == fds[_FUSE]:
                 return finish()  # unmounted, or aborted through fusectl
             if fd == listener.fileno():

@@ -64,6 +64,7 @@ from qosfs.passthrough.fdcache import CachedFd, DeferredClose, FdCache
 from qosfs.passthrough.journal import (
     NO_SLOT,
     ROOT_SLOT,
+    STALE,
     JournalFull,
     Record,
     SessionJournal,
@@ -283,6 +284,7 @@ class InodeTable:
             # Same inode number, another generation: the known object is gone underneath
             # and its number was reused. The old node id answers ESTALE from now on.
             inode.stale = True
+            self._journal_stale(inode)
         elif self.handles:
             if (entry is not None and st.st_dev == self.root_dev
                     and not stat.S_ISDIR(st.st_mode)):
@@ -345,7 +347,7 @@ class InodeTable:
             inode.jslot = journal.put_inode(
                 inode.jslot, inode.nodeid, inode.key[0], inode.key[1], inode.lookups,
                 parent is not None, inode.handle, entry_slot,
-                b"" if entry is None else entry[1], parent_slot)
+                b"" if entry is None else entry[1], parent_slot, inode.stale)
         except JournalFull as exc:  # cannot happen with names <= 255 and handles <= 128
             log.error("inode %d not journaled: %s", inode.nodeid, exc)
 
@@ -364,6 +366,13 @@ class InodeTable:
                 self.write_down(inode)
             else:
                 self.counted(inode)
+
+    def _journal_stale(self, inode: Inode) -> None:
+        """*inode* was let go while the kernel still holds its node id: a successor must
+        answer ESTALE for it too, and never take it for the object now at its (device,
+        inode number) or its name (a number the backing store reused)."""
+        if inode.jslot >= 0:
+            self.write_down(inode)
 
     def counted(self, inode: Inode) -> None:
         """*inode*'s lookup count changed: one store into its record."""
@@ -413,6 +422,7 @@ class InodeTable:
         except OSError as exc:
             if exc.errno in (errno.ESTALE, errno.ENOENT):
                 inode.stale = True  # gone underneath, or moved where we cannot know
+                self._journal_stale(inode)
                 raise _stale() from None
             raise
         self.reopens += 1
@@ -527,6 +537,7 @@ class InodeTable:
         if self._by_key.get(inode.key) is inode:
             del self._by_key[inode.key]
         inode.stale = True
+        self._journal_stale(inode)
         self._let_go(inode)
 
     def _let_go(self, inode: Inode) -> None:
@@ -651,7 +662,8 @@ class InodeTable:
         No descriptor is opened here: an inode is reopened from its handle, or by its
         (parent, name) with its (device, inode number) checked, when first used, as after
         an eviction. One that can be reopened neither way (the predecessor held its only
-        descriptor: a source without handles) answers ESTALE. Lookup counts are the
+        descriptor: a source without handles) answers ESTALE, as does one the predecessor
+        had let go (unlinked, or replaced underneath). Lookup counts are the
         kernel's as the predecessor last wrote them; a lookup it counted but never answered
         leaves one reference too many (the inode is then kept until unmount), never one
         too few."""
@@ -670,9 +682,11 @@ class InodeTable:
                 inode.entry = (named, rec.name)
                 inode.handle_due = self.handles and inode.key[0] == self.root_dev
             inode.parent = ref(rec.parent_slot)
+            inode.stale = bool(rec.flags & STALE)
             if rec.lookups > 0 and rec.nodeid not in self._by_id:
                 self._by_id[rec.nodeid] = inode
-                self._by_key.setdefault(inode.key, inode)
+                if not inode.stale:  # the key is the live object's, if one is known
+                    self._by_key.setdefault(inode.key, inode)
             if rec.nodeid >= self._next_synthetic:
                 self._next_synthetic = rec.nodeid + 1
         return nodes

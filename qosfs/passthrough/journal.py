@@ -68,6 +68,7 @@ _VAR_ROOM = SLOT_SIZE - _VAR_AT
 
 INODE, FILE, DIR = 1, 2, 3
 IS_DIR = 1
+STALE = 2  # let go of (unlinked, or replaced underneath): its node id answers ESTALE
 ROOT_SLOT = -2  # a reference to the mount's root (never journaled: it is the source)
 NO_SLOT = -1
 
@@ -164,13 +165,13 @@ class SessionJournal:
 
     def put_inode(self, slot: int, nodeid: int, dev: int, ino: int, lookups: int,
                   is_dir: bool, handle: bytes | None, entry_slot: int, name: bytes,
-                  parent_slot: int) -> int:
+                  parent_slot: int, stale: bool = False) -> int:
         """Write an inode's record (in *slot*, or a new one if it is -1); returns the slot."""
         if slot < 0:
             slot = self._take()
         self.count(slot, lookups)
-        self._write(slot, INODE, IS_DIR if is_dir else 0, entry_slot, parent_slot, nodeid,
-                    dev, ino, 0, name, handle or b"", b"")
+        self._write(slot, INODE, (IS_DIR if is_dir else 0) | (STALE if stale else 0),
+                    entry_slot, parent_slot, nodeid, dev, ino, 0, name, handle or b"", b"")
         return slot
 
     def count(self, slot: int, lookups: int) -> None:
