@@ -627,7 +627,9 @@ async def _become_ready(cfg: MountConfig, mountpoint: str,
     # stat() through our own mount needs the main loop running, so ask from a thread.
     st = await trio.to_thread.run_sync(os.stat, mountpoint)
     if after_init is not None:  # the kernel answered INIT: what it negotiated is known
-        after_init()
+        # In a thread: it may start the crash keeper (a process, ~0.1-1 s under load),
+        # and the mount serves meanwhile; READY=1 waits for it.
+        await trio.to_thread.run_sync(after_init)
     try:
         tuning.tune_connection(st.st_dev, cfg.max_background, cfg.read_ahead_kb)
     except Exception as exc:  # the mount works untuned: not worth taking it down

@@ -593,8 +593,11 @@ class PassthroughOperations(pyfuse3.Operations):
         one's: each process writes a journal of its own)."""
         self.journal = journal
         self.inodes.attach_journal(journal, [h.inode for h in self.files.values()]
+                                   + [h.inode for h in self.lost.values()]
                                    + [d.inode for d in self.dirs.values()])
-        for handle in self.files.values():  # their flags are their descriptors' now
+        # Their flags are their descriptors' now; a lost one (no descriptor since a crash)
+        # is written down too, so its release after another crash is still known.
+        for handle in [*self.files.values(), *self.lost.values()]:
             self._write_down_file(handle, fcntl.fcntl(handle.fd, fcntl.F_GETFL)
                                   if handle.fd >= 0 else os.O_RDONLY)
         for dir_handle in self.dirs.values():
