@@ -37,6 +37,23 @@ def is_mounted(path: str | os.PathLike[str]) -> bool:
         return any(line.split()[4] == target for line in f)
 
 
+def abort_connection(mountpoint: str | os.PathLike[str]) -> bool:
+    """Abort the FUSE connection mounted at *mountpoint* (fusectl), without a system call
+    on the mount: what frees callers stuck on a dead daemon's requests (a killed process
+    waits for a request that was sent; only an answer or an abort ends it). Returns
+    whether there was one to abort."""
+    target = os.path.abspath(mountpoint)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == target and " - fuse" in line:
+                minor = fields[2].split(":")[1]
+                with open(f"/sys/fs/fuse/connections/{minor}/abort", "w") as abort:
+                    abort.write("1")
+                return True
+    return False
+
+
 class QosfsMount:
     """A foreground qosfs daemon in a subprocess, so the test knows its PID."""
 

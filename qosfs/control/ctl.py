@@ -221,6 +221,28 @@ def format_levels(reply: dict[str, Any]) -> list[str]:
                    "THROTTLED"], rows)
 
 
+def format_crash_protection(reply: dict[str, Any]) -> list[str]:
+    """Whether a crash of the daemon would break open files (qosfs.daemon.recover), and
+    what this process took over from a dead one."""
+    lines = []
+    guard = reply.get("crash_protection")
+    if guard is not None:
+        if guard["kept"]:
+            keeper = ("systemd's descriptor store" if guard["keeper"] == "systemd" else
+                      f"a holder process (waits {guard['recover_within']:g} s for a new daemon)")
+            lines.append(f"crash protection: connection kept by {keeper}; "
+                         f"journal of {guard['journal_records']} records")
+        else:
+            lines.append(f"crash protection OFF: {guard['reason']}")
+    recovered = reply.get("recovered")
+    if recovered is not None:
+        lines.append(f"recovered after the death of pid {recovered['dead_pid']}: "
+                     f"{recovered['open_files']} open files ({recovered['lost_files']} lost), "
+                     f"{recovered['open_dirs']} open directories, "
+                     f"{recovered['inodes']} inodes")
+    return lines
+
+
 def format_header(reply: dict[str, Any]) -> list[str]:
     served = f"pid {reply.get('pid', '?')}"
     if "version" in reply:  # which code serves: a handover (qosfs upgrade) may change it
@@ -229,6 +251,7 @@ def format_header(reply: dict[str, Any]) -> list[str]:
         served += f", {reply['handovers']} handover{'s' * (reply['handovers'] != 1)}"
     lines = [f"qosfs {reply.get('source', '?')} on {reply.get('mountpoint', '?')} "
              f"({served}, up {human_seconds(reply.get('uptime_seconds'))})"]
+    lines += format_crash_protection(reply)
     if reply.get("qos"):
         applied = sum(c["count"] for c in reply.get("changes", []) if c["result"] == "applied")
         rejected = sum(c["count"] for c in reply.get("changes", [])

@@ -323,7 +323,11 @@ def socket_name(mountpoint: str) -> str:
     a Unix socket address (108 bytes)."""
     import hashlib  # here: `qosfs ctl` without --socket MOUNTPOINT should not pay for it
 
-    path = os.path.realpath(mountpoint)
+    # The mountpoint itself is not resolved (no stat of it): a mount whose daemon died
+    # and whose connection is kept (qosfs.daemon.keeper) would not answer.
+    from qosfs.core.mountinfo import resolve_without_touching
+
+    path = resolve_without_touching(mountpoint)
     readable = re.sub(r"[^A-Za-z0-9_.-]", "_", path.strip("/").replace("/", "-"))[:48] or "root"
     digest = hashlib.sha256(os.fsencode(path)).hexdigest()[:8]
     return f"{readable}-{digest}.sock"

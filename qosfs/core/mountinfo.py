@@ -8,6 +8,7 @@ path whose FUSE server may be gone or hung.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 __all__ = ["QOSFS_FSTYPE", "MountEntry", "containing", "lies_within", "mounts"]
@@ -66,3 +67,11 @@ def containing(path: str, entries: list[MountEntry]) -> MountEntry | None:
             found, depth = entry, len(top)
     return found
 
+
+
+def resolve_without_touching(path: str) -> str:
+    """*path* made absolute and resolved, with no system call on its last component (its
+    parent is resolved): a mountpoint whose daemon died while its connection is kept
+    (qosfs.daemon.keeper) would not answer a stat until a new daemon serves it."""
+    path = os.path.abspath(path)
+    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))

@@ -8,6 +8,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -86,6 +87,15 @@ def _build_parser() -> argparse.ArgumentParser:
     m.add_argument("--metrics", metavar="[HOST:]PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics "
                         "(HOST defaults to 127.0.0.1)")
+    m.add_argument("--keeper", choices=["holder", "systemd", "none"], default="holder",
+                   help="who keeps the FUSE connection alive if the daemon dies, so that "
+                        "`qosfs mount` run again takes over without breaking open files: a "
+                        "small holder process (default), systemd's descriptor store (the "
+                        "unit's choice), or nobody")
+    m.add_argument("--recover-within", type=float, default=30.0, metavar="SECONDS",
+                   help="how long the holder keeps a dead daemon's connection for a new "
+                        "daemon; callers wait that long at most, then get ENOTCONN "
+                        "(default: 30)")
     m.add_argument("--allow-stacked", action="store_true",
                    help="accept a source that is (inside) a qosfs mount: every request is "
                         "then throttled by both mounts")
@@ -206,10 +216,9 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         MountConfig,
         check_own_paths,
         daemonize,
-        daemonize_and_mount,
-        run_mount,
         serves_qosfs,
     )
+    from qosfs.daemon.recover import kept_descriptors, mount_or_recover
     from qosfs.passthrough.operations import FsOptions
     from qosfs.policy.loading import load_policy
 
@@ -230,6 +239,8 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         socket_path=os.path.abspath(args.socket) if args.socket else None,
         metrics=args.metrics,
         allow_stacked=args.allow_stacked,
+        keeper=args.keeper,
+        recover_within=args.recover_within,
     )
     check_own_paths(cfg.mountpoint, {"control socket": cfg.socket_path,
                                      "log file": args.log_file})
@@ -238,25 +249,23 @@ def _cmd_mount(args: argparse.Namespace) -> int:
     if args.metrics:
         parse_address(args.metrics)  # likewise a malformed address
     setup_logging(args.debug, daemon=not args.foreground, log_file=args.log_file)
-    if serves_qosfs(cfg.mountpoint):
+    # First, without touching the mountpoint: a dead daemon's connection that a keeper
+    # holds (a stat there would wait on it) is taken over (issue 31's crash path).
+    kept = kept_descriptors(cfg)
+    if kept is None and serves_qosfs(cfg.mountpoint):
         # A live qosfs serves it: hand the mount over to this code, as `qosfs upgrade`
         # does, with the policy named here (if any) in force (issue 31).
-        import functools
-
         from qosfs.daemon.upgrade import adopt_mount
 
         log.info("%s is served by a live qosfs daemon: taking it over", cfg.mountpoint)
         take_over = functools.partial(adopt_mount, cfg.mountpoint, cfg.socket_path,
                                       args.foreground, requested=cfg)
         return take_over() if args.foreground else daemonize(take_over)
-    if args.foreground:
-        return run_mount(cfg)
-    return daemonize_and_mount(cfg)
+    run = functools.partial(mount_or_recover, cfg, kept)
+    return run() if args.foreground else daemonize(run)
 
 
 def _cmd_upgrade(args: argparse.Namespace) -> int:
-    import functools
-
     from qosfs.daemon.mount import daemonize
     from qosfs.daemon.upgrade import adopt_mount
 

@@ -50,8 +50,9 @@ from qosfs.core.errors import (
     QosfsError,
 )
 from qosfs.core.failures import Failures
-from qosfs.core.mountinfo import lies_within, mounts
+from qosfs.core.mountinfo import lies_within, mounts, resolve_without_touching
 from qosfs.daemon import tuning
+from qosfs.daemon.crash_guard import CrashGuard
 from qosfs.daemon.listeners import Listeners
 from qosfs.daemon.notify import notify, reloading
 from qosfs.daemon.offer import FAILURES, HandoverOffer, daemon_version
@@ -106,6 +107,11 @@ class MountConfig:
     allow_stacked: bool = False  # a source in a qosfs mount (qosfs.daemon.topology)
     # False (--no-passthrough): never ask the kernel for passthrough, whatever the policy.
     kernel_passthrough: bool = True
+    # Who keeps the FUSE connection across a crash (qosfs.daemon.keeper): "holder",
+    # "systemd" (its descriptor store) or "none"; and how long a holder waits for a new
+    # daemon before letting the connection end (callers then get ENOTCONN).
+    keeper: str = "holder"
+    recover_within: float = 30.0
 
 
 def check_mount_args(source: str, mountpoint: str, allow_stacked: bool = False) -> None:
@@ -158,7 +164,7 @@ def check_own_paths(mountpoint: str, paths: dict[str, str | None]) -> None:
     connect to the FUSE inode, not to the bound one.) *paths* maps what each is, as the
     message should name it, to its path or None.
     """
-    top = os.path.realpath(mountpoint)
+    top = resolve_without_touching(mountpoint)
     for what, path in paths.items():
         if path is None:
             continue
@@ -263,6 +269,10 @@ class Daemon:
     # The control socket and metrics listener: bound by the first process of the mount,
     # inherited by a successor (qosfs.daemon.listeners); None until then.
     listeners: Listeners | None = None
+    # The journal and keeper that let a restarted daemon take over after a crash.
+    guard: CrashGuard | None = None
+    # What was rebuilt from a dead predecessor's journal (ctl status), if anything.
+    recovered: dict[str, Any] | None = None
 
     @property
     def fuse_options(self) -> set[str]:
@@ -357,8 +367,9 @@ def build_daemon(cfg: MountConfig, policy: Policy | None, root_fd: int,
                            reads_bypass=_reads_bypass(ops, policy_engine),
                            backing_file=ops.kernel_opens.recent_file)
                if policy_engine is not None else None)
+    guard = CrashGuard(cfg.keeper, control_socket_path(cfg, mountpoint), cfg.recover_within)
     return Daemon(cfg, mountpoint, root_fd, engine, policy_engine, ops, latency, cluster,
-                  failures, backing_options)
+                  failures, backing_options, guard=guard)
 
 
 def serve_mount(daemon: Daemon, start: Callable[[], None],
@@ -381,13 +392,22 @@ def serve_mount(daemon: Daemon, start: Callable[[], None],
     owns_path = not adopting
     try:
         with ExitStack() as stack:
+            guard = daemon.guard
             if adopting:
                 start()  # a failure here leaves the mount alone: the predecessor takes it back
                 owns_path = True
                 services, offer = _services_after_adoption(daemon, stack)
             else:
                 services, offer = _services(daemon, stack)
+                if guard is not None:
+                    guard.attach(daemon)  # before the first request: the journal starts empty
                 start()
+
+            def after_init() -> None:
+                ops.kernel_opens.log()
+                if guard is not None:
+                    guard.keep(daemon)  # the keeper's copy: a crash from here on loses nothing
+
             unmounted_by_us = False
             try:
                 while True:
@@ -395,7 +415,7 @@ def serve_mount(daemon: Daemon, start: Callable[[], None],
                     # fatal, in the pause before that service is restarted after a failure.
                     signal.signal(signal.SIGHUP, signal.SIG_IGN)
                     trio.run(_serve, cfg, mountpoint, daemon.engine, on_ready, services,
-                             daemon.latency, daemon.failures, ops.kernel_opens.log,
+                             daemon.latency, daemon.failures, after_init,
                              offer.stopping if offer is not None else None,
                              daemon.adopted_at, daemon.restore_carried)
                     daemon.adopted_at = None
@@ -407,6 +427,8 @@ def serve_mount(daemon: Daemon, start: Callable[[], None],
                         handed_over = True
                         break
                     offer.take_back()  # serving again, with the same tables and listeners
+                    if guard is not None and guard.state is not None:
+                        guard.attach(daemon, guard.state)  # the successor replaced the journal
                     daemon.adopted_at = offer.stopped_at
                     daemon.balances = daemon.engine.export_balances(offer.to_monotonic)
                     if daemon.latency is not None:  # its times were on the last run's clock
@@ -416,6 +438,8 @@ def serve_mount(daemon: Daemon, start: Callable[[], None],
             finally:
                 still_mounted = not handed_over and mount_type(mountpoint) == QOSFS_FSTYPE
                 pyfuse3.close(unmount=still_mounted)
+                if guard is not None:
+                    guard.end(unmounted=not handed_over)
                 ops.close_all()
                 if handed_over:
                     log.info("%s handed over; this process exits", mountpoint)
@@ -509,8 +533,17 @@ def open_services(daemon: Daemon) -> list[tuple[str, Service]]:
 def _daemon_info(daemon: Daemon) -> Callable[[], dict[str, Any]]:
     """Which process and code serve the mount, for ``ctl status``."""
     version = daemon_version()
-    return lambda: {"version": version, "handovers": daemon.handovers,
-                    "handover_failures": dict(daemon.handover_failures)}
+
+    def info() -> dict[str, Any]:
+        found: dict[str, Any] = {"version": version, "handovers": daemon.handovers,
+                                 "handover_failures": dict(daemon.handover_failures)}
+        if daemon.guard is not None:
+            found["crash_protection"] = daemon.guard.status()
+        if daemon.recovered is not None:
+            found["recovered"] = daemon.recovered
+        return found
+
+    return info
 
 
 def _open_services(cfg: MountConfig, mountpoint: str, engine: QosEngine,
@@ -594,7 +627,9 @@ async def _become_ready(cfg: MountConfig, mountpoint: str,
     # stat() through our own mount needs the main loop running, so ask from a thread.
     st = await trio.to_thread.run_sync(os.stat, mountpoint)
     if after_init is not None:  # the kernel answered INIT: what it negotiated is known
-        after_init()
+        # In a thread: it may start the crash keeper (a process, ~0.1-1 s under load),
+        # and the mount serves meanwhile; READY=1 waits for it.
+        await trio.to_thread.run_sync(after_init)
     try:
         tuning.tune_connection(st.st_dev, cfg.max_background, cfg.read_ahead_kb)
     except Exception as exc:  # the mount works untuned: not worth taking it down
@@ -667,11 +702,6 @@ async def _drain(engine: QosEngine) -> bool:
         await trio.sleep(0.01)
     await trio.sleep(DRAIN_GRACE)
     return emptied
-
-
-def daemonize_and_mount(cfg: MountConfig) -> int:
-    """Fork; the parent returns 0 once the child's mount answers, or the child's error."""
-    return daemonize(functools.partial(run_mount, cfg))
 
 
 def daemonize(serve: Callable[[Callable[[], None]], int]) -> int:

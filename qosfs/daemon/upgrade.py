@@ -268,6 +268,8 @@ def _commit(sock: socket.socket, daemon: Daemon, session: handover.Session,
     import_state(daemon.ops, payload["filesystem"], fds)
     # The traffic counters go on (absent from older daemons): no reset in /metrics.
     daemon.engine.accounts.import_totals(payload.get("accounts", []))
+    if daemon.guard is not None:
+        daemon.guard.attach(daemon, session.state)  # this process's journal from now on
     policy = _policy(payload["policy"])
     if policy is not None and daemon.engine.policy is not None and not chosen_policy \
             and policy.render() != daemon.engine.policy.render():

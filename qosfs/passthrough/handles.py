@@ -48,6 +48,7 @@ class FileHandle:
     # WRITE of this handle ever reaches the daemon; its release gives the backing id back).
     kernel: int = 0
     fh: int = -1  # the kernel's file handle (the operations' files table key)
+    jslot: int = -1  # its record in the session journal (qosfs.passthrough.journal)
 
 
 # FileHandle.kernel
@@ -64,6 +65,7 @@ class DirHandle:
     listed: bool = False
     owner: int = -1  # the uid whose OpenQuota it counts against (-1: none)
     fh: int = -1  # the kernel's handle of the listing (the operations' dirs table key)
+    jslot: int = -1  # its record in the session journal (qosfs.passthrough.journal)
 
 
 class OpenQuota:

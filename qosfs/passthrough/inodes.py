@@ -61,6 +61,14 @@ import pyfuse3
 
 from qosfs.core import syscalls
 from qosfs.passthrough.fdcache import CachedFd, DeferredClose, FdCache
+from qosfs.passthrough.journal import (
+    NO_SLOT,
+    ROOT_SLOT,
+    STALE,
+    JournalFull,
+    Record,
+    SessionJournal,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +100,7 @@ class Inode:
         "entry",
         "handle",
         "handle_due",
+        "jslot",
         "key",
         "lookups",
         "nodeid",
@@ -133,6 +142,16 @@ class Inode:
         # The QoS layer's slot, opaque here (qosfs.qos.interface.Classified), dropped
         # with the inode.
         self.qos_memo: Any = None
+        # Its slot in the session journal (qosfs.passthrough.journal), -1 if none.
+        self.jslot = -1
+
+    def __del__(self) -> None:
+        # The record lives as long as the object: a forgotten directory that a known
+        # inode still names as its parent or entry must be found again after a crash.
+        if self.jslot >= 0:
+            journal = self._table.journal
+            if journal is not None:
+                journal.free(self.jslot)
 
     @property
     def fd(self) -> int:
@@ -180,6 +199,8 @@ class InodeTable:
         self.cache = FdCache(fd_budget, close, self._evicting)
         self.pinned = 0  # descriptors held for inodes without a handle
         self.reopens = 0  # descriptors reopened from a handle (cache misses)
+        # Where the table is written down for a successor after a crash (attach_journal).
+        self.journal: SessionJournal | None = None
         self._root_mount_id, self.handles = _handles_usable(self._mount_fd)
         if not self.handles:
             log.warning("file handles unavailable on the source: one descriptor per inode "
@@ -239,25 +260,31 @@ class InodeTable:
         handle = None
         due = False
         if inode is not None and not inode.stale:
-            if entry is not None and stat.S_ISDIR(st.st_mode):
+            moved = False
+            if entry is not None and stat.S_ISDIR(st.st_mode) and inode.parent is not entry[0]:
                 inode.parent = entry[0]
-            if inode.handle is None and entry is not None:
+                moved = True
+            if inode.handle is None and entry is not None and inode.entry != entry:
                 inode.entry = entry  # the name to reopen it by: the latest one
+                moved = True
             if inode.cached_fd >= 0 or inode.handle is None:
                 if inode.cached_fd >= 0:
                     os.close(fd)
                 else:
                     self.cache.put(inode, fd)
                 inode.lookups += 1
+                self._journal_known(inode, moved)
                 return inode
             handle = self._handle_of(fd, st)
             if handle == inode.handle:
                 self.cache.put(inode, fd)  # it will be used next: keep this descriptor
                 inode.lookups += 1
+                self._journal_known(inode, moved)
                 return inode
             # Same inode number, another generation: the known object is gone underneath
             # and its number was reused. The old node id answers ESTALE from now on.
             inode.stale = True
+            self._journal_stale(inode)
         elif self.handles:
             if (entry is not None and st.st_dev == self.root_dev
                     and not stat.S_ISDIR(st.st_mode)):
@@ -280,7 +307,79 @@ class InodeTable:
             inode.entry = entry if handle is None else None
             inode.handle_due = due
             self.cache.put(inode, fd)
+        if self.journal is not None:
+            self.write_down(inode)
         return inode
+
+    # ----------------------------------------------------------------- journal
+
+    def attach_journal(self, journal: SessionJournal, also: Iterable[Inode] = ()) -> None:
+        """Write the table down in *journal* and keep it written from now on (a new
+        mount's empty table, a successor's imported one, a recovered one, or this one
+        again after a successor that failed replaced the file). *also*: inodes open
+        files and directories hold."""
+        seen: set[int] = set()
+        todo = [*self._by_id.values(), *self._by_key.values(), *also]
+        while todo:  # slots of a previous journal mean nothing in this one
+            inode = todo.pop()
+            if id(inode) in seen:
+                continue
+            seen.add(id(inode))
+            inode.jslot = -1
+            if inode.entry is not None:
+                todo.append(inode.entry[0])
+            if inode.parent is not None:
+                todo.append(inode.parent)
+        self.journal = journal
+        for inode in list(self._by_id.values()):
+            self.write_down(inode)
+
+    def write_down(self, inode: Inode) -> None:
+        """(Re)write *inode*'s record, and first those of the inodes it names."""
+        journal = self.journal
+        if journal is None or inode is self.root:
+            return
+        entry = inode.entry
+        parent = inode.parent
+        try:
+            entry_slot = NO_SLOT if entry is None else self.slot_of(entry[0])
+            parent_slot = NO_SLOT if parent is None else self.slot_of(parent)
+            inode.jslot = journal.put_inode(
+                inode.jslot, inode.nodeid, inode.key[0], inode.key[1], inode.lookups,
+                parent is not None, inode.handle, entry_slot,
+                b"" if entry is None else entry[1], parent_slot, inode.stale)
+        except JournalFull as exc:  # cannot happen with names <= 255 and handles <= 128
+            log.error("inode %d not journaled: %s", inode.nodeid, exc)
+
+    def slot_of(self, inode: Inode) -> int:
+        """*inode*'s journal slot (written down first if need be); ROOT_SLOT for the root."""
+        if inode is self.root:
+            return ROOT_SLOT
+        if inode.jslot < 0:
+            self.write_down(inode)
+        return inode.jslot
+
+    def _journal_known(self, inode: Inode, moved: bool) -> None:
+        """A known inode was looked up again: its count (and where it is, if it moved)."""
+        if inode.jslot >= 0:
+            if moved:
+                self.write_down(inode)
+            else:
+                self.counted(inode)
+
+    def _journal_stale(self, inode: Inode) -> None:
+        """*inode* was let go while the kernel still holds its node id: a successor must
+        answer ESTALE for it too, and never take it for the object now at its (device,
+        inode number) or its name (a number the backing store reused)."""
+        if inode.jslot >= 0:
+            self.write_down(inode)
+
+    def counted(self, inode: Inode) -> None:
+        """*inode*'s lookup count changed: one store into its record."""
+        if inode.jslot >= 0:
+            journal = self.journal
+            if journal is not None:
+                journal.count(inode.jslot, inode.lookups)
 
     def _evicting(self, entry: CachedFd, fd: int) -> None:
         """The fd cache is about to close *entry*'s descriptor *fd*: take the file handle
@@ -295,6 +394,8 @@ class InodeTable:
             return
         if mount_id == self._root_mount_id:
             entry.handle, entry.entry = handle, None
+            if entry.jslot >= 0:
+                self.write_down(entry)  # reopened by handle after a crash too
 
     def _handle_of(self, fd: int, st: os.stat_result) -> bytes | None:
         """The object's file handle, or None if it must keep its descriptor instead."""
@@ -321,6 +422,7 @@ class InodeTable:
         except OSError as exc:
             if exc.errno in (errno.ESTALE, errno.ENOENT):
                 inode.stale = True  # gone underneath, or moved where we cannot know
+                self._journal_stale(inode)
                 raise _stale() from None
             raise
         self.reopens += 1
@@ -354,6 +456,8 @@ class InodeTable:
             inode.parent = parent
         if inode.handle is None and inode.entry is not None:
             inode.entry = (parent, name)
+        if inode.jslot >= 0:
+            self.write_down(inode)
 
     def lookup_parent(self, inode: Inode) -> Inode:
         """The directory *inode* was last looked up in, with one kernel reference counted
@@ -367,6 +471,7 @@ class InodeTable:
         known = self.root if parent is None else self._by_key.get(parent.key)
         if known is not None and not known.stale:
             known.lookups += 1
+            self.counted(known)
             return known
         assert parent is not None
         if parent.handle is None:
@@ -384,6 +489,8 @@ class InodeTable:
             raise
         revived = self.adopt(fd, st)  # counts the reference
         revived.parent = parent.parent
+        if revived.jslot >= 0:
+            self.write_down(revived)
         return revived
 
     def parent_nodeid(self, inode: Inode) -> int:
@@ -430,6 +537,7 @@ class InodeTable:
         if self._by_key.get(inode.key) is inode:
             del self._by_key[inode.key]
         inode.stale = True
+        self._journal_stale(inode)
         self._let_go(inode)
 
     def _let_go(self, inode: Inode) -> None:
@@ -447,6 +555,7 @@ class InodeTable:
             log.warning("forget for unknown inode %d", nodeid)
             return
         inode.lookups -= count
+        self.counted(inode)
         if inode.lookups > 0 or inode is self.root:
             return
         del self._by_id[nodeid]
@@ -544,6 +653,42 @@ class InodeTable:
                     self.cache.put(inode, fd)
         self._next_synthetic = max(self._next_synthetic, int(state["next_synthetic"]))
         self.reopens += int(state["reopens"])
+        return nodes
+
+    def rebuild(self, records: Sequence[Record]) -> dict[int, Inode]:
+        """Take over a dead predecessor's table from its journal's inode records (the
+        table must be new); returns the inodes by their old slot.
+
+        No descriptor is opened here: an inode is reopened from its handle, or by its
+        (parent, name) with its (device, inode number) checked, when first used, as after
+        an eviction. One that can be reopened neither way (the predecessor held its only
+        descriptor: a source without handles) answers ESTALE, as does one the predecessor
+        had let go (unlinked, or replaced underneath). Lookup counts are the
+        kernel's as the predecessor last wrote them; a lookup it counted but never answered
+        leaves one reference too many (the inode is then kept until unmount), never one
+        too few."""
+        nodes: dict[int, Inode] = {}
+        for rec in records:
+            nodes[rec.slot] = Inode(self, rec.nodeid, (rec.dev, rec.ino), rec.lookups,
+                                    rec.handle or None, -1)
+
+        def ref(slot: int) -> Inode | None:
+            return self.root if slot == ROOT_SLOT else nodes.get(slot)
+
+        for rec in records:
+            inode = nodes[rec.slot]
+            named = ref(rec.entry_slot)
+            if inode.handle is None and named is not None:
+                inode.entry = (named, rec.name)
+                inode.handle_due = self.handles and inode.key[0] == self.root_dev
+            inode.parent = ref(rec.parent_slot)
+            inode.stale = bool(rec.flags & STALE)
+            if rec.lookups > 0 and rec.nodeid not in self._by_id:
+                self._by_id[rec.nodeid] = inode
+                if not inode.stale:  # the key is the live object's, if one is known
+                    self._by_key.setdefault(inode.key, inode)
+            if rec.nodeid >= self._next_synthetic:
+                self._next_synthetic = rec.nodeid + 1
         return nodes
 
     def close_all(self) -> None:

@@ -210,6 +210,15 @@ class KernelPassthrough:
             # is gone either way.
             pass
 
+    def restore_open(self, inode: int, backing_id: int) -> None:
+        """Count an open of *inode* that a dead predecessor passed through with
+        *backing_id* (still registered: ids belong to the connection, which lived on)."""
+        entry = self._ids.get(inode)
+        if entry is None:
+            self._ids[inode] = [backing_id, 1]
+        else:
+            entry[1] += 1
+
     def plain_open(self, inode: int) -> bool:
         """Count an open of *inode* that the daemon serves; False (and nothing counted) if
         *inode* is passed through now: the kernel would fail that open, so the caller

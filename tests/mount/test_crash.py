@@ -1,5 +1,6 @@
-"""kill -9 of the daemon in the middle of throttled traffic: nothing fsynced is lost, and
-``qosfs mount`` recovers the stale mount.
+"""kill -9 of a daemon without a keeper (``--keeper none``) in the middle of throttled
+traffic: nothing fsynced is lost, callers get ENOTCONN, and ``qosfs mount`` recovers the
+stale mount. (test_crash_recovery: with a keeper, callers never notice.)
 
 The writer fsyncs every MiB and reports the length and xxhash of what it had fsynced;
 after the kill, that prefix must be in the source exactly. The reader must get an error
@@ -75,7 +76,8 @@ def _prefix_digest(path: Path, size: int) -> str:
 
 
 def _recover(src: Path, mnt: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "qosfs", "mount", str(src), str(mnt)],
+    out = subprocess.run([sys.executable, "-m", "qosfs", "mount", str(src), str(mnt),
+                          "--keeper", "none"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stderr == ""
@@ -91,7 +93,7 @@ def test_kill_9_under_throttled_traffic_loses_nothing_and_mount_recovers(
     policy.write_text(POLICY)
     dataset = os.urandom(32 * MiB)
     (src / "data" / "set").write_bytes(dataset)
-    m = QosfsMount(src, mnt, "--policy", str(policy)).start()
+    m = QosfsMount(src, mnt, "--policy", str(policy), "--keeper", "none").start()
     try:
         target = mnt / ("ckpt/model.pt" if traffic == "checkpoint-write" else "data/set")
         proc = subprocess.Popen([sys.executable, "-c",

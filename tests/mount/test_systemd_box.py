@@ -108,7 +108,7 @@ def test_reload_hands_over_and_systemd_follows_the_new_daemon_through_a_crash(
     box.systemctl("start", inst.unit)
     first = inst.state()
     assert first["ActiveState"] == "active" and first["SubState"] == "running", box.log()
-    assert first["NFileDescriptorStore"] == "1"
+    assert first["NFileDescriptorStore"] == "3"  # the memfd, qosfs-fuse and qosfs-root
     assert mount_type(str(inst.mnt)) == "fuse.qosfs"  # the box's mount, seen here
     assert " mount --foreground " in inst.main_cmdline()
 
@@ -120,7 +120,7 @@ def test_reload_hands_over_and_systemd_follows_the_new_daemon_through_a_crash(
             now = inst.state()
             assert now["MainPID"] not in mains, box.log()
             assert now["ActiveState"] == "active" and now["NRestarts"] == "0", now
-            assert now["NFileDescriptorStore"] == "1"  # the store is the unit's
+            assert now["NFileDescriptorStore"] == "3"  # the store is the unit's
             assert " upgrade " in inst.main_cmdline()
             assert f"checkpoints  w:{cap}" in inst.ctl_status()  # step 1, carried over
             mains.append(now["MainPID"])
@@ -138,20 +138,27 @@ def test_reload_hands_over_and_systemd_follows_the_new_daemon_through_a_crash(
         assert status.startswith("policy reload refused at "), status
         inst.policy.write_text(SAMPLE.read_text())
 
-    box.systemctl("kill", "--signal=SIGKILL", "--kill-who=main", inst.unit)
-    took = wait_until_serving(inst.mnt, timeout=30)
-    # (ExecStartPost may still run: a stop now would kill it and fail the unit.)
-    again = wait_for("the restarted unit to run", inst.state,
-                     until=lambda s: s["SubState"] == "running", timeout=30)
-    assert again["NRestarts"] == "1" and again["MainPID"] not in mains, box.log()
-    print(f"serving again {took:.2f} s after kill -9 (RestartSec + a fresh mount)")
-    assert took < SERVING_AGAIN, f"serving again after {took:.2f} s"
-    assert (inst.mnt / "kept").read_text() == "data++"
+        # kill -9: the connection waits in the store, the restarted daemon takes it over
+        # (qosfs.daemon.recover), and the job's descriptor goes on as if nothing happened.
+        box.systemctl("kill", "--signal=SIGKILL", "--kill-who=main", inst.unit)
+        took = wait_until_serving(inst.mnt, timeout=30)
+        # (ExecStartPost may still run: a stop now would kill it and fail the unit.)
+        again = wait_for("the restarted unit to run", inst.state,
+                         until=lambda s: s["SubState"] == "running", timeout=30)
+        assert again["NRestarts"] == "1" and again["MainPID"] not in mains, box.log()
+        print(f"serving again {took:.2f} s after kill -9 (RestartSec + taking over)")
+        assert took < SERVING_AGAIN, f"serving again after {took:.2f} s"
+        assert "recovering after the death of pid" in box.log()
+        job.seek(0)
+        assert job.read() == b"data++"  # the same descriptor, across the crash
+        job.write(b"+")
+        os.fsync(job.fileno())
+    assert (inst.mnt / "kept").read_text() == "data+++"
 
     box.systemctl("stop", inst.unit)
     assert inst.state()["ActiveState"] == "inactive"
     assert not is_mounted(inst.mnt)
-    assert (inst.mnt / "kept").read_text() == "data++"
+    assert (inst.mnt / "kept").read_text() == "data+++"
 
 
 def test_a_refused_upgrade_fails_the_reload_and_the_old_daemon_serves_on(

@@ -1,0 +1,156 @@
+"""A crash of the daemon loses nothing a job can see: the serving side and the restart.
+
+While a mount is served, :class:`CrashGuard` keeps two things outside the process:
+
+* the session journal (:mod:`qosfs.passthrough.journal`), written as the tables change;
+* a copy of the FUSE descriptor and of the source's root, in the keeper
+  (:mod:`qosfs.daemon.keeper`: systemd's descriptor store, or the project's holder).
+
+When the daemon dies, the kernel connection lives on in the keeper and callers' requests
+wait in the kernel. ``qosfs mount`` started again on the same mountpoint (by systemd's
+``Restart=``, a supervisor, or an administrator) finds the kept descriptors before it
+touches the mountpoint (a stat there would wait on the dead daemon), and
+:func:`recover_mount` rebuilds the tables from the journal, adopts the connection without
+a new INIT, asks the kernel to send again every request the dead process had read and
+not answered (FUSE_NOTIFY_RESEND), and serves on.
+
+What holds after a crash (docs/administration.md says it for administrators):
+
+* every descriptor a job has open keeps working, with the same node ids, unless its file
+  was unlinked while open (the dead process held its last reference): ESTALE then;
+* writes acknowledged (and fsync'd, for the disk) are never lost: they were in the
+  backing store before the reply;
+* a request the dead daemon was executing is executed again: reads, writes at an offset,
+  getattr, setattr and fsync give the same result; a create with O_EXCL, mkdir, unlink,
+  rmdir, rename and link that had been done may answer EEXIST or ENOENT the second time,
+  and an O_APPEND write may be appended twice;
+* callers wait for the new daemon; if none takes over within ``--recover-within``
+  seconds (holder) they get ENOTCONN. If the journal cannot be read, the kept connection
+  is let go at once (ENOTCONN) and the mount is made afresh: never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from collections.abc import Callable
+from typing import Any
+
+from qosfs.core.errors import EXIT_MOUNTPOINT, QosfsError
+from qosfs.core.mountinfo import mounts, resolve_without_touching
+from qosfs.daemon import handover, keeper, notify
+from qosfs.daemon.crash_guard import FUSE_NAME, ROOT_NAME
+from qosfs.daemon.mount import (
+    MountConfig,
+    build_daemon,
+    clean_stale_mount,
+    control_socket_path,
+    run_mount,
+    serve_mount,
+)
+from qosfs.daemon.topology import QOSFS_FSTYPE
+from qosfs.passthrough.journal import JournalError, read_journal
+from qosfs.passthrough.recovery import rebuild
+from qosfs.policy.loading import default_policy, load_policy
+
+log = logging.getLogger(__name__)
+
+
+
+class Unrecoverable(QosfsError):
+    """The kept connection was let go (its callers got ENOTCONN): mount afresh."""
+
+
+# ----------------------------------------------------------------------- restarting
+
+
+def mount_or_recover(cfg: MountConfig, kept: tuple[int, int] | None,
+                     on_ready: Callable[[], None] | None = None) -> int:
+    """``qosfs mount``: take over the mount whose daemon died while a keeper held its
+    connection (*kept*: `kept_descriptors`), else mount afresh
+    (:func:`qosfs.daemon.mount.run_mount`)."""
+    if kept is not None:
+        control = control_socket_path(cfg, cfg.mountpoint)
+        try:
+            return recover_mount(cfg, kept, control, on_ready)
+        except Unrecoverable as exc:
+            log.error("%s", exc)  # the connection was let go: mount afresh
+    return run_mount(cfg, on_ready)
+
+
+def kept_descriptors(cfg: MountConfig) -> tuple[int, int] | None:
+    """The (FUSE, root) descriptors kept for *cfg*'s mountpoint by systemd's store or a
+    holder, if its daemon is dead; None if nothing is kept (or a live daemon serves it).
+    No system call reaches the mountpoint: ask this before anything else does."""
+    if cfg.keeper == "none":
+        return None
+    control_path = control_socket_path(cfg, cfg.mountpoint)
+    if cfg.keeper == "systemd":
+        fds = notify.inherited_fds()
+        fuse_fd, root_fd = fds.get(FUSE_NAME), fds.get(ROOT_NAME)
+        if fuse_fd is not None and root_fd is not None:
+            return fuse_fd, root_fd
+        return None
+    top = resolve_without_touching(cfg.mountpoint)
+    if not any(e.mountpoint == top and e.fstype == QOSFS_FSTYPE for e in mounts()):
+        return None
+    return keeper.claim(keeper.keeper_socket_path(control_path))
+
+
+def recover_mount(cfg: MountConfig, fds: tuple[int, int], control_path: str,
+                  on_ready: Callable[[], None] | None = None) -> int:
+    """Serve *cfg*'s mount on the kept connection a dead daemon left (see the module
+    docstring). If its journal cannot be used, the connection is let go (callers get
+    ENOTCONN), the dead mount removed, and QosfsError raised for a fresh mount."""
+
+    fuse_fd, root_fd = fds
+    mountpoint = resolve_without_touching(cfg.mountpoint)
+    path = keeper.journal_path(control_path)
+    try:
+        journal = read_journal(path)
+        state = handover.check_state(journal.session["state"])
+        handover.check_fuse_fd(fuse_fd)
+        st = os.fstat(root_fd)
+        if not stat.S_ISDIR(st.st_mode) or [st.st_dev, st.st_ino] != journal.session["root"]:
+            raise JournalError("the kept source root is not the journal's")
+    except (OSError, JournalError, handover.HandoverError, KeyError, ValueError) as exc:
+        _let_go(cfg, fds, control_path)
+        clean_stale_mount(mountpoint)
+        raise Unrecoverable(f"{mountpoint}: the dead daemon's state cannot be rebuilt "
+                         f"({exc}); its callers got ENOTCONN", EXIT_MOUNTPOINT) from None
+    policy = load_policy(cfg.policy_path) if cfg.policy_path else default_policy()
+    daemon = build_daemon(cfg, policy if cfg.qos else None, root_fd, mountpoint)
+    rebuilt = rebuild(daemon.ops, journal)
+    log.warning("%s: recovering after the death of pid %s: %d inodes, %d open files "
+                "(%d lost), %d open directories", mountpoint, journal.session.get("pid"),
+                rebuilt.inodes, rebuilt.files, rebuilt.lost_files, rebuilt.dirs)
+    daemon.recovered = _recovery_status(journal.session, rebuilt)
+
+    guard = daemon.guard
+    assert guard is not None  # build_daemon made it
+
+    def start() -> None:
+        guard.attach(daemon, state)
+        handover.adopt(daemon.ops, handover.Session(fuse_fd, state), daemon.mountpoint,
+                       daemon.fuse_options)
+        handover.resend()  # what the dead process read and never answered comes again
+
+    return serve_mount(daemon, start, on_ready, adopting=True)
+
+
+def _recovery_status(session: dict[str, Any], rebuilt: Any) -> dict[str, Any]:
+    return {"dead_pid": session.get("pid"), "inodes": rebuilt.inodes,
+            "open_files": rebuilt.files, "lost_files": rebuilt.lost_files,
+            "open_dirs": rebuilt.dirs}
+
+
+def _let_go(cfg: MountConfig, fds: tuple[int, int], control_path: str) -> None:
+    for fd in fds:
+        os.close(fd)
+    if cfg.keeper == "systemd":
+        notify.remove_fd(FUSE_NAME)
+        notify.remove_fd(ROOT_NAME)
+    else:
+        keeper.drop(keeper.keeper_socket_path(control_path))
+

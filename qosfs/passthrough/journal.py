@@ -1,0 +1,276 @@
+"""What a daemon that died leaves for the one that takes its mount over: the session
+journal.
+
+When the daemon is killed (``kill -9``, the OOM killer, a bug in a native library), the
+kernel connection lives on in a keeper (:mod:`qosfs.daemon.keeper`) and keeps every node
+id and file handle it was given. A restarted daemon must answer each of them with the same
+backing object, or the job holding it breaks. A planned handover sends the tables over a
+socket (:mod:`qosfs.passthrough.transfer`); a crash sends nothing, so the tables are
+written down as they change, here:
+
+* every inode the kernel holds a node id of (and every inode one of those names as its
+  parent), with the kernel's lookup count, its file handle if it has one, and otherwise
+  the (parent, name) it reopens by;
+* every open file: its ``fh``, the inode, the open's flags (to reopen it), its owner, its
+  QoS flow and charge, and whether the kernel passes it through (and the backing id);
+* every open directory.
+
+The journal is a file in ``/run/qosfs`` (memory: it must outlive the process, not the
+machine, whose reboot ends the mount anyway) mapped shared into the daemon: a record is a
+fixed-size slot written with one ``struct.pack_into`` into the mapping, no system call,
+and a kill loses nothing written (the page is the file's). Slots are reused through a free
+list, so the file never needs compacting; its size follows the largest number of inodes
+known at once (512 bytes each).
+
+Torn records: a slot is valid only if its checksum (xxh32 of its body) matches, and the
+checksum is written after the body; a record torn by a kill is ignored, and the request
+that was writing it was not answered yet (the kernel sends it again). The lookup count sits
+outside the checksum and changes with one aligned 8-byte store per lookup or forget.
+
+What is not written: an inode's descriptor (reopened from its handle or name), a listing's
+snapshot (taken again), the buckets' balances and a streaming open's progress (the open's
+charge restarts from where it stood at open).
+"""
+
+from __future__ import annotations
+
+import json
+import marshal
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+MAGIC = b"QOSFSJ01"
+HEADER_SIZE = 4096
+SLOT_SIZE = 512
+_INITIAL_SLOTS = 8192  # 4 MiB of address space; the file is sparse until used
+
+# Header: magic, slot size, next fh (an aligned 8-byte store per open), then the session
+# state as JSON (written once, after INIT).
+_HEAD = struct.Struct("<8sIxxxxQI")  # magic, slot_size, next_fh, state length
+_NEXT_FH_AT = 16
+_STATE_AT = 64
+
+# Slot: lookups (outside the checksum) | checksum | body. The body: kind, flags, name
+# length, handle length, extra length, entry slot, parent slot, nodeid (or fh), dev, ino,
+# aux (open flags, owner), then name, handle and extra bytes.
+_LOOKUPS = struct.Struct("<Q")
+_CHECK = struct.Struct("<I")
+_BODY = struct.Struct("<BBHHHiiQQQQ")
+_BODY_AT = 12
+_VAR_AT = _BODY_AT + _BODY.size
+_VAR_ROOM = SLOT_SIZE - _VAR_AT
+
+INODE, FILE, DIR = 1, 2, 3
+IS_DIR = 1
+STALE = 2  # let go of (unlinked, or replaced underneath): its node id answers ESTALE
+ROOT_SLOT = -2  # a reference to the mount's root (never journaled: it is the source)
+NO_SLOT = -1
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One valid slot, as read back by a successor."""
+
+    slot: int
+    kind: int
+    flags: int
+    lookups: int
+    entry_slot: int
+    parent_slot: int
+    nodeid: int  # a file's or directory's fh for FILE and DIR
+    dev: int
+    ino: int
+    aux: int
+    name: bytes
+    handle: bytes
+    extra: dict[str, Any]
+
+
+class JournalFull(Exception):
+    """A record does not fit a slot (a name and handle longer than any seen in practice)."""
+
+
+class SessionJournal:
+    """The journal of one mount, open for writing by the daemon serving it.
+
+    Args:
+        path: The file (made or truncated: a new journal for a new session or a new
+            process; a successor reads the old one with `read_journal` first).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        tmp = f"{path}.new"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            self._capacity = _INITIAL_SLOTS
+            os.ftruncate(fd, HEADER_SIZE + self._capacity * SLOT_SIZE)
+            self._map = mmap.mmap(fd, HEADER_SIZE + self._capacity * SLOT_SIZE)
+        finally:
+            os.close(fd)
+        _HEAD.pack_into(self._map, 0, MAGIC, SLOT_SIZE, 1, 0)
+        self._free: list[int] = []
+        self._high = 0  # slots below this have been handed out at least once
+        self.used = 0
+        os.rename(tmp, path)  # whole or not at all: a reader never sees a half header
+
+    # ------------------------------------------------------------------ slots
+
+    def _take(self) -> int:
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot = self._high
+            if slot == self._capacity:
+                self._grow()
+            self._high = slot + 1
+        self.used += 1
+        return slot
+
+    def _grow(self) -> None:
+        """Double the file (mremap: the mapping keeps its contents)."""
+        self._capacity *= 2
+        self._map.resize(HEADER_SIZE + self._capacity * SLOT_SIZE)
+
+    def free(self, slot: int) -> None:
+        """The record in *slot* is gone (its checksum is cleared: never valid again)."""
+        if self._map.closed:
+            return
+        _CHECK.pack_into(self._map, HEADER_SIZE + slot * SLOT_SIZE + 8, 0)
+        self._free.append(slot)
+        self.used -= 1
+
+    def _write(self, slot: int, kind: int, flags: int, entry_slot: int, parent_slot: int,
+               nodeid: int, dev: int, ino: int, aux: int, name: bytes, handle: bytes,
+               extra: bytes) -> None:
+        room = len(name) + len(handle) + len(extra)
+        if room > _VAR_ROOM:
+            raise JournalFull(f"a record of {room} bytes (at most {_VAR_ROOM})")
+        at = HEADER_SIZE + slot * SLOT_SIZE
+        m = self._map
+        _CHECK.pack_into(m, at + 8, 0)  # invalid while the body changes
+        _BODY.pack_into(m, at + _BODY_AT, kind, flags, len(name), len(handle), len(extra),
+                        entry_slot, parent_slot, nodeid, dev, ino, aux)
+        end = at + _VAR_AT + room
+        m[at + _VAR_AT:end] = name + handle + extra
+        _CHECK.pack_into(m, at + 8, xxhash.xxh32_intdigest(m[at + _BODY_AT:end]) or 1)
+
+    # ------------------------------------------------------------------ records
+
+    def put_inode(self, slot: int, nodeid: int, dev: int, ino: int, lookups: int,
+                  is_dir: bool, handle: bytes | None, entry_slot: int, name: bytes,
+                  parent_slot: int, stale: bool = False) -> int:
+        """Write an inode's record (in *slot*, or a new one if it is -1); returns the slot."""
+        if slot < 0:
+            slot = self._take()
+        self.count(slot, lookups)
+        self._write(slot, INODE, (IS_DIR if is_dir else 0) | (STALE if stale else 0),
+                    entry_slot, parent_slot, nodeid, dev, ino, 0, name, handle or b"", b"")
+        return slot
+
+    def count(self, slot: int, lookups: int) -> None:
+        """The kernel's lookup count of the inode in *slot* (one aligned 8-byte store)."""
+        _LOOKUPS.pack_into(self._map, HEADER_SIZE + slot * SLOT_SIZE, lookups)
+
+    def put_file(self, fh: int, inode_slot: int, flags: int, extra: dict[str, Any]) -> int:
+        """Write an open file's record; returns its slot (free it at release)."""
+        slot = self._take()
+        # marshal, not JSON: 10x cheaper per open (json.dumps with separators builds an
+        # encoder per call), and the reader is this same Python (a journal another one
+        # cannot read is refused whole: the connection is let go, never misread).
+        self._write(slot, FILE, 0, inode_slot, NO_SLOT, fh, 0, 0, flags, b"", b"",
+                    marshal.dumps(extra))
+        return slot
+
+    def put_dir(self, fh: int, inode_slot: int, owner: int) -> int:
+        """Write an open directory's record; returns its slot."""
+        slot = self._take()
+        self._write(slot, DIR, 0, inode_slot, NO_SLOT, fh, 0, 0, owner & 0xFFFFFFFFFFFFFFFF,
+                    b"", b"", b"")
+        return slot
+
+    def next_fh(self, fh: int) -> None:
+        """The next fh the operations will hand out (an aligned 8-byte store)."""
+        _LOOKUPS.pack_into(self._map, _NEXT_FH_AT, fh)
+
+    def session(self, state: dict[str, Any]) -> None:
+        """The session's description (INIT state, source, mountpoint): once, after INIT."""
+        data = json.dumps(state, separators=(",", ":")).encode()
+        if _STATE_AT + len(data) > HEADER_SIZE:
+            raise JournalFull(f"session state of {len(data)} bytes")
+        self._map[_STATE_AT:_STATE_AT + len(data)] = data
+        struct.pack_into("<I", self._map, 24, len(data))
+
+    def close(self, remove: bool) -> None:
+        """Unmap; *remove* the file too (the mount is gone: nothing to recover)."""
+        if not self._map.closed:
+            self._map.close()
+        if remove:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+@dataclass(frozen=True, slots=True)
+class Journal:
+    """A journal as read back: the session and every valid record by slot."""
+
+    session: dict[str, Any]
+    next_fh: int
+    records: dict[int, Record]
+
+    def of_kind(self, kind: int) -> Iterator[Record]:
+        return (r for r in self.records.values() if r.kind == kind)
+
+
+class JournalError(Exception):
+    """The file is not a journal this version reads."""
+
+
+def read_journal(path: str) -> Journal:
+    """Read the journal at *path* (a dead daemon's); JournalError if it is none."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) < HEADER_SIZE:
+        raise JournalError(f"{path}: {len(data)} bytes, no journal")
+    magic, slot_size, next_fh, state_len = _HEAD.unpack_from(data, 0)
+    if magic != MAGIC or slot_size != SLOT_SIZE:
+        raise JournalError(f"{path}: not a qosfs session journal of this version")
+    if not state_len:
+        raise JournalError(f"{path}: the session was never initialised")
+    session = json.loads(data[_STATE_AT:_STATE_AT + state_len])
+    records: dict[int, Record] = {}
+    view = memoryview(data)
+    for slot in range((len(data) - HEADER_SIZE) // SLOT_SIZE):
+        at = HEADER_SIZE + slot * SLOT_SIZE
+        (check,) = _CHECK.unpack_from(data, at + 8)
+        if not check:
+            continue
+        (kind, flags, name_len, handle_len, extra_len, entry_slot, parent_slot, nodeid, dev,
+         ino, aux) = _BODY.unpack_from(data, at + _BODY_AT)
+        room = name_len + handle_len + extra_len
+        if not kind or room > _VAR_ROOM:
+            continue
+        end = at + _VAR_AT + room
+        if (xxhash.xxh32_intdigest(view[at + _BODY_AT:end]) or 1) != check:
+            continue  # torn by the kill: its request was never answered
+        var = at + _VAR_AT
+        name = bytes(view[var:var + name_len])
+        handle = bytes(view[var + name_len:var + name_len + handle_len])
+        extra_raw = bytes(view[var + name_len + handle_len:end])
+        (lookups,) = _LOOKUPS.unpack_from(data, at)
+        try:
+            extra = marshal.loads(extra_raw) if extra_raw else {}
+        except (EOFError, ValueError, TypeError):
+            raise JournalError(f"{path}: slot {slot} holds what this Python cannot read "
+                               "(written by another version?)") from None
+        records[slot] = Record(slot, kind, flags, lookups, entry_slot, parent_slot, nodeid,
+                               dev, ino, aux, name, handle, extra)
+    return Journal(session, next_fh, records)

@@ -1,0 +1,274 @@
+"""kill -9 of the daemon while 16 callers have requests in flight, with a keeper
+(qosfs.daemon.keeper's holder, the default): a new ``qosfs mount`` takes the mount over and
+every caller carries on with the descriptors it had, source -> mountpoint and in place.
+
+Callers (tests/mount/crash_callers.py, one process each): 4 readers checking every
+block, 4 writers fsyncing every 256 KiB, 4 writers in a capped class (their writes park
+in the daemon: the dead process had read them and never answered, so only the kernel's
+resend brings them back) and 4 doing metadata (create, stat, list, rename, unlink).
+
+What must hold (qosfs.daemon.recover's guarantees):
+- every caller completes within BOUND seconds of the kill, with no error but the ones a
+  re-executed non-idempotent request may give (ENOENT of a rename or unlink the dead
+  daemon had done);
+- no reader ever got bytes other than the file's;
+- everything a writer had fsync'd is in the backing file, byte for byte, and a writer's
+  whole file is what it wrote;
+- the new daemon says it recovered, with the open files it took over.
+The time to serve again and each kind's longest call are printed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import xxhash
+
+from qosfs.control.protocol import default_socket_path
+from qosfs.daemon import handover, keeper
+from tests.mount.crash_callers import BLOCK, expected_block
+from tests.mounting import ROOT, QosfsMount, abort_connection, is_mounted
+from tests.waiting import wait_for
+
+pytestmark = [pytest.mark.mount, pytest.mark.root]
+
+_reason = handover.unavailable_reason()
+if _reason is not None:
+    pytest.skip(f"crash recovery unavailable: {_reason}", allow_module_level=True)
+
+# Every read and write a request to the daemon: a read from the page cache, or one the
+# kernel passes through to the backing file, would not see the crash at all.
+CACHE_NEVER = ("--cache", "never", "--no-passthrough")
+BOUND = 60.0  # seconds from the kill to every caller's completion
+POLICY = """
+[classes.slow]
+paths = ["slow/**"]
+write_bandwidth = "2MiB/s"
+burst = "256KiB"
+"""
+READ_FILE_BLOCKS = 256  # 16 MiB
+# Ops per caller, and a pause between calls that keeps each in flight for a few seconds.
+KINDS = {"read": 300, "write": 128, "parked": 24, "meta": 40}
+PAUSE = {"read": 0.01, "write": 0.02, "parked": 0.0, "meta": 0.005}
+
+
+class Caller:
+    """One caller process and what it reported."""
+
+    def __init__(self, kind: str, path: Path, ops: int, pause: float = 0.0) -> None:
+        self.kind = kind
+        self.path = path
+        self.lines: list[dict[str, Any]] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.mount.crash_callers", kind, str(path), str(ops),
+             str(pause)],
+            stdout=subprocess.PIPE, cwd=ROOT, text=True)
+        self._reader = threading.Thread(target=self._collect, daemon=True)
+        self._reader.start()
+
+    def _collect(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(json.loads(line))
+
+    def calls(self) -> int:
+        return sum(1 for line in self.lines if "call" in line)
+
+    def finish(self, timeout: float) -> int:
+        code = self.proc.wait(timeout)
+        self._reader.join(5)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return code
+
+    def close(self, mountpoint: Path) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                # Waiting on a request the dead daemon had read: never answered (the bug
+                # this test is for), so only an abort of the connection frees it.
+                abort_connection(mountpoint)
+                self.proc.wait(10)
+        self._reader.join(5)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def errors(self) -> list[dict[str, Any]]:
+        return [line for line in self.lines if "errno" in line or "corrupt" in line]
+
+    def longest(self) -> float:
+        return max((line["took"] for line in self.lines if "took" in line), default=0.0)
+
+
+def _status(mnt: Path) -> str:
+    out = subprocess.run([sys.executable, "-m", "qosfs", "ctl", "--socket", str(mnt), "status"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.mark.parametrize("layout", ["apart", "in place"])
+def test_kill_9_with_16_callers_in_flight_loses_nothing(tmp_tree: Path, layout: str) -> None:
+    src = tmp_tree / "mlfs"
+    mnt = src if layout == "in place" else tmp_tree / "mnt"
+    for d in (src, mnt, src / "data", src / "out", src / "slow", src / "meta"):
+        d.mkdir(exist_ok=True)
+    with open(src / "data" / "set", "wb") as f:
+        for block in range(READ_FILE_BLOCKS):
+            f.write(expected_block(block * BLOCK))
+    for i in range(4):
+        (src / "meta" / str(i)).mkdir()
+    policy = tmp_tree / "policy.toml"
+    policy.write_text(POLICY)
+    args = (*CACHE_NEVER, "--policy", str(policy))
+    first = QosfsMount(src, mnt, *args, log_path=tmp_tree / "first.log")
+    second = QosfsMount(src, mnt, *args, log_path=tmp_tree / "second.log")
+    first.start()
+    callers: list[Caller] = []
+    try:
+        for i in range(4):
+            callers += [Caller(kind, mnt / where, KINDS[kind], PAUSE[kind])
+                        for kind, where in (("read", "data/set"), ("write", f"out/w{i}"),
+                                            ("parked", f"slow/p{i}"), ("meta", f"meta/{i}"))]
+        wait_for("every caller to be in flight", lambda: all(c.calls() >= 3 for c in callers),
+                 timeout=60)
+        assert "crash protection: connection kept by a holder" in _status(mnt)
+        assert first.proc is not None
+        assert not [c.kind for c in callers if c.proc.poll() is not None]  # all in flight
+        dead = first.proc.pid
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(10)
+        killed = time.monotonic()
+        # Requests pile up in the kernel meanwhile (the callers are mid-loop): a pause,
+        # not a synchronisation.
+        time.sleep(0.3)
+        second.start()  # `qosfs mount` again, as systemd or a supervisor would run it
+        serving = time.monotonic() - killed
+        codes = [c.finish(BOUND) for c in callers]
+        completed = time.monotonic() - killed
+        assert f"recovering after the death of pid {dead}" in second.log(), second.log()
+        status = _status(mnt)
+        took_over = re.search(rf"recovered after the death of pid {dead}: (\d+) open files "
+                              r"\(0 lost\)", status)
+        assert took_over and int(took_over[1]) >= 12, status  # readers and writers at least
+        assert "crash protection: connection kept by a holder" in status  # again
+        assert codes == [0] * len(callers), [(c.kind, c.lines[-3:]) for c in callers]
+        assert all(c.lines[-1] == {"done": c.kind} for c in callers)
+        allowed = {("rename", 2), ("unlink", 2)}  # ENOENT: done by the dead daemon already
+        for c in callers:
+            bad = [e for e in c.errors() if (e.get("call"), e.get("errno")) not in allowed]
+            assert not bad, (c.kind, c.path, bad)
+        again = sum(len(c.errors()) for c in callers)
+        for c in callers:
+            if c.kind in ("write", "parked"):
+                synced = [line for line in c.lines if "synced" in line][-1]
+                data = c.path.read_bytes()
+                assert len(data) == synced["synced"]
+                assert xxhash.xxh3_128(data).hexdigest() == synced["digest"]
+        longest = {kind: max(c.longest() for c in callers if c.kind == kind) for kind in KINDS}
+        print(f"\n{layout}: serving again {serving:.2f} s after kill -9 (0.3 s of it a "
+              f"pause), every caller done {completed:.1f} s after; longest call by kind: "
+              + ", ".join(f"{k} {v:.2f} s" for k, v in longest.items())
+              + f"; {again} re-executed rename/unlink answered ENOENT")
+        assert completed < BOUND
+    finally:
+        for c in callers:
+            c.close(mnt)
+        second.stop()
+        first.stop()
+    assert not is_mounted(mnt)
+    for i in range(4):  # the backing store has it all, after the mount is gone
+        writer = [c for c in callers if c.kind == "write"][i]
+        synced = [line for line in writer.lines if "synced" in line][-1]
+        backing = src / "out" / f"w{i}"
+        assert xxhash.xxh3_128(backing.read_bytes()).hexdigest() == synced["digest"]
+
+
+def _reader_in_flight(mnt: Path) -> Caller:
+    caller = Caller("read", mnt / "data" / "set", 1_000_000)
+    wait_for("the reader to be in flight", lambda: caller.calls() >= 3, timeout=30)
+    return caller
+
+
+def _tree(tmp_tree: Path) -> tuple[Path, Path]:
+    src, mnt = tmp_tree / "src", tmp_tree / "mnt"
+    for d in (src, mnt, src / "data"):
+        d.mkdir()
+    with open(src / "data" / "set", "wb") as f:
+        for block in range(16):
+            f.write(expected_block(block * BLOCK))
+    return src, mnt
+
+
+def test_without_a_new_daemon_callers_get_enotconn_within_the_bound(tmp_tree: Path) -> None:
+    """Nobody runs `qosfs mount` again: after --recover-within the holder lets the
+    connection go, and a waiting caller gets ENOTCONN instead of waiting for ever; the
+    next mount then cleans the dead mount up."""
+    src, mnt = _tree(tmp_tree)
+    first = QosfsMount(src, mnt, *CACHE_NEVER, "--recover-within", "2",
+                       log_path=tmp_tree / "first.log")
+    second = QosfsMount(src, mnt, *CACHE_NEVER, log_path=tmp_tree / "second.log")
+    first.start()
+    caller = None
+    try:
+        caller = _reader_in_flight(mnt)
+        assert first.proc is not None
+        first.proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        assert caller.finish(30) == 0
+        told = time.monotonic() - killed
+        assert caller.lines[-1] == {"done": "ENOTCONN"}, caller.lines[-3:]
+        assert 1.5 < told < 10, told  # the grace, not at once and not for ever
+        print(f"\nENOTCONN {told:.2f} s after kill -9 with --recover-within 2")
+        second.start()
+        assert "stale mount" in second.log()
+        assert (mnt / "data" / "set").read_bytes()[:BLOCK] == expected_block(0)
+    finally:
+        if caller is not None:
+            caller.close(mnt)
+        second.stop()
+        first.stop()
+    assert not is_mounted(mnt)
+
+
+def test_an_unreadable_journal_lets_the_connection_go_and_mounts_afresh(
+        tmp_tree: Path) -> None:
+    """The dead daemon's state cannot be rebuilt (its journal is damaged): the kept
+    connection is let go at once, so callers get ENOTCONN (never a hang), and the mount is
+    made afresh."""
+    src, mnt = _tree(tmp_tree)
+    first = QosfsMount(src, mnt, *CACHE_NEVER, log_path=tmp_tree / "first.log")
+    second = QosfsMount(src, mnt, *CACHE_NEVER, log_path=tmp_tree / "second.log")
+    first.start()
+    caller = None
+    try:
+        caller = _reader_in_flight(mnt)
+        journal = Path(keeper.journal_path(default_socket_path(str(mnt))))
+        assert journal.stat().st_size > 4096
+        assert first.proc is not None
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(10)
+        with open(journal, "r+b") as f:
+            f.truncate(100)
+        second.start()
+        assert "cannot be rebuilt" in second.log(), second.log()
+        assert caller.finish(30) == 0
+        assert caller.lines[-1] == {"done": "ENOTCONN"}, caller.lines[-3:]
+        assert (mnt / "data" / "set").read_bytes()[:BLOCK] == expected_block(0)
+    finally:
+        if caller is not None:
+            caller.close(mnt)
+        second.stop()
+        first.stop()
+    assert not is_mounted(mnt)
