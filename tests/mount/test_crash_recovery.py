@@ -20,6 +20,7 @@ The time to serve again and each kind's longest call are printed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -195,51 +197,50 @@ def test_kill_9_with_16_callers_in_flight_loses_nothing(tmp_tree: Path, layout: 
         assert xxhash.xxh3_128(backing.read_bytes()).hexdigest() == synced["digest"]
 
 
-def _reader_in_flight(mnt: Path) -> Caller:
-    caller = Caller("read", mnt / "data" / "set", 1_000_000)
-    wait_for("the reader to be in flight", lambda: caller.calls() >= 3, timeout=30)
-    return caller
-
-
-def _tree(tmp_tree: Path) -> tuple[Path, Path]:
+@contextlib.contextmanager
+def _killed_under_a_reader(tmp_tree: Path, *args: str) -> Iterator[tuple[Path, Caller,
+                                                                          QosfsMount]]:
+    """A mount (with *args*) whose daemon was killed while a reader read: yields the
+    mountpoint, the reader and the mount to start next; everything is cleaned after."""
     src, mnt = tmp_tree / "src", tmp_tree / "mnt"
     for d in (src, mnt, src / "data"):
         d.mkdir()
     with open(src / "data" / "set", "wb") as f:
         for block in range(16):
             f.write(expected_block(block * BLOCK))
-    return src, mnt
-
-
-def test_without_a_new_daemon_callers_get_enotconn_within_the_bound(tmp_tree: Path) -> None:
-    """Nobody runs `qosfs mount` again: after --recover-within the holder lets the
-    connection go, and a waiting caller gets ENOTCONN instead of waiting for ever; the
-    next mount then cleans the dead mount up."""
-    src, mnt = _tree(tmp_tree)
-    first = QosfsMount(src, mnt, *CACHE_NEVER, "--recover-within", "2",
-                       log_path=tmp_tree / "first.log")
+    first = QosfsMount(src, mnt, *CACHE_NEVER, *args, log_path=tmp_tree / "first.log")
     second = QosfsMount(src, mnt, *CACHE_NEVER, log_path=tmp_tree / "second.log")
     first.start()
     caller = None
     try:
-        caller = _reader_in_flight(mnt)
+        caller = Caller("read", mnt / "data" / "set", 1_000_000)
+        wait_for("the reader to be in flight", lambda: caller.calls() >= 3, timeout=30)
         assert first.proc is not None
         first.proc.send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        assert caller.finish(30) == 0
-        told = time.monotonic() - killed
-        assert caller.lines[-1] == {"done": "ENOTCONN"}, caller.lines[-3:]
-        assert 1.5 < told < 10, told  # the grace, not at once and not for ever
-        print(f"\nENOTCONN {told:.2f} s after kill -9 with --recover-within 2")
-        second.start()
-        assert "stale mount" in second.log()
-        assert (mnt / "data" / "set").read_bytes()[:BLOCK] == expected_block(0)
+        first.proc.wait(10)
+        yield mnt, caller, second
     finally:
         if caller is not None:
             caller.close(mnt)
         second.stop()
         first.stop()
     assert not is_mounted(mnt)
+
+
+def test_without_a_new_daemon_callers_get_enotconn_within_the_bound(tmp_tree: Path) -> None:
+    """Nobody runs `qosfs mount` again: after --recover-within the holder lets the
+    connection go, and a waiting caller gets ENOTCONN instead of waiting for ever; the
+    next mount then cleans the dead mount up."""
+    with _killed_under_a_reader(tmp_tree, "--recover-within", "2") as (mnt, caller, second):
+        killed = time.monotonic()
+        assert caller.finish(30) == 0
+        told = time.monotonic() - killed
+        assert caller.lines[-1] == {"done": "ENOTCONN"}, caller.lines[-3:]
+        assert 1.0 < told < 10, told  # the grace, not at once and not for ever
+        print(f"\nENOTCONN {told:.2f} s after kill -9 with --recover-within 2")
+        second.start()
+        assert "stale mount" in second.log()
+        assert (mnt / "data" / "set").read_bytes()[:BLOCK] == expected_block(0)
 
 
 def test_an_unreadable_journal_lets_the_connection_go_and_mounts_afresh(
@@ -247,18 +248,9 @@ def test_an_unreadable_journal_lets_the_connection_go_and_mounts_afresh(
     """The dead daemon's state cannot be rebuilt (its journal is damaged): the kept
     connection is let go at once, so callers get ENOTCONN (never a hang), and the mount is
     made afresh."""
-    src, mnt = _tree(tmp_tree)
-    first = QosfsMount(src, mnt, *CACHE_NEVER, log_path=tmp_tree / "first.log")
-    second = QosfsMount(src, mnt, *CACHE_NEVER, log_path=tmp_tree / "second.log")
-    first.start()
-    caller = None
-    try:
-        caller = _reader_in_flight(mnt)
+    with _killed_under_a_reader(tmp_tree) as (mnt, caller, second):
         journal = Path(keeper.journal_path(default_socket_path(str(mnt))))
         assert journal.stat().st_size > 4096
-        assert first.proc is not None
-        first.proc.send_signal(signal.SIGKILL)
-        first.proc.wait(10)
         with open(journal, "r+b") as f:
             f.truncate(100)
         second.start()
@@ -266,9 +258,3 @@ def test_an_unreadable_journal_lets_the_connection_go_and_mounts_afresh(
         assert caller.finish(30) == 0
         assert caller.lines[-1] == {"done": "ENOTCONN"}, caller.lines[-3:]
         assert (mnt / "data" / "set").read_bytes()[:BLOCK] == expected_block(0)
-    finally:
-        if caller is not None:
-            caller.close(mnt)
-        second.stop()
-        first.stop()
-    assert not is_mounted(mnt)
