@@ -89,7 +89,7 @@ class Record:
     aux: int
     name: bytes
     handle: bytes
-    extra: dict[str, Any]
+    extra: Any  # a FILE's tuple (what qosfs.passthrough.operations writes at each open), else ()
 
 
 class JournalFull(Exception):
@@ -178,7 +178,7 @@ class SessionJournal:
         """The kernel's lookup count of the inode in *slot* (one aligned 8-byte store)."""
         _LOOKUPS.pack_into(self._map, HEADER_SIZE + slot * SLOT_SIZE, lookups)
 
-    def put_file(self, fh: int, inode_slot: int, flags: int, extra: dict[str, Any]) -> int:
+    def put_file(self, fh: int, inode_slot: int, flags: int, extra: tuple[Any, ...]) -> int:
         """Write an open file's record; returns its slot (free it at release)."""
         slot = self._take()
         # marshal, not JSON: 10x cheaper per open (json.dumps with separators builds an
@@ -267,7 +267,7 @@ def read_journal(path: str) -> Journal:
         extra_raw = bytes(view[var + name_len + handle_len:end])
         (lookups,) = _LOOKUPS.unpack_from(data, at)
         try:
-            extra = marshal.loads(extra_raw) if extra_raw else {}
+            extra = marshal.loads(extra_raw) if extra_raw else ()
         except (EOFError, ValueError, TypeError):
             raise JournalError(f"{path}: slot {slot} holds what this Python cannot read "
                                "(written by another version?)") from None

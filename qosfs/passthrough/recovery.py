@@ -59,7 +59,8 @@ def rebuild(ops: PassthroughOperations, journal: Journal) -> Rebuilt:
         if node is None:
             log.warning("open fh %d names no inode in the journal: dropped", rec.nodeid)
             continue
-        extra = rec.extra
+        # What operations._write_down_file wrote, in this order.
+        flow_key, charge_values, owner, fsuid, kill_priv, kernel, backing_id = rec.extra
         fh = rec.nodeid
         try:
             fd = os.open(f"/proc/self/fd/{node.fd}", rec.aux | os.O_CLOEXEC)
@@ -68,23 +69,21 @@ def rebuild(ops: PassthroughOperations, journal: Journal) -> Rebuilt:
                         "answer ESTALE", fh, node.nodeid, exc.strerror)
             fd = -1
             lost += 1
-        flow = ops.qos.flow_from_key(extra["flow"])
-        charge = OpenCharge.restore(ops.qos, flow, node, extra["charge"])
-        owner = int(extra["owner"])
+        flow = ops.qos.flow_from_key(flow_key)
+        charge = OpenCharge.restore(ops.qos, flow, node,
+                                    OpenCharge.state_from_values(charge_values))
         node.opens += 1
-        ops.open_quota.adopt(owner)
+        ops.open_quota.adopt(int(owner))
         direct = bool(rec.aux & os.O_DIRECT)
         dio_mask = 0
         if direct and fd >= 0:
             dio_mask = dio_mask_of(fd)
-        kernel = int(extra["kernel"])
-        handle = FileHandle(fd, direct, charge, node, bool(extra["kill_priv"]),
-                            int(extra["fsuid"]), owner, dio_mask, -1, kernel, fh)
+        handle = FileHandle(fd, direct, charge, node, bool(kill_priv), int(fsuid),
+                            int(owner), dio_mask, -1, int(kernel), fh)
         if fd >= 0:
             ops.files[fh] = handle
         else:
             ops.lost[fh] = handle
-        backing_id = extra.get("backing_id")
         if kernel == PASSED_THROUGH and backing_id is not None:
             ops.kernel_opens.kernel.restore_open(node.nodeid, int(backing_id))
         elif kernel == SERVED:

@@ -31,7 +31,8 @@ Nothing here is on a request's path unless the filesystem's filter lets it throu
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterable
+import operator
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from qosfs.qos.interface import Classified, Flow, PathSource, QosEngine
@@ -178,6 +179,17 @@ class OpenCharge:
         integers (its flow travels apart, by the engine's ``flow_key``)."""
         return {name.lstrip("_"): getattr(self, name) for name in self._STATE}
 
+    def state_values(self) -> tuple[int, ...]:
+        """The same figures as a tuple, in one C call: the crash journal writes them at
+        every open (qosfs.passthrough.journal), where the dict above cost ~5 us."""
+        values: tuple[int, ...] = _STATE_GETTER(self)
+        return values
+
+    @classmethod
+    def state_from_values(cls, values: Sequence[int]) -> dict[str, int]:
+        """`export_state`'s dict from `state_values`' tuple."""
+        return {name.lstrip("_"): int(v) for name, v in zip(cls._STATE, values, strict=True)}
+
     @classmethod
     def restore(cls, engine: QosEngine, flow: Flow, node: Classified,
                 state: dict[str, Any]) -> OpenCharge:
@@ -220,3 +232,6 @@ def charge_renamed(engine: QosEngine, paths: PathSource, node: Classified,
     for charge in opens:
         if charge.moves_at_rename:
             charge.move_to(flow)
+
+
+_STATE_GETTER = operator.attrgetter(*OpenCharge._STATE)
