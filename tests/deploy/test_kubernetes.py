@@ -169,13 +169,22 @@ def test_old_and_new_pods_share_the_handover_socket(daemonset: dict[str, Any]) -
                                                          "type": "DirectoryOrCreate"}
 
 
-def test_the_image_installs_the_entry_point_the_pod_runs(daemonset: dict[str, Any]) -> None:
+def test_the_image_installs_the_entry_point_and_can_hand_over(
+        daemonset: dict[str, Any]) -> None:
     (entry,) = _container(daemonset)["command"]
-    copies = [line.split()[1:] for line in (K8S / "Dockerfile").read_text().splitlines()
+    dockerfile = (K8S / "Dockerfile").read_text()
+    copies = [line.split()[1:] for line in dockerfile.splitlines()
               if line.startswith("COPY ")]
     assert [K8S.relative_to(ROOT) / entry, Path("/usr/local/bin") / entry] in \
         [[Path(p) for p in c] for c in copies]  # on the image's PATH
     assert os.access(K8S / entry, os.X_OK)
+    # pyfuse3 against the project's libfuse (PyPI's cannot hand over), checked at build.
+    run = dockerfile.replace("\\\n", " ")
+    venv = "/opt/qosfs"
+    assert f"/src/deploy/libfuse/build.sh {venv} " in run
+    assert f"{venv}/bin/python -c 'import sys; from qosfs.daemon.handover import " \
+        "unavailable_reason; sys.exit(unavailable_reason())'" in run
+    assert f"ln -s {venv}/bin/qosfs /usr/local/bin/qosfs" in run
 
 
 def test_the_example_pod_lands_in_its_namespace_tenant() -> None:
