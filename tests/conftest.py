@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.mounting import QosfsMount, is_mounted
+from tests.mounting import QosfsMount, is_mounted, mounted_under, reachable_tmpdir
 from tests.redis_server import RedisServer
 
 HAVE_FUSE = os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
@@ -51,26 +49,13 @@ def pytest_runtest_makereport(item: pytest.Item) -> Iterator[pytest.TestReport]:
 
 @pytest.fixture
 def tmp_tree(request: pytest.FixtureRequest) -> Iterator[Path]:
-    """A directory for sources and mountpoints that other users can reach (for uid tests).
-
-    It is made in the system's temporary directory, not under ``tmp_path``: every pytest
-    session that starts on the machine resets ``/tmp/pytest-of-<user>`` to 0700, which cut
-    off the uids of tests already running in other sessions (EACCES in mid-test). Removed
-    after the test, unless it failed (kept for the daemon logs, as ``tmp_path`` would be)
-    or something is still mounted under it."""
-    name = re.sub(r"[^\w.-]", "_", request.node.name)[:30]
-    path = Path(tempfile.mkdtemp(prefix=f"qosfs-{name}-"))
-    os.chmod(path, 0o755)
-    for parent in path.parents:  # a TMPDIR of 0700 parents: open a path through them
-        if parent == Path("/"):
-            break
-        mode = parent.stat().st_mode
-        if not mode & 0o001:
-            os.chmod(parent, mode | 0o711)
+    """A directory for sources and mountpoints that other users can reach (for uid tests;
+    :func:`tests.mounting.reachable_tmpdir` says why it is not under ``tmp_path``).
+    Removed after the test, unless it failed (kept for the daemon logs, as ``tmp_path``
+    would be) or something is still mounted under it."""
+    path = reachable_tmpdir(request.node.name)
     yield path
-    with open("/proc/self/mountinfo", encoding="utf-8") as f:
-        mounted = any(line.split()[4].startswith(f"{path}/") for line in f)
-    if not mounted and not request.node.stash.get(_FAILED, False):
+    if not mounted_under(path) and not request.node.stash.get(_FAILED, False):
         shutil.rmtree(path)
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -52,6 +54,31 @@ def abort_connection(mountpoint: str | os.PathLike[str]) -> bool:
                     abort.write("1")
                 return True
     return False
+
+
+def reachable_tmpdir(name: str) -> Path:
+    """A new directory for sources and mountpoints that other users can reach (for uid
+    tests), in the system's temporary directory, its name from *name*.
+
+    Not under pytest's ``tmp_path``: every pytest session that starts on the machine
+    resets ``/tmp/pytest-of-<user>`` to 0700, which cut off the uids of tests already
+    running in other sessions (EACCES in mid-test)."""
+    label = re.sub(r"[^\w.-]", "_", name)[:30]
+    path = Path(tempfile.mkdtemp(prefix=f"qosfs-{label}-"))
+    os.chmod(path, 0o755)
+    for parent in path.parents:  # a TMPDIR of 0700 parents: open a path through them
+        if parent == Path("/"):
+            break
+        mode = parent.stat().st_mode
+        if not mode & 0o001:
+            os.chmod(parent, mode | 0o711)
+    return path
+
+
+def mounted_under(path: Path) -> bool:
+    """Whether anything is mounted below *path* (asking nothing of the mounts)."""
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        return any(line.split()[4].startswith(f"{path}/") for line in f)
 
 
 class QosfsMount:

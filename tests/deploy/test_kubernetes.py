@@ -4,18 +4,28 @@ available here, so every field that makes qosfs work is checked against qosfs it
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import json
+import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from qosfs.daemon import handover
 from qosfs.daemon.cli import _build_parser
+from qosfs.daemon.offer import handover_socket_path
 from qosfs.policy.loading import parse_policy
-from tests.mounting import ROOT
+from tests.mounting import ROOT, is_mounted
+from tests.waiting import wait_for
 
 yaml = pytest.importorskip("yaml")
 
@@ -45,9 +55,11 @@ def _container(daemonset: dict[str, Any]) -> dict[str, Any]:
 
 
 def _args(daemonset: dict[str, Any]) -> Any:
+    """The qosfs command line the container's entry point (qosfs-pod) runs, parsed."""
     container = _container(daemonset)
-    assert container["command"] == ["qosfs"]
-    return _build_parser().parse_args(container["args"])
+    assert container["command"] == ["qosfs-pod"]
+    assert container["args"][0] == "qosfs"
+    return _build_parser().parse_args(container["args"][1:])
 
 
 def _mount_of(daemonset: dict[str, Any], volume: str) -> dict[str, Any]:
@@ -77,9 +89,6 @@ def test_daemon_runs_privileged_with_host_pids_and_fuse(daemonset: dict[str, Any
     assert _volume(daemonset, "fuse")["hostPath"] == {"path": "/dev/fuse",
                                                        "type": "CharDevice"}
     assert _mount_of(daemonset, "fuse")["mountPath"] == "/dev/fuse"
-    strategy = daemonset["spec"]["updateStrategy"]
-    assert strategy["type"] == "RollingUpdate"
-    assert strategy["rollingUpdate"]["maxUnavailable"] == 1
     # Longer than the daemon's drain (10 s) plus its unmount.
     assert pod["terminationGracePeriodSeconds"] >= 30
 
@@ -130,6 +139,52 @@ def test_socket_and_metrics_are_reachable(daemonset: dict[str, Any]) -> None:
     assert probe.command == "ctl" and probe.socket == args.socket
     hook = " ".join(container["lifecycle"]["preStop"]["exec"]["command"])
     assert args.socket in hook and f"fusermount3 -u {args.source}" in hook
+
+
+def test_a_rollout_starts_the_new_pod_while_the_old_one_serves(
+        daemonset: dict[str, Any]) -> None:
+    """The new pod must run beside the old one on the node (its `qosfs mount` takes the
+    live mount over), and no node may be left without a daemon meanwhile."""
+    strategy = daemonset["spec"]["updateStrategy"]
+    assert strategy["type"] == "RollingUpdate"
+    assert strategy["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    pod = _pod(daemonset)
+    # Two pods of the DaemonSet on one node: nothing of the node's may be claimed by one
+    # alone (a host port, the host's network namespace and its port 9567).
+    assert not pod.get("hostNetwork", False)
+    assert all("hostPort" not in p for p in _container(daemonset)["ports"])
+    # The old daemon knows its successor by SO_PEERCRED and a pidfd: between two pods'
+    # pid namespaces the peer's pid reads as 0 and the handover is refused
+    # (test_a_handover_between_pid_namespaces_is_refused).
+    assert pod["hostPID"] is True
+
+
+def test_old_and_new_pods_share_the_handover_socket(daemonset: dict[str, Any]) -> None:
+    args = _args(daemonset)
+    sockets = _mount_of(daemonset, "sockets")
+    handover = Path(handover_socket_path(args.socket))
+    assert handover.parent == Path(sockets["mountPath"])  # beside the control socket
+    # The host's directory, the same in every pod of the node (an emptyDir is the pod's).
+    assert _volume(daemonset, "sockets")["hostPath"] == {"path": sockets["mountPath"],
+                                                         "type": "DirectoryOrCreate"}
+
+
+def test_the_image_installs_the_entry_point_and_can_hand_over(
+        daemonset: dict[str, Any]) -> None:
+    (entry,) = _container(daemonset)["command"]
+    dockerfile = (K8S / "Dockerfile").read_text()
+    copies = [line.split()[1:] for line in dockerfile.splitlines()
+              if line.startswith("COPY ")]
+    assert [K8S.relative_to(ROOT) / entry, Path("/usr/local/bin") / entry] in \
+        [[Path(p) for p in c] for c in copies]  # on the image's PATH
+    assert os.access(K8S / entry, os.X_OK)
+    # pyfuse3 against the project's libfuse (PyPI's cannot hand over), checked at build.
+    run = dockerfile.replace("\\\n", " ")
+    venv = "/opt/qosfs"
+    assert f"/src/deploy/libfuse/build.sh {venv} " in run
+    assert f"{venv}/bin/python -c 'import sys; from qosfs.daemon.handover import " \
+        "unavailable_reason; sys.exit(unavailable_reason())'" in run
+    assert f"ln -s {venv}/bin/qosfs /usr/local/bin/qosfs" in run
 
 
 def test_the_example_pod_lands_in_its_namespace_tenant() -> None:
@@ -223,6 +278,179 @@ def test_restart_propagation(daemonset: dict[str, Any], tmp_path: Path) -> None:
         ("recovered", "host"): "fuse3", ("recovered", "early"): "fuse3",
         ("recovered", "late"): "fuse3",
     }
+
+
+class Node:
+    """A node for the manifest's pods, through real qosfs mounts: the container's entry
+    point and command line and its preStop hook, run as the kubelet runs them, with the
+    node's paths (the shared filesystem, /run/qosfs, the policy, the metrics port)
+    replaced by the test's own. `qosfs` on PATH is this checkout's."""
+
+    def __init__(self, root: Path, daemonset: dict[str, Any]) -> None:
+        self.container = _container(daemonset)
+        args = _args(daemonset)
+        self.data, run, bin_dir = root / "mlfs", root / "run", root / "bin"
+        for d in (self.data, run, bin_dir):
+            d.mkdir()
+        (self.data / "f").write_bytes(b"data")
+        policy = root / "policy.toml"
+        policy.write_text(_load("configmap.yaml")["data"]["policy.toml"])
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.socket = run / Path(args.socket).name
+        self._paths = {args.source: str(self.data), args.policy: str(policy),
+                       args.socket: str(self.socket), args.metrics: f"127.0.0.1:{port}"}
+        qosfs = bin_dir / "qosfs"
+        qosfs.write_text(f'#!/bin/sh\nexec {sys.executable} -m qosfs "$@"\n')
+        qosfs.chmod(0o755)
+        self.env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+                    "PYTHONPATH": str(ROOT)}
+        self.root = root
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def _local(self, text: str) -> str:
+        for node_path, here in self._paths.items():
+            text = text.replace(node_path, here)
+        return text
+
+    def run(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
+        with open(self.root / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                    env=self.env)
+        self.started.append(proc)
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.root / f"{name}.log").read_text(errors="replace")
+
+    def start_pod(self, name: str) -> subprocess.Popen[bytes]:
+        """The container as the manifest has it; returns once its daemon serves."""
+        (entry,) = self.container["command"]
+        pod = self.run(name, [str(K8S / entry),
+                                 *map(self._local, self.container["args"])])
+        wait_for(f"{name}'s daemon to serve", lambda: pod.poll() is None and self.serving(),
+                 until=lambda up: up or pod.poll() is not None, timeout=30)
+        assert pod.poll() is None, self.log(name)
+        return pod
+
+    def start_successor(self, name: str) -> subprocess.Popen[bytes]:
+        """A new daemon that takes the mount over: what the new pod's `qosfs mount`
+        does on a live mount, here by ``qosfs upgrade`` (the same handover)."""
+        proc = self.run(name, ["qosfs", "upgrade", str(self.data), "--socket",
+                                  str(self.socket), "--foreground"])
+        wait_for(f"{name} to serve", lambda: proc.poll() is None and self.serving(),
+                 until=lambda pid: pid == proc.pid or proc.poll() is not None, timeout=30)
+        assert proc.poll() is None, self.log(name)
+        return proc
+
+    def serving(self) -> int | None:
+        """The pid of the daemon answering on the control socket, or None."""
+        done = subprocess.run(["qosfs", "ctl", "--socket", str(self.socket), "status",
+                               "--json"], capture_output=True, text=True, env=self.env,
+                              timeout=30, check=False)
+        return int(json.loads(done.stdout)["pid"]) if done.returncode == 0 else None
+
+    def pre_stop(self) -> None:
+        hook = self.container["lifecycle"]["preStop"]["exec"]["command"]
+        subprocess.run([*hook[:-1], self._local(hook[-1])], env=self.env, timeout=60,
+                       check=True)
+
+    def close(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                proc.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=30)
+        if is_mounted(self.data):
+            subprocess.run(["fusermount3", "-u", str(self.data)], check=False)
+        if is_mounted(self.data):
+            subprocess.run(["umount", "-l", str(self.data)], check=False)
+        for proc in self.started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def node(tmp_tree: Path, daemonset: dict[str, Any]) -> Iterator[Node]:
+    if (reason := handover.unavailable_reason()) is not None:
+        pytest.skip(f"handover unavailable: {reason}")
+    n = Node(tmp_tree, daemonset)
+    try:
+        yield n
+    finally:
+        n.close()
+    assert not is_mounted(n.data)
+
+
+@pytest.mark.mount
+@pytest.mark.root
+def test_a_pod_that_handed_its_mount_over_stays_until_deleted(node: Node) -> None:
+    """A rolling update on one node: the new pod takes the mount over while a job holds
+    a file open; the old pod's container stays (a container that exited would be
+    restarted, and take the mount back), and deleting it (preStop, then SIGTERM) leaves
+    the mount to the new daemon."""
+    old = node.start_pod("old")
+    job = os.open(node.data / "f", os.O_RDONLY)
+    try:
+        new = node.start_successor("new")
+        wait_for("the old pod to say it handed over", lambda: node.log("old"),
+                 until=lambda log: "handed over to the daemon now answering" in log)
+        assert old.poll() is None, node.log("old")  # the container did not exit
+        node.pre_stop()
+        old.send_signal(signal.SIGTERM)
+        assert old.wait(timeout=30) == 0, node.log("old")
+        assert is_mounted(node.data) and node.serving() == new.pid
+        assert os.pread(job, 4, 0) == b"data"  # the job's descriptor still reads
+    finally:
+        os.close(job)
+    new.send_signal(signal.SIGTERM)
+    assert new.wait(timeout=30) == 0, node.log("new")
+
+
+@pytest.mark.mount
+@pytest.mark.root
+def test_a_pod_deleted_without_a_successor_unmounts(node: Node) -> None:
+    pod = node.start_pod("pod")
+    node.pre_stop()  # the daemon answers: the hook leaves the unmount to it
+    assert is_mounted(node.data)
+    pod.send_signal(signal.SIGTERM)
+    assert pod.wait(timeout=30) == 0, node.log("pod")
+    assert not is_mounted(node.data)
+
+
+@pytest.mark.mount
+@pytest.mark.root
+def test_a_pod_whose_daemon_died_fails_and_its_hook_unmounts(node: Node) -> None:
+    pod = node.start_pod("pod")
+    daemon = node.serving()
+    assert daemon is not None
+    os.kill(daemon, signal.SIGKILL)
+    assert pod.wait(timeout=30) != 0  # the kubelet restarts the container
+    assert is_mounted(node.data)  # dead: "Transport endpoint is not connected"
+    node.pre_stop()
+    assert not is_mounted(node.data)
+
+
+@pytest.mark.mount
+@pytest.mark.root
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1)")
+def test_a_handover_between_pid_namespaces_is_refused(node: Node) -> None:
+    """Why the pods need hostPID: in two pods' pid namespaces (siblings), the old daemon
+    reads its successor's pid as 0 (SO_PEERCRED), cannot take a pidfd of it, and
+    refuses; it serves on."""
+    unshare = ["unshare", "--pid", "--fork"]
+    old = node.run("old", [*unshare, "qosfs", "mount", "--foreground", str(node.data),
+                              "--socket", str(node.socket)])
+    wait_for("the daemon to serve", node.serving, timeout=30)
+    new = node.run("new", [*unshare, "qosfs", "upgrade", str(node.data), "--socket",
+                              str(node.socket), "--foreground"])
+    assert new.wait(timeout=60) != 0, node.log("new")
+    assert "handover to pid 0 refused, serving on" in node.log("old")
+    assert old.poll() is None and (node.data / "f").read_bytes() == b"data"
+    subprocess.run(["fusermount3", "-u", str(node.data)], check=True)
+    assert old.wait(timeout=30) == 0, node.log("old")
 
 
 def test_manifests_match_the_kubernetes_schemas() -> None:

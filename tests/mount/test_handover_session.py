@@ -191,6 +191,13 @@ def adopted_after_ms(d: Daemon) -> float:
     raise AssertionError(f"{d.name} did not adopt: {d.log()}")
 
 
+def load_crossed(load: Load, successor: str) -> Callable[[], bool]:
+    """Whether the reader has been served by *successor* and the writer has written twice
+    since this was made (a call in flight then may have been the predecessor's)."""
+    written = load.written
+    return lambda: load.served_by[-1] == successor and load.written >= written + 2 * 4 * KiB
+
+
 HANDOVERS = 10
 
 
@@ -213,7 +220,7 @@ def test_reader_and_writer_keep_their_descriptors_across_handovers(
         assert old.wait_exit() == 0, old.log()
         assert f"handed over {old.name}" in old.log()
         stalls.append(adopted_after_ms(new))
-        time.sleep(0.3)
+        wait_for("the reader and the writer to go on", load_crossed(load, name))
         old = new
     load.stop()
 
