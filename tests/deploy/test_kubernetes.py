@@ -324,11 +324,12 @@ class Node:
     def log(self, name: str) -> str:
         return (self.root / f"{name}.log").read_text(errors="replace")
 
-    def start_pod(self, name: str) -> subprocess.Popen[bytes]:
-        """The container as the manifest has it; returns once its daemon serves."""
+    def start_pod(self, name: str, *extra: str) -> subprocess.Popen[bytes]:
+        """The container as the manifest has it (its command line with *extra* options);
+        returns once its daemon serves."""
         (entry,) = self.container["command"]
         pod = self.run(name, [str(K8S / entry),
-                                 *map(self._local, self.container["args"])])
+                              *map(self._local, self.container["args"]), *extra])
         wait_for(f"{name}'s daemon to serve", lambda: pod.poll() is None and self.serving(),
                  until=lambda up: up or pod.poll() is not None, timeout=30)
         assert pod.poll() is None, self.log(name)
@@ -422,8 +423,35 @@ def test_a_pod_deleted_without_a_successor_unmounts(node: Node) -> None:
 
 @pytest.mark.mount
 @pytest.mark.root
-def test_a_pod_whose_daemon_died_fails_and_its_hook_unmounts(node: Node) -> None:
+def test_a_pod_whose_daemon_died_takes_the_mount_over_and_the_job_reads_on(
+        node: Node) -> None:
+    """kill -9 of the daemon: the holder it started keeps the connection, the entry point
+    runs the command line again, which takes the mount over; the job's descriptor reads
+    on, and the container never exited (its restart would have ended the holder)."""
     pod = node.start_pod("pod")
+    daemon = node.serving()
+    assert daemon is not None
+    job = os.open(node.data / "f", os.O_RDONLY)
+    try:
+        os.kill(daemon, signal.SIGKILL)
+        wait_for("a new daemon to serve", node.serving,
+                 until=lambda pid: pid not in (None, daemon), timeout=30)
+        assert pod.poll() is None, node.log("pod")
+        assert "taking it over again (1)" in node.log("pod")
+        assert os.pread(job, 4, 0) == b"data"  # the same descriptor, across the crash
+    finally:
+        os.close(job)
+    node.pre_stop()  # it answers: the hook leaves the unmount to it
+    pod.send_signal(signal.SIGTERM)
+    assert pod.wait(timeout=30) == 0, node.log("pod")
+    assert not is_mounted(node.data)
+
+
+@pytest.mark.mount
+@pytest.mark.root
+def test_a_pod_whose_daemon_died_without_a_keeper_fails_and_its_hook_unmounts(
+        node: Node) -> None:
+    pod = node.start_pod("pod", "--keeper", "none")
     daemon = node.serving()
     assert daemon is not None
     os.kill(daemon, signal.SIGKILL)
