@@ -139,12 +139,10 @@ def check(figures: dict[str, Any], uids: int) -> None:
     # One uid parks at most its share; the others are refused at once.
     assert figures["parked_mib"] <= uids * LIMITS.per_uid_bytes / (1 << 20)
     assert figures["refused"] > 0
-    # The target is 10 ms p99 over the whole flood (measured 1-6 ms here on a quiet day).
-    # On a shared machine the reader alone varies too (5.9 ms p99 on a noisy day, when the
-    # flood's came to 25-34 ms on this commit and on the one before it), so the bound
-    # follows the reader alone on the same machine, generously. Before the parking lot it
-    # was seconds. Once every write has parked or been refused, reads are as fast as alone.
-    assert figures["during_p99_ms"] < max(20.0, 10 * figures["alone_p99_ms"]), figures
+    # The target is 10 ms p99 over the whole flood (measured 1-6 ms here); the margin is
+    # for shared CI machines. Once every write has parked or been refused, reads are as
+    # fast as alone.
+    assert figures["during_p99_ms"] < 20.0, figures
     assert figures["steady_p99_ms"] < max(10.0, 5 * figures["alone_p99_ms"]), figures
     assert figures["cat_unseen_ms"] < 1000, figures
     assert figures["kill_s"] < 1.0, figures
