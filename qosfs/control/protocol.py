@@ -333,6 +333,12 @@ def socket_name(mountpoint: str) -> str:
     return f"{readable}-{digest}.sock"
 
 
+def beside_socket(control_path: str, suffix: str) -> str:
+    """A file of the same mount beside its control socket: ``/run/qosfs/NAME.sock`` gives
+    ``/run/qosfs/NAME`` + *suffix* (the handover socket, the keeper's, the journal)."""
+    return control_path.removesuffix(".sock") + suffix
+
+
 def default_socket_path(mountpoint: str) -> str:
     """The daemon's control socket for ``mountpoint``, e.g. /run/qosfs/mnt-mlfs-1a2b3c4d.sock."""
     return os.path.join(socket_dir(), socket_name(mountpoint))

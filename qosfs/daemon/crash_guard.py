@@ -28,10 +28,18 @@ class Daemon(Protocol):
     root_fd: int
     mountpoint: str
 
+
 log = logging.getLogger(__name__)
 
 # Names of the descriptors in systemd's store.
 FUSE_NAME, ROOT_NAME = notify.FUSE_FD_NAME, "qosfs-root"
+
+
+def release_store() -> None:
+    """Take both descriptors out of systemd's store (the mount is gone, or cannot be
+    taken over): a kept connection nobody serves would leave callers waiting."""
+    notify.remove_fd(FUSE_NAME)
+    notify.remove_fd(ROOT_NAME)
 
 
 class CrashGuard:
@@ -44,6 +52,7 @@ class CrashGuard:
         self.grace = grace
         self.journal: SessionJournal | None = None
         self.lease: keeper.Lease | None = None
+        self.kept = False  # whether the keeper holds the connection now
         self.state: dict[str, int] | None = None  # INIT's, once known
 
     @property
@@ -78,8 +87,11 @@ class CrashGuard:
             if self.state is None:
                 self._describe(daemon, session.state)
             if self.kind == "systemd":
-                notify.store_fd(session.fuse_fd, FUSE_NAME)
-                notify.store_fd(daemon.root_fd, ROOT_NAME)
+                self.kept = (notify.store_fd(session.fuse_fd, FUSE_NAME)
+                             and notify.store_fd(daemon.root_fd, ROOT_NAME))
+                if not self.kept:
+                    log.error("crash protection off: systemd's descriptor store was not "
+                              "reached ($NOTIFY_SOCKET)")
                 return
             try:
                 self.lease = keeper.Lease(self.keeper_path)
@@ -87,12 +99,13 @@ class CrashGuard:
                 keeper.start_holder(self.keeper_path, session.fuse_fd, daemon.root_fd,
                                     self.grace)
                 self.lease = keeper.Lease(self.keeper_path)
+            self.kept = True
         except (OSError, QosfsError, handover.HandoverError) as exc:
             log.error("crash protection off: the keeper failed: %s", exc)
 
     def status(self) -> dict[str, Any]:
         """For ``ctl status``: who keeps the connection, and whether it is kept now."""
-        kept = self.journal is not None and (self.lease is not None or self.kind == "systemd")
+        kept = self.journal is not None and self.kept
         reason = None
         if not kept:
             reason = ("--keeper none" if self.kind == "none"
@@ -107,9 +120,9 @@ class CrashGuard:
         if self.lease is not None:
             self.lease.end(unmounting=unmounted)
             self.lease = None
-        if unmounted and self.kind == "systemd" and self.journal is not None:
-            notify.remove_fd(FUSE_NAME)
-            notify.remove_fd(ROOT_NAME)
+        if unmounted and self.kind == "systemd" and self.kept:
+            release_store()
+        self.kept = False
         if self.journal is not None:
             self.journal.close(remove=unmounted)
             self.journal = None

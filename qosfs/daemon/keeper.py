@@ -44,6 +44,7 @@ import subprocess
 import sys
 import time
 
+from qosfs.control.protocol import beside_socket
 from qosfs.core.errors import QosfsError
 
 GRACE_DEFAULT = 30.0
@@ -52,14 +53,12 @@ _FUSE, _ROOT = 0, 1
 
 def keeper_socket_path(control_path: str) -> str:
     """The holder's socket for the mount whose control socket is *control_path*."""
-    base = control_path.removesuffix(".sock")
-    return f"{base}.keeper"
+    return beside_socket(control_path, ".keeper")
 
 
 def journal_path(control_path: str) -> str:
     """The session journal (qosfs.passthrough.journal) of that mount."""
-    base = control_path.removesuffix(".sock")
-    return f"{base}.journal"
+    return beside_socket(control_path, ".journal")
 
 
 # ----------------------------------------------------------------------- the holder

@@ -32,6 +32,7 @@ import pyfuse3
 import trio
 
 from qosfs import __version__
+from qosfs.control.protocol import beside_socket
 from qosfs.daemon import handover
 from qosfs.daemon.listeners import Listeners
 from qosfs.passthrough.operations import PassthroughOperations
@@ -86,8 +87,7 @@ def daemon_version() -> str:
 
 def handover_socket_path(control_path: str) -> str:
     """The handover socket beside the control socket *control_path*."""
-    base, ext = os.path.splitext(control_path)
-    return (base if ext == ".sock" else control_path) + ".handover"
+    return beside_socket(control_path, ".handover")
 
 
 def _peer(sock: socket.socket) -> tuple[int, int]:

@@ -31,21 +31,22 @@ What holds after a crash (docs/administration.md says it for administrators):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import stat
 from collections.abc import Callable
-from typing import Any
 
 from qosfs.core.errors import EXIT_MOUNTPOINT, QosfsError
-from qosfs.core.mountinfo import mounts, resolve_without_touching
+from qosfs.core.mountinfo import resolve_without_touching
 from qosfs.daemon import handover, keeper, notify
-from qosfs.daemon.crash_guard import FUSE_NAME, ROOT_NAME
+from qosfs.daemon.crash_guard import FUSE_NAME, ROOT_NAME, release_store
 from qosfs.daemon.mount import (
     MountConfig,
     build_daemon,
     clean_stale_mount,
     control_socket_path,
+    mount_type,
     run_mount,
     serve_mount,
 )
@@ -55,7 +56,6 @@ from qosfs.passthrough.recovery import rebuild
 from qosfs.policy.loading import default_policy, load_policy
 
 log = logging.getLogger(__name__)
-
 
 
 class Unrecoverable(QosfsError):
@@ -92,8 +92,7 @@ def kept_descriptors(cfg: MountConfig) -> tuple[int, int] | None:
         if fuse_fd is not None and root_fd is not None:
             return fuse_fd, root_fd
         return None
-    top = resolve_without_touching(cfg.mountpoint)
-    if not any(e.mountpoint == top and e.fstype == QOSFS_FSTYPE for e in mounts()):
+    if mount_type(resolve_without_touching(cfg.mountpoint)) != QOSFS_FSTYPE:
         return None
     return keeper.claim(keeper.keeper_socket_path(control_path))
 
@@ -103,7 +102,6 @@ def recover_mount(cfg: MountConfig, fds: tuple[int, int], control_path: str,
     """Serve *cfg*'s mount on the kept connection a dead daemon left (see the module
     docstring). If its journal cannot be used, the connection is let go (callers get
     ENOTCONN), the dead mount removed, and QosfsError raised for a fresh mount."""
-
     fuse_fd, root_fd = fds
     mountpoint = resolve_without_touching(cfg.mountpoint)
     path = keeper.journal_path(control_path)
@@ -118,14 +116,14 @@ def recover_mount(cfg: MountConfig, fds: tuple[int, int], control_path: str,
         _let_go(cfg, fds, control_path)
         clean_stale_mount(mountpoint)
         raise Unrecoverable(f"{mountpoint}: the dead daemon's state cannot be rebuilt "
-                         f"({exc}); its callers got ENOTCONN", EXIT_MOUNTPOINT) from None
+                            f"({exc}); its callers got ENOTCONN", EXIT_MOUNTPOINT) from None
     policy = load_policy(cfg.policy_path) if cfg.policy_path else default_policy()
     daemon = build_daemon(cfg, policy if cfg.qos else None, root_fd, mountpoint)
     rebuilt = rebuild(daemon.ops, journal)
     log.warning("%s: recovering after the death of pid %s: %d inodes, %d open files "
                 "(%d lost), %d open directories", mountpoint, journal.session.get("pid"),
-                rebuilt.inodes, rebuilt.files, rebuilt.lost_files, rebuilt.dirs)
-    daemon.recovered = _recovery_status(journal.session, rebuilt)
+                rebuilt.inodes, rebuilt.open_files, rebuilt.lost_files, rebuilt.open_dirs)
+    daemon.recovered = {"dead_pid": journal.session.get("pid"), **dataclasses.asdict(rebuilt)}
 
     guard = daemon.guard
     assert guard is not None  # build_daemon made it
@@ -139,18 +137,11 @@ def recover_mount(cfg: MountConfig, fds: tuple[int, int], control_path: str,
     return serve_mount(daemon, start, on_ready, adopting=True)
 
 
-def _recovery_status(session: dict[str, Any], rebuilt: Any) -> dict[str, Any]:
-    return {"dead_pid": session.get("pid"), "inodes": rebuilt.inodes,
-            "open_files": rebuilt.files, "lost_files": rebuilt.lost_files,
-            "open_dirs": rebuilt.dirs}
-
-
 def _let_go(cfg: MountConfig, fds: tuple[int, int], control_path: str) -> None:
     for fd in fds:
         os.close(fd)
     if cfg.keeper == "systemd":
-        notify.remove_fd(FUSE_NAME)
-        notify.remove_fd(ROOT_NAME)
+        release_store()
     else:
         keeper.drop(keeper.keeper_socket_path(control_path))
 

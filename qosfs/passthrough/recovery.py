@@ -40,9 +40,9 @@ class Rebuilt:
     """What was taken over, for the log and ``ctl status``."""
 
     inodes: int
-    files: int
+    open_files: int
     lost_files: int
-    dirs: int
+    open_dirs: int
 
 
 def _signed(value: int) -> int:

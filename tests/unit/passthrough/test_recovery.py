@@ -71,7 +71,7 @@ def test_a_successor_rebuilt_from_the_journal_serves_the_same_ids_and_handles(
 
         b = _ops(b_root)
         rebuilt = rebuild(b, left)
-        assert (rebuilt.files, rebuilt.lost_files, rebuilt.dirs) == (3, 1, 1)
+        assert (rebuilt.open_files, rebuilt.lost_files, rebuilt.open_dirs) == (3, 1, 1)
         assert set(b.files) == {reader.fh, writer.fh} and set(b.lost) == {gone.fh}
         assert b.next_fh > max(reader.fh, writer.fh, gone.fh, listing, released.fh)
         # The same node ids, counts and opens; nothing reopened O_TRUNC.
