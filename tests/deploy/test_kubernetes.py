@@ -357,6 +357,16 @@ class Node:
         subprocess.run([*hook[:-1], self._local(hook[-1])], env=self.env, timeout=60,
                        check=True)
 
+    def delete_pod(self, pod: subprocess.Popen[bytes], name: str) -> None:
+        """*pod* deleted with no successor, as the kubelet does it: the preStop hook (the
+        daemon answers, so it leaves the unmount to it), then SIGTERM: the daemon drains
+        and unmounts, and the container exits 0."""
+        self.pre_stop()
+        assert is_mounted(self.data)
+        pod.send_signal(signal.SIGTERM)
+        assert pod.wait(timeout=30) == 0, self.log(name)
+        assert not is_mounted(self.data)
+
     def close(self) -> None:
         for proc in self.started:
             if proc.poll() is None:
@@ -413,12 +423,7 @@ def test_a_pod_that_handed_its_mount_over_stays_until_deleted(node: Node) -> Non
 @pytest.mark.mount
 @pytest.mark.root
 def test_a_pod_deleted_without_a_successor_unmounts(node: Node) -> None:
-    pod = node.start_pod("pod")
-    node.pre_stop()  # the daemon answers: the hook leaves the unmount to it
-    assert is_mounted(node.data)
-    pod.send_signal(signal.SIGTERM)
-    assert pod.wait(timeout=30) == 0, node.log("pod")
-    assert not is_mounted(node.data)
+    node.delete_pod(node.start_pod("pod"), "pod")
 
 
 @pytest.mark.mount
@@ -441,10 +446,7 @@ def test_a_pod_whose_daemon_died_takes_the_mount_over_and_the_job_reads_on(
         assert os.pread(job, 4, 0) == b"data"  # the same descriptor, across the crash
     finally:
         os.close(job)
-    node.pre_stop()  # it answers: the hook leaves the unmount to it
-    pod.send_signal(signal.SIGTERM)
-    assert pod.wait(timeout=30) == 0, node.log("pod")
-    assert not is_mounted(node.data)
+    node.delete_pod(pod, "pod")
 
 
 @pytest.mark.mount
