@@ -63,6 +63,7 @@ import xxhash
 
 from qosfs.control.ctl import Client
 from qosfs.daemon import handover, offer
+from qosfs.qos.latency_control import CLIMB
 from tests.mount.listener_polls import ListenerPolls, get_metrics
 from tests.mount.timed_load import TimedLoad
 from tests.mounting import ROOT, is_mounted
@@ -605,9 +606,10 @@ def test_a_latency_controlled_cap_survives_an_upgrade(tmp_path: Path) -> None:
                          until=lambda cap: cap is not None and cap <= 2 * MiB,
                          timeout=30, interval=0.1)
         assert floor is not None
+        held = storm_cap()  # the cap in force just before (it saws around the floor)
         before, t0 = written[0], time.monotonic()
         m.upgrade()
-        carried = storm_cap()  # the successor's, before its first window could cut
+        carried = storm_cap()  # the successor's, a window or two after the old one's
         time.sleep(1.0)
         moved, took = written[0] - before, time.monotonic() - t0
     finally:
@@ -618,10 +620,17 @@ def test_a_latency_controlled_cap_survives_an_upgrade(tmp_path: Path) -> None:
     print(f"storm held at {floor / MiB:.2f} MiB/s before the upgrade, "
           f"{(carried or 0) / MiB:.2f} MiB/s in the successor; it wrote "
           f"{moved / MiB:.1f} MiB in the {took:.1f} s of the upgrade and the second after")
-    # At the floor, plus the bucket's burst and a write in flight; uncapped it moves
-    # hundreds of MiB in a second.
-    assert moved <= floor * took + 4 * MiB
-    assert carried is not None and carried <= 2 * MiB
+    # At the caps in force, plus the bucket's burst and a write in flight; uncapped it
+    # moves hundreds of MiB in a second.
+    assert moved <= max(floor, held or 0, carried or 0) * took + 4 * MiB
+    # Carried on, not reset: a fresh controller has no cap on the storm (None) and its
+    # first cut is a quarter of the storm's rate, tens of MiB/s. The carried cap is the old
+    # daemon's last one, and that need not be the floor: a window in which the reader made
+    # no request is an idle one, and the cap doubles (seen once in 6 runs: 1.0 -> 1.3 ->
+    # 2.5 MiB/s while the successor started; its first window cut it back to 1.0). Allow
+    # two doublings and a climb over what was seen.
+    assert carried is not None and carried <= max(floor, held or 0) * 4 * (1 + CLIMB), \
+        (floor, held, carried)
     assert "latency control carried over (1 classes capped automatically)" in \
         m.current.log()
 
