@@ -33,10 +33,10 @@ on the path by name: a symlink put in its place is not followed.
 A planned handover (``qosfs upgrade``) passes the listening socket itself to the
 successor (SCM_RIGHTS), so the path never stops answering: the old daemon stops
 accepting (:meth:`ControlSocket.stop_accepting`; new connections wait in the backlog for
-the successor), answers the requests it holds, lets idle connections go after
-:data:`LINGER`, and closes its descriptor without removing the path
-(:meth:`ControlSocket.release`). The successor serves the same socket
-(``ControlSocket(path, inherited=sock)``).
+the successor), answers the requests it holds and the first request of a connection
+it accepted, lets connections idle between requests go after :data:`LINGER`, and
+closes its descriptor without removing the path (:meth:`ControlSocket.release`). The
+successor serves the same socket (``ControlSocket(path, inherited=sock)``).
 """
 
 from __future__ import annotations
@@ -77,9 +77,14 @@ MAX_CONNECTIONS_PER_UID = 8  # non-root
 RESERVED_CONNECTIONS = 512  # root and the admin group, apart from MAX_CONNECTIONS
 REQUESTS_PER_SECOND = 50.0  # non-root, per uid
 REQUEST_BURST = 50.0
-# Seconds an idle connection is still served once a successor takes the socket over: a
-# client that has just connected has its request on the way.
+# Seconds an idle connection that was answered before is still served once a successor
+# takes the socket over (a request may be on its way; ``qosfs top`` reconnects).
 LINGER = 0.05
+# ... and one that was accepted but has not sent its first request yet: that client
+# connected to send one, and on a loaded machine the gap from connect() to send() can
+# pass 50 ms. Closing it would fail a request nobody refused: the old daemon waits for
+# it (Listeners.wind_down).
+FIRST_REQUEST_LINGER = 1.0
 _RECV = 65536
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13; not in Python's list
 _PEERGROUPS_BYTES = 1024
@@ -108,7 +113,8 @@ class ControlSocket:
         self._privileged = 0  # root's and the admin group's
         self._accepting: trio.CancelScope | None = None
         self._closing_at = math.inf  # trio time at which stop_accepting was called
-        self._idle: set[trio.CancelScope] = set()  # connections waiting for a request
+        # Connections waiting for a request -> how long they linger after stop_accepting.
+        self._idle: dict[trio.CancelScope, float] = {}
         if inherited is None:
             self._apply_group(admin_gid, 0o600 if admin_gid is None else 0o660)
         else:
@@ -165,12 +171,13 @@ class ControlSocket:
     def stop_accepting(self) -> None:
         """A successor serves the socket from now on: accept nothing more (connections
         wait in the backlog for it), finish the requests begun, let idle connections go
-        once :data:`LINGER` has passed. Called on the event loop."""
+        once :data:`LINGER` has passed (:data:`FIRST_REQUEST_LINGER` for one that has not
+        sent its first request yet). Called on the event loop."""
         self._closing_at = trio.current_time()
         if self._accepting is not None:
             self._accepting.cancel()
-        for wait in self._idle:
-            wait.deadline = min(wait.deadline, self._closing_at + LINGER)
+        for wait, linger in self._idle.items():
+            wait.deadline = min(wait.deadline, self._closing_at + linger)
 
     def release(self) -> None:
         """Close this process's descriptor and leave the path: a successor serves it."""
@@ -266,6 +273,7 @@ class ControlSocket:
         # Deadlines are absolute: bytes trickling in do not push them back.
         idle_until = trio.current_time() + IDLE_TIMEOUT
         request_until = math.inf  # set by a request's first byte
+        linger = FIRST_REQUEST_LINGER  # LINGER once a request was answered
         while True:
             newline = buf.find(b"\n", scanned)
             if newline < 0:
@@ -278,15 +286,15 @@ class ControlSocket:
                     request_until = trio.current_time() + REQUEST_TIMEOUT
                 # Handed over: an idle connection goes (the successor answers its next
                 # connection), but not before a request on its way has come.
-                lingering = self._closing_at + LINGER if request_until == math.inf \
+                lingering = self._closing_at + linger if request_until == math.inf \
                     else math.inf
                 with trio.move_on_at(min(idle_until, request_until, lingering)) as wait:
                     if request_until == math.inf:
-                        self._idle.add(wait)
+                        self._idle[wait] = linger
                     try:
                         data = await stream.receive_some(_RECV)
                     finally:
-                        self._idle.discard(wait)
+                        self._idle.pop(wait, None)
                     if not data:
                         return  # the client closed its end
                     buf += data
@@ -307,6 +315,7 @@ class ControlSocket:
             await self._pace(peer)
             if not await _send(stream, await _answer(line, peer, handler)):
                 return
+            linger = LINGER
             idle_until = trio.current_time() + IDLE_TIMEOUT
             request_until = math.inf if not buf.strip() else \
                 trio.current_time() + REQUEST_TIMEOUT

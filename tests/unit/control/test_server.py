@@ -129,9 +129,12 @@ def test_a_refused_client_that_hung_up_does_not_end_the_server(tmp_path: Path) -
 
 def test_a_socket_handed_over_never_refuses_and_drops_no_request(tmp_path: Path) -> None:
     """A planned handover (qosfs.daemon.listeners): the old server stops accepting, lets
-    an idle connection go, answers a request that came just then; a connection made
-    while nobody accepts waits in the backlog and the successor (the same socket,
-    inherited) answers it; the old server's release leaves the path."""
+    a connection idle between requests go after LINGER, answers a request that came just
+    then and the first request of a connection it accepted, even well after LINGER (that
+    client connected to ask; on a loaded machine its send() came late, and an EOF failed
+    a poll during an upgrade); a connection made while nobody accepts waits in the
+    backlog and the successor (the same socket, inherited) answers it; the old server's
+    release leaves the path."""
     old = ControlSocket(str(tmp_path / "ctl.sock"))
     new = ControlSocket(old.path, inherited=socket.socket(fileno=os.dup(old.fileno())))
 
@@ -139,13 +142,20 @@ def test_a_socket_handed_over_never_refuses_and_drops_no_request(tmp_path: Path)
         async with trio.open_nursery() as nursery:
             await nursery.start(old.serve, _status)
             idle = await trio.open_unix_socket(old.path)
+            await idle.send_all(b'{"cmd": "status"}\n')
+            assert b'"ok":true' in await idle.receive_some(4096)
             late = await trio.open_unix_socket(old.path)
+            fresh = await trio.open_unix_socket(old.path)
             await trio.sleep(0.05)
-            assert old.connections() == 2
+            assert old.connections() == 3
             old.stop_accepting()
             await late.send_all(b'{"cmd": "status"}\n')  # within LINGER: answered
             assert b'"ok":true' in await late.receive_some(4096)
             assert await idle.receive_some(4096) == b""  # closed, after LINGER
+            await trio.sleep(control.LINGER * 4)
+            await fresh.send_all(b'{"cmd": "status"}\n')  # its first: answered
+            assert b'"ok":true' in await fresh.receive_some(4096)
+            assert await late.receive_some(4096) == b""  # answered, LINGER past: gone
             queued = await trio.open_unix_socket(old.path)  # the backlog holds it
             await queued.send_all(b'{"cmd": "status"}\n')
             with trio.fail_after(2):
@@ -154,7 +164,7 @@ def test_a_socket_handed_over_never_refuses_and_drops_no_request(tmp_path: Path)
             old.release()
             await nursery.start(new.serve, _status)
             assert b'"ok":true' in await queued.receive_some(4096)
-            for stream in (idle, late, queued):
+            for stream in (idle, late, fresh, queued):
                 await stream.aclose()
             nursery.cancel_scope.cancel()
 
