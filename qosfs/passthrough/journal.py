@@ -27,6 +27,14 @@ checksum is written after the body; a record torn by a kill is ignored, and the 
 that was writing it was not answered yet (the kernel sends it again). The lookup count sits
 outside the checksum and changes with one aligned 8-byte store per lookup or forget.
 
+A record rewritten in place (an inode renamed, or let go) is not torn either, although
+its slot is invalid while it changes: the new record is first written whole to slot 0, the
+scratch slot, naming the slot it is for; then the slot itself; then the scratch is
+cleared. A reader that finds the scratch valid takes it for that slot, so a kill at any
+point leaves the old record or the new one, never neither (before, the inode's node id
+answered ESTALE after such a kill). Records are written on the event loop's one thread,
+so one scratch slot is enough.
+
 What is not written: an inode's descriptor (reopened from its handle or name), a listing's
 snapshot (taken again), the buckets' balances and a streaming open's progress (the open's
 charge restarts from where it stood at open).
@@ -45,7 +53,8 @@ from typing import Any
 
 import xxhash
 
-MAGIC = b"QOSFSJ01"
+MAGIC = b"QOSFSJ02"  # 02: slot 0 is the scratch of rewrites
+_MAGIC_BEFORE_SCRATCH = b"QOSFSJ01"  # read too: a crash of the version before this one
 HEADER_SIZE = 4096
 SLOT_SIZE = 512
 _INITIAL_SLOTS = 8192  # 4 MiB of address space; the file is sparse until used
@@ -71,6 +80,7 @@ IS_DIR = 1
 STALE = 2  # let go of (unlinked, or replaced underneath): its node id answers ESTALE
 ROOT_SLOT = -2  # a reference to the mount's root (never journaled: it is the source)
 NO_SLOT = -1
+_SCRATCH = 0  # the slot a rewrite goes to first (its lookups field names the target)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +126,7 @@ class SessionJournal:
             os.close(fd)
         _HEAD.pack_into(self._map, 0, MAGIC, SLOT_SIZE, 1, 0)
         self._free: list[int] = []
-        self._high = 0  # slots below this have been handed out at least once
+        self._high = _SCRATCH + 1  # slots below this have been handed out at least once
         self.used = 0
         os.rename(tmp, path)  # whole or not at all: a reader never sees a half header
 
@@ -167,11 +177,24 @@ class SessionJournal:
                   is_dir: bool, handle: bytes | None, entry_slot: int, name: bytes,
                   parent_slot: int, stale: bool = False) -> int:
         """Write an inode's record (in *slot*, or a new one if it is -1); returns the slot."""
+        flags = (IS_DIR if is_dir else 0) | (STALE if stale else 0)
+        handle = handle or b""
         if slot < 0:
             slot = self._take()
+            self.count(slot, lookups)
+            self._write(slot, INODE, flags, entry_slot, parent_slot, nodeid, dev, ino, 0,
+                        name, handle, b"")
+            return slot
+        # A rewrite (rename, let go): the new record goes whole to the scratch first, so
+        # that a kill while the slot itself is invalid leaves it there to be read.
+        scratch = HEADER_SIZE + _SCRATCH * SLOT_SIZE
+        _LOOKUPS.pack_into(self._map, scratch, slot)
+        self._write(_SCRATCH, INODE, flags, entry_slot, parent_slot, nodeid, dev, ino, 0,
+                    name, handle, b"")
         self.count(slot, lookups)
-        self._write(slot, INODE, (IS_DIR if is_dir else 0) | (STALE if stale else 0),
-                    entry_slot, parent_slot, nodeid, dev, ino, 0, name, handle or b"", b"")
+        self._write(slot, INODE, flags, entry_slot, parent_slot, nodeid, dev, ino, 0, name,
+                    handle, b"")
+        _CHECK.pack_into(self._map, scratch + 8, 0)
         return slot
 
     def count(self, slot: int, lookups: int) -> None:
@@ -234,6 +257,35 @@ class JournalError(Exception):
     """The file is not a journal this version reads."""
 
 
+def _record_at(path: str, data: memoryview, at_slot: int, slot: int) -> Record | None:
+    """The record in slot *at_slot*, as the record of *slot* (its lookup count is that
+    slot's), or None if the slot holds no valid one."""
+    at = HEADER_SIZE + at_slot * SLOT_SIZE
+    (check,) = _CHECK.unpack_from(data, at + 8)
+    if not check:
+        return None
+    (kind, flags, name_len, handle_len, extra_len, entry_slot, parent_slot, nodeid, dev,
+     ino, aux) = _BODY.unpack_from(data, at + _BODY_AT)
+    room = name_len + handle_len + extra_len
+    if not kind or room > _VAR_ROOM:
+        return None
+    end = at + _VAR_AT + room
+    if (xxhash.xxh32_intdigest(data[at + _BODY_AT:end]) or 1) != check:
+        return None  # torn by the kill: its request was never answered
+    var = at + _VAR_AT
+    name = bytes(data[var:var + name_len])
+    handle = bytes(data[var + name_len:var + name_len + handle_len])
+    extra_raw = bytes(data[var + name_len + handle_len:end])
+    (lookups,) = _LOOKUPS.unpack_from(data, HEADER_SIZE + slot * SLOT_SIZE)
+    try:
+        extra = marshal.loads(extra_raw) if extra_raw else ()
+    except (EOFError, ValueError, TypeError):
+        raise JournalError(f"{path}: slot {at_slot} holds what this Python cannot read "
+                           "(written by another version?)") from None
+    return Record(slot, kind, flags, lookups, entry_slot, parent_slot, nodeid, dev, ino,
+                  aux, name, handle, extra)
+
+
 def read_journal(path: str) -> Journal:
     """Read the journal at *path* (a dead daemon's); JournalError if it is none."""
     with open(path, "rb") as f:
@@ -241,36 +293,23 @@ def read_journal(path: str) -> Journal:
     if len(data) < HEADER_SIZE:
         raise JournalError(f"{path}: {len(data)} bytes, no journal")
     magic, slot_size, next_fh, state_len = _HEAD.unpack_from(data, 0)
-    if magic != MAGIC or slot_size != SLOT_SIZE:
+    if magic not in (MAGIC, _MAGIC_BEFORE_SCRATCH) or slot_size != SLOT_SIZE:
         raise JournalError(f"{path}: not a qosfs session journal of this version")
+    scratch = _SCRATCH if magic == MAGIC else None
     if not state_len:
         raise JournalError(f"{path}: the session was never initialised")
     session = json.loads(data[_STATE_AT:_STATE_AT + state_len])
     records: dict[int, Record] = {}
     view = memoryview(data)
-    for slot in range((len(data) - HEADER_SIZE) // SLOT_SIZE):
-        at = HEADER_SIZE + slot * SLOT_SIZE
-        (check,) = _CHECK.unpack_from(data, at + 8)
-        if not check:
-            continue
-        (kind, flags, name_len, handle_len, extra_len, entry_slot, parent_slot, nodeid, dev,
-         ino, aux) = _BODY.unpack_from(data, at + _BODY_AT)
-        room = name_len + handle_len + extra_len
-        if not kind or room > _VAR_ROOM:
-            continue
-        end = at + _VAR_AT + room
-        if (xxhash.xxh32_intdigest(view[at + _BODY_AT:end]) or 1) != check:
-            continue  # torn by the kill: its request was never answered
-        var = at + _VAR_AT
-        name = bytes(view[var:var + name_len])
-        handle = bytes(view[var + name_len:var + name_len + handle_len])
-        extra_raw = bytes(view[var + name_len + handle_len:end])
-        (lookups,) = _LOOKUPS.unpack_from(data, at)
-        try:
-            extra = marshal.loads(extra_raw) if extra_raw else ()
-        except (EOFError, ValueError, TypeError):
-            raise JournalError(f"{path}: slot {slot} holds what this Python cannot read "
-                               "(written by another version?)") from None
-        records[slot] = Record(slot, kind, flags, lookups, entry_slot, parent_slot, nodeid,
-                               dev, ino, aux, name, handle, extra)
+    slots = (len(data) - HEADER_SIZE) // SLOT_SIZE
+    for slot in range(0 if scratch is None else scratch + 1, slots):
+        record = _record_at(path, view, slot, slot)
+        if record is not None:
+            records[slot] = record
+    if scratch is not None:
+        (target,) = _LOOKUPS.unpack_from(data, HEADER_SIZE + scratch * SLOT_SIZE)
+        if scratch < target < slots:  # a rewrite the kill interrupted: the new one wins
+            rewritten = _record_at(path, view, scratch, target)
+            if rewritten is not None:
+                records[target] = rewritten
     return Journal(session, next_fh, records)

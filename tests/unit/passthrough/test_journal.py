@@ -10,6 +10,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -117,6 +118,60 @@ def test_a_torn_record_is_ignored(journal: SessionJournal, tear: str) -> None:
     else:  # a name length no slot can hold
         poke(journal.path, at + 12 + 2, struct.pack("<H", SLOT_SIZE))
     assert set(read_journal(journal.path).records) == {kept}
+
+
+class Killed(Exception):
+    """The process died here (the mapping keeps what was written)."""
+
+
+@pytest.mark.parametrize("killed_in", ["scratch", "slot", "neither"])
+def test_a_record_rewritten_in_place_is_never_lost_to_a_kill(
+        journal: SessionJournal, monkeypatch: pytest.MonkeyPatch, killed_in: str) -> None:
+    """A rename rewrites the inode's record in its own slot. Before, the slot was invalid
+    while it changed, and a kill then lost the record (its node id answered ESTALE after
+    recovery). Now a kill leaves the old record or the new one, whole."""
+    parent = put_node(journal, 10, is_dir=True, parent=ROOT_SLOT)
+    node = put_node(journal, 11, lookups=4, name=b"old", entry=parent)
+    journal.count(node, 5)
+    fills = []
+    real_write = SessionJournal._write
+
+    def write(self: SessionJournal, slot: int, *record: Any) -> None:
+        fills.append(slot)
+        if (killed_in, len(fills)) in (("scratch", 1), ("slot", 2)):
+            at = slot_at(slot)  # torn: invalid, a body without its name
+            journal_module._CHECK.pack_into(self._map, at + 8, 0)
+            journal_module._BODY.pack_into(self._map, at + journal_module._BODY_AT, 1, 0,
+                                           len(record[-3]), 0, 0, *record[2:8])
+            raise Killed
+        real_write(self, slot, *record)
+
+    monkeypatch.setattr(SessionJournal, "_write", write)
+    try:
+        put_node(journal, 11, lookups=5, name=b"new-name", entry=parent, slot=node)
+    except Killed:
+        pass
+    assert fills[:2] == [0, node][:len(fills)]  # the scratch first, then the slot
+    back = read_journal(journal.path).records
+    assert set(back) == {parent, node}
+    expected = b"old" if killed_in == "scratch" else b"new-name"
+    assert (back[node].name, back[node].nodeid, back[node].lookups,
+            back[node].entry_slot) == (expected, 11, 5, parent)
+
+
+def test_a_journal_of_the_version_before_the_scratch_slot_is_read(
+        journal: SessionJournal) -> None:
+    """A daemon of the previous version that crashed left records from slot 0 up and no
+    scratch: its successor of this version takes its mount over all the same."""
+    first = put_node(journal, 10, lookups=7, name=b"a", entry=ROOT_SLOT)
+    poke(journal.path, 0, b"QOSFSJ01")
+    # As that version wrote it: this record in slot 0, whose lookup count is no target.
+    with open(journal.path, "rb") as f:
+        record = f.read()[slot_at(first):slot_at(first) + SLOT_SIZE]
+    poke(journal.path, slot_at(0), record)
+    poke(journal.path, slot_at(first), b"\0" * SLOT_SIZE)
+    back = read_journal(journal.path).records
+    assert set(back) == {0} and (back[0].name, back[0].lookups) == (b"a", 7)
 
 
 def test_the_lookup_count_changes_without_invalidating_the_record(
