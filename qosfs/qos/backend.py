@@ -108,8 +108,11 @@ class ClassPort:
         return self.backend.parked
 
     def try_pass(self, kind: Kind, nbytes: int, now: float) -> bool:
+        # Behind those parked only while the backend limits the kind, as at any level
+        # (qosfs.qos.levels.RateLevel.try_pass says why, and why it is race-free).
         backend = self.backend
-        if backend.parked[kind] or not backend.level.try_pass(kind, nbytes, now):
+        if (backend.parked[kind] and backend.level.limited[kind]) or not \
+                backend.level.try_pass(kind, nbytes, now):
             return False
         backend._served(self, kind, nbytes, now)
         return True

@@ -376,8 +376,25 @@ class RateLevel:
             self.ops_meta += ops
 
     def try_pass(self, kind: Kind, nbytes: int, now: float) -> bool:
-        """Charge and count the request if nobody is parked and every bucket covers it."""
-        if self.parked[kind]:
+        """Charge and count the request if every bucket covers it and, while a bucket
+        limits its kind, nobody is parked before it.
+
+        FIFO is for sharing tokens. Once nothing limits the kind (a cap lifted: SIGTERM's
+        drain, ``ctl set``, an automatic cap withdrawn), the requests still parked here
+        wait for nothing but their turn; a newcomer queued behind them used to keep the
+        line full for as long as writers wrote again as soon as they were answered, so
+        SIGTERM's drain, which waits for an empty parking lot, waited its whole deadline.
+
+        Race-free: trio runs one task at a time and this is synchronous, so ``limited``
+        and ``parked`` are read in the step that charges, and :meth:`enforce` changes
+        them in a step of its own. A request let by takes no tokens (the kind has no
+        bucket), so those parked lose nothing; a cap put back before they left makes
+        ``limited`` true again at once, and newcomers queue behind them again.
+
+        The request path pays nothing for it: ``limited`` is read only when someone is
+        parked here, i.e. by a request that was about to park.
+        """
+        if self.parked[kind] and self.limited[kind]:
             return False
         b = self._bytes_by_kind[kind]
         if b is not None and not b.try_take(nbytes, now):
