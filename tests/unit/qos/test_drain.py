@@ -78,6 +78,34 @@ def test_a_request_after_the_drain_passes_at_once_beside_those_still_parked(
     body()
 
 
+@pytest.mark.parametrize("level", list(WHERE_THEY_PARK))
+def test_the_drain_empties_the_parking_lot_while_the_writers_go_on(level: str) -> None:
+    @mock_clock
+    async def body() -> None:
+        qos = engine(*WHERE_THEY_PARK[level])
+        flow = open_flow(qos)
+        written = flow.cls.level.bytes_written
+        async with trio.open_nursery() as nursery:
+            await park_writers(nursery, qos, flow)
+            qos.drain()
+            written = flow.cls.level.bytes_written
+            looks = 0
+            with trio.move_on_after(2.0):  # the old code never got there: 8 stayed parked
+                while True:  # as the daemon's drain looks, every POLL seconds
+                    await trio.sleep(POLL)
+                    looks += 1
+                    if not qos.parking.requests:
+                        break
+            nursery.cancel_scope.cancel()
+        # Empty at the first look, with the writers still writing meanwhile. Released one
+        # per scheduling round (the turn handed along the line), the parked writes took 2
+        # looks: each round also ran the pwrites of the writers that were not parked.
+        assert looks == 1, looks
+        assert flow.cls.level.bytes_written - written >= WRITERS * MiB
+
+    body()
+
+
 def test_while_a_cap_holds_a_new_request_still_queues_behind_those_parked() -> None:
     @mock_clock
     async def body() -> None:
@@ -92,5 +120,31 @@ def test_while_a_cap_holds_a_new_request_still_queues_behind_those_parked() -> N
             assert level.limited[Kind.WRITE] and level.parked[Kind.WRITE]
             assert not level.try_pass(Kind.WRITE, MiB, trio.current_time())
             nursery.cancel_scope.cancel()
+
+    body()
+
+
+def test_a_cap_put_back_before_the_released_requests_ran_holds_them_again() -> None:
+    @mock_clock
+    async def body() -> None:
+        qos = engine(*WHERE_THEY_PARK["class"])
+        flow = open_flow(qos)
+        await flow.admit_write(MiB)  # the burst: the next writes park
+        done: list[float] = []
+
+        async def write() -> None:
+            await flow.admit_write(MiB)
+            done.append(trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(write)
+            await trio.sleep(0.1)
+            capped = qos.classes["c"].level.limits
+            qos.classes["c"].set_limits(LevelLimits())  # every one of them released...
+            qos.classes["c"].set_limits(capped)  # ...and capped again before any ran
+        # A full bucket after the cap came back (tokens restart from the burst), then the
+        # cap's pace, in arrival order: none went through on the release alone.
+        assert done == pytest.approx([0.1, 0.6, 1.1, 1.6])
 
     body()
