@@ -146,9 +146,13 @@ def test_sigterm_serves_parked_requests_at_once_and_loses_nothing(tmp_tree: Path
     try:
         start = time.time() + 0.2
         writers = [_start_writer(mnt / "ckpt" / f"w{i}", 30.0, start) for i in range(8)]
-        # 8 writers at 2 MiB/s in total: wait until most of them are parked.
-        wait_for("4 writers parked", lambda: _parked(mnt),
-                 until=lambda parked: parked["ckpt"] >= 4, timeout=15)
+        # 8 writers at 2 MiB/s in total: wait until most of them are parked, and all have
+        # their file open (a writer that started late would meet the unmount at open(),
+        # outside what it reports: only the writes' fate is the drain's to answer for).
+        opened = [src / "ckpt" / f"w{i}" for i in range(8)]
+        wait_for("4 writers parked, 8 files open",
+                 lambda: (_parked(mnt)["ckpt"], sum(p.exists() for p in opened)),
+                 until=lambda seen: seen[0] >= 4 and seen[1] == 8, timeout=15)
         assert m.proc is not None
         t = time.monotonic()
         m.proc.send_signal(signal.SIGTERM)
