@@ -108,8 +108,11 @@ class ClassPort:
         return self.backend.parked
 
     def try_pass(self, kind: Kind, nbytes: int, now: float) -> bool:
+        # Behind those parked only while the backend limits the kind, as at any level
+        # (qosfs.qos.levels.RateLevel.try_pass says why, and why it is race-free).
         backend = self.backend
-        if backend.parked[kind] or not backend.level.try_pass(kind, nbytes, now):
+        if (backend.parked[kind] and backend.level.limited[kind]) or not \
+                backend.level.try_pass(kind, nbytes, now):
             return False
         backend._served(self, kind, nbytes, now)
         return True
@@ -156,6 +159,9 @@ class BackendLevel:
         """New capacity, in force at once (the request holding the turn re-checks)."""
         self.level.set_limits(limits)
         self._index_costs()
+        for line, limited in zip(self.parked, self.level.limited, strict=True):
+            if line and not limited:  # no capacity left to share out: all go now
+                line.release_all()
 
     def port(self, name: str, share: Share) -> ClassPort:
         """The port of class *name*, created or updated with *share*."""
@@ -255,8 +261,10 @@ class BackendLevel:
         start = trio.current_time()
         try:
             while True:
-                await turn.wait_for_turn(ticket)
+                await turn.wait_for_turn(ticket, level, kind)
                 now = await until_covered(level, kind, nbytes)
+                if turn.holder is not ticket:  # released: the backend no longer limits it
+                    break
                 chosen = self._select(kind, now)
                 if chosen is ticket:
                     break

@@ -24,7 +24,9 @@ Design, and why:
 * **Live change wakes waiters**: :meth:`RateLevel.set_limits` sets and replaces a
   per-level :class:`trio.Event` that every queue head sleeps on, so a request parked under
   1 MiB/s goes through in the same instant the cap is raised to 1 GiB/s; the waiters
-  behind it follow in FIFO order, each re-checking as it becomes head.
+  behind it follow in FIFO order, each re-checking as it becomes head. A cap lifted
+  altogether (SIGTERM's drain) leaves no tokens to queue for: every waiter of that kind
+  is released at once, and newcomers no longer queue behind them.
 * **Fast path first**: the request path calls :func:`try_admit`, a plain function: when
   no one is queued and the buckets cover the request it charges every level and returns,
   without a coroutine, a checkpoint, a log call or an allocation of its own. Only a
@@ -321,7 +323,8 @@ class RateLevel:
         is described in :meth:`qosfs.qos.bucket.TokenBucket.set_rate`. Heads re-compute their
         delay in the same instant; the requests behind them follow in FIFO order, so a
         raised cap drains the whole queue at once, and a lowered cap applies to every
-        request not yet admitted.
+        request not yet admitted. A kind left with no cap at all releases every request
+        parked for it in the same instant (:meth:`qosfs.qos.waiting.Turn.release_all`).
         """
         if self.steering is not None:
             self.steering.steer(limits)
@@ -336,6 +339,9 @@ class RateLevel:
             bucket.set_rate(limit.rate, limit.effective_burst, now)
         self.limits = limits
         self._index_buckets()
+        for line, limited in zip(self.parked, self.limited, strict=True):
+            if line and not limited:  # nothing left to take turns for: all go now
+                line.release_all()
         self.changed.set()
         self.changed = trio.Event()
 
@@ -376,8 +382,26 @@ class RateLevel:
             self.ops_meta += ops
 
     def try_pass(self, kind: Kind, nbytes: int, now: float) -> bool:
-        """Charge and count the request if nobody is parked and every bucket covers it."""
-        if self.parked[kind]:
+        """Charge and count the request if every bucket covers it and, while a bucket
+        limits its kind, nobody is parked before it.
+
+        FIFO is for sharing tokens. Once nothing limits the kind (a cap lifted: SIGTERM's
+        drain, ``ctl set``, an automatic cap withdrawn), the requests still parked here
+        wait for nothing but to run (:meth:`enforce` released them all, see
+        :meth:`qosfs.qos.waiting.Turn.release_all`); a newcomer queued behind them kept the
+        line full for as long as writers wrote again as soon as they were answered, so
+        SIGTERM's drain, which waits for an empty parking lot, waited its whole deadline.
+
+        Race-free: trio runs one task at a time and this is synchronous, so ``limited``
+        and ``parked`` are read in the step that charges, and :meth:`enforce` changes
+        them in a step of its own. A request let by takes no tokens (the kind has no
+        bucket), so those parked lose nothing; a cap put back before they left makes
+        ``limited`` true again at once, and newcomers queue behind them again.
+
+        The request path pays nothing for it: ``limited`` is read only when someone is
+        parked here, i.e. by a request that was about to park.
+        """
+        if self.parked[kind] and self.limited[kind]:
             return False
         b = self._bytes_by_kind[kind]
         if b is not None and not b.try_take(nbytes, now):
@@ -435,7 +459,7 @@ class RateLevel:
         self.waits += 1
         start = trio.current_time()
         try:
-            await line.wait_for_turn(ticket)
+            await line.wait_for_turn(ticket, self, kind)
             self.charge(kind, nbytes, await until_covered(self, kind, nbytes))
         finally:
             waited = trio.current_time() - start

@@ -10,24 +10,26 @@ two pieces, the way trio builds its Lock, Semaphore and CapacityLimiter on one
   on in arrival order (FIFO); the backend's dispatcher hands it to the request its tags
   choose (:mod:`qosfs.qos.backend`). Either way there is one timer per queue, not one per
   parked request, and a request that leaves (admitted or cancelled) passes the turn on so
-  nothing is stranded.
+  nothing is stranded. Turns are for sharing tokens: when a level stops limiting a kind
+  (a cap lifted, as at SIGTERM's drain), :meth:`Turn.release_all` lets every request
+  parked for it go at once.
 * :func:`until_covered` -- the turn holder's sleep: until the level's buckets cover the
   request, or its limits change (a ``ctl set`` wakes it at once).
 
 Truthiness of a :class:`Turn` is what the fast path checks ("is anyone parked here?"), so
-a new request never overtakes parked ones.
+a new request never overtakes parked ones while the level limits its kind.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import trio
 
 from qosfs.core.limit_kinds import Kind
 
-__all__ = ["EPSILON", "Covering", "Ticket", "Turn", "until_covered"]
+__all__ = ["EPSILON", "Covering", "Limiting", "Ticket", "Turn", "until_covered"]
 
 #: A shortfall smaller than this many seconds is admitted (the remainder stays as debt, so
 #: nothing drifts). Without it, float rounding could leave a delay so small that
@@ -69,11 +71,26 @@ class Turn(dict[Ticket, None]):
         if self.holder is None:
             self.holder = ticket
 
-    async def wait_for_turn(self, ticket: Ticket) -> None:
-        """Return once *ticket* holds the turn (at once if it already does)."""
-        while self.holder is not ticket:
+    async def wait_for_turn(self, ticket: Ticket, level: Limiting, kind: Kind) -> None:
+        """Return once *ticket* holds the turn (at once if it already does), or once
+        *level* no longer limits *kind* (:meth:`release_all` woke it): then there are no
+        tokens to take turns for, and it goes without the turn."""
+        while self.holder is not ticket and level.limited[kind]:
             await ticket.event.wait()
             ticket.event = trio.Event()
+
+    def release_all(self) -> None:
+        """Wake every ticket: the level just stopped limiting the kind (a cap lifted, as
+        at SIGTERM's drain), so each of them goes at once (:meth:`wait_for_turn`) instead
+        of one per scheduling round as the turn is handed along the line.
+
+        Race-free: a woken ticket re-reads ``limited`` when it runs, in the step that then
+        charges it (the level's ``delay`` is 0, so nothing awaits in between). If a cap
+        came back before it ran, it waits for the turn again: the turn never left the
+        line (a holder that leaves hands it on as ever), so FIFO and the one timer hold.
+        """
+        for ticket in self:
+            ticket.event.set()
 
     def hand_to(self, ticket: Ticket) -> None:
         """Give the turn to *ticket* (a parked one) and wake it."""
@@ -93,6 +110,14 @@ class Turn(dict[Ticket, None]):
         return f"<Turn parked={len(self)} held={self.holder is not None}>"
 
 
+class Limiting(Protocol):
+    """What :meth:`Turn.wait_for_turn` reads of a level."""
+
+    @property
+    def limited(self) -> Sequence[bool]:
+        """Per kind: whether some bucket bounds it now."""
+
+
 class Covering(Protocol):
     """What :func:`until_covered` needs of a level's buckets."""
 
@@ -108,7 +133,8 @@ async def until_covered(level: Covering, kind: Kind, nbytes: int) -> float:
     """Sleep until *level*'s buckets cover the request, waking early when its limits
     change; return the time at which they do (charge the request at that time).
 
-    Only the turn holder calls this, so a queue has one timer however long it is.
+    Only the turn holder calls this, so a queue has one timer however long it is (and
+    requests :meth:`Turn.release_all` let go, whose delay is 0: they never sleep here).
     """
     while True:
         now = trio.current_time()
