@@ -89,7 +89,11 @@ def hold(path: str, fds: list[int], grace: float) -> int:
     listener.listen(16)
     poller = select.poll()
     # No events asked of /dev/fuse: poll still reports POLLERR once the connection is gone
-    # (unmounted or aborted), and never POLLIN, so nothing is read from it.
+    # (unmounted or aborted), and never POLLIN, so nothing is read from it. Watched only
+    # while no daemon serves: a poller of /dev/fuse is woken by every request the kernel
+    # queues, whatever events it asked for, and the holder then cost a context switch per
+    # request (measured: 6.5 us of its CPU per open, and the daemon's CPU per open 77 ->
+    # 87 us on 2 cores). A serving daemon says ``bye`` when the mount ends instead.
     poller.register(fds[_FUSE], 0)
     poller.register(listener, select.POLLIN)
     leases: dict[int, socket.socket] = {}
@@ -125,6 +129,8 @@ def hold(path: str, fds: list[int], grace: float) -> int:
                 if request == "serve":
                     conn.sendall(b"ok\n")
                     conn.setblocking(False)
+                    if not leases:
+                        poller.unregister(fds[_FUSE])
                     leases[conn.fileno()] = conn
                     poller.register(conn, select.POLLIN)
                     deadline = None
@@ -161,6 +167,7 @@ def hold(path: str, fds: list[int], grace: float) -> int:
                 conn.close()
                 if not leases:
                     deadline = time.monotonic() + grace
+                    poller.register(fds[_FUSE], 0)  # unmounted meanwhile: POLLERR at once
 
 
 def _request(conn: socket.socket) -> str:

@@ -227,13 +227,27 @@ def test_with_nobody_to_take_over_it_lets_go_after_the_grace_period(start: Start
 
 
 def test_it_lets_go_when_the_connection_is_gone(start: Start) -> None:
-    holder = start()
-    lease = Lease(holder.path)
+    holder = start()  # no daemon serves yet: /dev/fuse is watched
     os.close(holder.fuse)  # "/dev/fuse" now reports POLLERR, as after an abort
     holder.mine.remove(holder.fuse)
     holder.fuse = -1
     assert holder.exited(5) and holder.let_go(1)
-    lease.end(unmounting=True)
+
+
+def test_it_does_not_watch_the_connection_while_a_daemon_serves(start: Start) -> None:
+    """A poller of /dev/fuse is woken by every request queued, so while a daemon serves
+    (and says bye when the mount ends) the holder does not watch it; a connection gone
+    meanwhile is seen as soon as the daemon is, without waiting out the grace period."""
+    holder = start(grace=30.0)
+    lease = Lease(holder.path)
+    os.close(holder.fuse)
+    holder.mine.remove(holder.fuse)
+    holder.fuse = -1
+    assert not holder.exited(0.5)  # served: the daemon's to tell
+    ended = time.monotonic()
+    lease.end(unmounting=False)  # the daemon dies without bye
+    assert holder.exited(5) and holder.let_go(1)
+    assert time.monotonic() - ended < 5  # at once, not after 30 s
 
 
 def test_it_never_reads_the_fuse_descriptor(start: Start) -> None:
