@@ -33,6 +33,7 @@ outcome (about 1 us per operation, bench in tests/unit/passthrough/test_intents.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import struct
 from collections import deque
@@ -41,6 +42,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pyfuse3
+
+log = logging.getLogger(__name__)
 
 RESEND = 1 << 63  # FUSE_UNIQUE_RESEND: the kernel sent this request again
 RING_ENTRIES = 8192  # 2 x MAX_TASKS (qosfs.daemon.mount): see the module docstring
@@ -175,7 +178,7 @@ class ExactlyOnce:
         self.ring: IntentRing | None = None
         self.past: dict[int, int] = {}
         self.carried = b""  # the predecessor's ring, for the journal attached next
-        self.replayed = 0  # resent requests answered from the record (ctl status)
+        self.replayed = 0  # resent requests not executed again (answered from the record)
         self._crash = crash_point_from_env()
 
     def attach(self, ring: IntentRing) -> None:
@@ -206,6 +209,10 @@ class ExactlyOnce:
             if code is not None:
                 if code != PENDING:
                     self.replayed += 1
+                    # Only after a crash, once per request the dead daemon had done.
+                    log.info("resent %s of %r: answered with the dead daemon's outcome "
+                             "(%s), not done again", op, name, os.strerror(code) if code
+                             else "success")
                     if code:
                         raise OSError(code, os.strerror(code))
                     return await answer(None)
@@ -229,6 +236,8 @@ class ExactlyOnce:
                         _crash_at("outcome", crash)
                     raise
                 self.replayed += 1  # the first execution had done it
+                log.info("resent %s of %r: done by the dead daemon (%s now)", op, name,
+                         os.strerror(code))
                 result = None
             if crash is not None:
                 _crash_at("syscall", crash)

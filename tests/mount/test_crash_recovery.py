@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import os
 import re
 import signal
 import subprocess
@@ -192,7 +193,9 @@ def test_kill_9_with_16_callers_in_flight_loses_nothing(tmp_tree: Path, layout: 
         print(f"\n{layout}: serving again {serving:.2f} s after kill -9 (0.3 s of it a "
               f"pause), every caller done {completed:.1f} s after; longest call by kind: "
               + ", ".join(f"{k} {v:.2f} s" for k, v in longest.items())
-              + f"; {again} re-executed rename/unlink answered ENOENT"
+              + f"; {again} re-executed rename/unlink answered ENOENT, "
+              + f"{second.log().count('not done again')} resent ones answered from the "
+              + f"record, {second.log().count(': done by the dead daemon')} counted as done"
               + ("" if request_ids_known() else " (request ids unknown: allowed)"))
         assert completed < BOUND
     finally:
@@ -346,12 +349,12 @@ def _once(op: str, mnt: Path, *args: str) -> Caller:
 
 
 def _killed_in(tmp_tree: Path, op: str, stage: str, args: tuple[str, ...],
-               gone: str | None = None, meanwhile: Any = None) -> Caller:
+               gone: str | None = None, meanwhile: Any = None) -> tuple[Caller, str]:
     """Run *op* through a mount whose daemon dies at *stage* of it, then ``qosfs mount``
-    again; returns the caller, finished. *gone*: a name the kernel has an entry for
-    (looked up first) that is then removed underneath, so that the call reaches the
-    daemon and fails there (a name the kernel knows is missing fails in the VFS).
-    *meanwhile*: called between the death and the restart."""
+    again; returns the caller, finished, and the new daemon's log. *gone*: a name the
+    kernel has an entry for (looked up first) that is then removed underneath, so that
+    the call reaches the daemon and fails there (a name the kernel knows is missing fails
+    in the VFS). *meanwhile*: called between the death and the restart."""
     src, mnt = tmp_tree / "src", tmp_tree / "mnt"
     name = args[1] if op == "link" else args[0]  # what the handler gets (rename: the old)
     hook = f"{CRASH_ENV}={op}:{stage}:{name}"
@@ -373,7 +376,7 @@ def _killed_in(tmp_tree: Path, op: str, stage: str, args: tuple[str, ...],
         second.start()
         assert "recovering after the death" in second.log(), second.log()
         assert caller.finish(BOUND) == 0
-        return caller
+        return caller, second.log()
     finally:
         if caller is not None:
             caller.close(mnt)
@@ -396,7 +399,14 @@ def test_a_resent_call_the_dead_daemon_was_doing_succeeds_once(
         d.mkdir()
     _prepare(src)
     args, check = OPS[op]
-    caller = _killed_in(tmp_tree, op, stage, args)
+    caller, log = _killed_in(tmp_tree, op, stage, args)
+    # What the new daemon says: nothing (the dead one never did it: executed as new),
+    # the second execution's errno counted as done, or the recorded outcome answered.
+    name = args[1] if op == "link" else args[0]
+    said = {"intent": "", "syscall": f"resent {op} of b'{name}': done by the dead daemon",
+            "outcome": "answered with the dead daemon's outcome (success), not done again",
+            }[stage]
+    assert (said in log) if said else ("resent " + op not in log), log
     assert caller.lines[-1] == {"done": op}, caller.lines
     assert not caller.errors(), caller.lines
     assert [line["call"] for line in caller.lines if "call" in line] == [op]
@@ -426,8 +436,9 @@ def test_a_resent_call_that_had_failed_gets_its_errno_again(
         gone = "gone"
     # Between the death and the restart the directory is emptied underneath: executed
     # again, the call would succeed now; answered from the record, it fails as it did.
-    caller = _killed_in(tmp_tree, op, "outcome", args, gone,
-                        meanwhile=(src / "full" / "x").unlink)
+    caller, log = _killed_in(tmp_tree, op, "outcome", args, gone,
+                             meanwhile=(src / "full" / "x").unlink)
+    assert f"({os.strerror(expected)}), not done again" in log, log
     assert [line.get("errno") for line in caller.lines if "call" in line] == [expected], \
         caller.lines
     assert (src / "a").read_bytes() == b"payload" and (src / "d").is_dir()
