@@ -360,3 +360,10 @@ def _ring_cost(r: IntentRing) -> float:
         r.outcome(e, i, 0)
         r.release(e)
     return (time.perf_counter() - t0) / n
+
+
+def test_the_ring_outnumbers_the_requests_that_can_be_in_flight_twice() -> None:
+    """An entry is given back when its request is answered; with at most MAX_TASKS held,
+    the FIFO reuses it only after MAX_TASKS other intents: the ring must stay larger."""
+    from qosfs.daemon.mount import MAX_TASKS
+    assert RING_ENTRIES >= 2 * MAX_TASKS
