@@ -13,15 +13,17 @@ errno a second execution gives when the first had done it counts as done; one wi
 intent was never begun.
 
 The ring: `RING_ENTRIES` entries of two aligned 8-byte words, (key, tag | code), written
-with native stores (one ``mov`` each: a kill never leaves half a word). Entries are taken
-from a FIFO of free ones at the intent and given back once the outcome is stored, which is
-right before the reply (pyfuse3 replies when the handler returns, with no checkpoint in
-between): an entry is never reused while its request is in flight, since at most
-``MAX_TASKS`` (4096, qosfs.daemon.mount) requests are, and the ring has twice as many
-entries, so an outcome outlives its reply by at least 4096 other intents. The tag (32 bits
-drawn from the key, never 0) makes an entry valid only when both words agree: a reused
+with native stores (one ``mov`` each on a little-endian machine: a kill never leaves half a
+word). Entries are taken from a FIFO of free ones at the intent and given back once the
+handler's answer is ready (the outcome stored, the new name looked up), right before the
+reply (pyfuse3 replies when the handler returns, with no checkpoint in between): since
+at most ``MAX_TASKS`` (4096, qosfs.daemon.mount) requests are in flight and the ring has
+twice as many entries, an entry is never reused while its request is in flight, and an
+outcome outlives its reply by at least 4096 other intents. The tag (31 bits of the key
+and a set top bit, never 0) makes an entry valid only when both words agree: a reused
 entry is cleared (word 1 = 0) before its key changes, so a kill in between leaves an
-empty entry, never another request's outcome.
+empty entry, never another request's outcome; an outcome store torn byte by byte (it is
+not) would read as the intent, never as another outcome.
 
 A successor that recovers copies the dead process's entries into its own ring (oldest
 reused first), so a second kill before the resent requests are answered still finds them.
