@@ -46,6 +46,10 @@
 #   handover"): a new process can serve a mounted, initialised connection without INIT;
 #   pyfuse3-adopt.patch exposes it. Against the system's libfuse pyfuse3 still builds,
 #   and reports ADOPT_SUPPORTED = False.
+# - libfuse-req-unique.patch (after the adopt patch) and pyfuse3-req-unique.patch: a
+#   request's unique id (RequestContext.unique), so that a successor of a daemon that
+#   died answers a resent request with the outcome its predecessor recorded (README.md,
+#   "Resent requests"); against the system's libfuse REQUEST_UNIQUE_SUPPORTED = False.
 set -eu
 
 build=$(realpath -m "${2:-build/libfuse}")
@@ -65,8 +69,9 @@ case $what in
 esac
 here=$(cd "$(dirname "$0")" && pwd)
 patch_file=$here/pyfuse3-passthrough.patch
-more_patches="$here/pyfuse3-no-splice-read.patch $here/pyfuse3-read-queued.patch $here/pyfuse3-adopt.patch"
-libfuse_patch=$here/libfuse-session-adopt.patch
+more_patches="$here/pyfuse3-no-splice-read.patch $here/pyfuse3-read-queued.patch $here/pyfuse3-adopt.patch
+    $here/pyfuse3-req-unique.patch"
+libfuse_patches="$here/libfuse-session-adopt.patch $here/libfuse-req-unique.patch"
 
 LIBFUSE_DEB_VERSION=${LIBFUSE_DEB_VERSION:-3.18.3-1}
 LIBFUSE_MIN=3.17.3
@@ -96,8 +101,11 @@ step() {
 if pkg-config --atleast-version=$LIBFUSE_MIN fuse3 2>/dev/null; then
     source_kind="system libfuse $(pkg-config --modversion fuse3)"
 else
-    source_kind="Debian fuse3 $LIBFUSE_DEB_VERSION + $(basename "$libfuse_patch" .patch)"
-    source_kind="$source_kind $(sha256sum "$libfuse_patch" | cut -c1-16)"
+    source_kind="Debian fuse3 $LIBFUSE_DEB_VERSION +"
+    for libfuse_patch in $libfuse_patches; do
+        source_kind="$source_kind $(basename "$libfuse_patch" .patch)"
+    done
+    source_kind="$source_kind $(cat $libfuse_patches | sha256sum | cut -c1-16)"
 fi
 patch_sum=$(cat "$patch_file" $more_patches | sha256sum | cut -c1-16)
 script_sum=$(sha256sum "$0" | cut -c1-16)
@@ -143,7 +151,9 @@ build_library() {
     srcdir=$build/src/fuse3-$upstream
     rm -rf "$srcdir"
     (cd "$build/src" && step "dpkg-source -x" dpkg-source -x "fuse3_${LIBFUSE_DEB_VERSION}.dsc")
-    step "patch libfuse ($(basename "$libfuse_patch"))" patch -d "$srcdir" -p1 -i "$libfuse_patch"
+    for libfuse_patch in $libfuse_patches; do
+        step "patch libfuse ($(basename "$libfuse_patch"))" patch -d "$srcdir" -p1 -i "$libfuse_patch"
+    done
     rm -rf "$bld"
     step "meson setup" env PATH="$tools/bin:$PATH" "$tools/bin/meson" setup "$bld" "$srcdir" \
         --prefix="$prefix" --libdir=lib --bindir=/usr/bin --buildtype=release \

@@ -20,10 +20,12 @@ What holds after a crash (docs/administration.md says it for administrators):
   was unlinked while open (the dead process held its last reference): ESTALE then;
 * writes acknowledged (and fsync'd, for the disk) are never lost: they were in the
   backing store before the reply;
-* a request the dead daemon was executing is executed again: reads, writes at an offset,
-  getattr, setattr and fsync give the same result; a create with O_EXCL, mkdir, unlink,
-  rmdir, rename and link that had been done may answer EEXIST or ENOENT the second time,
-  and an O_APPEND write may be appended twice;
+* a request the dead daemon was executing is answered once: reads, writes at an offset,
+  getattr, setattr and fsync are executed again and give the same result; a rename,
+  unlink, rmdir, link, mkdir, symlink, mknod or O_EXCL create is answered with the
+  outcome the dead daemon recorded by request id (:mod:`qosfs.passthrough.intents`)
+  instead of being done twice, where pyfuse3 tells request ids (else it may answer
+  EEXIST or ENOENT the second time); an O_APPEND write may be appended twice;
 * callers wait for the new daemon; if none takes over within ``--recover-within``
   seconds (holder) they get ENOTCONN. If the journal cannot be read, the kept connection
   is let go at once (ENOTCONN) and the mount is made afresh: never a hang.
@@ -51,6 +53,7 @@ from qosfs.daemon.mount import (
     serve_mount,
 )
 from qosfs.daemon.topology import QOSFS_FSTYPE
+from qosfs.passthrough.intents import request_ids_known
 from qosfs.passthrough.journal import JournalError, read_journal
 from qosfs.passthrough.recovery import rebuild
 from qosfs.policy.loading import default_policy, load_policy
@@ -124,6 +127,10 @@ def recover_mount(cfg: MountConfig, fds: tuple[int, int], control_path: str,
                 "(%d lost), %d open directories", mountpoint, journal.session.get("pid"),
                 rebuilt.inodes, rebuilt.open_files, rebuilt.lost_files, rebuilt.open_dirs)
     daemon.recovered = {"dead_pid": journal.session.get("pid"), **dataclasses.asdict(rebuilt)}
+    if not request_ids_known():
+        log.warning("%s: resent requests are executed again: a rename, unlink, mkdir... "
+                    "the dead daemon had done may answer ENOENT or EEXIST (pyfuse3 without "
+                    "RequestContext.unique: deploy/libfuse/README.md)", mountpoint)
 
     guard = daemon.guard
     assert guard is not None  # build_daemon made it

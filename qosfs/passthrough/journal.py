@@ -35,6 +35,11 @@ point leaves the old record or the new one, never neither (before, the inode's n
 answered ESTALE after such a kill). Records are written on the event loop's one thread,
 so one scratch slot is enough.
 
+Non-idempotent requests (rename, unlink, mkdir, ...) are written down too, by request
+id: an intent before the system call and the outcome after it, in a ring of fixed size
+after the scratch slot (:mod:`qosfs.passthrough.intents`), so that a successor answers a
+request the kernel sends again with what the dead process did instead of doing it twice.
+
 What is not written: an inode's descriptor (reopened from its handle or name), a listing's
 snapshot (taken again), the buckets' balances and a streaming open's progress (the open's
 charge restarts from where it stood at open).
@@ -48,13 +53,16 @@ import mmap
 import os
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
 
-MAGIC = b"QOSFSJ02"  # 02: slot 0 is the scratch of rewrites
-_MAGIC_BEFORE_SCRATCH = b"QOSFSJ01"  # read too: a crash of the version before this one
+from qosfs.passthrough.intents import RING_SIZE, IntentRing, read_ring
+
+MAGIC = b"QOSFSJ03"  # 03: the intent ring follows the scratch slot
+_MAGIC_BEFORE_RING = b"QOSFSJ02"  # read too (a crash of the versions before this one):
+_MAGIC_BEFORE_SCRATCH = b"QOSFSJ01"  # no intents, records from slot 1 (02) or 0 (01)
 HEADER_SIZE = 4096
 SLOT_SIZE = 512
 _INITIAL_SLOTS = 8192  # 4 MiB of address space; the file is sparse until used
@@ -81,6 +89,8 @@ STALE = 2  # let go of (unlinked, or replaced underneath): its node id answers E
 ROOT_SLOT = -2  # a reference to the mount's root (never journaled: it is the source)
 NO_SLOT = -1
 _SCRATCH = 0  # the slot a rewrite goes to first (its lookups field names the target)
+_RING_AT = HEADER_SIZE + (_SCRATCH + 1) * SLOT_SIZE  # the intent ring, in place of slots
+FIRST_SLOT = _SCRATCH + 1 + RING_SIZE // SLOT_SIZE  # the first record's
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +136,8 @@ class SessionJournal:
             os.close(fd)
         _HEAD.pack_into(self._map, 0, MAGIC, SLOT_SIZE, 1, 0)
         self._free: list[int] = []
-        self._high = _SCRATCH + 1  # slots below this have been handed out at least once
+        self._high = FIRST_SLOT  # slots below this have been handed out at least once
+        self.intents = IntentRing(self._map, _RING_AT)
         self.used = 0
         os.rename(tmp, path)  # whole or not at all: a reader never sees a half header
 
@@ -248,6 +259,8 @@ class Journal:
     session: dict[str, Any]
     next_fh: int
     records: dict[int, Record]
+    ring: bytes = b""  # the intent ring as it was (a successor carries it over)
+    outcomes: dict[int, int] = field(default_factory=dict)  # its requests: read_ring's
 
     def of_kind(self, kind: int) -> Iterator[Record]:
         return (r for r in self.records.values() if r.kind == kind)
@@ -293,23 +306,26 @@ def read_journal(path: str) -> Journal:
     if len(data) < HEADER_SIZE:
         raise JournalError(f"{path}: {len(data)} bytes, no journal")
     magic, slot_size, next_fh, state_len = _HEAD.unpack_from(data, 0)
-    if magic not in (MAGIC, _MAGIC_BEFORE_SCRATCH) or slot_size != SLOT_SIZE:
+    if magic not in (MAGIC, _MAGIC_BEFORE_RING, _MAGIC_BEFORE_SCRATCH) \
+            or slot_size != SLOT_SIZE:
         raise JournalError(f"{path}: not a qosfs session journal of this version")
-    scratch = _SCRATCH if magic == MAGIC else None
+    scratch = None if magic == _MAGIC_BEFORE_SCRATCH else _SCRATCH
+    first = {MAGIC: FIRST_SLOT, _MAGIC_BEFORE_RING: _SCRATCH + 1}.get(magic, 0)
+    ring = data[_RING_AT:_RING_AT + RING_SIZE] if magic == MAGIC else b""
     if not state_len:
         raise JournalError(f"{path}: the session was never initialised")
     session = json.loads(data[_STATE_AT:_STATE_AT + state_len])
     records: dict[int, Record] = {}
     view = memoryview(data)
     slots = (len(data) - HEADER_SIZE) // SLOT_SIZE
-    for slot in range(0 if scratch is None else scratch + 1, slots):
+    for slot in range(first, slots):
         record = _record_at(path, view, slot, slot)
         if record is not None:
             records[slot] = record
     if scratch is not None:
         (target,) = _LOOKUPS.unpack_from(data, HEADER_SIZE + scratch * SLOT_SIZE)
-        if scratch < target < slots:  # a rewrite the kill interrupted: the new one wins
+        if first <= target < slots:  # a rewrite the kill interrupted: the new one wins
             rewritten = _record_at(path, view, scratch, target)
             if rewritten is not None:
                 records[target] = rewritten
-    return Journal(session, next_fh, records)
+    return Journal(session, next_fh, records, ring, read_ring(ring))

@@ -65,6 +65,7 @@ from qosfs.passthrough.backing_io import BackingIO, IoMode
 from qosfs.passthrough.fdcache import DeferredClose
 from qosfs.passthrough.handles import PASSED_THROUGH, DirHandle, FileHandle, OpenQuota
 from qosfs.passthrough.inodes import Inode, InodeTable, default_fd_budget
+from qosfs.passthrough.intents import EXISTS, GONE, ExactlyOnce
 from qosfs.passthrough.journal import SessionJournal
 from qosfs.passthrough.kernel_opens import KernelOpens
 from qosfs.passthrough.paths import PathBook
@@ -167,6 +168,9 @@ class PassthroughOperations(pyfuse3.Operations):
         # Opens a dead predecessor held that could not be reopened (their fh answers
         # ESTALE until released: qosfs.passthrough.recovery).
         self.lost: dict[int, FileHandle] = {}
+        # Renames, unlinks, mkdirs... recorded by request id, so that one the kernel sends
+        # again after a crash is answered with what was done, not done twice.
+        self.once = ExactlyOnce()
 
     # ----------------------------------------------------------------- helpers
 
@@ -398,8 +402,10 @@ class PassthroughOperations(pyfuse3.Operations):
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         parent = self.inodes.get(parent_inode)
         await self._admit_meta(parent, ctx)
-        await self._meta(self._mknod, parent, name, mode, rdev, ctx)
-        return await self._adopt_new(parent, name)
+        return await self.once.run(
+            ctx, "mknod", name, EXISTS,
+            functools.partial(self._meta, self._mknod, parent, name, mode, rdev, ctx),
+            functools.partial(self._made, parent, name, ctx, mode))
 
     def _mknod(self, parent: Inode, name: bytes, mode: int, rdev: int,
                ctx: pyfuse3.RequestContext) -> None:
@@ -411,8 +417,10 @@ class PassthroughOperations(pyfuse3.Operations):
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         parent = self.inodes.get(parent_inode)
         await self._admit_meta(parent, ctx)
-        await self._meta(self._mkdir, parent, name, mode, ctx)
-        return await self._adopt_new(parent, name)
+        return await self.once.run(
+            ctx, "mkdir", name, EXISTS,
+            functools.partial(self._meta, self._mkdir, parent, name, mode, ctx),
+            functools.partial(self._made, parent, name, ctx, mode & ~_SUID_SGID))
 
     def _mkdir(self, parent: Inode, name: bytes, mode: int, ctx: pyfuse3.RequestContext) -> None:
         os.mkdir(name, stat.S_IMODE(mode), dir_fd=parent.fd)
@@ -424,8 +432,10 @@ class PassthroughOperations(pyfuse3.Operations):
                       ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         parent = self.inodes.get(parent_inode)
         await self._admit_meta(parent, ctx)
-        await self._meta(self._symlink, parent, name, target, ctx)
-        return await self._adopt_new(parent, name)
+        return await self.once.run(
+            ctx, "symlink", name, EXISTS,
+            functools.partial(self._meta, self._symlink, parent, name, target, ctx),
+            functools.partial(self._made, parent, name, ctx, stat.S_IFLNK))
 
     def _symlink(self, parent: Inode, name: bytes, target: bytes,
                  ctx: pyfuse3.RequestContext) -> None:
@@ -438,16 +448,32 @@ class PassthroughOperations(pyfuse3.Operations):
         node = self.inodes.get(inode)
         parent = self.inodes.get(new_parent_inode)
         await self._admit_meta(parent, ctx)
-        await self._meta(syscalls.link_fd, node.fd, parent.fd, new_name)
-        return await self._adopt_new(parent, new_name)
+        return await self.once.run(
+            ctx, "link", new_name, EXISTS,
+            functools.partial(self._meta, syscalls.link_fd, node.fd, parent.fd, new_name),
+            functools.partial(self._made, parent, new_name, None, 0))
+
+    async def _made(self, parent: Inode, name: bytes, ctx: pyfuse3.RequestContext | None,
+                    mode: int, done: object) -> pyfuse3.EntryAttributes:
+        """The entry a mknod, mkdir, symlink or link made (*done*: None if it was made by
+        a predecessor that died, recorded or not: then the ownership, which a kill may
+        have left root's, is given to the caller again; no *ctx*: a link, whose object
+        keeps its own)."""
+        if done is None and ctx is not None:
+            await self._meta(self._give_to_caller, parent, name, ctx, mode)
+        return await self._adopt_new(parent, name)
 
     @fuse_handler
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         parent = self.inodes.get(parent_inode)
         await self._admit_meta(parent, ctx)
-        st = await self._meta(self._unlink, parent.fd, name)
-        inode = self.inodes.find(st)
-        if inode is not None and st.st_nlink <= 1:
+        await self.once.run(ctx, "unlink", name, GONE,
+                            functools.partial(self._meta, self._unlink, parent.fd, name),
+                            self._unlinked)
+
+    async def _unlinked(self, st: os.stat_result | None) -> None:
+        inode = None if st is None else self.inodes.find(st)
+        if st is not None and inode is not None and st.st_nlink <= 1:
             # The last name is gone: let go of the blocks now, as a native unlink does.
             self.inodes.release_unlinked(inode)
 
@@ -455,7 +481,9 @@ class PassthroughOperations(pyfuse3.Operations):
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         parent = self.inodes.get(parent_inode)
         await self._admit_meta(parent, ctx)
-        await self._meta(self._rmdir, parent.fd, name)
+        await self.once.run(ctx, "rmdir", name, GONE,
+                            functools.partial(self._meta, self._rmdir, parent.fd, name),
+                            _nothing)
 
     def _looked_up(self, parent_fd: int, name: bytes) -> os.stat_result:
         """The object under *name*, which must be one the kernel looked up (ESTALE if not).
@@ -493,15 +521,24 @@ class PassthroughOperations(pyfuse3.Operations):
         new = self.inodes.get(parent_inode_new)
         await self._admit_meta(old, ctx)
         try:
-            await self._meta(self._rename, old.fd, name_old, new.fd, name_new, flags)
-            self.inodes.renamed(new, name_new)
-            if flags & syscalls.RENAME_EXCHANGE:
-                self.inodes.renamed(old, name_old)
+            await self.once.run(
+                ctx, "rename", name_old, GONE,
+                functools.partial(self._meta, self._rename, old.fd, name_old, new.fd,
+                                  name_new, flags),
+                functools.partial(self._renamed, old, name_old, new, name_new, flags, ctx))
         finally:
             # Paths below the renamed name changed: every memoized path (and the engine's
             # classifications from them) is stale. After the call, so that one read while
             # the rename ran is dropped too.
             self.paths.renamed()
+
+    async def _renamed(self, old: Inode, name_old: bytes, new: Inode, name_new: bytes,
+                       flags: int, ctx: pyfuse3.RequestContext, done: object) -> None:
+        """The tables after a rename (done here, or by a predecessor that died)."""
+        self.inodes.renamed(new, name_new)
+        if flags & syscalls.RENAME_EXCHANGE:
+            self.inodes.renamed(old, name_old)
+        self.paths.renamed()
         await self._report_rename(new, name_new, ctx)
 
     async def _report_rename(self, parent: Inode, name: bytes,
@@ -593,6 +630,7 @@ class PassthroughOperations(pyfuse3.Operations):
         table, every open file and directory (a new mount's, a successor's, a recovered
         one's: each process writes a journal of its own)."""
         self.journal = journal
+        self.once.attach(journal.intents)
         self.inodes.attach_journal(journal, [h.inode for h in self.files.values()]
                                    + [h.inode for h in self.lost.values()]
                                    + [d.inode for d in self.dirs.values()])
@@ -653,23 +691,47 @@ class PassthroughOperations(pyfuse3.Operations):
     async def _create(self, parent: Inode, name: bytes, mode: int, flags: int,
                       ctx: pyfuse3.RequestContext,
                       owner: int) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        if flags & os.O_EXCL:  # done twice it fails: recorded (qosfs.passthrough.intents)
+            return await self.once.run(
+                ctx, "create", name, EXISTS,
+                functools.partial(self._create_new, parent, name, mode, flags),
+                functools.partial(self._created, parent, name, mode, flags, ctx, owner))
+        made = await self._create_new(parent, name, mode, flags)
+        return await self._created(parent, name, mode, flags, ctx, owner, made)
+
+    async def _create_new(self, parent: Inode, name: bytes, mode: int,
+                          flags: int) -> tuple[int, bool]:
         # The kernel sends CREATE when it believes the name does not exist (a negative
         # entry, cached for entry_timeout). If something appeared underneath since (another
         # node, another path), a plain O_CREAT would open it as root -- another user's file,
         # or the target of a symlink outside the tree -- and hand it to the caller. O_EXCL
         # creates only what is new and never follows a symlink.
         try:
-            fd, direct = await self._meta_opening(
+            made: tuple[int, bool] = await self._meta_opening(
                 self._open_backing,
                 (flags & ~(os.O_NOCTTY | os.O_NOFOLLOW)) | os.O_CREAT | os.O_EXCL,
                 _create_in, parent, name, stat.S_IMODE(mode),
             )
+            return made
         except FileExistsError:
             if flags & os.O_EXCL:
                 raise
             # ESTALE makes the VFS redo the open with a fresh lookup: the kernel then
             # opens the existing object itself, checking permissions as the caller.
             raise FUSEError(errno.ESTALE) from None
+
+    async def _created(self, parent: Inode, name: bytes, mode: int, flags: int,
+                       ctx: pyfuse3.RequestContext, owner: int, made: tuple[int, bool] | None,
+                       ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        """The reply to a create that made *name* (*made*: its descriptor and whether it
+        is direct), or whose file a predecessor that died made (None): that file is
+        opened as it is, never created or emptied again, nor through a symlink."""
+        if made is None:
+            made = await self._meta_opening(
+                self._open_backing,
+                (flags & ~(os.O_NOCTTY | _OPEN_DROP | os.O_TRUNC)) | os.O_NOFOLLOW,
+                _create_in, parent, name, 0)
+        fd, direct = made
         try:
             await self._meta(self._give_to_caller, parent, name, ctx, mode)
             opath = await self._meta_opening(os.open, f"/proc/self/fd/{fd}",
@@ -1019,6 +1081,10 @@ class PassthroughOperations(pyfuse3.Operations):
         self.dirs.clear()
         self.inodes.close_all()
         self.io.fd_guard.close_all()
+
+
+async def _nothing(done: object) -> None:
+    """The answer of an operation whose reply carries nothing (unlink, rmdir, rename)."""
 
 
 def _fds(args: tuple[Any, ...]) -> tuple[Any, ...]:

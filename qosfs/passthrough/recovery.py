@@ -13,7 +13,10 @@ journal (:mod:`qosfs.passthrough.journal`):
   on). An open that cannot be reopened (its file was unlinked while open: its blocks went
   with the dead process's descriptor) stays in the table with no descriptor, and every
   request on it answers ESTALE, never a hang and never another file's data;
-- open directories: the same ``fh``; the listing is taken again at the next READDIR.
+- open directories: the same ``fh``; the listing is taken again at the next READDIR;
+- the outcomes of its non-idempotent requests by request id, so that those the kernel
+  sends again are answered with them instead of being done twice, and its intent ring,
+  carried into the successor's journal (:mod:`qosfs.passthrough.intents`).
 
 What is not carried: the buckets' balances (a cap starts again from one burst) and a
 streaming open's progress since it was opened.
@@ -43,6 +46,7 @@ class Rebuilt:
     open_files: int
     lost_files: int
     open_dirs: int
+    intents: int  # requests the dead process had begun or done, by id (recent ones)
 
 
 def _signed(value: int) -> int:
@@ -102,6 +106,8 @@ def rebuild(ops: PassthroughOperations, journal: Journal) -> Rebuilt:
         ops.open_quota.adopt(owner)
         ops.dirs[rec.nodeid] = DirHandle(fd, node, owner=owner, fh=rec.nodeid)
         dirs += 1
+    ops.once.past = journal.outcomes
+    ops.once.carried = journal.ring
     highest = max([*ops.files, *ops.dirs, 0])
     ops.next_fh = max(ops.next_fh, journal.next_fh, highest + 1)
-    return Rebuilt(len(nodes), files, lost, dirs)
+    return Rebuilt(len(nodes), files, lost, dirs, len(journal.outcomes))

@@ -12,6 +12,11 @@ seconds between calls (so that it is still in flight when the daemon is killed).
   fsync every 4; ``synced`` reports the length and xxh3 of what was fsync'd (a parked
   writer is the same in a capped class);
 - ``meta``: create, stat, list, rename and unlink files in the directory PATH.
+
+``python -m tests.mount.crash_callers once OP PATH [OTHER]`` makes one call OP on PATH
+(``rename`` and ``link`` to OTHER, ``symlink`` PATH pointing to OTHER, ``create``: an
+O_CREAT|O_EXCL open that then writes ``created`` through its descriptor) and reports it as
+above: the caller whose request the daemon dies on in tests/mount/test_crash_recovery.py.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import errno
 import json
 import os
 import random
+import stat
 import sys
 import time
 
@@ -102,7 +108,31 @@ def meta(path: str, ops: int) -> None:
         _timed("unlink", os.unlink, final)
 
 
+def _create(path: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    try:
+        os.write(fd, b"created")
+    finally:
+        os.close(fd)
+
+
+ONCE = {
+    "rename": os.rename, "link": os.link, "symlink": lambda path, other: os.symlink(other, path),
+    "unlink": os.unlink, "rmdir": os.rmdir, "mkdir": os.mkdir, "create": _create,
+    "mknod": lambda path: os.mknod(path, 0o600 | stat.S_IFIFO),
+}
+
+
+def once(op: str, path: str, *other: str) -> None:
+    _emit(started=op)
+    _timed(op, ONCE[op], path, *other)
+    _emit(done=op)
+
+
 def main() -> None:
+    if sys.argv[1] == "once":
+        once(*sys.argv[2:])
+        return
     kind, path, ops = sys.argv[1], sys.argv[2], int(sys.argv[3])
     PAUSE[0] = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
     _emit(started=kind)
