@@ -19,6 +19,7 @@ from typing import Any
 from bench.context import Run
 from bench.figures import EnvelopeResult
 from bench.fio import JOBS_DIR, run_job
+from bench.system import unmount
 
 MiB = 1 << 20
 SIDES = ("policy", "no-qos", "null")
@@ -102,7 +103,7 @@ def _null(run: Run, seconds: int) -> dict[str, float]:
             time.sleep(0.1)
         return _reads(run.fio, mnt / "f", seconds)
     finally:
-        subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+        unmount(mnt)
         proc.wait(timeout=10)
 
 

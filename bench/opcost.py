@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.loader import epoch
-from bench.system import drop_caches
+from bench.system import drop_caches, unmount
 
 TRACING = Path("/sys/kernel/tracing")
 WORKERS = 4
@@ -116,7 +116,7 @@ def hp_mount(binary: str, source: Path, mnt: Path) -> Iterator[tuple[Path, int |
             time.sleep(0.05)
         yield mnt, proc.pid
     finally:
-        subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+        unmount(mnt)
         proc.wait(timeout=10)
 
 
@@ -141,7 +141,7 @@ def qosfs_mount(source: Path, mnt: Path, work: Path, pythonpath: str,
             raise RuntimeError(f"qosfs did not mount {mnt} (see {work / mnt.name}.log)")
         yield mnt, proc.pid
     finally:
-        subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+        unmount(mnt)
         proc.wait(timeout=30)
 
 

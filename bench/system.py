@@ -54,6 +54,23 @@ def _wait_unmounted(path: str, timeout: float) -> bool:
     return True
 
 
+def unmount(mountpoint: str | Path, attempts: int = 40) -> None:
+    """``fusermount3 -u``, tried again while the mount is busy, then ``umount -l``.
+
+    A FUSE mount is busy while any request to it is in flight, and qosfs's latency canary
+    (qosfs.qos.latency_probe) keeps sending one every 2 ms for up to a window after a
+    protected reader's last request: an unmount right after a run failed with EBUSY in 2
+    of 16 tries (bench.opcost died on it). The next try, 50 ms later, worked.
+    """
+    mnt = str(mountpoint)
+    for _ in range(attempts):
+        if not os.path.ismount(mnt) or subprocess.run(
+                ["fusermount3", "-u", mnt], capture_output=True).returncode == 0:
+            return
+        time.sleep(0.05)
+    subprocess.run(["umount", "-l", mnt], capture_output=True)
+
+
 @contextmanager
 def tmpfs_area(size: str, subdirs: Sequence[str]) -> Iterator[Path]:
     """A fresh tmpfs of *size* with *subdirs* created in it; unmounted and removed after."""
@@ -164,7 +181,7 @@ class QosfsMount:
     def __exit__(self, *exc: object) -> None:
         mnt = self.mountpoint
         if os.path.ismount(mnt):
-            _run(["fusermount3", "-u", mnt], check=False)
+            unmount(mnt)
             if not _wait_unmounted(mnt, 15):
                 _run(["umount", "-l", mnt], check=False)  # last resort
                 _wait_unmounted(mnt, 5)
