@@ -173,10 +173,12 @@ def test_sigterm_serves_parked_requests_at_once_and_loses_nothing(tmp_tree: Path
 
 
 # Reads 256 KiB blocks of a file whose block i is filled with byte i % 251, checking each,
-# until an error; prints {"good": blocks read right, "bad": blocks read wrong, "errno"}.
+# until an error; prints "open" once it has the file open, then {"good": blocks read
+# right, "bad": blocks read wrong, "errno"}.
 CHECKING_READER = r"""
 import json, os, sys
 fd = os.open(sys.argv[1], os.O_RDONLY)
+print("open", flush=True)
 good = bad = 0
 code = None
 try:
@@ -209,9 +211,16 @@ def test_sigterm_drains_parked_reads_and_writes_alike(tmp_tree: Path) -> None:
         readers = [subprocess.Popen([sys.executable, "-c", CHECKING_READER,
                                      str(mnt / "data" / "set")], stdout=subprocess.PIPE,
                                     text=True) for _ in range(4)]
-        # Both classes far over their caps: wait until reads and writes are parked.
-        wait_for("a read and a write parked", lambda: _parked(mnt),
-                 until=lambda parked: parked["ckpt"] >= 1 and parked["data"] >= 1, timeout=15)
+        # Every reader and writer has its file open (one that started late would meet the
+        # unmount at open(), outside what it reports), and both classes, far over their
+        # caps, have requests parked.
+        for reader in readers:
+            assert reader.stdout is not None and reader.stdout.readline() == "open\n"
+        opened = [src / "ckpt" / f"w{i}" for i in range(4)]
+        wait_for("a read and a write parked, 4 files written",
+                 lambda: (_parked(mnt), sum(p.exists() for p in opened)),
+                 until=lambda seen: (seen[0]["ckpt"] >= 1 and seen[0]["data"] >= 1
+                                     and seen[1] == 4), timeout=15)
         assert m.proc is not None
         t = time.monotonic()
         m.proc.send_signal(signal.SIGTERM)
