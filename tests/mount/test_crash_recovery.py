@@ -75,13 +75,14 @@ PAUSE = {"read": 0.01, "write": 0.02, "parked": 0.0, "meta": 0.005}
 class Caller:
     """One caller process and what it reported."""
 
-    def __init__(self, kind: str, path: Path, ops: int, pause: float = 0.0) -> None:
+    def __init__(self, kind: str, path: Path, *args: str) -> None:
+        """``python -m tests.mount.crash_callers ARGS``: a loop of *kind* calls on *path*
+        (ARGS: kind, path, how many, the pause between them), or one call (``once``)."""
         self.kind = kind
         self.path = path
         self.lines: list[dict[str, Any]] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.mount.crash_callers", kind, str(path), str(ops),
-             str(pause)],
+            [sys.executable, "-m", "tests.mount.crash_callers", *args],
             stdout=subprocess.PIPE, cwd=ROOT, text=True)
         self._reader = threading.Thread(target=self._collect, daemon=True)
         self._reader.start()
@@ -122,6 +123,12 @@ class Caller:
         return max((line["took"] for line in self.lines if "took" in line), default=0.0)
 
 
+def _looping(kind: str, path: Path, ops: int, pause: float = 0.0) -> Caller:
+    """A caller making *ops* calls of *kind* on *path*, *pause* seconds apart."""
+    return Caller(kind, path, kind, str(path), str(ops), str(pause))
+
+
+
 def _status(mnt: Path) -> str:
     out = subprocess.run([sys.executable, "-m", "qosfs", "ctl", "--socket", str(mnt), "status"],
                          cwd=ROOT, capture_output=True, text=True, timeout=30)
@@ -149,7 +156,7 @@ def test_kill_9_with_16_callers_in_flight_loses_nothing(tmp_tree: Path, layout: 
     callers: list[Caller] = []
     try:
         for i in range(4):
-            callers += [Caller(kind, mnt / where, KINDS[kind], PAUSE[kind])
+            callers += [_looping(kind, mnt / where, KINDS[kind], PAUSE[kind])
                         for kind, where in (("read", "data/set"), ("write", f"out/w{i}"),
                                             ("parked", f"slow/p{i}"), ("meta", f"meta/{i}"))]
         wait_for("every caller to be in flight", lambda: all(c.calls() >= 3 for c in callers),
@@ -227,7 +234,7 @@ def _killed_under_a_reader(tmp_tree: Path, *args: str) -> Iterator[tuple[Path, C
     first.start()
     caller = None
     try:
-        caller = Caller("read", mnt / "data" / "set", 1_000_000)
+        caller = _looping("read", mnt / "data" / "set", 1_000_000)
         wait_for("the reader to be in flight", lambda: caller.calls() >= 3, timeout=30)
         assert first.proc is not None
         first.proc.send_signal(signal.SIGKILL)
@@ -337,15 +344,9 @@ OPS: dict[str, tuple[tuple[str, ...], Any]] = {
 
 
 def _once(op: str, mnt: Path, *args: str) -> Caller:
-    caller = Caller.__new__(Caller)
-    caller.kind, caller.path, caller.lines = op, mnt / args[0], []
-    caller.proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.mount.crash_callers", "once", op,
-         str(mnt / args[0]), *[str(mnt / a) if op != "symlink" else a for a in args[1:]]],
-        stdout=subprocess.PIPE, cwd=ROOT, text=True)
-    caller._reader = threading.Thread(target=caller._collect, daemon=True)
-    caller._reader.start()
-    return caller
+    """One *op* call on the names *args* under *mnt* (a symlink's target as it is)."""
+    return Caller(op, mnt / args[0], "once", op, str(mnt / args[0]),
+                  *[str(mnt / a) if op != "symlink" else a for a in args[1:]])
 
 
 def _killed_in(tmp_tree: Path, op: str, stage: str, args: tuple[str, ...],
