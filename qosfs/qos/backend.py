@@ -159,9 +159,7 @@ class BackendLevel:
         """New capacity, in force at once (the request holding the turn re-checks)."""
         self.level.set_limits(limits)
         self._index_costs()
-        for line, limited in zip(self.parked, self.level.limited, strict=True):
-            if line and not limited:  # no capacity left to share out: all go now
-                line.release_all()
+        Turn.release_unlimited(self.parked, self.level.limited)
 
     def port(self, name: str, share: Share) -> ClassPort:
         """The port of class *name*, created or updated with *share*."""

@@ -339,9 +339,7 @@ class RateLevel:
             bucket.set_rate(limit.rate, limit.effective_burst, now)
         self.limits = limits
         self._index_buckets()
-        for line, limited in zip(self.parked, self.limited, strict=True):
-            if line and not limited:  # nothing left to take turns for: all go now
-                line.release_all()
+        Turn.release_unlimited(self.parked, self.limited)
         self.changed.set()
         self.changed = trio.Event()
 

@@ -92,6 +92,15 @@ class Turn(dict[Ticket, None]):
         for ticket in self:
             ticket.event.set()
 
+    @staticmethod
+    def release_unlimited(lines: Sequence[Turn], limited: Sequence[bool]) -> None:
+        """After a change of limits: `release_all` of each kind's line (*lines*, by kind)
+        that no bucket limits any more (*limited*, by kind): nothing is left to take turns
+        for, so every request parked there goes now."""
+        for line, limits in zip(lines, limited, strict=True):
+            if line and not limits:
+                line.release_all()
+
     def hand_to(self, ticket: Ticket) -> None:
         """Give the turn to *ticket* (a parked one) and wake it."""
         self.holder = ticket
