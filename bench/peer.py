@@ -48,7 +48,7 @@ from bench import loader
 from bench.context import Run
 from bench.figures import PEER_DISK_COLUMNS, PEER_TMPFS_COLUMNS, PeerResult
 from bench.fio import FioError, FioMetrics, parse_fio_json
-from bench.system import REPO, BenchError, cpu_seconds, drop_caches, wait_quiet
+from bench.system import REPO, BenchError, cpu_seconds, drop_caches, unmount, wait_quiet
 from qosfs.control.ctl import Client, checked
 
 MiB = 1 << 20
@@ -101,9 +101,7 @@ def peer_mount(binary: str, source: Path, mnt: Path, options: tuple[str, ...],
             time.sleep(0.05)
         yield proc.pid
     finally:
-        if os.path.ismount(mnt) and subprocess.run(
-                ["fusermount3", "-u", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+        unmount(mnt)
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
