@@ -538,6 +538,8 @@ class PassthroughOperations(pyfuse3.Operations):
         self.inodes.renamed(new, name_new)
         if flags & syscalls.RENAME_EXCHANGE:
             self.inodes.renamed(old, name_old)
+        # Before the report classifies the new name; rename's finally does it again, for
+        # a call that failed and for a path memoized while this one ran.
         self.paths.renamed()
         await self._report_rename(new, name_new, ctx)
 
