@@ -350,13 +350,16 @@ def _once(op: str, mnt: Path, *args: str) -> Caller:
 
 
 def _killed_in(tmp_tree: Path, op: str, stage: str, args: tuple[str, ...],
-               gone: str | None = None, meanwhile: Any = None) -> tuple[Caller, str]:
+               gone: str | None = None, meanwhile: Any = None,
+               in_place: bool = False) -> tuple[Caller, str]:
     """Run *op* through a mount whose daemon dies at *stage* of it, then ``qosfs mount``
     again; returns the caller, finished, and the new daemon's log. *gone*: a name the
     kernel has an entry for (looked up first) that is then removed underneath, so that
     the call reaches the daemon and fails there (a name the kernel knows is missing fails
-    in the VFS). *meanwhile*: called between the death and the restart."""
-    src, mnt = tmp_tree / "src", tmp_tree / "mnt"
+    in the VFS). *meanwhile*: called between the death and the restart. *in_place*: the
+    mount covers its source (as systemd and the DaemonSet mount it)."""
+    src = tmp_tree / "src"
+    mnt = src if in_place else tmp_tree / "mnt"
     name = args[1] if op == "link" else args[0]  # what the handler gets (rename: the old)
     hook = f"{CRASH_ENV}={op}:{stage}:{name}"
     entries = ("--attr-timeout", "60")  # the looked-up entry of *gone* stays valid
@@ -387,10 +390,13 @@ def _killed_in(tmp_tree: Path, op: str, stage: str, args: tuple[str, ...],
 
 
 @_exact
-@pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize(("op", "stage", "layout"), [
+    *[(op, stage, "apart") for op in OPS for stage in STAGES],
+    # In place too, where the call was done before the kill: the record, or the second
+    # execution's errno, must answer on the mount that covers the tree it changed.
+    *[(op, stage, "in place") for op in OPS for stage in ("syscall", "outcome")]])
 def test_a_resent_call_the_dead_daemon_was_doing_succeeds_once(
-        tmp_tree: Path, op: str, stage: str) -> None:
+        tmp_tree: Path, op: str, stage: str, layout: str) -> None:
     """The daemon dies before the system call (the successor does it), after it (intent
     without outcome: the second execution's ENOENT/EEXIST counts as done), or after the
     outcome was stored (answered from the record, not executed again): either way the
@@ -400,7 +406,7 @@ def test_a_resent_call_the_dead_daemon_was_doing_succeeds_once(
         d.mkdir()
     _prepare(src)
     args, check = OPS[op]
-    caller, log = _killed_in(tmp_tree, op, stage, args)
+    caller, log = _killed_in(tmp_tree, op, stage, args, in_place=layout == "in place")
     # What the new daemon says: nothing (the dead one never did it: executed as new),
     # the second execution's errno counted as done, or the recorded outcome answered.
     name = args[1] if op == "link" else args[0]
