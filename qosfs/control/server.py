@@ -112,6 +112,7 @@ class ControlSocket:
         self._total = 0  # unprivileged connections
         self._privileged = 0  # root's and the admin group's
         self._accepting: trio.CancelScope | None = None
+        self._served: trio.Event | None = None  # set when serve() returns
         self._closing_at = math.inf  # trio time at which stop_accepting was called
         # Connections waiting for a request -> how long they linger after stop_accepting.
         self._idle: dict[trio.CancelScope, float] = {}
@@ -179,6 +180,12 @@ class ControlSocket:
         for wait, linger in self._idle.items():
             wait.deadline = min(wait.deadline, self._closing_at + linger)
 
+    async def stopped(self) -> None:
+        """Wait until :meth:`serve` is over: after :meth:`stop_accepting`, until its
+        accept loop has ended and every connection it accepted is done."""
+        if self._served is not None:
+            await self._served.wait()
+
     def release(self) -> None:
         """Close this process's descriptor and leave the path: a successor serves it."""
         self._sock.close()
@@ -199,17 +206,28 @@ class ControlSocket:
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._sock.dup()))
         self._closing_at = math.inf
         self._accepting = trio.CancelScope()
-        async with listener, trio.open_nursery() as nursery:
-            task_status.started()
-            with self._accepting:
-                while True:
-                    try:
-                        stream = await listener.accept()
-                    except OSError as exc:  # EMFILE and friends: back off, keep serving
-                        log.warning("control socket accept failed: %s", exc)
-                        await trio.sleep(0.1)
-                        continue
-                    nursery.start_soon(self._connection, stream, handler)
+        served = self._served = trio.Event()
+        try:
+            async with listener, trio.open_nursery() as nursery:
+                task_status.started()
+                with self._accepting:
+                    await self._accept(listener, nursery, handler)
+        finally:
+            served.set()
+
+    async def _accept(self, listener: trio.SocketListener, nursery: trio.Nursery,
+                      handler: Handler) -> None:
+        """Accept connections into *nursery* until cancelled. An accept woken before
+        stop_accepting's cancel returns its connection all the same: it is served in the
+        nursery, which :meth:`stopped` waits for."""
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:  # EMFILE and friends: back off, keep serving
+                log.warning("control socket accept failed: %s", exc)
+                await trio.sleep(0.1)
+                continue
+            nursery.start_soon(self._connection, stream, handler)
 
     # ------------------------------------------------------------------ one connection
 

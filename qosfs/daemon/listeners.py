@@ -28,10 +28,8 @@ from qosfs.control.server import ControlSocket
 #: scrapes in progress to be answered: as long as one exchange may take (the exporter's
 #: TIMEOUT, a control request's REQUEST_TIMEOUT). They take milliseconds, but a bound of
 #: 1 s could cut one on a loaded machine, and the process then ended with the connection
-#: open: a ``/metrics`` poll got an empty answer once during an upgrade (not reproduced
-#: since, in 40,000 polls; this is the one path to it we found).
-#: Waiting costs no caller anything: the old daemon reads /dev/fuse until this is done,
-#: so a slow or hostile client can delay an upgrade by this much, never stall a job.
+#: open. Waiting costs no caller anything: the old daemon reads /dev/fuse until this is
+#: done, so a slow or hostile client can delay an upgrade by this much, never stall a job.
 WIND_DOWN_LIMIT = max(exporter.TIMEOUT, control_server.REQUEST_TIMEOUT)
 
 
@@ -89,9 +87,14 @@ class Listeners:
             servers.append(self.metrics)
         for server in servers:
             server.stop_accepting()
+        # Not a count of the connections open now: an accept already woken when the
+        # cancel came still returns its connection, a moment later. Counting at once saw
+        # none, the process ended, and that connection was cut unanswered (an empty
+        # /metrics answer in CI). Each server's serve() is over only once its accept loop
+        # has ended and what it accepted is done.
         with trio.move_on_after(limit):
-            while any(server.connections() for server in servers):
-                await trio.sleep(0.002)
+            for server in servers:
+                await server.stopped()
 
     def release(self) -> None:
         """A successor serves them: close this process's descriptors, leave the path."""
