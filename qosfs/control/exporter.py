@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import trio
 
+from qosfs.control.accepting import AcceptLoop
 from qosfs.control.metrics import render_for
 from qosfs.control.snapshot import Snapshot
 from qosfs.core.errors import EXIT_CONTROL, EXIT_USAGE, QosfsError
@@ -73,8 +74,7 @@ class MetricsServer:
                              f"{inherited.getsockname()[1]}, not {self.port}")
         self._sock = _bind(self.host, self.port) if inherited is None else inherited
         self.port = self._sock.getsockname()[1]  # the real one when asked for port 0
-        self._accepting: trio.CancelScope | None = None
-        self._served: trio.Event | None = None  # set when serve() returns
+        self._loop = AcceptLoop("metrics")
         self._open = 0
         self._render = trio.CapacityLimiter(1)
         # Connections still waiting for their request head, oldest first (evictable).
@@ -102,53 +102,32 @@ class MetricsServer:
     def stop_accepting(self) -> None:
         """A successor serves the port from now on: accept nothing more (connections
         wait in the backlog for it); the scrapes begun are finished. On the event loop."""
-        if self._accepting is not None:
-            self._accepting.cancel()
+        self._loop.stop()
 
     async def stopped(self) -> None:
-        """Wait until :meth:`serve` is over: after :meth:`stop_accepting`, until its
-        accept loop has ended and every scrape it accepted is answered."""
-        if self._served is not None:
-            await self._served.wait()
+        """Wait until :meth:`serve` is over: after :meth:`stop_accepting`, until every
+        scrape it accepted is answered (:mod:`qosfs.control.accepting`)."""
+        await self._loop.stopped()
 
     async def serve(self, snapshot: Callable[[], Snapshot],
                     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Answer scrapes with *snapshot*'s until cancelled, or until the ones left after
         :meth:`stop_accepting` are done."""
-        listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._sock.dup()))
-        self._accepting = trio.CancelScope()
-        served = self._served = trio.Event()
-        try:
-            async with listener, trio.open_nursery() as nursery:
-                task_status.started()
-                with self._accepting:
-                    await self._accept(listener, nursery, snapshot)
-        finally:
-            served.set()
 
-    async def _accept(self, listener: trio.SocketListener, nursery: trio.Nursery,
-                      snapshot: Callable[[], Snapshot]) -> None:
-        """Accept scrapes into *nursery* until cancelled. An accept woken before
-        stop_accepting's cancel returns its connection all the same: it is served in the
-        nursery, which :meth:`stopped` waits for."""
-        while True:
-            try:
-                stream = await listener.accept()
-            except OSError as exc:
-                log.warning("metrics accept failed: %s", exc)
-                await trio.sleep(0.1)
-                continue
+        async def admit(stream: trio.SocketStream, nursery: trio.Nursery) -> None:
             address = _remote_address(stream)
             if address is not None and self._by_address.get(address, 0) >= MAX_PER_ADDRESS:
                 await stream.aclose()
-                continue
+                return
             if self._open >= MAX_CONNECTIONS and not self._evict_oldest_waiting():
                 await stream.aclose()
-                continue
+                return
             self._open += 1
             if address is not None:
                 self._by_address[address] = self._by_address.get(address, 0) + 1
             nursery.start_soon(self._connection, stream, address, snapshot)
+
+        await self._loop.run(self._sock, admit, task_status=task_status)
 
     def _evict_oldest_waiting(self) -> bool:
         """Free a slot by closing the oldest connection that sent no request yet."""

@@ -54,6 +54,7 @@ from typing import Any
 
 import trio
 
+from qosfs.control.accepting import AcceptLoop
 from qosfs.control.protocol import (
     MAX_REQUEST_BYTES,
     Peer,
@@ -111,8 +112,7 @@ class ControlSocket:
         self._pacing: dict[int, TokenBucket] = {}
         self._total = 0  # unprivileged connections
         self._privileged = 0  # root's and the admin group's
-        self._accepting: trio.CancelScope | None = None
-        self._served: trio.Event | None = None  # set when serve() returns
+        self._loop = AcceptLoop("control socket")
         self._closing_at = math.inf  # trio time at which stop_accepting was called
         # Connections waiting for a request -> how long they linger after stop_accepting.
         self._idle: dict[trio.CancelScope, float] = {}
@@ -175,16 +175,14 @@ class ControlSocket:
         once :data:`LINGER` has passed (:data:`FIRST_REQUEST_LINGER` for one that has not
         sent its first request yet). Called on the event loop."""
         self._closing_at = trio.current_time()
-        if self._accepting is not None:
-            self._accepting.cancel()
+        self._loop.stop()
         for wait, linger in self._idle.items():
             wait.deadline = min(wait.deadline, self._closing_at + linger)
 
     async def stopped(self) -> None:
-        """Wait until :meth:`serve` is over: after :meth:`stop_accepting`, until its
-        accept loop has ended and every connection it accepted is done."""
-        if self._served is not None:
-            await self._served.wait()
+        """Wait until :meth:`serve` is over: after :meth:`stop_accepting`, until every
+        connection it accepted is done (:mod:`qosfs.control.accepting`)."""
+        await self._loop.stopped()
 
     def release(self) -> None:
         """Close this process's descriptor and leave the path: a successor serves it."""
@@ -203,31 +201,12 @@ class ControlSocket:
                     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Accept and answer connections until cancelled (the socket stays open), or
         until the connections left after :meth:`stop_accepting` are done."""
-        listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._sock.dup()))
         self._closing_at = math.inf
-        self._accepting = trio.CancelScope()
-        served = self._served = trio.Event()
-        try:
-            async with listener, trio.open_nursery() as nursery:
-                task_status.started()
-                with self._accepting:
-                    await self._accept(listener, nursery, handler)
-        finally:
-            served.set()
 
-    async def _accept(self, listener: trio.SocketListener, nursery: trio.Nursery,
-                      handler: Handler) -> None:
-        """Accept connections into *nursery* until cancelled. An accept woken before
-        stop_accepting's cancel returns its connection all the same: it is served in the
-        nursery, which :meth:`stopped` waits for."""
-        while True:
-            try:
-                stream = await listener.accept()
-            except OSError as exc:  # EMFILE and friends: back off, keep serving
-                log.warning("control socket accept failed: %s", exc)
-                await trio.sleep(0.1)
-                continue
+        async def admit(stream: trio.SocketStream, nursery: trio.Nursery) -> None:
             nursery.start_soon(self._connection, stream, handler)
+
+        await self._loop.run(self._sock, admit, task_status=task_status)
 
     # ------------------------------------------------------------------ one connection
 
