@@ -85,10 +85,13 @@ def _writes(sock: Path, cls: str) -> int:
         "write_bytes"])
 
 
-def test_real_checkpoint_writers_are_charged_to_checkpoints_and_capped(tmp_tree: Path) -> None:
-    src, mnt, sock = tmp_tree / "src", tmp_tree / "mnt", tmp_tree / "ctl.sock"
+@pytest.mark.parametrize("in_place", [False, True], ids=["separate", "in-place"])
+def test_real_checkpoint_writers_are_charged_to_checkpoints_and_capped(
+        tmp_tree: Path, in_place: bool) -> None:
+    src, sock = tmp_tree / "src", tmp_tree / "ctl.sock"
+    mnt = src if in_place else tmp_tree / "mnt"
     src.mkdir()
-    mnt.mkdir()
+    mnt.mkdir(exist_ok=True)
     (src / "data").mkdir()
     (src / "data" / "shard.pt").write_bytes(b"d" * MiB)
     results: dict[str, dict[str, Any]] = {}

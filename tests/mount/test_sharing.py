@@ -46,9 +46,12 @@ print(json.dumps(marks))
 """
 
 
-def _dirs(tmp_tree: Path, *subdirs: str) -> tuple[Path, Path]:
-    src, mnt = tmp_tree / "src", tmp_tree / "mnt"
-    for d in (src, mnt, *(src / s for s in subdirs)):
+def _dirs(tmp_tree: Path, *subdirs: str, in_place: bool = False) -> tuple[Path, Path]:
+    """The source and the mountpoint (the same directory *in_place*: how qosfs is
+    deployed), with *subdirs* in the source, all open to every user."""
+    src = tmp_tree / "src"
+    mnt = src if in_place else tmp_tree / "mnt"
+    for d in dict.fromkeys((src, mnt, *(src / s for s in subdirs))):
         d.mkdir()
         os.chmod(d, 0o777)
     return src, mnt
@@ -137,8 +140,13 @@ def test_tenant_cap_applies_to_its_members_only(tmp_tree: Path) -> None:
     assert (src / "free" / "member").stat().st_uid == 4243
 
 
-def test_sigterm_serves_parked_requests_at_once_and_loses_nothing(tmp_tree: Path) -> None:
-    src, mnt = _dirs(tmp_tree, "ckpt")
+LAYOUTS = pytest.mark.parametrize("in_place", [False, True], ids=["separate", "in-place"])
+
+
+@LAYOUTS
+def test_sigterm_serves_parked_requests_at_once_and_loses_nothing(tmp_tree: Path,
+                                                                  in_place: bool) -> None:
+    src, mnt = _dirs(tmp_tree, "ckpt", in_place=in_place)
     policy = tmp_tree / "policy.toml"
     policy.write_text('[classes.ckpt]\npaths = ["ckpt/**"]\nwrite_bandwidth = "2MiB/s"\n'
                       'burst = "1MiB"\n')
@@ -196,8 +204,9 @@ print(json.dumps({"good": good, "bad": bad, "errno": code}))
 """
 
 
-def test_sigterm_drains_parked_reads_and_writes_alike(tmp_tree: Path) -> None:
-    src, mnt = _dirs(tmp_tree, "ckpt", "data")
+@LAYOUTS
+def test_sigterm_drains_parked_reads_and_writes_alike(tmp_tree: Path, in_place: bool) -> None:
+    src, mnt = _dirs(tmp_tree, "ckpt", "data", in_place=in_place)
     block = 256 * 1024
     (src / "data" / "set").write_bytes(b"".join(bytes([i % 251]) * block for i in range(64)))
     policy = tmp_tree / "policy.toml"

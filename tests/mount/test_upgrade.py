@@ -562,10 +562,12 @@ priority = "low"
 """
 
 
-def test_a_latency_controlled_cap_survives_an_upgrade(tmp_path: Path) -> None:
-    src, mnt, run = tmp_path / "src", tmp_path / "mnt", tmp_path / "run"
+@pytest.mark.parametrize("in_place", [False, True], ids=["separate", "in-place"])
+def test_a_latency_controlled_cap_survives_an_upgrade(tmp_path: Path, in_place: bool) -> None:
+    src, run = tmp_path / "src", tmp_path / "run"
+    mnt = src if in_place else tmp_path / "mnt"
     for d in (src / "reader", src / "storm", mnt, run):
-        d.mkdir(parents=True)
+        d.mkdir(parents=True, exist_ok=True)
     (src / "reader" / "shard").write_bytes(os.urandom(MiB))
     (tmp_path / "policy.toml").write_text(LATENCY_POLICY)
     # A target no read can meet: the storm is cut down to the controller's floor.
