@@ -66,7 +66,7 @@ from qosfs.daemon import handover, offer
 from qosfs.qos.latency_control import CLIMB
 from tests.mount.listener_polls import ListenerPolls, get_metrics
 from tests.mount.timed_load import TimedLoad
-from tests.mounting import ROOT, is_mounted
+from tests.mounting import ROOT, is_mounted, unmount
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.root]
@@ -212,8 +212,7 @@ class Mount:
         if is_mounted(self.mountpoint):
             if all(g.proc.poll() is not None for g in self.generations):
                 abort_connection(self.mountpoint)  # nobody serves it: nothing may wait
-            if subprocess.run(["fusermount3", "-u", str(self.mountpoint)],
-                              capture_output=True, timeout=30).returncode:
+            if not unmount(self.mountpoint, timeout=30):
                 abort_connection(self.mountpoint)
                 subprocess.run(["umount", "-l", str(self.mountpoint)], check=False)
         for g in self.generations:
