@@ -13,9 +13,15 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import pytest
+
 from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
+
+#: Runs a test twice, ``in_place`` False (the mountpoint apart from its source) and True
+#: (the mount covers its source, as systemd and the DaemonSet deploy it).
+BOTH_LAYOUTS = pytest.mark.parametrize("in_place", [False, True], ids=["apart", "in-place"])
 
 
 def as_user(uid: int, gid: int | None = None,

@@ -128,7 +128,6 @@ def _looping(kind: str, path: Path, ops: int, pause: float = 0.0) -> Caller:
     return Caller(kind, path, kind, str(path), str(ops), str(pause))
 
 
-
 def _status(mnt: Path) -> str:
     out = subprocess.run([sys.executable, "-m", "qosfs", "ctl", "--socket", str(mnt), "status"],
                          cwd=ROOT, capture_output=True, text=True, timeout=30)

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import pytest
 
 from qosfs.control.ctl import Client
-from tests.mounting import QosfsMount, is_mounted
+from tests.mounting import BOTH_LAYOUTS, QosfsMount, is_mounted
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.mount
@@ -184,7 +184,7 @@ def _open_by(pid: int, target: tuple[int, int]) -> bool:
     return False
 
 
-@pytest.mark.parametrize("in_place", [False, True], ids=["apart", "in-place"])
+@BOTH_LAYOUTS
 def test_a_passthrough_reader_is_judged_on_reads_of_its_backing_file(
         tmp_tree: Path, in_place: bool) -> None:
     """The kernel reads the class's files itself, so none of its reads reaches the daemon

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from qosfs.control.ctl import Client
-from tests.mounting import QosfsMount
+from tests.mounting import BOTH_LAYOUTS, QosfsMount
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.mount, pytest.mark.root]
@@ -85,7 +85,7 @@ def _writes(sock: Path, cls: str) -> int:
         "write_bytes"])
 
 
-@pytest.mark.parametrize("in_place", [False, True], ids=["separate", "in-place"])
+@BOTH_LAYOUTS
 def test_real_checkpoint_writers_are_charged_to_checkpoints_and_capped(
         tmp_tree: Path, in_place: bool) -> None:
     src, sock = tmp_tree / "src", tmp_tree / "ctl.sock"

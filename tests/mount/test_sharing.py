@@ -15,7 +15,7 @@ import pytest
 
 from qosfs.control.ctl import Client
 from qosfs.control.protocol import default_socket_path
-from tests.mounting import QosfsMount, as_user, is_mounted
+from tests.mounting import BOTH_LAYOUTS, QosfsMount, as_user, is_mounted
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.mount
@@ -140,10 +140,7 @@ def test_tenant_cap_applies_to_its_members_only(tmp_tree: Path) -> None:
     assert (src / "free" / "member").stat().st_uid == 4243
 
 
-LAYOUTS = pytest.mark.parametrize("in_place", [False, True], ids=["separate", "in-place"])
-
-
-@LAYOUTS
+@BOTH_LAYOUTS
 def test_sigterm_serves_parked_requests_at_once_and_loses_nothing(tmp_tree: Path,
                                                                   in_place: bool) -> None:
     src, mnt = _dirs(tmp_tree, "ckpt", in_place=in_place)
@@ -204,7 +201,7 @@ print(json.dumps({"good": good, "bad": bad, "errno": code}))
 """
 
 
-@LAYOUTS
+@BOTH_LAYOUTS
 def test_sigterm_drains_parked_reads_and_writes_alike(tmp_tree: Path, in_place: bool) -> None:
     src, mnt = _dirs(tmp_tree, "ckpt", "data", in_place=in_place)
     block = 256 * 1024

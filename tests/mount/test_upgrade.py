@@ -66,7 +66,7 @@ from qosfs.daemon import handover, offer
 from qosfs.qos.latency_control import CLIMB
 from tests.mount.listener_polls import ListenerPolls, get_metrics
 from tests.mount.timed_load import TimedLoad
-from tests.mounting import ROOT, is_mounted, unmount
+from tests.mounting import BOTH_LAYOUTS, ROOT, is_mounted, unmount
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.root]
@@ -561,7 +561,7 @@ priority = "low"
 """
 
 
-@pytest.mark.parametrize("in_place", [False, True], ids=["separate", "in-place"])
+@BOTH_LAYOUTS
 def test_a_latency_controlled_cap_survives_an_upgrade(tmp_path: Path, in_place: bool) -> None:
     src, run = tmp_path / "src", tmp_path / "run"
     mnt = src if in_place else tmp_path / "mnt"
