@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+import xxhash
 
 from qosfs.daemon import cli
 from tests.mount import framework_writers as fw
 from tests.mounting import QosfsMount
 
-xxhash = pytest.importorskip("xxhash")
 h5py = pytest.importorskip("h5py")
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.mount, pytest.mark.root]

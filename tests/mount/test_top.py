@@ -21,7 +21,6 @@ from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.mount,
               pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux missing")]
-pytest.importorskip("rich")
 
 POLICY = """
 [classes.data]

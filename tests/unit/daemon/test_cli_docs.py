@@ -20,9 +20,6 @@ from qosfs.daemon import completion
 from qosfs.daemon.cli import build_parser
 from tests.systemd_units import ROOT
 
-pytest.importorskip("shtab")
-pytest.importorskip("argparse_manpage")
-
 BASH = Path("share/bash-completion/completions/qosfs")
 ZSH = Path("share/zsh/site-functions/_qosfs")
 MAN = Path("share/man/man1/qosfs.1")
