@@ -148,7 +148,10 @@ class QosfsMount:
         def serving() -> bool:
             if proc.poll() is not None:
                 raise RuntimeError(f"qosfs exited with {proc.returncode}: {self.log()}")
-            return is_mounted(self.mountpoint) and b"serving" in self.log_path.read_bytes()
+            # The daemon's own line once everything answers ("serving metrics on ..."
+            # comes earlier, before INIT and the crash keeper).
+            return (is_mounted(self.mountpoint)
+                    and b"qosfs serving " in self.log_path.read_bytes())
 
         try:
             wait_for("qosfs to serve", serving, timeout=timeout, interval=0.05)
