@@ -70,10 +70,12 @@ def _peer_allowed(conn: socket.socket) -> bool:
     return uid in (0, os.geteuid())
 
 
-def hold(path: str, fds: list[int], grace: float) -> int:
+def hold(path: str, fds: list[int], grace: float, ready_fd: int | None = None) -> int:
     """Serve the holder's protocol on *path* for the descriptors *fds* (FUSE, root) until
     the mount is unmounted, the daemon says ``bye`` or nobody takes over within *grace*
-    seconds of the last daemon's death."""
+    seconds of the last daemon's death. Once it listens, it writes a byte to *ready_fd*
+    (the daemon's pipe) and closes it; its end without that byte tells the daemon at once
+    that no keeper will listen."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -87,6 +89,9 @@ def hold(path: str, fds: list[int], grace: float) -> int:
     finally:
         os.umask(old_umask)
     listener.listen(16)
+    if ready_fd is not None:
+        os.write(ready_fd, b"L")
+        os.close(ready_fd)
     poller = select.poll()
     # No events asked of /dev/fuse: poll still reports POLLERR once the connection is gone
     # (unmounted or aborted), and never POLLIN, so nothing is read from it. Watched only
@@ -186,15 +191,17 @@ def _request(conn: socket.socket) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m qosfs.daemon.keeper SOCKET GRACE FUSE_FD ROOT_FD`` (started by the
-    daemon, which passes the descriptors)."""
+    """``python -m qosfs.daemon.keeper SOCKET GRACE FUSE_FD ROOT_FD [READY_FD]`` (started
+    by the daemon, which passes the descriptors)."""
     args = sys.argv[1:] if argv is None else argv
     path, grace, fuse_fd, root_fd = args[0], float(args[1]), int(args[2]), int(args[3])
+    ready_fd = int(args[4]) if len(args) > 4 else None
     if os.fork() > 0:
         os._exit(0)  # the daemon reaps this at once; the holder is nobody's child to wait on
-    os.set_inheritable(fuse_fd, False)
-    os.set_inheritable(root_fd, False)
-    return hold(path, [fuse_fd, root_fd], grace)
+    for fd in (fuse_fd, root_fd, ready_fd):
+        if fd is not None:
+            os.set_inheritable(fd, False)
+    return hold(path, [fuse_fd, root_fd], grace, ready_fd)
 
 
 # ----------------------------------------------------------------------- the daemon's side
@@ -212,22 +219,36 @@ def _connect(path: str, timeout: float = 5.0) -> socket.socket:
 
 
 def start_holder(path: str, fuse_fd: int, root_fd: int, grace: float) -> None:
-    """Start a holder for this mount's descriptors and wait until it listens."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "qosfs.daemon.keeper", path, str(grace), str(fuse_fd),
-         str(root_fd)],
-        pass_fds=(fuse_fd, root_fd), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True, cwd="/")
-    if proc.wait(10.0) != 0:  # it forks the holder and exits
-        raise QosfsError(f"the keeper could not start ({proc.returncode})")
-    deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline:
-        try:
-            _connect(path, 1.0).close()
-            return
-        except OSError:
-            time.sleep(0.01)
-    raise QosfsError(f"the keeper did not listen on {path} within 10 s")
+    """Start a holder for this mount's descriptors and wait until it listens.
+
+    The holder says so on a pipe, and a holder that ends first (the mount was unmounted
+    while it started: it saw the connection gone) closes the pipe unsaid, so this returns
+    or fails at once instead of polling its socket until a deadline (an unmount in the
+    first moments of a mount kept the daemon 10 s in that loop).
+    """
+    ready_r, ready_w = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "qosfs.daemon.keeper", path, str(grace), str(fuse_fd),
+             str(root_fd), str(ready_w)],
+            pass_fds=(fuse_fd, root_fd, ready_w), stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            close_fds=True, cwd="/")
+        os.close(ready_w)
+        ready_w = -1
+        if proc.wait(10.0) != 0:  # it forks the holder and exits
+            raise QosfsError(f"the keeper could not start ({proc.returncode})")
+        readable, _, _ = select.select([ready_r], [], [], 10.0)
+        if not readable:
+            raise QosfsError(f"the keeper did not listen on {path} within 10 s")
+        if os.read(ready_r, 1) != b"L":
+            raise QosfsError("the keeper ended before it listened (the mount is gone)")
+    except subprocess.TimeoutExpired:
+        raise QosfsError("the keeper could not start within 10 s") from None
+    finally:
+        os.close(ready_r)
+        if ready_w >= 0:
+            os.close(ready_w)
 
 
 class Lease:

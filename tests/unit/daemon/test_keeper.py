@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from qosfs.core.errors import QosfsError
 from qosfs.daemon.keeper import Lease, claim, drop, start_holder
 
 OTHER_UID = 4243
@@ -328,3 +329,19 @@ def test_a_successor_asking_as_the_old_lease_ends_is_not_told_busy(start: Start)
                for fd in struct.unpack(f"{len(cdata) // 4}i", cdata)]
     holder.mine += fds
     assert data == b"fd\n" and len(fds) == 2
+
+
+def test_a_keeper_that_ends_before_it_listens_fails_its_start_at_once(
+        tmp_tree: Path) -> None:
+    """Before: the daemon polled the keeper's socket for 10 s (an unmount in the first
+    moments of a mount kept it that long). Now the keeper's end says it on the pipe."""
+    fuse_r, fuse_w = os.pipe()
+    root_r, root_w = os.pipe()
+    try:
+        start = time.monotonic()
+        with pytest.raises(QosfsError, match=r"^the keeper ended before it listened"):
+            start_holder(str(tmp_tree / "no-such-dir" / "k.keeper"), fuse_w, root_w, 30.0)
+        assert time.monotonic() - start < 5.0  # the keeper's start, not the 10 s deadline
+    finally:
+        for fd in (fuse_r, fuse_w, root_r, root_w):
+            os.close(fd)
