@@ -111,8 +111,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "serves in this process).")
     u.add_argument("mountpoint")
     u.add_argument("--socket", metavar="PATH",
-                   help="the mount's control socket, if it was mounted with --socket "
-                        "(the handover socket is beside it)")
+                   help="the mount's control socket (the handover socket is beside it; "
+                        "default: found from the mountpoint, also for a mount made with "
+                        "--socket)")
     u.add_argument("--foreground", "-f", action="store_true", help="do not daemonize")
     u.add_argument("--log-file", help="log here instead of syslog when daemonized")
     u.set_defaults(func=_cmd_upgrade)
@@ -218,14 +219,21 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         daemonize,
         serves_qosfs,
     )
+    from qosfs.daemon.pointer import running_socket_path
     from qosfs.daemon.recover import kept_descriptors, mount_or_recover
     from qosfs.passthrough.operations import FsOptions
     from qosfs.policy.loading import load_policy
 
     options = tuple(o.strip() for opt in args.options for o in opt.split(",") if o.strip())
+    mountpoint = args.mountpoint or args.source
+    # Without --socket, on a live or kept qosfs mount made with --socket PATH: its PATH, as
+    # its pointer says (qosfs.daemon.pointer), so that its keeper and handover socket are
+    # found and the mount keeps its sockets.
+    socket_path = (os.path.abspath(args.socket) if args.socket
+                   else running_socket_path(mountpoint))
     cfg = MountConfig(
         source=args.source,
-        mountpoint=args.mountpoint or args.source,
+        mountpoint=mountpoint,
         foreground=args.foreground,
         fuse_options=options,
         io_mode=args.io_mode,
@@ -236,7 +244,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         policy_path=args.policy,
         qos=not args.no_qos,
         kernel_passthrough=not args.no_passthrough,
-        socket_path=os.path.abspath(args.socket) if args.socket else None,
+        socket_path=socket_path,
         metrics=args.metrics,
         allow_stacked=args.allow_stacked,
         keeper=args.keeper,
