@@ -1,4 +1,5 @@
-"""Command line: ``qosfs mount | upgrade | check | policy | plan | ctl | top | explain``.
+"""Command line: ``qosfs mount | upgrade | umount | check | policy | plan | ctl | top |
+explain``.
 
 ``main(argv) -> int`` never raises for a user mistake: it prints one line naming what is
 wrong and returns a distinct exit code (see :mod:`qosfs.core.errors`); ``--debug`` adds the
@@ -20,7 +21,7 @@ from qosfs import __version__
 from qosfs.control import ctl, explain, top
 from qosfs.core.errors import EXIT_DAEMON, QosfsError
 from qosfs.core.units import UnitError, parse_bandwidth, parse_interval
-from qosfs.daemon import tuning
+from qosfs.daemon import tuning, unmount
 from qosfs.daemon.logsetup import setup_logging
 from qosfs.plan.planner import (
     DEFAULT_EFFICIENCY,
@@ -118,6 +119,7 @@ def _build_parser() -> argparse.ArgumentParser:
     u.add_argument("--log-file", help="log here instead of syslog when daemonized")
     u.set_defaults(func=_cmd_upgrade)
 
+    unmount.add_parser(sub)
     ctl.add_parser(sub)
     top.add_parser(sub)
     explain.add_parser(sub)
