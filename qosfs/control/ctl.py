@@ -57,6 +57,8 @@ def resolve_socket(arg: str | None) -> str:
     # one mount, whether PATH is in these directories or not.
     mounts: dict[str, str] = {}  # the socket's real path -> the first path found to it
     for path in found:
+        if os.path.islink(path) and not os.path.exists(path):
+            continue  # a pointer to nothing: its mount is gone
         mounts.setdefault(os.path.realpath(path), path)
     found = list(mounts.values())
     if len(found) == 1:

@@ -25,7 +25,9 @@ are gone the source's filesystem is busy: a script's ``umount`` of it right afte
 Under systemd (``--keeper systemd``) stop the unit instead: ``systemctl stop`` returns
 once its daemon has exited, and the daemon takes its descriptors out of systemd's store
 before it exits. A daemon that cannot be asked (it does not answer its control socket) is
-said on standard error, and then not waited for.
+said on standard error, and then not waited for; a dead one's files (its sockets, its
+journal, in memory under /run, and the pointer to them) are removed once the mount is
+gone, as the daemon removes its own when it unmounts.
 
 Standard library only, with no trio or pyfuse3: it runs as fast as ``ctl``.
 """
@@ -36,15 +38,19 @@ import argparse
 import os
 import select
 import shutil
+import socket
+import stat
 import subprocess
 import sys
 import time
 from typing import Any
 
+from qosfs.control.protocol import beside_socket, default_socket_path
 from qosfs.core.errors import EXIT_DAEMON, EXIT_FUSE, EXIT_MOUNTPOINT, QosfsError
 from qosfs.core.mountinfo import QOSFS_FSTYPE, mounts, resolve_without_touching
 from qosfs.daemon import keeper
 from qosfs.daemon.pointer import mount_socket_path
+from qosfs.daemon.pointer import remove as remove_pointer
 
 DEFAULT_TIMEOUT = 30.0
 BUSY_RETRY = 0.05  # seconds between two tries of an unmount that found the mount busy
@@ -89,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         # A holder started after it was asked for (the daemon starts it once serving).
         _watch(waits, "keeper", keeper.holder_pid(keeper_path))
         _wait(waits, mountpoint, deadline)
+        if daemon is None:
+            _remove_leftovers(mountpoint, control)
     finally:
         for _, fd in waits.values():
             os.close(fd)
@@ -105,6 +113,34 @@ def _daemon_pid(control: str) -> int | None:
         return None
     pid = reply.get("pid")
     return pid if isinstance(pid, int) else None
+
+
+def _remove_leftovers(mountpoint: str, control: str) -> None:
+    """What a dead daemon of the mount, now unmounted, left: its control and handover
+    sockets if nothing answers there, its journal, and the pointer to its socket."""
+    for path in (control, beside_socket(control, ".handover")):
+        try:
+            if stat.S_ISSOCK(os.lstat(path).st_mode) and not _answers(path):
+                os.unlink(path)
+        except OSError:
+            pass
+    try:
+        os.unlink(keeper.journal_path(control))
+    except OSError:
+        pass
+    derived = default_socket_path(mountpoint)
+    if derived != control:
+        remove_pointer(derived, control)
+
+
+def _answers(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
 
 
 def _watch(waits: dict[int, tuple[str, int]], what: str, pid: int | None) -> None:

@@ -11,7 +11,8 @@ daemonizes), stops it with ``qosfs umount`` and at once ``umount``s the tmpfs:
 - ROUNDS times in a row, source -> mountpoint and in place, after reading and writing
   through the mount;
 - after a ``kill -9`` of the daemon, its holder keeping the connection (and the
-  source's root) for a successor;
+  source's root) for a successor; the dead daemon's files go too (with a ``--socket``
+  elsewhere, found through its pointer);
 - a mount with a file open under it stays mounted and served ("busy", exit 4), and
   unmounts once the file is closed;
 - a path that is not a qosfs mount (the tmpfs itself) is refused and stays mounted.
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from qosfs.control.protocol import default_socket_path
+from qosfs.control.protocol import beside_socket, default_socket_path
 from qosfs.daemon import keeper
 from tests.mounting import BOTH_LAYOUTS, ROOT, is_mounted
 from tests.waiting import wait_for
@@ -66,17 +67,20 @@ class Stage:
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0755", "tmpfs",
                         str(self.backing)], check=True)
 
-    def mount_qosfs(self, in_place: bool) -> Path:
-        """``qosfs mount`` (daemonized) on the tmpfs; the mountpoint, once the keeper holds
-        the connection (the daemon starts it once the mount is initialised)."""
+    def mount_qosfs(self, in_place: bool, socket: Path | None = None) -> Path:
+        """``qosfs mount`` (daemonized) on the tmpfs, with ``--socket`` *socket* if given;
+        the mountpoint, once the keeper holds the connection (the daemon starts it once
+        the mount is initialised)."""
         mnt = self.backing if in_place else self.mountpoint
         where = [str(self.backing)] + ([] if in_place else [str(mnt)])
-        done = _qosfs("mount", *where, "--cache", "never")
+        told = [] if socket is None else ["--socket", str(socket)]
+        done = _qosfs("mount", *where, "--cache", "never", *told)
         assert done.returncode == 0, done.stderr
         status = wait_for("the keeper to hold the connection", lambda: self.status(mnt),
                           until=lambda s: s["crash_protection"]["kept"])
         self._close_pidfds()
-        holder = keeper.holder_pid(keeper.keeper_socket_path(default_socket_path(str(mnt))))
+        control = str(socket) if socket is not None else default_socket_path(str(mnt))
+        holder = keeper.holder_pid(keeper.keeper_socket_path(control))
         assert holder is not None
         self.processes = {"daemon": os.pidfd_open(status["pid"]),
                           "keeper": os.pidfd_open(holder)}
@@ -138,9 +142,15 @@ def test_umount_returns_once_the_source_can_be_unmounted(stage: Stage, in_place:
         assert stage.running() == []
 
 
-def test_after_kill_9_umount_waits_for_the_keeper_to_let_the_source_go(stage: Stage) -> None:
+@pytest.mark.parametrize("socket", [False, True], ids=["default-socket", "--socket"])
+def test_after_kill_9_umount_waits_for_the_keeper_to_let_the_source_go(
+        stage: Stage, tmp_tree: Path, socket: bool) -> None:
+    """And removes what the dead daemon left: its sockets, its journal, the pointer to a
+    --socket elsewhere (found through that pointer)."""
     stage.mount_backing()
-    mnt = stage.mount_qosfs(in_place=False)
+    run = tmp_tree / "run"
+    run.mkdir()
+    mnt = stage.mount_qosfs(in_place=False, socket=run / "q.sock" if socket else None)
     signal.pidfd_send_signal(stage.processes["daemon"], signal.SIGKILL)
     wait_for("the daemon to die", lambda: _exited(stage.processes["daemon"]))
     assert stage.running() == ["keeper"]  # holding the connection for a successor
@@ -149,6 +159,11 @@ def test_after_kill_9_umount_waits_for_the_keeper_to_let_the_source_go(stage: St
     assert f"the daemon of {mnt} does not answer" in done.stderr  # said, not waited for
     assert _umount_backing(stage).returncode == 0
     assert stage.running() == []
+    control = str(run / "q.sock") if socket else default_socket_path(str(mnt))
+    left = [path for path in (default_socket_path(str(mnt)), control,
+                              beside_socket(control, ".handover"), keeper.journal_path(control))
+            if os.path.lexists(path)]
+    assert left == []  # the dead daemon's files, and the pointer
 
 
 def test_a_busy_mount_stays_mounted_and_served_until_its_files_are_closed(

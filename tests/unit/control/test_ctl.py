@@ -148,6 +148,8 @@ def test_a_mount_and_its_pointer_are_one_mount_to_discovery(
     (system / "custom.sock").touch()
     (system / socket_name(str(tmp_path / "mnt"))).symlink_to(system / "custom.sock")
     assert ctl.resolve_socket(None) == str(system / "custom.sock")
+    (system / "gone.sock").symlink_to(tmp_path / "removed" / "mlfs.sock")  # stale
+    assert ctl.resolve_socket(None) == str(system / "custom.sock")
     (system / "other.sock").touch()
     with pytest.raises(QosfsError, match="several qosfs mounts"):
         ctl.resolve_socket(None)
