@@ -7,8 +7,9 @@ Python can talk to a mount. Exit codes: 0 done; 2 (usage) a malformed ``set`` ta
 was refused (permissions, ``--no-qos``) or malformed.
 
 Which socket: ``--socket PATH``; ``--socket MOUNTPOINT`` (a directory) means that mount's
-default socket; without it, the only socket in /run/qosfs (an error lists them if there
-are several).
+default socket, or where the pointer there leads for a mount made with ``--socket PATH``
+(qosfs.daemon.pointer; ``connect()`` follows it); without it, the only mount's socket in
+/run/qosfs (an error lists them if there are several).
 """
 
 from __future__ import annotations
@@ -52,6 +53,14 @@ def resolve_socket(arg: str | None) -> str:
                             if n.endswith(".sock"))
         except OSError:
             pass
+    # A mount made with --socket PATH has a pointer to PATH (a symbolic link) here too:
+    # one mount, whether PATH is in these directories or not.
+    mounts: dict[str, str] = {}  # the socket's real path -> the first path found to it
+    for path in found:
+        if os.path.islink(path) and not os.path.exists(path):
+            continue  # a pointer to nothing: its mount is gone
+        mounts.setdefault(os.path.realpath(path), path)
+    found = list(mounts.values())
     if len(found) == 1:
         return found[0]
     where = " or ".join(dirs)

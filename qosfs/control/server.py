@@ -395,7 +395,10 @@ def _bind_replacing_stale(sock: socket.socket, path: str) -> None:
             if exc.errno != errno.EADDRINUSE:
                 raise QosfsError(f"cannot create control socket {path}: {exc.strerror}",
                                  EXIT_CONTROL) from None
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+        # A symbolic link: the pointer a mount made with --socket left here
+        # (qosfs.daemon.pointer), stale unless the socket it leads to answers.
+        mode = os.lstat(path).st_mode
+        if not (stat.S_ISSOCK(mode) or stat.S_ISLNK(mode)):
             raise QosfsError(f"{path} exists and is not a socket; pass another --socket",
                              EXIT_CONTROL)
         if _answers(path):

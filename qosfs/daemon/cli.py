@@ -1,4 +1,5 @@
-"""Command line: ``qosfs mount | upgrade | check | policy | plan | ctl | top | explain``.
+"""Command line: ``qosfs mount | upgrade | umount | check | policy | plan | ctl | top |
+explain``.
 
 ``main(argv) -> int`` never raises for a user mistake: it prints one line naming what is
 wrong and returns a distinct exit code (see :mod:`qosfs.core.errors`); ``--debug`` adds the
@@ -20,7 +21,7 @@ from qosfs import __version__
 from qosfs.control import ctl, explain, top
 from qosfs.core.errors import EXIT_DAEMON, QosfsError
 from qosfs.core.units import UnitError, parse_bandwidth, parse_interval
-from qosfs.daemon import tuning
+from qosfs.daemon import tuning, unmount
 from qosfs.daemon.logsetup import setup_logging
 from qosfs.plan.planner import (
     DEFAULT_EFFICIENCY,
@@ -111,12 +112,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "serves in this process).")
     u.add_argument("mountpoint")
     u.add_argument("--socket", metavar="PATH",
-                   help="the mount's control socket, if it was mounted with --socket "
-                        "(the handover socket is beside it)")
+                   help="the mount's control socket (the handover socket is beside it; "
+                        "default: found from the mountpoint, also for a mount made with "
+                        "--socket)")
     u.add_argument("--foreground", "-f", action="store_true", help="do not daemonize")
     u.add_argument("--log-file", help="log here instead of syslog when daemonized")
     u.set_defaults(func=_cmd_upgrade)
 
+    unmount.add_parser(sub)
     ctl.add_parser(sub)
     top.add_parser(sub)
     explain.add_parser(sub)
@@ -218,14 +221,21 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         daemonize,
         serves_qosfs,
     )
+    from qosfs.daemon.pointer import running_socket_path
     from qosfs.daemon.recover import kept_descriptors, mount_or_recover
     from qosfs.passthrough.operations import FsOptions
     from qosfs.policy.loading import load_policy
 
     options = tuple(o.strip() for opt in args.options for o in opt.split(",") if o.strip())
+    mountpoint = args.mountpoint or args.source
+    # Without --socket, on a live or kept qosfs mount made with --socket PATH: its PATH, as
+    # its pointer says (qosfs.daemon.pointer), so that its keeper and handover socket are
+    # found and the mount keeps its sockets.
+    socket_path = (os.path.abspath(args.socket) if args.socket
+                   else running_socket_path(mountpoint))
     cfg = MountConfig(
         source=args.source,
-        mountpoint=args.mountpoint or args.source,
+        mountpoint=mountpoint,
         foreground=args.foreground,
         fuse_options=options,
         io_mode=args.io_mode,
@@ -236,7 +246,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         policy_path=args.policy,
         qos=not args.no_qos,
         kernel_passthrough=not args.no_passthrough,
-        socket_path=os.path.abspath(args.socket) if args.socket else None,
+        socket_path=socket_path,
         metrics=args.metrics,
         allow_stacked=args.allow_stacked,
         keeper=args.keeper,

@@ -294,6 +294,19 @@ def claim(path: str) -> tuple[int, int] | None:
         return None  # "busy": a daemon serves it (the usual checks say so)
 
 
+def holder_pid(path: str) -> int | None:
+    """The pid of the holder listening at *path* (its ``status``); None if none answers."""
+    try:
+        with _connect(path, 2.0) as sock:
+            sock.sendall(b"status\n")
+            data = b""
+            while chunk := sock.recv(4096):
+                data += chunk
+        return int(json.loads(data)["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def drop(path: str) -> None:
     """Tell the holder at *path* to let its descriptors go (the connection ends)."""
     try:

@@ -10,6 +10,10 @@ socket's path in place, once the successor serves (:meth:`Listeners.release`). T
 successor serves the same sockets from its first loop on, so from the client's side there
 is never a moment without a listener: a connection made meanwhile is answered late, never
 refused. If the successor fails, the old daemon still holds them and serves on.
+
+A control socket away from its derived path (``--socket PATH``) has a pointer there
+(:mod:`qosfs.daemon.pointer`), which lives as long as the socket's path: left at bind and
+by a successor, kept at release, removed at close.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from qosfs.control import exporter
 from qosfs.control import server as control_server
 from qosfs.control.exporter import MetricsServer
 from qosfs.control.server import ControlSocket
+from qosfs.daemon import pointer as socket_pointer
 
 #: The most the old daemon waits, once a successor is ready, for its control requests and
 #: scrapes in progress to be answered: as long as one exchange may take (the exporter's
@@ -39,24 +44,31 @@ class Listeners:
 
     control: ControlSocket
     metrics: MetricsServer | None
+    pointer: str | None = None  # the derived path that names the control socket
 
     @classmethod
     def bind(cls, control_path: str, admin_gid: int | None,
-             metrics: str | None) -> Listeners:
-        """Bind both (QosfsError, with one line, if either is taken)."""
+             metrics: str | None, pointer: str | None = None) -> Listeners:
+        """Bind both (QosfsError, with one line, if either is taken), and leave the
+        *pointer* to the control socket (`qosfs.daemon.pointer.pointer_path`)."""
         control = ControlSocket(control_path, admin_gid)
         try:
-            return cls(control, MetricsServer(metrics) if metrics is not None else None)
+            bound = cls(control, MetricsServer(metrics) if metrics is not None else None,
+                        pointer)
         except BaseException:
             control.close()
             raise
+        bound.point()
+        return bound
 
     @classmethod
     def inherit(cls, control_path: str, admin_gid: int | None, metrics: str | None,
-                control_fd: int, metrics_fd: int | None) -> Listeners:
+                control_fd: int, metrics_fd: int | None,
+                pointer: str | None = None) -> Listeners:
         """Serve the sockets a predecessor passed; ValueError if they are not the ones
         this mount's configuration names (the descriptors are then still the caller's to
-        close)."""
+        close). The *pointer* is left again: it names the same socket, and a predecessor
+        of an older version may not have left one."""
         sockets = [socket.socket(fileno=control_fd)]
         if metrics_fd is not None:
             sockets.append(socket.socket(fileno=metrics_fd))
@@ -70,7 +82,14 @@ class Listeners:
             for sock in sockets:
                 sock.detach()
             raise
-        return cls(control, served)
+        inherited = cls(control, served, pointer)
+        inherited.point()
+        return inherited
+
+    def point(self) -> None:
+        """Leave the pointer to the control socket, if it is away from its derived path."""
+        if self.pointer is not None:
+            socket_pointer.leave(self.pointer, self.control.path)
 
     def fds(self) -> dict[str, int]:
         """The descriptors to pass to a successor, by name."""
@@ -97,13 +116,16 @@ class Listeners:
                 await server.stopped()
 
     def release(self) -> None:
-        """A successor serves them: close this process's descriptors, leave the path."""
+        """A successor serves them: close this process's descriptors, leave the path (and
+        the pointer)."""
         self.control.release()
         if self.metrics is not None:
             self.metrics.release()
 
     def close(self) -> None:
-        """The mount ends: close them and remove the control socket's path."""
+        """The mount ends: close them and remove the control socket's path and pointer."""
         self.control.close()
+        if self.pointer is not None:
+            socket_pointer.remove(self.pointer, self.control.path)
         if self.metrics is not None:
             self.metrics.close()

@@ -56,6 +56,7 @@ from qosfs.daemon.crash_guard import CrashGuard
 from qosfs.daemon.listeners import Listeners
 from qosfs.daemon.notify import notify, reloading
 from qosfs.daemon.offer import FAILURES, HandoverOffer, daemon_version
+from qosfs.daemon.pointer import pointer_path
 from qosfs.daemon.privileges import shed_resource_privileges
 from qosfs.daemon.supervise import Service, supervised
 from qosfs.daemon.topology import QOSFS_FSTYPE, check_before_stat, check_topology
@@ -461,9 +462,10 @@ def _services(daemon: Daemon,
     already: a first loop's, or a predecessor's) and the handover socket."""
     if daemon.listeners is None:
         policy = daemon.engine.policy
+        control = control_socket_path(daemon.cfg, daemon.mountpoint)
         daemon.listeners = Listeners.bind(
-            control_socket_path(daemon.cfg, daemon.mountpoint),
-            policy.control.admin_gid if policy is not None else None, daemon.cfg.metrics)
+            control, policy.control.admin_gid if policy is not None else None,
+            daemon.cfg.metrics, pointer_path(daemon.mountpoint, control))
     services = open_services(daemon)
     offer = HandoverOffer.open(daemon, control_socket_path(daemon.cfg, daemon.mountpoint),
                                stack)

@@ -79,6 +79,7 @@ from qosfs.daemon.mount import (
     serve_mount,
 )
 from qosfs.daemon.offer import FAILURES, PROTOCOL, daemon_version, handover_socket_path
+from qosfs.daemon.pointer import mount_socket_path, pointer_path
 from qosfs.passthrough.operations import FsOptions
 from qosfs.passthrough.transfer import import_state
 from qosfs.policy.loading import load_policy, parse_policy
@@ -119,7 +120,9 @@ def adopt_mount(mountpoint: str, socket_path: str | None, foreground: bool,
     """
     top = os.path.realpath(mountpoint)
     close_inherited(top)
-    control = socket_path or control_socket_path(MountConfig("", mountpoint), top)
+    # Without --socket: where the mount's pointer leads (a mount made with --socket
+    # PATH), else the path derived from the mountpoint.
+    control = socket_path or mount_socket_path(top)
     path = handover_socket_path(os.path.abspath(control))
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
@@ -196,11 +199,12 @@ def _prepare(sock: socket.socket, foreground: bool,
         failed = p.get("handover_failures", {})  # absent from a predecessor that had none
         daemon.handover_failures = {k: int(failed.get(k, 0)) for k in FAILURES}
         if listening:  # served from this process's first loop: never a refused connection
+            control = control_socket_path(cfg, daemon.mountpoint)
             daemon.listeners = Listeners.inherit(
-                control_socket_path(cfg, daemon.mountpoint),
-                policy.control.admin_gid if policy is not None else None, cfg.metrics,
-                prepare.fds[int(listening["control"])],
-                prepare.fds[int(listening["metrics"])] if "metrics" in listening else None)
+                control, policy.control.admin_gid if policy is not None else None,
+                cfg.metrics, prepare.fds[int(listening["control"])],
+                prepare.fds[int(listening["metrics"])] if "metrics" in listening else None,
+                pointer_path(daemon.mountpoint, control))
     except (handover.HandoverError, PolicyError, OSError, KeyError, ValueError) as exc:
         for fd in prepare.fds:
             os.close(fd)

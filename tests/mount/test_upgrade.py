@@ -34,6 +34,11 @@ harder case).
   protected reader is still held there by the successor from its first request (a
   successor starting without the controller's caps let the storm run uncapped until
   its first decision, and then cut from that rate).
+- A mount made with ``--socket PATH`` is found from its mountpoint alone: its pointer
+  (qosfs.daemon.pointer) leads ``qosfs upgrade MNT``, ``qosfs mount`` run again and
+  ``qosfs ctl --socket MNT`` to PATH; successors keep it, the unmount removes it; after a
+  ``kill -9``, ``qosfs mount`` without ``--socket`` finds the keeper beside PATH and
+  takes the mount over, an open descriptor reading on.
 - A successor that hangs after it said ready (tests/faultinject.py ``handover=hang``:
   it adopted the session and never says it serves) is killed by the old daemon within
   its commit timeout, which takes the session back and serves the same descriptors on;
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import random
 import re
@@ -62,8 +68,10 @@ import pytest
 import xxhash
 
 from qosfs.control.ctl import Client
+from qosfs.control.protocol import default_socket_path
 from qosfs.daemon import handover, offer
 from qosfs.qos.latency_control import CLIMB
+from tests.mount.held_reader import HeldReader
 from tests.mount.listener_polls import ListenerPolls, get_metrics
 from tests.mount.timed_load import TimedLoad
 from tests.mounting import BOTH_LAYOUTS, ROOT, is_mounted, unmount
@@ -163,26 +171,28 @@ class Mount:
         cmd += ["--socket", str(self.socket), *self.args]
         return self._start("G0", cmd)
 
-    def upgrade(self) -> Generation:
-        """One ``qosfs upgrade``: the successor serves, the old daemon exits 0."""
+    def upgrade(self, socket: bool = True) -> Generation:
+        """One ``qosfs upgrade`` (*socket*: told the mount's ``--socket``, else given the
+        mountpoint alone): the successor serves, the old daemon exits 0."""
         old = self.current
         name = f"G{len(self.generations)}"
+        told = ["--socket", str(self.socket)] if socket else []
         new = self._start(name, [sys.executable, "-m", "qosfs", "upgrade",
-                                 str(self.mountpoint), "--socket", str(self.socket),
-                                 "--foreground"])
+                                 str(self.mountpoint), *told, "--foreground"])
         assert old.proc.wait(timeout=30) == 0, old.log()
         assert "handed over" in old.log()
         return new
 
-    def mount_again(self, *args: str) -> Generation:
+    def mount_again(self, *args: str, socket: bool = True) -> Generation:
         """``qosfs mount`` once more on the live mount, with *args* in place of the first
-        mount's options: the successor serves, the old daemon exits 0."""
+        mount's options (*socket*: and its ``--socket``): the successor serves, the old
+        daemon exits 0."""
         old = self.current
         cmd = [sys.executable, "-m", "qosfs", "mount", "--foreground", str(self.source)]
         if self.mountpoint != self.source:
             cmd.append(str(self.mountpoint))
-        new = self._start(f"G{len(self.generations)}",
-                          [*cmd, "--socket", str(self.socket), *args])
+        told = ["--socket", str(self.socket)] if socket else []
+        new = self._start(f"G{len(self.generations)}", [*cmd, *told, *args])
         assert old.proc.wait(timeout=30) == 0, old.log()
         assert "handed over" in old.log()
         return new
@@ -717,3 +727,44 @@ def test_a_policy_changed_while_the_successor_prepares_is_in_force_in_it(
     status = mount.status()
     assert status["pid"] == slow.proc.pid and status["handover_failures"]["taken_back"] == 0
     assert _class_limits(status, "capped")["write_bandwidth"] == 2 * MiB
+
+
+def test_a_mount_made_with_socket_is_found_from_its_mountpoint_alone(mount: Mount) -> None:
+    derived = default_socket_path(str(mount.mountpoint))
+    assert os.readlink(derived) == str(mount.socket)  # the pointer
+    upgraded = mount.upgrade(socket=False)
+    assert os.readlink(derived) == str(mount.socket)  # kept by the successor
+    asked = _qosfs("ctl", "--socket", str(mount.mountpoint), "status", "--json")
+    assert asked.returncode == 0, asked.stderr
+    assert json.loads(asked.stdout)["pid"] == upgraded.proc.pid
+    again = mount.mount_again(*mount.args, socket=False)
+    assert "differs from the running mount" not in again.log()  # its --socket included
+    status = mount.status()
+    assert (status["pid"], status["handovers"]) == (again.proc.pid, 2)
+    assert unmount(mount.mountpoint)
+    assert again.proc.wait(timeout=30) == 0, again.log()
+    assert not os.path.lexists(derived) and not mount.socket.exists()
+
+
+def test_a_mount_made_with_socket_is_taken_over_after_kill_9_from_its_mountpoint_alone(
+        mount: Mount) -> None:
+    expected = xxhash.xxh3_128((mount.source / "plain" / "big.bin").read_bytes()).hexdigest()
+    reader = HeldReader(mount.mountpoint / "plain" / "big.bin")
+    try:
+        wait_for("the keeper to hold the connection", mount.status,
+                 until=lambda status: status["crash_protection"]["kept"])
+        dead = mount.current
+        dead.proc.send_signal(signal.SIGKILL)
+        dead.proc.wait(timeout=10)
+        where = [str(mount.source)] + ([str(mount.mountpoint)]
+                                       if mount.mountpoint != mount.source else [])
+        # The first mount's options but --socket: `qosfs mount` as a supervisor runs it.
+        new = mount._start(f"G{len(mount.generations)}", [
+            sys.executable, "-m", "qosfs", "mount", "--foreground", *where, *mount.args])
+        assert f"recovering after the death of pid {dead.proc.pid}" in new.log(), new.log()
+        # --cache never: the second half is read by the new daemon, on the same descriptor.
+        assert reader.finish() == {"digest": expected}
+        assert mount.status()["pid"] == new.proc.pid  # it serves the mount's own socket
+        assert os.readlink(default_socket_path(str(mount.mountpoint))) == str(mount.socket)
+    finally:
+        reader.close(mount.mountpoint)

@@ -138,6 +138,23 @@ def test_socket_discovery(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         ctl.resolve_socket(None)
 
 
+def test_a_mount_and_its_pointer_are_one_mount_to_discovery(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mount made with --socket PATH leaves a pointer to PATH at its derived path
+    (qosfs.daemon.pointer): with PATH in the same directory, discovery finds one mount."""
+    system = tmp_path / "system"
+    system.mkdir()
+    monkeypatch.setattr(ctl, "socket_dirs", lambda: [str(system)])
+    (system / "custom.sock").touch()
+    (system / socket_name(str(tmp_path / "mnt"))).symlink_to(system / "custom.sock")
+    assert ctl.resolve_socket(None) == str(system / "custom.sock")
+    (system / "gone.sock").symlink_to(tmp_path / "removed" / "mlfs.sock")  # stale
+    assert ctl.resolve_socket(None) == str(system / "custom.sock")
+    (system / "other.sock").touch()
+    with pytest.raises(QosfsError, match="several qosfs mounts"):
+        ctl.resolve_socket(None)
+
+
 def test_status_says_which_version_serves_and_how_many_handovers_it_had() -> None:
     lines = ctl.format_status({**REPLY, "version": "0.2.0", "handovers": 3}).splitlines()
     assert lines[0] == "qosfs /srv on /mnt (pid 7, qosfs 0.2.0, 3 handovers, up 65.0s)"

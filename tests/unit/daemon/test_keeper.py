@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from qosfs.core.errors import QosfsError
-from qosfs.daemon.keeper import Lease, claim, drop, start_holder
+from qosfs.daemon.keeper import Lease, claim, drop, holder_pid, start_holder
 
 OTHER_UID = 4243
 
@@ -155,6 +155,12 @@ def test_it_holds_only_its_descriptors_and_reports_its_status(start: Start) -> N
     assert sum(fd.startswith("pipe:") for fd in fds) == 2
     assert os.readlink(f"/proc/{holder.pid}/cwd") == "/"  # nothing under the mount
     assert os.stat(holder.path).st_mode & 0o777 == 0o600
+
+
+def test_its_pid_is_what_qosfs_umount_waits_for(start: Start, tmp_path: Path) -> None:
+    holder = start()
+    assert holder_pid(holder.path) == holder.pid
+    assert holder_pid(str(tmp_path / "nobody.keeper")) is None
 
 
 def test_a_successor_gets_nothing_while_a_daemon_holds_the_lease(start: Start) -> None:
