@@ -19,6 +19,20 @@ the backing filesystem is (chosen once at mount, overridable with ``--io-mode``)
 Threads are drawn through a ``trio.CapacityLimiter`` chosen by the caller (one per QoS
 class), so a class whose backend calls hang cannot take every thread from another.
 
+A thread hop is not cheap where it matters most. Its two passes through the one thread
+that runs the loop (the worker waits for the GIL and a CPU to start; its result waits for
+the loop's next batch) grow with the requests in flight. For the one READ of each cold
+112 KiB file on this VM's ext4 disk (``--no-qos``, medians): 110-160 us at 1 caller,
+~700 us at 4 and 2.8 ms at 16, against 40-170 us for the disk read it waited for; and the
+loop thread lost 86 us per file at 16 callers waiting for the GIL its workers held. So
+daemon-served cold small files stopped scaling with callers (files/s at 1/4/16 threads:
+bare 4,607 / 7,342 / 10,824, ``--no-qos`` 1,742 / 2,286 / 2,489). Hence
+:meth:`BackingIO.prefetch`: the open of a small file starts reading it
+(``POSIX_FADV_WILLNEED``: the kernel submits the reads and returns), so that by its READ
+the pages are in and ``RWF_NOWAIT`` serves it inline. The more callers, the longer the
+open-to-READ gap and the surer the hit: thread hops per file 0.89 / 0.17 / 0.00, files/s
+1,730 / 3,136 / 3,829 in the same run (``python -m bench coldscale``, 5 rounds).
+
 Buffer ownership: reads into pooled buffers return a ``memoryview`` slice and put the
 buffer back into the pool *before* returning. That is safe because pyfuse3 copies the
 reply to the kernel synchronously right after the handler returns, with no checkpoint in
@@ -55,6 +69,10 @@ MAX_REQUEST = 1 << 20  # FUSE sends at most max_pages (256) * 4 KiB per read/wri
 # large write cut uncapped 1 MiB writes from 1.96 to 0.87 GB/s (bench: caps). A capped
 # flow's pace is its cap, so the hop costs it nothing.
 OFFLOAD_WRITE = 256 * 1024
+# Files at most this large are read ahead whole at open (BackingIO.prefetch): what the
+# kernel asks for in one READ (max_pages), so a loader's sample is in by its first READ.
+# Not larger ones: a reader of a big file may want only its footer or a few records.
+PREFETCH_MAX = MAX_REQUEST
 _POOL_KEEP = 64  # buffers kept for reuse; more are allocated on demand and dropped
 
 _MEMORY_FS = frozenset({"tmpfs", "ramfs", "hugetlbfs", "devtmpfs", "shm"})
@@ -172,12 +190,14 @@ class BackingIO:
         self._plain = _Pool(aligned=False)
         self._aligned = _Pool(aligned=True)
         self.thread_hops = 0  # how many syscalls went to a worker thread (diagnostics)
+        self.prefetches = 0  # how many opens started reading their file (prefetch)
         # Inode descriptors evicted while a metadata call runs in a thread are closed only
         # once it returns (qosfs.passthrough.fdcache); the filesystem shares its guard here.
         self.fd_guard = DeferredClose()
 
     def __repr__(self) -> str:
-        return f"BackingIO(mode={self.mode.value}, thread_hops={self.thread_hops})"
+        return (f"BackingIO(mode={self.mode.value}, thread_hops={self.thread_hops}, "
+                f"prefetches={self.prefetches})")
 
     async def read(
         self, fd: int, off: int, size: int, direct: bool, limiter: trio.CapacityLimiter
@@ -232,6 +252,26 @@ class BackingIO:
         finally:
             pool.give(buf)  # safe: see "Buffer ownership" in the module docstring
         return view[:n]
+
+    def prefetch(self, fd: int, size: int) -> None:
+        """Start reading the *size* bytes of a file just opened for reading, if it is
+        small and on a local disk, so that its first READ finds them in the page cache
+        and takes no thread hop (see the module docstring). Once per open, never per
+        request; the caller asks only for flows whose reads nothing caps, so that no
+        byte is read before its admission.
+
+        ``WILLNEED`` submits the reads and returns without waiting for them: it blocks
+        no more than the ``RWF_NOWAIT`` read of the same bytes does, which starts the
+        same readahead on the loop's thread. Not in the other modes: memory filesystems
+        have nothing to read, and on network ones the call may wait for the server.
+        """
+        if self.mode is not IoMode.NOWAIT or not 0 < size <= PREFETCH_MAX:
+            return
+        self.prefetches += 1
+        try:
+            os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass  # only a hint: without it the read takes the thread hop, as before
 
     async def write(
         self, fd: int, off: int, data: bytes, direct: bool, limiter: trio.CapacityLimiter,
