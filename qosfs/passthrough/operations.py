@@ -1073,6 +1073,8 @@ class PassthroughOperations(pyfuse3.Operations):
             "open_per_uid_limit": self.open_quota.per_uid,
             "open_refused": self.open_quota.refused,
             "killed_callers": interrupts.killed_callers,
+            "backing_thread_hops": self.io.thread_hops,
+            "backing_prefetches": self.io.prefetches,
             "internal_errors": self.failures.counts(),
             "passthrough": self.kernel_opens.status(),
         }

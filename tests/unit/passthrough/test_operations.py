@@ -383,3 +383,4 @@ def test_an_open_reads_a_small_file_ahead_only_for_reads_no_cap_holds_back(
 
     trio.run(main)
     assert io.prefetches == (1 if reads_ahead else 0)
+    assert ops.resources()["backing_prefetches"] == io.prefetches
