@@ -25,18 +25,26 @@ the loop's next batch) grow with the requests in flight. For the one READ of eac
 112 KiB file on this VM's ext4 disk (``--no-qos``, medians): 110-160 us at 1 caller,
 ~700 us at 4 and 2.8 ms at 16, against 40-170 us for the disk read it waited for; and the
 loop thread lost 86 us per file at 16 callers waiting for the GIL its workers held. So
-daemon-served cold small files stopped scaling with callers (files/s at 1/4/16 threads:
-bare 4,607 / 7,342 / 10,824, ``--no-qos`` 1,742 / 2,286 / 2,489). Hence
+daemon-served cold small files stopped scaling with callers. Hence
 :meth:`BackingIO.prefetch`: the open of a small file starts reading it
 (``POSIX_FADV_WILLNEED``: the kernel submits the reads and returns), so that by its READ
-the pages are in and ``RWF_NOWAIT`` serves it inline. The more callers, the longer the
-open-to-READ gap and the surer the hit: thread hops per file 0.89 / 0.17 / 0.00, files/s
-1,730 / 3,136 / 3,829 in the same run (``python -m bench coldscale``, 5 rounds).
+the pages are in and ``RWF_NOWAIT`` serves it inline; and a READ that still misses tries
+once more after the loop ran the requests already waiting (``_nowait_again``). The more
+callers, the longer both gaps and the surer the hit. One run of ``python -m bench
+coldscale`` (5 rounds, files/s at 1/4/16 threads, thread hops per file):
+
+=====================  =========================  ==================
+bare disk              4,191 / 8,796 / 11,373
+``--no-qos`` before    1,259 / 2,065 / 2,240      1 / 1 / 1
+prefetch at open       1,494 / 2,587 / 3,985      0.94 / 0.18 / 0.01
+and the second try     1,640 / 3,484 / 3,934      0.55 / 0.08 / 0.00
+=====================  =========================  ==================
 
 Buffer ownership: reads into pooled buffers return a ``memoryview`` slice and put the
 buffer back into the pool *before* returning. That is safe because pyfuse3 copies the
 reply to the kernel synchronously right after the handler returns, with no checkpoint in
-between, so no other task can reuse the buffer before the reply is sent.
+between, so no other task can reuse the buffer before the reply is sent. (A read that
+waits, for a thread or for the loop's other requests, holds its buffer until it returns.)
 """
 
 from __future__ import annotations
@@ -143,6 +151,24 @@ def _preadv_full(fd: int, view: memoryview, off: int, done: int) -> int:
     return done
 
 
+async def _nowait_again(fd: int, view: memoryview, off: int) -> int:
+    """After a page-cache miss, one more ``RWF_NOWAIT`` try once the loop's other ready
+    requests have run (0 if it misses again, then the caller hops as before).
+
+    The miss started the readahead, or an open's prefetch did (see the module
+    docstring); while other requests wait for the loop, the disk often delivers before
+    they are done. Cold small files through ``--no-qos`` with the metadata cached
+    (tests/mount/test_cold_reads.py, 16 threads): thread hops per file 0.08-0.60 without
+    this try, 0.004-0.13 with it. An idle loop comes back at once; the try then costs a
+    syscall (~3 us) against the hop's 110-160 us.
+    """
+    await trio.lowlevel.checkpoint()
+    try:
+        return os.preadv(fd, [view], off, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return 0
+
+
 def _pread_full(fd: int, size: int, off: int) -> bytes:
     data = os.pread(fd, size, off)
     if len(data) == size or not data:
@@ -237,7 +263,7 @@ class BackingIO:
             try:
                 n = os.preadv(fd, [view], off, os.RWF_NOWAIT)
             except BlockingIOError:
-                n = 0
+                n = await _nowait_again(fd, view, off)
             except OSError as exc:
                 if exc.errno != errno.EOPNOTSUPP:
                     raise

@@ -201,6 +201,37 @@ def test_a_prefetch_the_kernel_refuses_changes_nothing(
     assert (io.prefetches, io.thread_hops, io.mode) == (1, 0, IoMode.NOWAIT)
 
 
+def test_a_miss_is_tried_once_more_after_the_loop_ran_the_other_requests(
+        fds: dict[bool, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The readahead the miss (or the open's prefetch) started often lands while the loop
+    serves the requests already waiting: then the read needs no thread."""
+    tries: list[str] = []
+
+    def preadv(fd: int, buffers: list[Any], off: int, *flags: int) -> int:
+        if flags and flags[0] & os.RWF_NOWAIT and not tries:
+            tries.append("miss")
+            raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+        tries.append("hit" if flags else "blocking")
+        return _real_preadv(fd, buffers, off)
+
+    real_checkpoint = trio.lowlevel.checkpoint
+
+    async def checkpoint() -> None:
+        tries.append("loop")  # the requests already waiting run here
+        await real_checkpoint()
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(trio.lowlevel, "checkpoint", checkpoint)
+    io = BackingIO(IoMode.NOWAIT)
+
+    async def main() -> None:
+        data = await io.read(fds[False], 0, BLOCK, False, trio.CapacityLimiter(1))
+        assert bytes(data) == DATA[:BLOCK]
+
+    trio.run(main)
+    assert (tries, io.thread_hops) == (["miss", "loop", "hit"], 0)
+
+
 @pytest.mark.parametrize(("size", "throttled", "hops"), [
     (OFFLOAD_WRITE, True, 1),  # a capped flow's large write: off the loop
     (OFFLOAD_WRITE, False, 0),  # an uncapped one stays (a thread's GIL wait costs more)
