@@ -19,7 +19,8 @@ it; the figures are medians over the rounds. Printed per side and thread count: 
 the ratio to bare at the same thread count, the ratio to the side's own figure at the
 previous thread count, and the daemon's worker-thread hops per file (``ctl status``
 ``backing_thread_hops``). A side whose median falls from one thread count to the next is
-flagged NON-MONOTONIC, and the command then exits 1.
+flagged NON-MONOTONIC; the command then exits 1, unless the side is bare (a noisy run,
+said in one line).
 """
 
 from __future__ import annotations
@@ -157,6 +158,7 @@ def _report(args: argparse.Namespace, sides: list[str], counts: list[int],
     print("files/s (x bare at the same threads; x the side's previous thread count; "
           "worker-thread hops per file)")
     bare = next((s for s in sides if s.partition("=")[0] == "bare"), None)
+    width = max(len(s.partition("=")[0]) for s in sides) + 2
     flagged = []
     for spec in sides:
         med = {n: statistics.median(rate[spec][n]) for n in counts}
@@ -171,11 +173,16 @@ def _report(args: argparse.Namespace, sides: list[str], counts: list[int],
                 parts.append(f"{statistics.median(hops[spec][n]):.2f} hops")
             cells.append(f"{n}: {med[n]:,.0f}" + (f" ({'; '.join(parts)})" if parts else ""))
         falls = [f"{a}->{b}" for a, b in itertools.pairwise(counts) if med[b] < med[a]]
-        if falls:
+        if falls and spec != bare:
             flagged.append(spec)
         label = spec.partition("=")[0]
-        print(f"  {label:14}" + "  ".join(cells)
+        print(f"  {label:{width}}" + "  ".join(cells)
               + (f"  NON-MONOTONIC ({', '.join(falls)})" if falls else ""))
+    if bare is not None and any(
+            b < a for a, b in itertools.pairwise(
+                [statistics.median(rate[bare][n]) for n in counts])):
+        print("coldscale: the bare disk itself lost files/s with more threads: a noisy "
+              "run (more --rounds, or a quieter machine)")
     if flagged:
         print(f"coldscale: fewer files/s with more threads: {', '.join(flagged)}")
         return 1
