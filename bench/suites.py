@@ -9,7 +9,7 @@ Two kinds of entry:
   renders its headline rows, its section and its plots. ``python -m bench all`` runs
   those with ``in_all``, in this order.
 * :class:`Command`: a subcommand that runs on its own terms (its own mounts, its own
-  output): ``demo``, ``machinery``, ``cluster``, ``latency-target``, ``soak`` and
+  output): ``demo``, ``machinery``, ``cluster``, ``latency-target``, ``coldscale``, ``soak`` and
   ``merge``. One with ``after_all`` also runs at the end of ``python -m bench all``,
   and the ``<name>.md`` it writes there is included in REPORT.md.
 
@@ -192,6 +192,18 @@ def _latency_target(args: argparse.Namespace) -> int:
     return latency_target.run(args.out, quick=args.quick)
 
 
+def _coldscale_options(p: argparse.ArgumentParser) -> None:
+    from bench import coldscale
+
+    coldscale.options(p)
+
+
+def _coldscale(args: argparse.Namespace) -> int:
+    from bench import coldscale
+
+    return coldscale.run(args)
+
+
 def _soak_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=3.0)
     p.add_argument("--out", type=Path, help="directory for soak.md and soak.json "
@@ -228,6 +240,9 @@ COMMANDS: tuple[Command, ...] = (
             "lease script costs Redis (about a minute)", _cluster, unwinds_on_sigterm=False),
     Command("latency-target", "a reader's latency target held against an uncapped "
             "checkpoint storm", _latency_target, _latency_target_options, after_all=True),
+    Command("coldscale", "cold small files on disk at 1/4/16 threads: bare, --no-qos "
+            "and the default policy, with ratios; flags a side that gets slower with more "
+            "threads", _coldscale, _coldscale_options),
     Command("soak", "mixed readers, writers, metadata and ctl changes for N minutes, "
             "then checks", _soak, _soak_options),
     Command("merge", "add a suite run on its own (its .json) to REPORT.md, marked with "

@@ -54,6 +54,7 @@ Resources (see ``_RESOURCES``): ``qosfs_inode_descriptors``, ``..._budget``,
 ``qosfs_inodes``, ``qosfs_parked_requests``, ``qosfs_parked_bytes``,
 ``qosfs_parking_refused_total``, ``qosfs_killed_callers_total``,
 ``qosfs_open_refused_total``, ``qosfs_user_accounts``, ``qosfs_users_expired_total``,
+``qosfs_backing_thread_hops_total``, ``qosfs_backing_prefetches_total``,
 and ``qosfs_internal_errors_total{where, type}`` (unexpected exceptions the daemon
 survived: a request answered EIO, a service restarted; :mod:`qosfs.core.failures`).
 
@@ -466,6 +467,12 @@ _RESOURCES = (
      "uids with series of their own in per_user classes ([metrics] user_series)."),
     ("users_expired", "qosfs_users_expired", "counter",
      "uid accounts folded into their class's uid=\"\" series after going idle."),
+    ("backing_thread_hops", "qosfs_backing_thread_hops", "counter",
+     "Backing-store calls that ran in a worker thread (a read the page cache missed, "
+     "fsync, every call on a network filesystem)."),
+    ("backing_prefetches", "qosfs_backing_prefetches", "counter",
+     "Opens of a small file on a local disk that started reading it before its first "
+     "READ, so that the READ is served without a thread."),
 )
 
 

@@ -19,10 +19,32 @@ the backing filesystem is (chosen once at mount, overridable with ``--io-mode``)
 Threads are drawn through a ``trio.CapacityLimiter`` chosen by the caller (one per QoS
 class), so a class whose backend calls hang cannot take every thread from another.
 
+A thread hop is not cheap where it matters most. Its two passes through the one thread
+that runs the loop (the worker waits for the GIL and a CPU to start; its result waits for
+the loop's next batch) grow with the requests in flight. For the one READ of each cold
+112 KiB file on this VM's ext4 disk (``--no-qos``, medians): 110-160 us at 1 caller,
+~700 us at 4 and 2.8 ms at 16, against 40-170 us for the disk read it waited for; and the
+loop thread lost 86 us per file at 16 callers waiting for the GIL its workers held. So
+daemon-served cold small files stopped scaling with callers. Hence
+:meth:`BackingIO.prefetch`: the open of a small file starts reading it
+(``POSIX_FADV_WILLNEED``: the kernel submits the reads and returns), so that by its READ
+the pages are in and ``RWF_NOWAIT`` serves it inline; and a READ that still misses tries
+once more after the loop ran the requests already waiting (``_nowait_again``). The more
+callers, the longer both gaps and the surer the hit. One run of ``python -m bench
+coldscale`` (5 rounds, files/s at 1/4/16 threads, thread hops per file):
+
+=====================  =========================  ==================
+bare disk              4,191 / 8,796 / 11,373
+``--no-qos`` before    1,259 / 2,065 / 2,240      1 / 1 / 1
+prefetch at open       1,494 / 2,587 / 3,985      0.94 / 0.18 / 0.01
+and the second try     1,640 / 3,484 / 3,934      0.55 / 0.08 / 0.00
+=====================  =========================  ==================
+
 Buffer ownership: reads into pooled buffers return a ``memoryview`` slice and put the
 buffer back into the pool *before* returning. That is safe because pyfuse3 copies the
 reply to the kernel synchronously right after the handler returns, with no checkpoint in
-between, so no other task can reuse the buffer before the reply is sent.
+between, so no other task can reuse the buffer before the reply is sent. (A read that
+waits, for a thread or for the loop's other requests, holds its buffer until it returns.)
 """
 
 from __future__ import annotations
@@ -55,6 +77,10 @@ MAX_REQUEST = 1 << 20  # FUSE sends at most max_pages (256) * 4 KiB per read/wri
 # large write cut uncapped 1 MiB writes from 1.96 to 0.87 GB/s (bench: caps). A capped
 # flow's pace is its cap, so the hop costs it nothing.
 OFFLOAD_WRITE = 256 * 1024
+# Files at most this large are read ahead whole at open (BackingIO.prefetch): what the
+# kernel asks for in one READ (max_pages), so a loader's sample is in by its first READ.
+# Not larger ones: a reader of a big file may want only its footer or a few records.
+PREFETCH_MAX = MAX_REQUEST
 _POOL_KEEP = 64  # buffers kept for reuse; more are allocated on demand and dropped
 
 _MEMORY_FS = frozenset({"tmpfs", "ramfs", "hugetlbfs", "devtmpfs", "shm"})
@@ -125,6 +151,24 @@ def _preadv_full(fd: int, view: memoryview, off: int, done: int) -> int:
     return done
 
 
+async def _nowait_again(fd: int, view: memoryview, off: int) -> int:
+    """After a page-cache miss, one more ``RWF_NOWAIT`` try once the loop's other ready
+    requests have run (0 if it misses again, then the caller hops as before).
+
+    The miss started the readahead, or an open's prefetch did (see the module
+    docstring); while other requests wait for the loop, the disk often delivers before
+    they are done. Cold small files through ``--no-qos`` with the metadata cached
+    (tests/mount/test_cold_reads.py, 16 threads): thread hops per file 0.08-0.60 without
+    this try, 0.004-0.13 with it. An idle loop comes back at once; the try then costs a
+    syscall (~3 us) against the hop's 110-160 us.
+    """
+    await trio.lowlevel.checkpoint()
+    try:
+        return os.preadv(fd, [view], off, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return 0
+
+
 def _pread_full(fd: int, size: int, off: int) -> bytes:
     data = os.pread(fd, size, off)
     if len(data) == size or not data:
@@ -172,12 +216,14 @@ class BackingIO:
         self._plain = _Pool(aligned=False)
         self._aligned = _Pool(aligned=True)
         self.thread_hops = 0  # how many syscalls went to a worker thread (diagnostics)
+        self.prefetches = 0  # how many opens started reading their file (prefetch)
         # Inode descriptors evicted while a metadata call runs in a thread are closed only
         # once it returns (qosfs.passthrough.fdcache); the filesystem shares its guard here.
         self.fd_guard = DeferredClose()
 
     def __repr__(self) -> str:
-        return f"BackingIO(mode={self.mode.value}, thread_hops={self.thread_hops})"
+        return (f"BackingIO(mode={self.mode.value}, thread_hops={self.thread_hops}, "
+                f"prefetches={self.prefetches})")
 
     async def read(
         self, fd: int, off: int, size: int, direct: bool, limiter: trio.CapacityLimiter
@@ -217,7 +263,7 @@ class BackingIO:
             try:
                 n = os.preadv(fd, [view], off, os.RWF_NOWAIT)
             except BlockingIOError:
-                n = 0
+                n = await _nowait_again(fd, view, off)
             except OSError as exc:
                 if exc.errno != errno.EOPNOTSUPP:
                     raise
@@ -232,6 +278,26 @@ class BackingIO:
         finally:
             pool.give(buf)  # safe: see "Buffer ownership" in the module docstring
         return view[:n]
+
+    def prefetch(self, fd: int, size: int) -> None:
+        """Start reading the *size* bytes of a file just opened for reading, if it is
+        small and on a local disk, so that its first READ finds them in the page cache
+        and takes no thread hop (see the module docstring). Once per open, never per
+        request; the caller asks only for flows whose reads nothing caps, so that no
+        byte is read before its admission.
+
+        ``WILLNEED`` submits the reads and returns without waiting for them: it blocks
+        no more than the ``RWF_NOWAIT`` read of the same bytes does, which starts the
+        same readahead on the loop's thread. Not in the other modes: memory filesystems
+        have nothing to read, and on network ones the call may wait for the server.
+        """
+        if self.mode is not IoMode.NOWAIT or not 0 < size <= PREFETCH_MAX:
+            return
+        self.prefetches += 1
+        try:
+            os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass  # only a hint: without it the read takes the thread hop, as before
 
     async def write(
         self, fd: int, off: int, data: bytes, direct: bool, limiter: trio.CapacityLimiter,

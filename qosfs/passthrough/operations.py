@@ -605,8 +605,17 @@ class PassthroughOperations(pyfuse3.Operations):
         bypass = charge.flow.direct_io_for(accmode)  # per class and access mode
         if bypass or cache == "never":
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
-        return pyfuse3.FileInfo(fh=fh, direct_io=False,
-                                keep_cache=cache == "always" or self._unchanged(node, fd))
+        if cache == "always":
+            return pyfuse3.FileInfo(fh=fh, direct_io=False, keep_cache=True)
+        st = os.fstat(fd)
+        if self._unchanged(node, st):
+            return pyfuse3.FileInfo(fh=fh, direct_io=False, keep_cache=True)
+        # The kernel drops its pages and will READ: a small file starts coming from the
+        # disk now, so that its READ takes no thread hop (qosfs.passthrough.backing_io).
+        if (accmode != os.O_WRONLY and not direct and self.io.mode is IoMode.NOWAIT
+                and not charge.flow.reads_capped()):  # the flow's walks its levels: last
+            self.io.prefetch(fd, st.st_size)
+        return pyfuse3.FileInfo(fh=fh, direct_io=False, keep_cache=False)
 
     def _write_down_file(self, handle: FileHandle, flags: int) -> None:
         """Journal a new open (qosfs.passthrough.journal): what reopens it after a crash
@@ -647,17 +656,17 @@ class PassthroughOperations(pyfuse3.Operations):
         journal.next_fh(self.next_fh)
 
     @staticmethod
-    def _unchanged(node: Inode, fd: int) -> bool:
-        """Whether the kernel's cached pages of *node* still hold the backing file: same
-        size, mtime and ctime as at the last open, and no write through the mount since
-        (a write clears the stamp). Records the stamp for the next open either way.
+    def _unchanged(node: Inode, st: os.stat_result) -> bool:
+        """Whether the kernel's cached pages of *node* still hold the backing file (*st*,
+        its fstat now): same size, mtime and ctime as at the last open, and no write
+        through the mount since (a write clears the stamp). Records the stamp for the
+        next open either way.
 
         The stamp is taken at open, as NFS's close-to-open does: a change made underneath
         is seen by the next open, not by reads of an open that is already open. Kernels
         from 6.13 give a change right after a stat a fine-grained ctime (multigrain
         timestamps), so a same-size rewrite within one clock tick is seen too.
         """
-        st = os.fstat(fd)
         stamp = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         kept = stamp == node.cache_stamp
         node.cache_stamp = stamp
@@ -1064,6 +1073,8 @@ class PassthroughOperations(pyfuse3.Operations):
             "open_per_uid_limit": self.open_quota.per_uid,
             "open_refused": self.open_quota.refused,
             "killed_callers": interrupts.killed_callers,
+            "backing_thread_hops": self.io.thread_hops,
+            "backing_prefetches": self.io.prefetches,
             "internal_errors": self.failures.counts(),
             "passthrough": self.kernel_opens.status(),
         }

@@ -339,7 +339,14 @@ class PolicyFlow:
         rule = self.cls.rule
         if rule.passthrough != "reads" or rule.per_user:
             return False
-        return not any(level.limited[_READ] for level in self._levels())
+        return not self.reads_capped()
+
+    def reads_capped(self) -> bool:
+        """Whether a level its reads pass caps them now (configured or automatic caps,
+        a per-uid split, the tenant, the backend's share). Asked once per open: a flow
+        whose reads nothing caps lets the filesystem read an open file ahead of its
+        reads (:meth:`qosfs.passthrough.backing_io.BackingIO.prefetch`)."""
+        return any(level.limited[_READ] for level in self._levels())
 
     def direct_io_for(self, accmode: int) -> bool:
         """Whether a file of this flow opened now with *accmode* bypasses the page cache.

@@ -79,6 +79,10 @@ class Flow(Protocol):
     def throttled_writes(self) -> bool:
         """Whether a cap bounds its writes now (their large ones then use a thread)."""
 
+    def reads_capped(self) -> bool:
+        """Whether a level caps its reads now (then nothing is read before it admits)."""
+        ...
+
     @property
     def class_name(self) -> str: ...  # the class it is charged to (logs, per-class counts)
 
@@ -248,6 +252,9 @@ class CountingFlow:
 
     def passes_reads_through(self) -> bool:
         return False  # no policy, no passthrough = "reads"
+
+    def reads_capped(self) -> bool:
+        return False
 
     def direct_io_for(self, accmode: int) -> bool:
         return False

@@ -16,6 +16,7 @@ import trio
 
 from qosfs.passthrough.backing_io import (
     OFFLOAD_WRITE,
+    PREFETCH_MAX,
     BackingIO,
     IoMode,
     backing_mount,
@@ -170,6 +171,65 @@ def test_a_page_cache_miss_under_nowait_finishes_in_a_thread(
     trio.run(main)
     assert [r.getMessage() for r in caplog.records] == [
         "backing store refuses RWF_NOWAIT; all reads now use threads"]
+
+
+@pytest.mark.parametrize(("mode", "size", "asked"), [
+    (IoMode.NOWAIT, 112 * 1024, True), (IoMode.NOWAIT, PREFETCH_MAX, True),
+    (IoMode.NOWAIT, PREFETCH_MAX + 1, False),  # a big file: maybe only its footer is read
+    (IoMode.NOWAIT, 0, False),
+    (IoMode.INLINE, BLOCK, False),  # memory: nothing to read ahead
+    (IoMode.THREADS, BLOCK, False),  # network: the hint could wait for the server
+])
+def test_only_small_files_on_local_disks_are_read_ahead(
+        mode: IoMode, size: int, asked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, int, int, int]] = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda *args: calls.append(args))
+    io = BackingIO(mode)
+    io.prefetch(7, size)
+    assert calls == ([(7, 0, size, os.POSIX_FADV_WILLNEED)] if asked else [])
+    assert io.prefetches == len(calls)
+
+
+def test_a_prefetch_the_kernel_refuses_changes_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: int) -> None:
+        raise OSError(errno.ESPIPE, os.strerror(errno.ESPIPE))
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    io = BackingIO(IoMode.NOWAIT)
+    io.prefetch(7, BLOCK)  # only a hint: the READ takes a thread hop, as without it
+    assert (io.prefetches, io.thread_hops, io.mode) == (1, 0, IoMode.NOWAIT)
+
+
+def test_a_miss_is_tried_once_more_after_the_loop_ran_the_other_requests(
+        fds: dict[bool, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The readahead the miss (or the open's prefetch) started often lands while the loop
+    serves the requests already waiting: then the read needs no thread."""
+    tries: list[str] = []
+
+    def preadv(fd: int, buffers: list[Any], off: int, *flags: int) -> int:
+        if flags and flags[0] & os.RWF_NOWAIT and not tries:
+            tries.append("miss")
+            raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+        tries.append("hit" if flags else "blocking")
+        return _real_preadv(fd, buffers, off)
+
+    real_checkpoint = trio.lowlevel.checkpoint
+
+    async def checkpoint() -> None:
+        tries.append("loop")  # the requests already waiting run here
+        await real_checkpoint()
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(trio.lowlevel, "checkpoint", checkpoint)
+    io = BackingIO(IoMode.NOWAIT)
+
+    async def main() -> None:
+        data = await io.read(fds[False], 0, BLOCK, False, trio.CapacityLimiter(1))
+        assert bytes(data) == DATA[:BLOCK]
+
+    trio.run(main)
+    assert (tries, io.thread_hops) == (["miss", "loop", "hit"], 0)
 
 
 @pytest.mark.parametrize(("size", "throttled", "hops"), [

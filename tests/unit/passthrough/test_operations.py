@@ -338,3 +338,49 @@ def test_passthrough_that_cannot_work_is_not_negotiated_and_says_why(tmp_path: P
     off = _ops(tmp_path)
     off.kernel_opens.off("turned off (--no-passthrough)")
     assert off.kernel_opens.status()["reason"] == "turned off (--no-passthrough)"
+
+
+PREFETCH_POLICY = """
+[classes.capped]
+paths = ["capped/**"]
+read_bandwidth = "1GiB/s"
+[classes.free]
+paths = ["free/**"]
+"""
+
+
+@pytest.mark.parametrize(("qos", "path", "flags", "reads_ahead"), [
+    ("none", "f", os.O_RDONLY, True),
+    ("none", "f", os.O_RDWR, True),
+    ("none", "f", os.O_WRONLY, False),  # nothing will read it
+    ("policy", "free/f", os.O_RDONLY, True),
+    ("policy", "capped/f", os.O_RDONLY, False),  # no byte read before its admission
+    ("policy", "capped/f", os.O_RDWR, False),
+])
+def test_an_open_reads_a_small_file_ahead_only_for_reads_no_cap_holds_back(
+        tmp_path: Path, qos: str, path: str, flags: int, reads_ahead: bool) -> None:
+    """A daemon-served open of a small file on a local disk starts reading it, so that its
+    READ finds the pages in and takes no thread hop (qosfs.passthrough.backing_io); not for
+    a write-only open, nor for a class whose reads are capped, nor at a reopen whose
+    cached pages the kernel keeps."""
+    for sub in ("free", "capped"):
+        (tmp_path / sub).mkdir()
+    (tmp_path / path).write_bytes(b"x" * 112 * 1024)
+    engine = PassThroughQos() if qos == "none" else PolicyQos(parse_policy(PREFETCH_POLICY))
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    io = BackingIO(IoMode.NOWAIT)
+    ops = PassthroughOperations(fd, io, engine, FsOptions())
+
+    async def main() -> None:
+        parent = pyfuse3.ROOT_INODE
+        *dirs, name = path.encode().split(b"/")
+        for d in dirs:
+            parent = (await ops.lookup(parent, d, _Ctx())).st_ino
+        entry = await ops.lookup(parent, name, _Ctx())
+        for _ in range(2):  # the second open keeps the kernel's pages: nothing to read
+            info = await ops.open(entry.st_ino, flags, _Ctx())
+            await ops.release(info.fh)
+
+    trio.run(main)
+    assert io.prefetches == (1 if reads_ahead else 0)
+    assert ops.resources()["backing_prefetches"] == io.prefetches
