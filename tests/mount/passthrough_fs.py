@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_passthrough:
         request(fs, args.stack_depth)
     pyfuse3.init(fs, args.mountpoint, {"fsname=kpass", "default_permissions"})
-    print("serving", flush=True)
+    print("qosfs serving the test filesystem", flush=True)  # QosfsMount waits for it
     try:
         trio.run(pyfuse3.main)
     finally:
