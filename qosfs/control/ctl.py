@@ -22,13 +22,8 @@ import sys
 import time
 from typing import Any
 
-from qosfs.control.protocol import (
-    ProtocolError,
-    parse_assignments,
-    parse_target,
-    socket_dirs,
-    socket_name,
-)
+from qosfs.control.address import socket_dirs, socket_name
+from qosfs.control.protocol import ProtocolError, parse_assignments, parse_target
 from qosfs.core.errors import EXIT_CONTROL, EXIT_POLICY, EXIT_USAGE, QosfsError
 from qosfs.core.limit_kinds import BY_KEY
 from qosfs.policy.model import CLASS_SETTINGS, MATCH_KEYS

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from qosfs.control import ctl, top
-from qosfs.control.protocol import socket_name
+from qosfs.control.address import socket_name
 from qosfs.core.errors import EXIT_CONTROL, EXIT_POLICY, QosfsError
 
 MiB = 1 << 20

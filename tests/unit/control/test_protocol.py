@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from hypothesis import given, settings
@@ -16,7 +15,6 @@ from qosfs.control.protocol import (
     ReloadRequest,
     SetRequest,
     SimpleRequest,
-    default_socket_path,
     encode,
     error_reply,
     parse_assignments,
@@ -142,22 +140,6 @@ def test_assignments() -> None:
 def test_peer_groups() -> None:
     peer = Peer(pid=1, uid=1000, gid=100, groups=(100, 42))
     assert peer.in_group(100) and peer.in_group(42) and not peer.in_group(7)
-
-
-def test_default_socket_path_is_readable_unambiguous_and_short(tmp_path) -> None:
-    a, b = tmp_path / "a-b", tmp_path / "a" / "b"
-    a.mkdir()
-    b.mkdir(parents=True)
-    pa, pb = default_socket_path(str(a)), default_socket_path(str(b))
-    assert pa != pb
-    assert os.path.basename(pa).startswith(str(a).strip("/").replace("/", "-")[:20])
-    assert pa.endswith(".sock")
-    assert default_socket_path(str(a)) == default_socket_path(str(a) + "/")
-    deep = "/" + "/".join(["verylongdirectoryname"] * 20)
-    assert len(default_socket_path(deep)) < 108
-    if os.geteuid() == 0:
-        assert pa.startswith("/run/qosfs/")
-    assert os.path.basename(default_socket_path("/")).startswith("root-")
 
 
 # ------------------------------------------------------------------ hostile lines
