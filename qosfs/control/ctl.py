@@ -26,7 +26,7 @@ from qosfs.control.address import socket_dirs, socket_name
 from qosfs.control.protocol import ProtocolError, parse_assignments, parse_target
 from qosfs.core.errors import EXIT_CONTROL, EXIT_POLICY, EXIT_USAGE, QosfsError
 from qosfs.core.limit_kinds import BY_KEY
-from qosfs.policy.model import CLASS_SETTINGS, MATCH_KEYS
+from qosfs.policy.keys import CLASS_SETTINGS, MATCH_KEYS
 
 MAX_REPLY_BYTES = 64 << 20
 TIMEOUT = 10.0
