@@ -1,8 +1,10 @@
 """The control protocol: JSON lines over a Unix socket, parsed and validated here.
 
-Pure functions and data, no I/O: the server (:mod:`qosfs.control.server`), the command
-logic (:mod:`qosfs.control.service`) and the client (:mod:`qosfs.control.ctl`) share them,
-and the unit tests cover every malformed input without a socket. Where the socket is:
+Pure functions and data, no I/O: the server (:mod:`qosfs.control.server`) and the command
+logic (:mod:`qosfs.control.service`) share them, and the unit tests cover every malformed
+input without a socket. The client (:mod:`qosfs.control.ctl`) writes and reads the same
+lines with :mod:`json` alone: it does not import this module, whose dataclasses would
+cost every ``qosfs ctl`` run the import of :mod:`dataclasses`. Where the socket is:
 :mod:`qosfs.control.address`.
 
 Wire format, one request per line, one reply line per request, in order::
@@ -51,9 +53,7 @@ __all__ = [
     "SimpleRequest",
     "encode",
     "error_reply",
-    "parse_assignments",
     "parse_request",
-    "parse_target",
 ]
 
 MAX_REQUEST_BYTES = 64 * 1024  # a whole policy fits (reload); anything longer is refused
@@ -256,37 +256,3 @@ def encode(reply: dict[str, Any]) -> bytes:
 
 def error_reply(message: str, code: str) -> dict[str, Any]:
     return {"ok": False, "code": code, "error": message}
-
-
-def parse_target(text: str) -> tuple[str, str | None]:
-    """``qosfs ctl set`` target syntax -> (kind, name).
-
-    ``backend`` is the backend; ``tenant:NAME`` a tenant; ``class:NAME`` or a bare
-    ``NAME`` a class (``class:backend`` reaches a class that happens to be called so).
-    """
-    if text == "backend":
-        return "backend", None
-    kind, sep, name = text.partition(":")
-    if sep:
-        if kind not in ("class", "tenant") or not name:
-            raise ProtocolError(f"bad target {text!r} (expected NAME, class:NAME, "
-                                "tenant:NAME or backend)")
-        return kind, name
-    return "class", text
-
-
-def parse_assignments(items: list[str]) -> dict[str, str]:
-    """``["write_bandwidth=400MiB/s", ...]`` -> ``{"write_bandwidth": "400MiB/s", ...}``."""
-    changes: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or not key or not value:
-            raise ProtocolError(f"bad setting {item!r} (expected KEY=VALUE, e.g. "
-                                "write_bandwidth=400MiB/s)")
-        if key in changes:
-            raise ProtocolError(f"{key} is given twice")
-        changes[key] = value
-    if not changes:
-        raise ProtocolError("nothing to set (give KEY=VALUE, e.g. write_bandwidth=400MiB/s)")
-    return changes

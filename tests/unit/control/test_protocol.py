@@ -17,9 +17,7 @@ from qosfs.control.protocol import (
     SimpleRequest,
     encode,
     error_reply,
-    parse_assignments,
     parse_request,
-    parse_target,
 )
 
 
@@ -108,33 +106,6 @@ def test_replies_are_one_line_and_strict_json() -> None:
     assert error_reply("nope", "denied") == {"ok": False, "code": "denied", "error": "nope"}
     with pytest.raises(ValueError):
         encode({"limit": float("inf")})  # unlimited must be sent as null
-
-
-@pytest.mark.parametrize(("text", "expected"), [
-    ("checkpoints", ("class", "checkpoints")),
-    ("class:backend", ("class", "backend")),
-    ("tenant:team-a", ("tenant", "team-a")),
-    ("backend", ("backend", None)),
-])
-def test_targets(text: str, expected: tuple[str, str | None]) -> None:
-    assert parse_target(text) == expected
-
-
-@pytest.mark.parametrize("text", ["pool:x", "tenant:", ":x"])
-def test_bad_targets(text: str) -> None:
-    with pytest.raises(ProtocolError, match="bad target"):
-        parse_target(text)
-
-
-def test_assignments() -> None:
-    assert parse_assignments(["write_bandwidth=400MiB/s", "write_iops = 2k"]) == {
-        "write_bandwidth": "400MiB/s", "write_iops": "2k"}
-    with pytest.raises(ProtocolError, match="expected KEY=VALUE"):
-        parse_assignments(["write_bandwidth"])
-    with pytest.raises(ProtocolError, match="write_iops is given twice"):
-        parse_assignments(["write_iops=1", "write_iops=2"])
-    with pytest.raises(ProtocolError, match="nothing to set"):
-        parse_assignments([])
 
 
 def test_peer_groups() -> None:
