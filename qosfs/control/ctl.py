@@ -4,7 +4,8 @@ Standard library only (no trio, no pyfuse3), so ``qosfs ctl`` starts fast and an
 Python can talk to a mount. Of qosfs it imports only what is light: the socket's
 address, the table of limit kinds and the policy's key names, not the protocol's request
 dataclasses or the policy model (:mod:`dataclasses` alone costs ~6 ms of import; issue
-38 holds ``qosfs ctl status`` to 60 ms in all).
+38 holds ``qosfs ctl status`` to 60 ms in all): tests/unit/daemon/test_cli_imports.py
+keeps it so.
 
 Exit codes: 0 done; 2 (usage) a malformed ``set`` target or ``KEY=VALUE``, refused before
 anything is sent; 6 (policy) the daemon rejected an invalid ``set``/``reload`` and kept
