@@ -276,8 +276,8 @@ def _ctl_status(r: LiveChangeResult) -> list[str]:
             f"interpreter alone (`python -c pass`), interleaved with them: median "
             f"{st.python_median_ms:.1f} ms; the machine was {st.busy_before_pct:.0f}% busy "
             "just before. Both run as the installed launcher runs qosfs (`python -P -m "
-            "qosfs`), bytecode compiled; `cli-set` too, each after waiting for a quiet "
-            "machine.", ""]
+            "qosfs`), bytecode compiled; `cli-set` too, each after waiting (at most "
+            "`--quiet-wait` s) for the machine to be quiet.", ""]
 
 
 def section_fair(plots: Plots, r: FairshareResult) -> list[str]:
