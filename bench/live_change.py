@@ -3,11 +3,12 @@ including for requests already parked).
 
 One writer process loops ``pwrite`` calls into a capped class of a qosfs mount and stamps
 the completion of each with ``CLOCK_MONOTONIC`` (shared by every process, so the suite's
-own instants line up with the writer's). Two measurements:
+own instants line up with the writer's). Measurements:
 
 **Parked writer** (1 MiB writes). Each repetition lowers the cap to 1 MiB/s (burst 1 MiB),
-waits until the writer is parked (queue depth >= 1; each write then waits ~1 s), raises
-the cap to 4 GiB/s and notes the instant the request left for the socket:
+waits until a write completes and the next one is parked (queue depth >= 1; each write
+then waits ~1 s, so none is due for ~0.9 s), raises the cap to 4 GiB/s and notes the
+instant the request left for the socket:
 
 * ``delay``: from sending the change until the parked write completes -- the change's
   processing, the wake-up of the parked request, its backing write and the FUSE reply;
@@ -144,6 +145,29 @@ def _parked(sock: str, timeout: float = 5.0) -> bool:
     return False
 
 
+def _writes_done(sock: str) -> int:
+    with Client(sock) as client:
+        stats = checked(client.request({"cmd": "stats"}))
+    return sum(a["write_ops"] for a in stats["accounts"] if a["class"] == "capped")
+
+
+def _freshly_parked(sock: str, timeout: float = 5.0) -> bool:
+    """Wait for a write of the capped class to complete, then for the next one to park.
+
+    Under the low cap that write waits ~1 s for its tokens, so a change sent now meets a
+    write parked moments ago and not due for ~0.9 s: the first completion after it is the
+    release, even for a method as slow as a whole ``qosfs ctl set`` (sent at any moment,
+    one run in ~20 met the cap's own next completion instead and showed ~2 ms)."""
+    deadline = time.monotonic() + timeout
+    before = _writes_done(sock)
+    while _writes_done(sock) == before:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    time.sleep(0.05)  # the next write reaches the daemon and parks
+    return _parked(sock, max(0.0, deadline - time.monotonic()))
+
+
 def _raise(method: str, sock: str, policy: Path) -> tuple[float, float]:
     """Raise the cap by ``method``; returns (sent, replied) monotonic instants."""
     if method == "cli-set":
@@ -242,9 +266,9 @@ def measure_parked(run: Run, counts: dict[str, int]
                     _request(m.socket, _set_body(LOW, "1MiB"))
                     lowered = time.monotonic()
                     time.sleep(PARKED_PHASE)  # a few writes at 1 MiB/s, then one parks
-                    parked = _parked(m.socket)
                     if method == "cli-set":  # a process start: other tenants' bursts show
                         wait_quiet(run.quiet_wait)
+                    parked = _freshly_parked(m.socket)
                     sent, replied = _raise(method, m.socket, m.policy_file)
                     marks.append((method, lowered, sent, replied, parked))
                     time.sleep(0.5)  # the writer runs free for a while
