@@ -255,7 +255,9 @@ def section_live(plots: Plots, r: LiveChangeResult) -> list[str]:
         f"Parked writer: cap {r.low} (a 1 MiB write waits ~1 s), raised to {r.high}; "
         "delay = from sending the request until the parked write completes. `cli-set` "
         "counts from the start of a `qosfs ctl set` process, as a shell starts it: "
-        "starting Python and the client are in it."
+        "starting Python and the client are in it. Like an operator's command it starts "
+        "after seconds in which this process idled (the writer parked), and such a start "
+        "is slower than one of the `ctl status` runs below, made back to back."
         + ("" if r.all_parked else " **Some repetitions found no parked write.**"), "",
         *_ctl_status(r),
         *table(["at", "change", "new rate holds after", f"< {LIVE_MS:.0f} ms"], srows), "",
