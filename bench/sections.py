@@ -256,8 +256,8 @@ def section_live(plots: Plots, r: LiveChangeResult) -> list[str]:
         "delay = from sending the request until the parked write completes. `cli-set` "
         "counts from the start of a `qosfs ctl set` process, as a shell starts it: "
         "starting Python and the client are in it. Like an operator's command it starts "
-        "after seconds in which this process idled (the writer parked), and such a start "
-        "is slower than one of the `ctl status` runs below, made back to back."
+        "after seconds in which this process idled (the writer parked); the `ctl status` "
+        "runs below are back to back (on a busy VM a start after idling was the slower)."
         + ("" if r.all_parked else " **Some repetitions found no parked write.**"), "",
         *_ctl_status(r),
         *table(["at", "change", "new rate holds after", f"< {LIVE_MS:.0f} ms"], srows), "",
