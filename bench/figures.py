@@ -221,6 +221,18 @@ class Step(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
+class CtlStatusTimes(Record):
+    """Whole ``qosfs ctl status`` processes, start to exit, and the interpreter alone."""
+
+    n: int
+    median_ms: float
+    max_ms: float
+    python_median_ms: float
+    busy_before_pct: float  # the machine (other tenants) just before the runs
+    runs_ms: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
 class LiveChangeResult(Record):
     low: str
     high: str
@@ -228,6 +240,7 @@ class LiveChangeResult(Record):
     all_parked: bool
     step: Step
     repetitions: Json = None
+    ctl_status: CtlStatusTimes | None = None  # absent from runs before issue 38
 
 
 # -- fair share --

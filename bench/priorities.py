@@ -21,7 +21,7 @@ from bench.fio import JOBS_DIR, FioError, run_job
 from bench.sampler import StatusSampler, error_pct, mean_rate, steady, windows
 from bench.system import BenchError, drop_caches, wait_quiet
 from qosfs.core.units import parse_bandwidth
-from qosfs.policy.model import PRIORITY_WEIGHTS
+from qosfs.policy.keys import PRIORITY_WEIGHTS
 
 BACKEND = "100MiB/s"
 LOW_MIN = "30MiB/s"

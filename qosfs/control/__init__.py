@@ -3,6 +3,7 @@
 
 - ``server``: the control socket, served on the daemon's trio loop.
 - ``protocol``: its JSON-lines protocol, parsed and validated.
+- ``address``: where a mount's control socket is (and the files beside it).
 - ``service``: what the daemon does for each request: status, stats, set, reload.
 - ``snapshot``: a frozen picture of a running engine, its rates and its JSON form.
 - ``metrics``, ``exporter``: Prometheus metrics, and ``/metrics`` served over HTTP.

@@ -1,10 +1,16 @@
 """``qosfs ctl``: the control socket's client, and how its replies are shown.
 
 Standard library only (no trio, no pyfuse3), so ``qosfs ctl`` starts fast and any
-Python can talk to a mount. Exit codes: 0 done; 2 (usage) a malformed ``set`` target or
-``KEY=VALUE``, refused before anything is sent; 6 (policy) the daemon rejected an invalid
-``set``/``reload`` and kept its policy; 7 (control) the socket is unreachable, the request
-was refused (permissions, ``--no-qos``) or malformed.
+Python can talk to a mount. Of qosfs it imports only what is light: the socket's
+address, the table of limit kinds and the policy's key names, not the protocol's request
+dataclasses or the policy model (:mod:`dataclasses` alone costs ~6 ms of import; issue
+38 holds ``qosfs ctl status`` to 60 ms in all): tests/unit/daemon/test_cli_imports.py
+keeps it so.
+
+Exit codes: 0 done; 2 (usage) a malformed ``set`` target or ``KEY=VALUE``, refused before
+anything is sent; 6 (policy) the daemon rejected an invalid ``set``/``reload`` and kept
+its policy; 7 (control) the socket is unreachable, the request was refused (permissions,
+``--no-qos``) or malformed.
 
 Which socket: ``--socket PATH``; ``--socket MOUNTPOINT`` (a directory) means that mount's
 default socket, or where the pointer there leads for a mount made with ``--socket PATH``
@@ -23,16 +29,10 @@ import sys
 import time
 from typing import Any
 
-from qosfs.control.protocol import (
-    ProtocolError,
-    parse_assignments,
-    parse_target,
-    socket_dirs,
-    socket_name,
-)
+from qosfs.control.address import socket_dirs, socket_name
 from qosfs.core.errors import EXIT_CONTROL, EXIT_POLICY, EXIT_USAGE, QosfsError
 from qosfs.core.limit_kinds import BY_KEY
-from qosfs.policy.model import CLASS_SETTINGS, MATCH_KEYS
+from qosfs.policy.keys import CLASS_SETTINGS, MATCH_KEYS
 
 MAX_REPLY_BYTES = 64 << 20
 TIMEOUT = 10.0
@@ -482,15 +482,55 @@ def add_parser(sub: Any) -> None:
     c.set_defaults(func=run)
 
 
+def parse_target(text: str) -> tuple[str, str | None]:
+    """``qosfs ctl set`` target syntax -> (kind, name).
+
+    ``backend`` is the backend; ``tenant:NAME`` a tenant; ``class:NAME`` or a bare
+    ``NAME`` a class (``class:backend`` reaches a class that happens to be called so).
+
+    Raises:
+        QosfsError: (exit code 2, usage) a malformed target.
+    """
+    if text == "backend":
+        return "backend", None
+    kind, sep, name = text.partition(":")
+    if sep:
+        if kind not in ("class", "tenant") or not name:
+            raise QosfsError(f"ctl set: bad target {text!r} (expected NAME, class:NAME, "
+                             "tenant:NAME or backend)", EXIT_USAGE)
+        return kind, name
+    return "class", text
+
+
+def parse_assignments(items: list[str]) -> dict[str, str]:
+    """``["write_bandwidth=400MiB/s", ...]`` -> ``{"write_bandwidth": "400MiB/s", ...}``.
+
+    Raises:
+        QosfsError: (exit code 2, usage) an item that is not KEY=VALUE, a key given twice,
+            or no item.
+    """
+    changes: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise QosfsError(f"ctl set: bad setting {item!r} (expected KEY=VALUE, e.g. "
+                             "write_bandwidth=400MiB/s)", EXIT_USAGE)
+        if key in changes:
+            raise QosfsError(f"ctl set: {key} is given twice", EXIT_USAGE)
+        changes[key] = value
+    if not changes:
+        raise QosfsError("ctl set: nothing to set (give KEY=VALUE, e.g. "
+                         "write_bandwidth=400MiB/s)", EXIT_USAGE)
+    return changes
+
+
 def build_request(args: argparse.Namespace) -> dict[str, Any]:
     """The request for parsed ``qosfs ctl`` arguments (reads a reload FILE here)."""
     command = args.ctl_command
-    if command == "set":
-        try:
-            kind, name = parse_target(args.target)
-            changes = parse_assignments(args.settings)
-        except ProtocolError as exc:  # a mistake on the command line: nothing was sent
-            raise QosfsError(f"ctl set: {exc}", EXIT_USAGE) from None
+    if command == "set":  # a mistake on the command line raises here: nothing is sent
+        kind, name = parse_target(args.target)
+        changes = parse_assignments(args.settings)
         body: dict[str, Any] = {"cmd": "set", "target": kind, "changes": changes}
         if name is not None:
             body["name"] = name

@@ -1,8 +1,11 @@
 """The control protocol: JSON lines over a Unix socket, parsed and validated here.
 
-Pure functions and data, no I/O: the server (:mod:`qosfs.control.server`), the command
-logic (:mod:`qosfs.control.service`) and the client (:mod:`qosfs.control.ctl`) share them,
-and the unit tests cover every malformed input without a socket.
+Pure functions and data, no I/O: the server (:mod:`qosfs.control.server`) and the command
+logic (:mod:`qosfs.control.service`) share them, and the unit tests cover every malformed
+input without a socket. The client (:mod:`qosfs.control.ctl`) writes and reads the same
+lines with :mod:`json` alone: it does not import this module, whose dataclasses would
+cost every ``qosfs ctl`` run the import of :mod:`dataclasses`. Where the socket is:
+:mod:`qosfs.control.address`.
 
 Wire format, one request per line, one reply line per request, in order::
 
@@ -36,8 +39,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,15 +51,9 @@ __all__ = [
     "Request",
     "SetRequest",
     "SimpleRequest",
-    "default_socket_path",
     "encode",
     "error_reply",
-    "parse_assignments",
     "parse_request",
-    "parse_target",
-    "socket_dir",
-    "socket_dirs",
-    "socket_name",
 ]
 
 MAX_REQUEST_BYTES = 64 * 1024  # a whole policy fits (reload); anything longer is refused
@@ -261,84 +256,3 @@ def encode(reply: dict[str, Any]) -> bytes:
 
 def error_reply(message: str, code: str) -> dict[str, Any]:
     return {"ok": False, "code": code, "error": message}
-
-
-def parse_target(text: str) -> tuple[str, str | None]:
-    """``qosfs ctl set`` target syntax -> (kind, name).
-
-    ``backend`` is the backend; ``tenant:NAME`` a tenant; ``class:NAME`` or a bare
-    ``NAME`` a class (``class:backend`` reaches a class that happens to be called so).
-    """
-    if text == "backend":
-        return "backend", None
-    kind, sep, name = text.partition(":")
-    if sep:
-        if kind not in ("class", "tenant") or not name:
-            raise ProtocolError(f"bad target {text!r} (expected NAME, class:NAME, "
-                                "tenant:NAME or backend)")
-        return kind, name
-    return "class", text
-
-
-def parse_assignments(items: list[str]) -> dict[str, str]:
-    """``["write_bandwidth=400MiB/s", ...]`` -> ``{"write_bandwidth": "400MiB/s", ...}``."""
-    changes: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or not key or not value:
-            raise ProtocolError(f"bad setting {item!r} (expected KEY=VALUE, e.g. "
-                                "write_bandwidth=400MiB/s)")
-        if key in changes:
-            raise ProtocolError(f"{key} is given twice")
-        changes[key] = value
-    if not changes:
-        raise ProtocolError("nothing to set (give KEY=VALUE, e.g. write_bandwidth=400MiB/s)")
-    return changes
-
-
-# --------------------------------------------------------------------- where the socket is
-
-SYSTEM_SOCKET_DIR = "/run/qosfs"
-
-
-def socket_dir() -> str:
-    """Where default control sockets live: /run/qosfs for root, else under the user's
-    ``$XDG_RUNTIME_DIR`` (a non-root daemon cannot create /run/qosfs)."""
-    if os.geteuid() == 0:
-        return SYSTEM_SOCKET_DIR
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    return os.path.join(runtime, "qosfs") if runtime else SYSTEM_SOCKET_DIR
-
-
-def socket_dirs() -> list[str]:
-    """Where a client looks: its own default directory, then the system one (a user
-    reading the status of root's mount)."""
-    return list(dict.fromkeys([socket_dir(), SYSTEM_SOCKET_DIR]))
-
-
-def socket_name(mountpoint: str) -> str:
-    """``mnt-mlfs-1a2b3c4d.sock`` for /mnt/mlfs: readable (the path with "/" as "-"),
-    unambiguous (a hash of the whole path, so /a-b and /a/b differ) and short enough for
-    a Unix socket address (108 bytes)."""
-    import hashlib  # here: `qosfs ctl` without --socket MOUNTPOINT should not pay for it
-
-    # The mountpoint itself is not resolved (no stat of it): a mount whose daemon died
-    # and whose connection is kept (qosfs.daemon.keeper) would not answer.
-    from qosfs.core.mountinfo import resolve_without_touching
-
-    path = resolve_without_touching(mountpoint)
-    readable = re.sub(r"[^A-Za-z0-9_.-]", "_", path.strip("/").replace("/", "-"))[:48] or "root"
-    digest = hashlib.sha256(os.fsencode(path)).hexdigest()[:8]
-    return f"{readable}-{digest}.sock"
-
-
-def beside_socket(control_path: str, suffix: str) -> str:
-    """A file of the same mount beside its control socket: ``/run/qosfs/NAME.sock`` gives
-    ``/run/qosfs/NAME`` + *suffix* (the handover socket, the keeper's, the journal)."""
-    return control_path.removesuffix(".sock") + suffix
-
-
-def default_socket_path(mountpoint: str) -> str:
-    """The daemon's control socket for ``mountpoint``, e.g. /run/qosfs/mnt-mlfs-1a2b3c4d.sock."""
-    return os.path.join(socket_dir(), socket_name(mountpoint))

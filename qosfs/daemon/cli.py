@@ -4,37 +4,23 @@ explain``.
 ``main(argv) -> int`` never raises for a user mistake: it prints one line naming what is
 wrong and returns a distinct exit code (see :mod:`qosfs.core.errors`); ``--debug`` adds the
 traceback.
+
+``main`` builds the parser of the one subcommand it runs, and each subcommand imports its
+modules when its parser is added or it runs: ``qosfs ctl`` starts in a few tens of
+milliseconds without the policy model, the planner, trio or pyfuse3 (issue 38;
+tests/unit/daemon/test_cli_imports.py). :func:`build_parser` is the whole command line.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import logging
 import os
-import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from qosfs import __version__
-from qosfs.control import ctl, explain, top
 from qosfs.core.errors import EXIT_DAEMON, QosfsError
-from qosfs.core.units import UnitError, parse_bandwidth, parse_interval
-from qosfs.daemon import tuning, unmount
-from qosfs.daemon.logsetup import setup_logging
-from qosfs.plan.planner import (
-    DEFAULT_EFFICIENCY,
-    DTYPE_BYTES,
-    OPTIMIZER_MOMENTS,
-    STATES,
-    PlanError,
-    PlanInputs,
-    make_plan,
-    parse_params,
-)
-
-log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,12 +32,35 @@ def build_parser() -> argparse.ArgumentParser:
     return mark_paths(_build_parser())
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every subcommand's parser, or only that of the subcommand *only*: what :func:`main`
+    builds, so that a command imports nothing for the others' options."""
     parser = argparse.ArgumentParser(
         prog="qosfs", description="FUSE pass-through filesystem with I/O quality of service")
     parser.add_argument("--version", action="version", version=f"qosfs {__version__}")
     parser.add_argument("--debug", action="store_true", help="verbose logs and tracebacks")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, add_parser in _COMMANDS.items():
+        if only is None or name == only:
+            add_parser(sub)
+    _describe_subcommands(parser)
+    return parser
+
+
+def _command_named(words: Sequence[str]) -> str | None:
+    """The subcommand *words* run: the first word that is not an option (the top-level
+    options take no value), if it names one. None for ``--help``, ``--version``, ``--``
+    or a mistake: their messages list every subcommand."""
+    for word in words:
+        if word == "--":
+            return None
+        if not word.startswith("-"):
+            return word if word in _COMMANDS else None
+    return None
+
+
+def _add_mount_parser(sub: Any) -> None:
+    from qosfs.daemon import tuning
 
     m = sub.add_parser(
         "mount", help="mount SOURCE on MOUNTPOINT (in place if omitted)",
@@ -102,6 +111,8 @@ def _build_parser() -> argparse.ArgumentParser:
                         "then throttled by both mounts")
     m.set_defaults(func=_cmd_mount)
 
+
+def _add_upgrade_parser(sub: Any) -> None:
     u = sub.add_parser(
         "upgrade", help="hand a live mount over to a new daemon process (this qosfs)",
         description="Start a new daemon that takes the mount at MOUNTPOINT over from the "
@@ -119,11 +130,33 @@ def _build_parser() -> argparse.ArgumentParser:
     u.add_argument("--log-file", help="log here instead of syslog when daemonized")
     u.set_defaults(func=_cmd_upgrade)
 
+
+def _add_umount_parser(sub: Any) -> None:
+    from qosfs.daemon import unmount
+
     unmount.add_parser(sub)
+
+
+# The clients of a running mount: each module adds its own subcommand.
+def _add_ctl_parser(sub: Any) -> None:
+    from qosfs.control import ctl
+
     ctl.add_parser(sub)
+
+
+def _add_top_parser(sub: Any) -> None:
+    from qosfs.control import top
+
     top.add_parser(sub)
+
+
+def _add_explain_parser(sub: Any) -> None:
+    from qosfs.control import explain
+
     explain.add_parser(sub)
 
+
+def _add_check_parser(sub: Any) -> None:
     c = sub.add_parser(
         "check", help="validate a policy file and print it resolved",
         description="Validate a policy and print it resolved (every value as the daemon "
@@ -140,15 +173,20 @@ def _build_parser() -> argparse.ArgumentParser:
                    "file, line and key, notes, and the error of an invalid policy")
     c.set_defaults(func=_cmd_check)
 
+
+def _add_policy_parser(sub: Any) -> None:
     p = sub.add_parser(
         "policy", help="print the embedded default policy",
         description="Print the policy a mount without --policy uses, with its comments: "
         "a starting point for your own (qosfs policy default > FILE).")
     p.add_argument("which", choices=["default"])
     p.set_defaults(func=_cmd_policy)
-    _add_plan_parser(sub)
-    _describe_subcommands(parser)
-    return parser
+
+
+def _add_plan_parser(sub: Any) -> None:
+    from qosfs.plan import command
+
+    command.add_parser(sub)
 
 
 def _describe_subcommands(parser: argparse.ArgumentParser) -> None:
@@ -164,57 +202,30 @@ def _describe_subcommands(parser: argparse.ArgumentParser) -> None:
                 _describe_subcommands(subparser)
 
 
-def _add_plan_parser(sub: Any) -> None:
-    pl = sub.add_parser(
-        "plan", help="from model size and checkpoint interval to caps and a policy",
-        description="Checkpoint size, write times and the checkpoint cap for a training job, "
-        "with every assumption printed; --policy-out writes a policy with those caps. "
-        "Sizes and rates are decimal (1 GB = 10^9 bytes).")
-    pl.add_argument("--params", required=True, metavar="COUNT",
-                    help='parameter count: "70B", "1.5B", "175M", "1T"')
-    pl.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bf16",
-                    help="training dtype (default: bf16)")
-    pl.add_argument("--optimizer", choices=list(OPTIMIZER_MOMENTS), default="adamw",
-                    help="moments per parameter: adam(w) 2, sgd 1, none 0 (default: adamw)")
-    pl.add_argument("--state", choices=STATES, default="simple",
-                    help="simple: weights and moments in the dtype (6 bytes/param for bf16 "
-                    "AdamW); mixed: + fp32 master weights, fp32 moments (14)")
-    pl.add_argument("--bytes-per-param", type=float, metavar="X",
-                    help="override the checkpoint bytes per parameter")
-    pl.add_argument("--ranks", type=int, default=1, help="ranks writing shards (default: 1)")
-    pl.add_argument("--nodes", type=int, default=1,
-                    help="qosfs mounts sharing the storage; policy figures are per mount "
-                    "(default: 1)")
-    pl.add_argument("--replicas", type=int, default=1,
-                    help="copies of the checkpoint written (default: 1, sharded)")
-    pl.add_argument("--interval", default="30m", metavar="TIME",
-                    help="checkpoint start to next start (default: 30m)")
-    pl.add_argument("--backend-write", metavar="RATE", help='storage write bandwidth, "20GB/s"')
-    pl.add_argument("--backend-read", metavar="RATE",
-                    help="storage read bandwidth (default: reads share the write figure)")
-    pl.add_argument("--reserve-read", metavar="RATE",
-                    help="read bandwidth that dataset reads keep during a checkpoint")
-    pl.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY,
-                    help=f"fraction of bandwidth a checkpoint achieves ({DEFAULT_EFFICIENCY})")
-    pl.add_argument("--max-stall", metavar="TIME",
-                    help="longest tolerable synchronous stall, \"60s\"")
-    pl.add_argument("--async", dest="asynchronous", action="store_true",
-                    help="checkpoints drain in the background while training goes on")
-    pl.add_argument("--target-share", type=float, metavar="FRACTION",
-                    help="--async: finish within this share of the interval (default: 0.5)")
-    pl.add_argument("--policy-out", metavar="FILE", help="write a policy with the caps")
-    pl.add_argument("--json", action="store_true",
-                    help="the plan as one JSON object: inputs, figures in bytes, bytes/s "
-                    "and seconds, the cap's policy setting, the assumptions")
-    pl.set_defaults(func=_cmd_plan)
+#: Every subcommand, in the order ``--help`` lists them, and what adds its parser. Each
+#: imports what its options need when it is called: ``qosfs ctl`` must not pay for the
+#: policy parser, the planner, trio or pyfuse3 (issue 38: ``qosfs ctl status`` in 60 ms,
+#: a ``ctl set`` in force within 100 ms counted from the shell).
+_COMMANDS: dict[str, Callable[[Any], None]] = {
+    "mount": _add_mount_parser,
+    "upgrade": _add_upgrade_parser,
+    "umount": _add_umount_parser,
+    "ctl": _add_ctl_parser,
+    "top": _add_top_parser,
+    "explain": _add_explain_parser,
+    "check": _add_check_parser,
+    "policy": _add_policy_parser,
+    "plan": _add_plan_parser,
+}
 
 
 def _cmd_mount(args: argparse.Namespace) -> int:
-    # Imported in the commands that need them: a `qosfs ctl set` is in force within
-    # 100 ms counted from the shell (the design's "Live change" guarantee, see
-    # docs/control-and-metrics.md), so it must not pay for pyfuse3, trio or the policy
-    # parser at start.
+    # Imported in the commands that need them (see _COMMANDS).
+    import functools
+    import logging
+
     from qosfs.control.exporter import parse_address
+    from qosfs.daemon.logsetup import setup_logging
     from qosfs.daemon.mount import (
         MountConfig,
         check_own_paths,
@@ -267,7 +278,8 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         # does, with the policy named here (if any) in force (issue 31).
         from qosfs.daemon.upgrade import adopt_mount
 
-        log.info("%s is served by a live qosfs daemon: taking it over", cfg.mountpoint)
+        logging.getLogger(__name__).info("%s is served by a live qosfs daemon: taking it "
+                                         "over", cfg.mountpoint)
         take_over = functools.partial(adopt_mount, cfg.mountpoint, cfg.socket_path,
                                       args.foreground, requested=cfg)
         return take_over() if args.foreground else daemonize(take_over)
@@ -276,6 +288,9 @@ def _cmd_mount(args: argparse.Namespace) -> int:
 
 
 def _cmd_upgrade(args: argparse.Namespace) -> int:
+    import functools
+
+    from qosfs.daemon.logsetup import setup_logging
     from qosfs.daemon.mount import daemonize
     from qosfs.daemon.upgrade import adopt_mount
 
@@ -332,55 +347,16 @@ def _cmd_policy(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_value(parse: Callable[[str], float], flag: str, text: str | None) -> float | None:
-    if text is None:
-        return None
-    try:
-        return parse(text)
-    except UnitError as exc:
-        raise PlanError(f"{flag}: {exc}") from None
-
-
-def _cmd_plan(args: argparse.Namespace) -> int:
-    from qosfs.plan.text import plan_json, plan_policy_text, render_plan  # policy parser
-
-    inputs = PlanInputs(
-        params=parse_params(args.params), dtype=args.dtype, optimizer=args.optimizer,
-        state=args.state, bytes_per_param=args.bytes_per_param, ranks=args.ranks,
-        nodes=args.nodes, replicas=args.replicas,
-        interval=_plan_value(parse_interval, "--interval", args.interval) or 0.0,
-        backend_write=_plan_value(parse_bandwidth, "--backend-write", args.backend_write),
-        backend_read=_plan_value(parse_bandwidth, "--backend-read", args.backend_read),
-        reserve_read=_plan_value(parse_bandwidth, "--reserve-read", args.reserve_read),
-        efficiency=args.efficiency,
-        max_stall=_plan_value(parse_interval, "--max-stall", args.max_stall),
-        asynchronous=args.asynchronous, target_share=args.target_share)
-    plan = make_plan(inputs)
-    policy = plan_policy_text(plan) if args.policy_out else None
-    if not args.json:
-        sys.stdout.write(render_plan(plan))
-    if policy is not None:
-        try:
-            with open(args.policy_out, "w", encoding="utf-8") as stream:
-                stream.write(policy)
-        except OSError as exc:
-            raise PlanError(f"--policy-out: cannot write {args.policy_out}: "
-                            f"{exc.strerror or exc}") from None
-        if not args.json:
-            print(f"\npolicy written to {args.policy_out}")
-    if args.json:
-        _print_json({**plan_json(plan), "policy_out": args.policy_out})
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _build_parser()
-    args = parser.parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    args = _build_parser(only=_command_named(words)).parse_args(words)
     try:
         return int(args.func(args))
     except QosfsError as exc:
         if args.debug:
-            log.exception("failed")
+            import logging
+
+            logging.getLogger(__name__).exception("failed")
         print(f"qosfs: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
@@ -389,6 +365,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader went away (`qosfs plan ... | head`): not an error of ours. Point
         # stdout at /dev/null so the interpreter's flush at exit does not fail again, and
         # exit as a command killed by SIGPIPE would.
+        import signal
+
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)

@@ -44,7 +44,7 @@ import subprocess
 import sys
 import time
 
-from qosfs.control.protocol import beside_socket
+from qosfs.control.address import beside_socket
 from qosfs.core.errors import QosfsError
 
 GRACE_DEFAULT = 30.0

@@ -40,7 +40,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from qosfs.control.protocol import default_socket_path
+from qosfs.control.address import default_socket_path
 from qosfs.control.service import ControlService
 from qosfs.core.errors import (
     EXIT_FUSE,

@@ -32,7 +32,7 @@ import pyfuse3
 import trio
 
 from qosfs import __version__
-from qosfs.control.protocol import beside_socket
+from qosfs.control.address import beside_socket
 from qosfs.daemon import handover
 from qosfs.daemon.listeners import Listeners
 from qosfs.passthrough.operations import PassthroughOperations

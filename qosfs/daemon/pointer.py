@@ -1,7 +1,7 @@
 """Where a mount's sockets are, said at the path every command looks at first: its pointer.
 
 A mount's control socket is at a path derived from its mountpoint
-(``/run/qosfs/NAME.sock``, :func:`qosfs.control.protocol.default_socket_path`) unless it
+(``/run/qosfs/NAME.sock``, :func:`qosfs.control.address.default_socket_path`) unless it
 was mounted with ``--socket PATH``; its handover socket, its keeper's socket and its
 journal are beside the control socket. A mount made with ``--socket PATH`` leaves a
 symbolic link to PATH at the derived path, so that a command given only the mountpoint
@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 
-from qosfs.control.protocol import default_socket_path, socket_dirs, socket_name
+from qosfs.control.address import default_socket_path, socket_dirs, socket_name
 from qosfs.core.mountinfo import QOSFS_FSTYPE, mounts, resolve_without_touching
 
 __all__ = ["leave", "mount_socket_path", "pointed", "pointer_path", "remove",
@@ -71,7 +71,7 @@ def remove(pointer: str, target: str) -> None:
 
 def pointed(mountpoint: str) -> str | None:
     """The control socket that a pointer for *mountpoint* names, looked for where clients
-    look (:func:`qosfs.control.protocol.socket_dirs`); None if there is no pointer."""
+    look (:func:`qosfs.control.address.socket_dirs`); None if there is no pointer."""
     name = socket_name(mountpoint)
     for directory in socket_dirs():
         try:

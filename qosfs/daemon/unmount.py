@@ -45,7 +45,7 @@ import sys
 import time
 from typing import Any
 
-from qosfs.control.protocol import beside_socket, default_socket_path
+from qosfs.control.address import beside_socket, default_socket_path
 from qosfs.core.errors import EXIT_DAEMON, EXIT_FUSE, EXIT_MOUNTPOINT, QosfsError
 from qosfs.core.mountinfo import QOSFS_FSTYPE, mounts, resolve_without_touching
 from qosfs.daemon import keeper

@@ -1,7 +1,8 @@
 """Policy: what the administrator wrote, validated. Imports only ``core``; knows nothing
 of token buckets or FUSE.
 
-- ``model``: the policy as frozen dataclasses, its key vocabulary and :class:`PolicyError`.
+- ``model``: the policy as frozen dataclasses and :class:`PolicyError`.
+- ``keys``: its key vocabulary, plain tuples (``qosfs ctl`` reads them without the model).
 - ``loading``: the entry points: parse, load and read a policy file, the default policy,
   live changes (``with_changes``), notes on what a policy does.
 - ``build``: from ``tomllib``'s dicts to a validated model, with file, line and reason.

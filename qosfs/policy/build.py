@@ -24,12 +24,10 @@ from qosfs.core.units import (
     show_value,
 )
 from qosfs.policy.classify import GlobError, compile_cgroup_glob, compile_glob, compile_value_glob
-from qosfs.policy.model import (
+from qosfs.policy.keys import (
     CACHE_MODES,
     CLASS_KEYS,
     CLUSTER_KEYS,
-    DEFAULT_USER_SERIES,
-    DEFAULT_USER_SERIES_IDLE,
     LATENCY_MEASURES,
     LIMIT_KEYS,
     MATCH_KEYS,
@@ -39,6 +37,10 @@ from qosfs.policy.model import (
     PRIORITY_WEIGHTS,
     SCOPES,
     TENANT_KEYS,
+)
+from qosfs.policy.model import (
+    DEFAULT_USER_SERIES,
+    DEFAULT_USER_SERIES_IDLE,
     Backend,
     ClassRule,
     Cluster,

@@ -44,14 +44,8 @@ from typing import Any
 from qosfs.core.limit_kinds import BY_KEY, CAP_KEYS
 from qosfs.core.units import format_iops
 from qosfs.policy.classify import compile_glob, compile_value_glob
-from qosfs.policy.model import (
-    PRIORITY_WEIGHTS,
-    ClassRule,
-    IdRange,
-    Limits,
-    Policy,
-    passthrough_blocker,
-)
+from qosfs.policy.keys import PRIORITY_WEIGHTS
+from qosfs.policy.model import ClassRule, IdRange, Limits, Policy, passthrough_blocker
 from qosfs.policy.text import locate_key, quote_key
 
 __all__ = ["DIRECTORY_NAMES", "PolicyWarning", "policy_warnings"]

@@ -74,15 +74,8 @@ from os import PathLike
 
 from qosfs.core.units import show_value
 from qosfs.policy.build import build_policy, unknown_key
-from qosfs.policy.model import (
-    CLASS_KEYS,
-    LIMIT_KEYS,
-    SETTABLE,
-    TENANT_KEYS,
-    Policy,
-    PolicyError,
-    policy_to_raw,
-)
+from qosfs.policy.keys import CLASS_KEYS, LIMIT_KEYS, SETTABLE, TENANT_KEYS
+from qosfs.policy.model import Policy, PolicyError, policy_to_raw
 from qosfs.policy.text import DEFAULT_POLICY_TEXT, locate_key, quote_key
 
 __all__ = [

@@ -1,8 +1,9 @@
-"""The policy model: frozen dataclasses, the key vocabulary, and :class:`PolicyError`.
+"""The policy model: frozen dataclasses and :class:`PolicyError`.
 
 Everything the QoS engine and the classifier read of a policy is defined here; parsing
 and validation live in :mod:`qosfs.policy.build`, TOML text in :mod:`qosfs.policy.text`,
-and :mod:`qosfs.policy.loading` parses, loads and changes a policy.
+the names of its keys in :mod:`qosfs.policy.keys`, and :mod:`qosfs.policy.loading` parses,
+loads and changes a policy.
 """
 
 from __future__ import annotations
@@ -21,38 +22,8 @@ from qosfs.core.limit_kinds import (
     default_burst,
 )
 from qosfs.core.units import format_bandwidth, format_duration, format_interval, format_size
+from qosfs.policy.keys import LIMIT_KEYS, OPS, PRIORITY_WEIGHTS
 from qosfs.policy.text import dump_toml
-
-#: Every key of a limits table: the caps of the table of limit kinds, then their bursts.
-LIMIT_KEYS = (*CAP_KEYS, *BURST_KEYS)
-MATCH_KEYS = ("paths", "uids", "gids", "tenants", "ops", "job_env", "jobs", "cgroups")
-CLASS_SETTINGS = ("priority", "min_read_bandwidth", "min_write_bandwidth", "per_user", "scope",
-                  "cache", "passthrough",
-                  "target_read_latency", "target_read_slowdown", "latency_percentile",
-                  "latency_measure", "detect_streaming_writes", "entry_timeout",
-                  "attr_timeout")
-CLASS_KEYS = (*MATCH_KEYS, *CLASS_SETTINGS, *LIMIT_KEYS)
-TENANT_KEYS = ("uids", "gids", "paths", "cgroups", "job_env", "jobs", "scope", *LIMIT_KEYS)
-#: Where a level's caps hold: on this mount ("node") or summed over every mount sharing
-#: the [cluster] Redis ("cluster").
-SCOPES = ("node", "cluster")
-CLUSTER_KEYS = ("redis", "password_file", "password_env", "key_prefix", "lease", "fallback")
-SETTABLE = {"backend": LIMIT_KEYS, "tenant": LIMIT_KEYS,
-            "class": (*LIMIT_KEYS, "min_read_bandwidth", "min_write_bandwidth", "priority",
-                      "per_user", "cache", "passthrough", "target_read_latency",
-                      "target_read_slowdown",
-                      "latency_percentile",
-                      "latency_measure", "detect_streaming_writes", "entry_timeout",
-                      "attr_timeout")}
-PRIORITY_WEIGHTS = {"low": 1, "normal": 10, "high": 100}
-OPS = ("read", "write", "meta")
-CACHE_MODES = ("auto", "keep", "direct", "direct-writes")
-#: ``passthrough``: "reads" lets the kernel read the backing file itself for read-only
-#: opens of a class that caps no reads (docs/policy.md, "Kernel passthrough").
-PASSTHROUGH_MODES = ("off", "reads")
-LATENCY_MEASURES = ("request", "backend")
-MAX_ID = 2**32 - 1
-
 
 
 class PolicyError(QosfsError):

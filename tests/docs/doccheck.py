@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qosfs.control.protocol import ProtocolError, parse_assignments, parse_target
+from qosfs.control.ctl import parse_assignments, parse_target
+from qosfs.core.errors import QosfsError
 from qosfs.daemon.cli import _build_parser
 from qosfs.policy.loading import parse_policy, with_changes
 from qosfs.policy.model import PolicyError
@@ -178,7 +179,7 @@ def qosfs_problem(where: str, words: list[str]) -> str | None:
                             "backend": ""}[kind]
         with_changes(parse_policy(text if name != "default" else _SET_BASE), kind, name,
                      changes)
-    except (ProtocolError, PolicyError) as exc:
+    except QosfsError as exc:  # a malformed target or setting, or a PolicyError
         return f"{where}: {shlex.join(words)}: {exc}"
     return None
 

@@ -106,16 +106,16 @@ def test_the_contents_page_lists_every_document() -> None:
             assert f"]({doc.name})" in contents, f"{doc.name} missing from docs/README.md"
 
 
-# Keys build.py checks inline rather than through a tuple of qosfs.policy.model.
+# Keys build.py checks inline rather than through a tuple of qosfs.policy.keys.
 _OTHER_POLICY_KEYS = ("backend", "control", "metrics", "cluster", "tenants", "classes",
                       "admin_group", "user_series", "user_series_idle")
 
 
 def test_every_policy_key_is_in_the_policy_reference() -> None:
-    from qosfs.policy import model
+    from qosfs.policy import keys as vocabulary
 
-    keys = {*model.CLASS_KEYS, *model.TENANT_KEYS, *model.CLUSTER_KEYS, *model.LIMIT_KEYS,
-            *_OTHER_POLICY_KEYS}
+    keys = {*vocabulary.CLASS_KEYS, *vocabulary.TENANT_KEYS, *vocabulary.CLUSTER_KEYS,
+            *vocabulary.LIMIT_KEYS, *_OTHER_POLICY_KEYS}
     reference = (ROOT / "docs" / "policy.md").read_text()
     missing = sorted(k for k in keys if f"`{k}`" not in reference and f"[{k}" not in reference)
     assert not missing, f"docs/policy.md does not name {missing}"

@@ -26,8 +26,9 @@ from prometheus_client.openmetrics.parser import (
 from prometheus_client.parser import text_string_to_metric_families
 
 import qosfs
+from qosfs.control.address import default_socket_path
 from qosfs.control.ctl import Client
-from qosfs.control.protocol import MAX_REQUEST_BYTES, default_socket_path
+from qosfs.control.protocol import MAX_REQUEST_BYTES
 from qosfs.daemon import cli
 from qosfs.policy.build import build_policy
 from qosfs.policy.loading import load_policy, with_changes

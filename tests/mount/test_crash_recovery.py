@@ -43,7 +43,7 @@ from typing import Any
 import pytest
 import xxhash
 
-from qosfs.control.protocol import default_socket_path
+from qosfs.control.address import default_socket_path
 from qosfs.daemon import handover, keeper
 from qosfs.passthrough.intents import CRASH_ENV, request_ids_known
 from tests.mount.crash_callers import BLOCK, expected_block

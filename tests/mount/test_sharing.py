@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from qosfs.control.address import default_socket_path
 from qosfs.control.ctl import Client
-from qosfs.control.protocol import default_socket_path
 from tests.mounting import BOTH_LAYOUTS, QosfsMount, as_user, is_mounted
 from tests.waiting import wait_for
 

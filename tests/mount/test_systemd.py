@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from qosfs.control.address import default_socket_path
 from qosfs.control.ctl import Client
-from qosfs.control.protocol import default_socket_path
 from qosfs.daemon import mount
 from qosfs.daemon.mount import mount_type
 from tests.mount import posix_scenarios

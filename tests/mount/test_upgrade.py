@@ -68,7 +68,7 @@ import pytest
 import xxhash
 
 from qosfs.control.ctl import Client
-from qosfs.control.protocol import default_socket_path
+from qosfs.control.address import default_socket_path
 from qosfs.daemon import handover, offer
 from qosfs.qos.latency_control import CLIMB
 from tests.mount.held_reader import HeldReader

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from qosfs.control import ctl, top
-from qosfs.control.protocol import socket_name
-from qosfs.core.errors import EXIT_CONTROL, EXIT_POLICY, QosfsError
+from qosfs.control.address import socket_name
+from qosfs.core.errors import EXIT_CONTROL, EXIT_POLICY, EXIT_USAGE, QosfsError
 
 MiB = 1 << 20
 REPLY = {
@@ -118,6 +118,34 @@ def test_requests_from_arguments(tmp_path: Path) -> None:
         "cmd": "reload", "text": "[classes.default]\n", "source": str(policy)}
     with pytest.raises(QosfsError, match="expected KEY=VALUE"):
         ctl.build_request(ns(ctl_command="set", target="x", settings=["oops"]))
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("checkpoints", ("class", "checkpoints")),
+    ("class:backend", ("class", "backend")),
+    ("tenant:team-a", ("tenant", "team-a")),
+    ("backend", ("backend", None)),
+])
+def test_targets(text: str, expected: tuple[str, str | None]) -> None:
+    assert ctl.parse_target(text) == expected
+
+
+@pytest.mark.parametrize("text", ["pool:x", "tenant:", ":x"])
+def test_bad_targets_are_usage_errors(text: str) -> None:
+    with pytest.raises(QosfsError, match=r"^ctl set: bad target") as err:
+        ctl.parse_target(text)
+    assert err.value.exit_code == EXIT_USAGE
+
+
+def test_assignments() -> None:
+    assert ctl.parse_assignments(["write_bandwidth=400MiB/s", "write_iops = 2k"]) == {
+        "write_bandwidth": "400MiB/s", "write_iops": "2k"}
+    for items, message in ((["write_bandwidth"], "expected KEY=VALUE"),
+                           (["write_iops=1", "write_iops=2"], "write_iops is given twice"),
+                           ([], "nothing to set")):
+        with pytest.raises(QosfsError, match=message) as err:
+            ctl.parse_assignments(items)
+        assert err.value.exit_code == EXIT_USAGE
 
 
 def test_socket_discovery(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from hypothesis import given, settings
@@ -16,12 +15,9 @@ from qosfs.control.protocol import (
     ReloadRequest,
     SetRequest,
     SimpleRequest,
-    default_socket_path,
     encode,
     error_reply,
-    parse_assignments,
     parse_request,
-    parse_target,
 )
 
 
@@ -112,52 +108,9 @@ def test_replies_are_one_line_and_strict_json() -> None:
         encode({"limit": float("inf")})  # unlimited must be sent as null
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("checkpoints", ("class", "checkpoints")),
-    ("class:backend", ("class", "backend")),
-    ("tenant:team-a", ("tenant", "team-a")),
-    ("backend", ("backend", None)),
-])
-def test_targets(text: str, expected: tuple[str, str | None]) -> None:
-    assert parse_target(text) == expected
-
-
-@pytest.mark.parametrize("text", ["pool:x", "tenant:", ":x"])
-def test_bad_targets(text: str) -> None:
-    with pytest.raises(ProtocolError, match="bad target"):
-        parse_target(text)
-
-
-def test_assignments() -> None:
-    assert parse_assignments(["write_bandwidth=400MiB/s", "write_iops = 2k"]) == {
-        "write_bandwidth": "400MiB/s", "write_iops": "2k"}
-    with pytest.raises(ProtocolError, match="expected KEY=VALUE"):
-        parse_assignments(["write_bandwidth"])
-    with pytest.raises(ProtocolError, match="write_iops is given twice"):
-        parse_assignments(["write_iops=1", "write_iops=2"])
-    with pytest.raises(ProtocolError, match="nothing to set"):
-        parse_assignments([])
-
-
 def test_peer_groups() -> None:
     peer = Peer(pid=1, uid=1000, gid=100, groups=(100, 42))
     assert peer.in_group(100) and peer.in_group(42) and not peer.in_group(7)
-
-
-def test_default_socket_path_is_readable_unambiguous_and_short(tmp_path) -> None:
-    a, b = tmp_path / "a-b", tmp_path / "a" / "b"
-    a.mkdir()
-    b.mkdir(parents=True)
-    pa, pb = default_socket_path(str(a)), default_socket_path(str(b))
-    assert pa != pb
-    assert os.path.basename(pa).startswith(str(a).strip("/").replace("/", "-")[:20])
-    assert pa.endswith(".sock")
-    assert default_socket_path(str(a)) == default_socket_path(str(a) + "/")
-    deep = "/" + "/".join(["verylongdirectoryname"] * 20)
-    assert len(default_socket_path(deep)) < 108
-    if os.geteuid() == 0:
-        assert pa.startswith("/run/qosfs/")
-    assert os.path.basename(default_socket_path("/")).startswith("root-")
 
 
 # ------------------------------------------------------------------ hostile lines

@@ -14,8 +14,9 @@ from qosfs.control.ctl import format_limits
 from qosfs.control.metrics import render
 from qosfs.control.snapshot import LIMIT_FIELDS, take_snapshot
 from qosfs.core.limit_kinds import BURST_KEYS, LIMIT_KINDS, Kind, LimitKind, default_burst
+from qosfs.policy.keys import LIMIT_KEYS
 from qosfs.policy.loading import parse_policy
-from qosfs.policy.model import LIMIT_KEYS, Limits, policy_to_raw
+from qosfs.policy.model import Limits, policy_to_raw
 from qosfs.qos.bucket import LevelLimits, Limit
 from qosfs.qos.engine import PolicyQos, level_limits
 from qosfs.qos.levels import RateLevel

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from qosfs.core.errors import EXIT_USAGE
-from qosfs.daemon.cli import _build_parser, main
+from qosfs.daemon.cli import _build_parser, _command_named, main
 from tests.mounting import ROOT
 
 
@@ -66,6 +66,34 @@ def test_every_subcommands_help_has_a_description(
     description = " ".join(blocks[1].split())
     assert not description.startswith(("positional arguments:", "options:")), out
     assert len(description.split()) >= 4, out
+
+
+@pytest.mark.parametrize("words", SUBCOMMANDS, ids=[" ".join(w) for w in SUBCOMMANDS])
+def test_the_parser_main_builds_for_a_command_is_the_whole_parsers(
+        words: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
+    """main builds only the subcommand it runs (a command imports nothing for the others,
+    issue 38); its help and its parse are those of the whole parser."""
+    assert _command_named(["--debug", *words, "--help"]) == words[0]
+    lean = _build_parser(only=words[0])
+    assert list(_subcommands(lean)) == [w for w in SUBCOMMANDS if w[0] == words[0]]
+    helps = []
+    for parser in (lean, _build_parser()):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*words, "--help"])
+        helps.append(capsys.readouterr().out)
+    assert helps[0] == helps[1]
+
+
+def test_main_builds_every_subcommand_for_help_and_for_mistakes() -> None:
+    assert _command_named([]) is None
+    assert _command_named(["--help"]) is None
+    assert _command_named(["--version"]) is None
+    assert _command_named(["mnt", "--help"]) is None  # "invalid choice" lists them all
+    assert _command_named(["--", "ctl"]) is None
+    assert _command_named(["--debug", "ctl", "--socket", "x", "status"]) == "ctl"
+    args = ["--debug", "ctl", "--socket", "s", "set", "ckpt", "write_bandwidth=1MiB/s"]
+    lean, full = _build_parser(only="ctl").parse_args(args), _build_parser().parse_args(args)
+    assert vars(lean) == vars(full)
 
 
 @pytest.mark.parametrize(("settings", "message"), [

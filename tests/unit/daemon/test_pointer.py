@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from qosfs.control import protocol
+from qosfs.control import address
 from qosfs.core.errors import QosfsError
 from qosfs.core.mountinfo import QOSFS_FSTYPE, MountEntry
 from qosfs.daemon import pointer
@@ -46,7 +46,7 @@ def test_a_socket_elsewhere_is_pointed_at_from_its_derived_path_while_bound(
         run_dir: Path, tmp_path: Path) -> None:
     mnt, custom = str(tmp_path / "mnt"), str(tmp_path / "elsewhere" / "qosfs.sock")
     os.makedirs(os.path.dirname(custom))
-    derived = protocol.default_socket_path(mnt)
+    derived = address.default_socket_path(mnt)
     assert pointer.pointer_path(mnt, derived) is None  # at the derived path: no pointer
     assert pointer.pointer_path(mnt, custom) == derived
     assert pointer.pointed(mnt) is None and pointer.mount_socket_path(mnt) == derived
@@ -63,7 +63,7 @@ def test_a_socket_elsewhere_is_pointed_at_from_its_derived_path_while_bound(
 def test_a_successor_keeps_the_pointer_and_removes_it_at_the_end(
         run_dir: Path, tmp_path: Path) -> None:
     mnt, custom = str(tmp_path / "mnt"), str(tmp_path / "qosfs.sock")
-    derived = protocol.default_socket_path(mnt)
+    derived = address.default_socket_path(mnt)
     old = Listeners.bind(custom, None, None, derived)
     os.unlink(derived)  # as if left by a version without pointers
     new = Listeners.inherit(custom, None, None, os.dup(old.control.fileno()), None, derived)
@@ -76,7 +76,7 @@ def test_a_successor_keeps_the_pointer_and_removes_it_at_the_end(
 def test_a_pointer_replaced_by_a_later_mount_is_left_alone(
         run_dir: Path, tmp_path: Path) -> None:
     mnt = str(tmp_path / "mnt")
-    derived = protocol.default_socket_path(mnt)
+    derived = address.default_socket_path(mnt)
     first = Listeners.bind(str(tmp_path / "a.sock"), None, None, derived)
     pointer.leave(derived, str(tmp_path / "b.sock"))  # a later mount's
     first.close()
@@ -86,7 +86,7 @@ def test_a_pointer_replaced_by_a_later_mount_is_left_alone(
 def test_a_stale_pointer_is_replaced_and_a_live_one_refused_at_the_derived_path(
         run_dir: Path, tmp_path: Path) -> None:
     mnt = str(tmp_path / "mnt")
-    derived = protocol.default_socket_path(mnt)
+    derived = address.default_socket_path(mnt)
     live = Listeners.bind(str(tmp_path / "live.sock"), None, None, derived)
     try:
         with pytest.raises(QosfsError, match="in use by a running qosfs daemon"):
@@ -104,7 +104,7 @@ def test_a_stale_pointer_is_replaced_and_a_live_one_refused_at_the_derived_path(
 def test_a_pointer_counts_for_a_new_mount_only_while_a_qosfs_mount_is_there(
         run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mnt, custom = str(tmp_path / "mnt"), str(tmp_path / "qosfs.sock")
-    pointer.leave(protocol.default_socket_path(mnt), custom)
+    pointer.leave(address.default_socket_path(mnt), custom)
     table: list[MountEntry] = []
     monkeypatch.setattr(pointer, "mounts", lambda: table)
     assert pointer.running_socket_path(mnt) is None  # nothing mounted: stale

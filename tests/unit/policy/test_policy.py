@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qosfs.core.errors import EXIT_POLICY, QosfsError
+from qosfs.policy.keys import CLASS_KEYS, LIMIT_KEYS, TENANT_KEYS
 from qosfs.policy.loading import (
     default_policy,
     load_policy,
@@ -22,9 +23,6 @@ from qosfs.policy.loading import (
     with_changes,
 )
 from qosfs.policy.model import (
-    CLASS_KEYS,
-    LIMIT_KEYS,
-    TENANT_KEYS,
     Backend,
     ClassRule,
     Control,
