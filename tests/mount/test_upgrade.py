@@ -67,8 +67,8 @@ import pyfuse3
 import pytest
 import xxhash
 
-from qosfs.control.ctl import Client
 from qosfs.control.address import default_socket_path
+from qosfs.control.ctl import Client
 from qosfs.daemon import handover, offer
 from qosfs.qos.latency_control import CLIMB
 from tests.mount.held_reader import HeldReader

@@ -27,8 +27,8 @@ def run_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """The directory of derived socket paths (/run/qosfs, here a temporary one with a
     short name: a derived name and pytest's directory are too long for a socket)."""
     run = Path(tempfile.mkdtemp(prefix="qosfs-run-"))
-    monkeypatch.setattr(protocol, "SYSTEM_SOCKET_DIR", str(run))
-    monkeypatch.setattr(protocol, "socket_dir", lambda: str(run))
+    monkeypatch.setattr(address, "SYSTEM_SOCKET_DIR", str(run))
+    monkeypatch.setattr(address, "socket_dir", lambda: str(run))
     yield run
     shutil.rmtree(run)
 
