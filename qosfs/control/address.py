@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 
 __all__ = [
     "SYSTEM_SOCKET_DIR",
+    "answers",
     "beside_socket",
     "default_socket_path",
     "socket_dir",
@@ -64,3 +66,15 @@ def beside_socket(control_path: str, suffix: str) -> str:
 def default_socket_path(mountpoint: str) -> str:
     """The daemon's control socket for ``mountpoint``, e.g. /run/qosfs/mnt-mlfs-1a2b3c4d.sock."""
     return os.path.join(socket_dir(), socket_name(mountpoint))
+
+
+def answers(path: str) -> bool:
+    """Whether something listens on the Unix socket at *path*: a socket file nobody
+    listens on (ECONNREFUSED) is a dead daemon's, stale."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True

@@ -55,6 +55,7 @@ from typing import Any
 import trio
 
 from qosfs.control.accepting import AcceptLoop
+from qosfs.control.address import answers
 from qosfs.control.protocol import (
     MAX_REQUEST_BYTES,
     Peer,
@@ -401,7 +402,7 @@ def _bind_replacing_stale(sock: socket.socket, path: str) -> None:
         if not (stat.S_ISSOCK(mode) or stat.S_ISLNK(mode)):
             raise QosfsError(f"{path} exists and is not a socket; pass another --socket",
                              EXIT_CONTROL)
-        if _answers(path):
+        if answers(path):
             raise QosfsError(f"control socket {path} is in use by a running qosfs daemon; "
                              "pass another --socket", EXIT_CONTROL)
         log.info("replacing stale control socket %s", path)
@@ -415,13 +416,3 @@ def _bind_replacing_stale(sock: socket.socket, path: str) -> None:
         os.umask(old_umask)
 
 
-def _answers(path: str) -> bool:
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(path)
-    except OSError:
-        return False  # ECONNREFUSED: nobody listens, it is stale
-    finally:
-        probe.close()
-    return True

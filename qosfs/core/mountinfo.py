@@ -49,6 +49,21 @@ def mounts(path: str = MOUNTINFO) -> list[MountEntry]:
     return entries
 
 
+def mount_type(path: str) -> str | None:
+    """The filesystem type mounted exactly at *path*, or None if nothing is.
+
+    *path* must be absolute and already resolved: this function makes no system call on
+    it, because the daemon asks after its own loop stopped, when a stat() of its own
+    mountpoint would wait for ever for an answer nobody is left to give.
+    """
+    target = os.path.normpath(path)
+    found = None
+    for entry in mounts():
+        if entry.mountpoint == target:
+            found = entry.fstype  # the last one is on top
+    return found
+
+
 def lies_within(path: str, top: str) -> bool:
     """Whether *path* is the directory *top* or below it, by the strings alone (both
     absolute and normalized: no system call, so a hung mount on either cannot block)."""

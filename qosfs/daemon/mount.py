@@ -50,7 +50,7 @@ from qosfs.core.errors import (
     QosfsError,
 )
 from qosfs.core.failures import Failures
-from qosfs.core.mountinfo import lies_within, mounts, resolve_without_touching
+from qosfs.core.mountinfo import lies_within, mount_type, resolve_without_touching
 from qosfs.daemon import tuning
 from qosfs.daemon.crash_guard import CrashGuard
 from qosfs.daemon.listeners import Listeners
@@ -185,21 +185,6 @@ def _statfs_errno(path: str) -> int:
     except OSError as exc:
         return exc.errno or 0
     return 0
-
-
-def mount_type(path: str) -> str | None:
-    """The filesystem type mounted exactly at *path*, or None if nothing is.
-
-    *path* must be absolute and already resolved: this function makes no system call on
-    it, because the daemon asks after its own loop stopped, when a stat() of its own
-    mountpoint would wait for ever for an answer nobody is left to give.
-    """
-    target = os.path.normpath(path)
-    found = None
-    for entry in mounts():
-        if entry.mountpoint == target:
-            found = entry.fstype  # the last one is on top
-    return found
 
 
 def clean_stale_mount(mountpoint: str) -> None:

@@ -28,7 +28,7 @@ import logging
 import os
 
 from qosfs.control.address import default_socket_path, socket_dirs, socket_name
-from qosfs.core.mountinfo import QOSFS_FSTYPE, mounts, resolve_without_touching
+from qosfs.core.mountinfo import QOSFS_FSTYPE, mount_type, resolve_without_touching
 
 __all__ = ["leave", "mount_socket_path", "pointed", "pointer_path", "remove",
            "running_socket_path"]
@@ -92,8 +92,6 @@ def running_socket_path(mountpoint: str) -> str | None:
     """The ``--socket PATH`` of the qosfs mount that is at *mountpoint* now, as its pointer
     says; None if there is no qosfs mount there (a pointer is stale then) or its socket
     is at the derived path. Nothing is asked of the mountpoint: its daemon may be dead."""
-    target = resolve_without_touching(mountpoint)
-    on_top = [entry.fstype for entry in mounts() if entry.mountpoint == target][-1:]
-    if on_top != [QOSFS_FSTYPE]:
+    if mount_type(resolve_without_touching(mountpoint)) != QOSFS_FSTYPE:
         return None
     return pointed(mountpoint)

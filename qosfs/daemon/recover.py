@@ -40,7 +40,7 @@ import stat
 from collections.abc import Callable
 
 from qosfs.core.errors import EXIT_MOUNTPOINT, QosfsError
-from qosfs.core.mountinfo import resolve_without_touching
+from qosfs.core.mountinfo import mount_type, resolve_without_touching
 from qosfs.daemon import handover, keeper, notify
 from qosfs.daemon.crash_guard import FUSE_NAME, ROOT_NAME, release_store
 from qosfs.daemon.mount import (
@@ -48,7 +48,6 @@ from qosfs.daemon.mount import (
     build_daemon,
     clean_stale_mount,
     control_socket_path,
-    mount_type,
     run_mount,
     serve_mount,
 )

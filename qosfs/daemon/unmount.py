@@ -38,18 +38,17 @@ import argparse
 import os
 import select
 import shutil
-import socket
 import stat
 import subprocess
 import sys
 import time
 from typing import Any
 
-from qosfs.control.address import beside_socket, default_socket_path
+from qosfs.control.address import answers, beside_socket
 from qosfs.core.errors import EXIT_DAEMON, EXIT_FUSE, EXIT_MOUNTPOINT, QosfsError
-from qosfs.core.mountinfo import QOSFS_FSTYPE, mounts, resolve_without_touching
+from qosfs.core.mountinfo import QOSFS_FSTYPE, mount_type, resolve_without_touching
 from qosfs.daemon import keeper
-from qosfs.daemon.pointer import mount_socket_path
+from qosfs.daemon.pointer import mount_socket_path, pointer_path
 from qosfs.daemon.pointer import remove as remove_pointer
 
 DEFAULT_TIMEOUT = 30.0
@@ -76,8 +75,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     mountpoint = resolve_without_touching(args.mountpoint)
-    on_top = [entry.fstype for entry in mounts() if entry.mountpoint == mountpoint][-1:]
-    if on_top != [QOSFS_FSTYPE]:
+    if mount_type(mountpoint) != QOSFS_FSTYPE:
         raise QosfsError(f"{args.mountpoint} is not a qosfs mount", EXIT_MOUNTPOINT)
     control = os.path.abspath(args.socket) if args.socket else mount_socket_path(mountpoint)
     keeper_path = keeper.keeper_socket_path(os.path.realpath(control))
@@ -120,7 +118,7 @@ def _remove_leftovers(mountpoint: str, control: str) -> None:
     sockets if nothing answers there, its journal, and the pointer to its socket."""
     for path in (control, beside_socket(control, ".handover")):
         try:
-            if stat.S_ISSOCK(os.lstat(path).st_mode) and not _answers(path):
+            if stat.S_ISSOCK(os.lstat(path).st_mode) and not answers(path):
                 os.unlink(path)
         except OSError:
             pass
@@ -128,19 +126,9 @@ def _remove_leftovers(mountpoint: str, control: str) -> None:
         os.unlink(keeper.journal_path(control))
     except OSError:
         pass
-    derived = default_socket_path(mountpoint)
-    if derived != control:
-        remove_pointer(derived, control)
-
-
-def _answers(path: str) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except OSError:
-            return False
-    return True
+    pointer = pointer_path(mountpoint, control)
+    if pointer is not None:
+        remove_pointer(pointer, control)
 
 
 def _watch(waits: dict[int, tuple[str, int]], what: str, pid: int | None) -> None:

@@ -30,8 +30,8 @@ import xxhash
 
 from qosfs.control.address import default_socket_path
 from qosfs.control.ctl import Client
+from qosfs.core.mountinfo import mount_type
 from qosfs.daemon import mount
-from qosfs.daemon.mount import mount_type
 from tests.mount import posix_scenarios
 from tests.mount.test_fidelity import SCENARIOS, TEST_GID, TEST_UID, _run_as_user
 from tests.mounting import ROOT, as_user, is_mounted

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from qosfs.control.address import default_socket_path
-from qosfs.daemon.mount import mount_type
+from qosfs.core.mountinfo import mount_type
 from qosfs.daemon.offer import handover_socket_path
 from tests.mounting import ROOT, is_mounted
 from tests.systemd_box import SystemdBox, unavailable, wait_until_serving

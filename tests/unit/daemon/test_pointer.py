@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from qosfs.control import address
+from qosfs.core import mountinfo
 from qosfs.core.errors import QosfsError
 from qosfs.core.mountinfo import QOSFS_FSTYPE, MountEntry
 from qosfs.daemon import pointer
@@ -106,7 +107,7 @@ def test_a_pointer_counts_for_a_new_mount_only_while_a_qosfs_mount_is_there(
     mnt, custom = str(tmp_path / "mnt"), str(tmp_path / "qosfs.sock")
     pointer.leave(address.default_socket_path(mnt), custom)
     table: list[MountEntry] = []
-    monkeypatch.setattr(pointer, "mounts", lambda: table)
+    monkeypatch.setattr(mountinfo, "mounts", lambda _path=mountinfo.MOUNTINFO: table)
     assert pointer.running_socket_path(mnt) is None  # nothing mounted: stale
     table.append(MountEntry("0:50", mnt, frozenset(), QOSFS_FSTYPE))
     assert pointer.running_socket_path(mnt) == custom
