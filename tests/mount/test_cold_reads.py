@@ -31,29 +31,35 @@ PAGES = SIZE // mmap.PAGESIZE
 
 
 class Cold:
-    """Small files on the disk, evicted from the page cache, and a ``--no-qos`` mount."""
+    """Small files on the disk, evicted from the page cache, and a ``--no-qos`` mount, apart
+    from the source or over it (*in_place*, as systemd and the DaemonSet mount)."""
 
-    def __init__(self, tmp: Path, count: int) -> None:
-        self.src, self.mnt, self.sock = tmp / "src", tmp / "mnt", tmp / "ctl.sock"
-        self.src.mkdir()
-        self.mnt.mkdir()
-        fd = os.open(self.src, os.O_RDONLY)
-        try:
-            fstype = backing_mount(fd)[0]
-        finally:
-            os.close(fd)
+    def __init__(self, tmp: Path, count: int, in_place: bool) -> None:
+        self.src, self.sock = tmp / "src", tmp / "ctl.sock"
+        self.mnt = self.src if in_place else tmp / "mnt"
+        self.src.mkdir(exist_ok=True)
+        self.mnt.mkdir(exist_ok=True)
+        # The source's files as they are underneath, also once a mount in place covers
+        # them: through a descriptor of the directory opened before mounting.
+        self.under = os.open(self.src, os.O_RDONLY | os.O_DIRECTORY)
+        fstype = backing_mount(self.under)[0]
         if choose_io_mode(fstype) is not IoMode.NOWAIT:
+            os.close(self.under)
             pytest.skip(f"needs a local disk for {tmp}, not {fstype}")
         self.names = [f"s{i:04d}.bin" for i in range(count)]
         self.data = {name: os.urandom(SIZE) for name in self.names}
         for name, data in self.data.items():
-            path = self.src / name
+            path = self.backing(name)
             with open(path, "wb") as f:
                 f.write(data)
                 os.fsync(f.fileno())  # clean pages: DONTNEED drops them
             evict(path)
             assert resident(path) == 0, f"{path}: its pages would not leave the cache"
         self.mount = QosfsMount(self.src, self.mnt, "--no-qos", "--socket", str(self.sock))
+
+    def backing(self, name: str) -> Path:
+        """The file *name* in the source, not through the mount."""
+        return Path(f"/proc/self/fd/{self.under}/{name}")
 
     def counts(self) -> tuple[int, int]:
         """The daemon's worker-thread hops and read-ahead opens so far."""
@@ -90,12 +96,17 @@ def read_whole(path: Path) -> bytes:
 
 @pytest.fixture
 def cold(tmp_tree: Path, request: pytest.FixtureRequest) -> Iterator[Cold]:
-    files = Cold(tmp_tree, request.param)
-    with files.mount:
-        yield files
+    count, in_place = request.param
+    files = Cold(tmp_tree, count, in_place)
+    try:
+        with files.mount:
+            yield files
+    finally:
+        os.close(files.under)
 
 
-@pytest.mark.parametrize("cold", [32], indirect=True)
+@pytest.mark.parametrize("cold", [(32, False), (32, True)], indirect=True,
+                         ids=["apart", "in-place"])
 def test_an_open_reads_a_cold_small_file_ahead_and_its_read_takes_no_thread(
         cold: Cold) -> None:
     hops, prefetches = cold.counts()
@@ -103,7 +114,7 @@ def test_an_open_reads_a_cold_small_file_ahead_and_its_read_takes_no_thread(
     try:
         # Opened, nothing read: the disk delivers the files all the same.
         wait_for("every open's file to come into the page cache",
-                 lambda: [n for n in cold.names if resident(cold.src / n) < PAGES],
+                 lambda: [n for n in cold.names if resident(cold.backing(n)) < PAGES],
                  until=lambda missing: not missing)
         for fd, name in zip(fds, cold.names, strict=True):
             assert os.pread(fd, SIZE + 1, 0) == cold.data[name]
@@ -114,7 +125,8 @@ def test_an_open_reads_a_cold_small_file_ahead_and_its_read_takes_no_thread(
     assert cold.counts() == (hops, prefetches + len(cold.names))
 
 
-@pytest.mark.parametrize("cold", [480], indirect=True)
+@pytest.mark.parametrize("cold", [(480, False), (480, True)], indirect=True,
+                         ids=["apart", "in-place"])
 def test_cold_small_files_read_by_16_threads_take_almost_no_thread_hops(cold: Cold) -> None:
     """The shape that stopped scaling: each caller's open, READ and release in turn. With
     16 callers the open-to-READ gap is many requests of the loop long, far more than the
