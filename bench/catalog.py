@@ -27,7 +27,6 @@ from bench.suites import (
     envelope,
     fairshare,
     isolation,
-    live_change,
     loader,
     metadata,
     overhead,
@@ -35,6 +34,7 @@ from bench.suites import (
     priorities,
     storage,
 )
+from bench.suites.live_change import live_report, writes
 from bench.suites.training import au_report, workload
 
 
@@ -59,10 +59,10 @@ SUITES: tuple[Suite[Any], ...] = (
         "with QoS", isolation.run, isolation.IsolationResult, isolation.headline,
         isolation.section,
         (("isolation", isolation.chart), ("isolation-burst", isolation.burst_chart))),
-    Suite[live_change.LiveChangeResult](
+    Suite[live_report.LiveChangeResult](
         "live-change", "how fast a `qosfs ctl set` (or reload) is in force",
-        live_change.run, live_change.LiveChangeResult, live_change.headline,
-        live_change.section, (("live-change", live_change.chart),)),
+        writes.run, live_report.LiveChangeResult, live_report.headline,
+        live_report.section, (("live-change", live_report.chart),)),
     Suite[fairshare.FairshareResult](
         "fairshare", "three uids sharing a per_user = \"fair\" class",
         fairshare.run, fairshare.FairshareResult, fairshare.headline, fairshare.section,

@@ -19,7 +19,7 @@ from bench.catalog import BY_NAME, COMMANDS, SUITES
 from bench.core.report import headline, loaded, render
 from bench.core.typed import Record, ResultMismatch, from_json, to_json
 from bench.suites.caps import CapLevel
-from bench.suites.live_change import StepChange
+from bench.suites.live_change.live_report import StepChange
 from tests.bench.test_report import fixture
 
 SAMPLES = Path(__file__).parent / "data" / "results"

@@ -8,7 +8,7 @@ import pytest
 from bench.core.sampler import Sample, Window
 from bench.suites.caps import analyse
 from bench.suites.fairshare import IDLE_AFTER, SKIP, UIDS, phase_table
-from bench.suites.live_change import analyse_parked, binned_rates, settle_delay
+from bench.suites.live_change.writes import analyse_parked, binned_rates, settle_delay
 from bench.suites.priorities import expected_shares
 
 
