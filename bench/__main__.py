@@ -1,6 +1,6 @@
 """``python -m bench SUITE [options]`` — run from the repository root, as root.
 
-The suites and subcommands are those of bench/suites.py; ``--help`` lists them. A single
+The suites and subcommands are those of bench/catalog.py; ``--help`` lists them. A single
 suite writes bench/results/SUITE.md and SUITE.json (and SUITE-*.png); ``all`` runs every
 suite of the report, then writes bench/results/REPORT.md, REPORT.json and the plots.
 """
@@ -14,7 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from bench.system import REPO
+from bench.core.system import REPO
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -43,7 +43,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _listing() -> str:
     """The --help text's list of suites and subcommands, from the registry."""
-    from bench.suites import COMMANDS, SUITES
+    from bench.catalog import COMMANDS, SUITES
 
     def entry(name: str, about: str) -> list[str]:
         return textwrap.wrap(f"{name:15s} {about}", 88, initial_indent="  ",
@@ -62,7 +62,7 @@ def _listing() -> str:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    from bench.suites import COMMANDS, SUITES
+    from bench.catalog import COMMANDS, SUITES
 
     parser = argparse.ArgumentParser(prog="python -m bench",
                                      description=f"{__doc__}\n{_listing()}",
@@ -84,8 +84,8 @@ def _accepts(p: argparse.ArgumentParser, option: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.session import Options, execute
-    from bench.suites import BY_NAME, COMMANDS, COMMANDS_BY_NAME, SUITES
+    from bench.catalog import BY_NAME, COMMANDS, COMMANDS_BY_NAME, SUITES
+    from bench.core.session import Options, execute
 
     parser, subparsers = build_parser()
     args = parser.parse_args(argv)
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             extra_argv += ["--out", str(args.out)]
         return main(extra_argv)
 
-    return execute(names, opts, "REPORT" if args.suite == "all" else args.suite,
+    return execute(names, opts, "REPORT" if args.suite == "all" else args.suite, BY_NAME,
                    run_extra, extras)
 
 

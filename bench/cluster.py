@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.system import QosfsMount, require_root, tmpfs_area
+from bench.core.system import QosfsMount, require_root, tmpfs_area
 
 MiB = 1 << 20
 CAP = 100  # MiB/s

@@ -39,8 +39,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.opcost import make_tree, qosfs_mount
-from bench.system import drop_caches, wait_quiet
+from bench.core.epochs import make_tree
+from bench.core.system import drop_caches, qosfs_mount, wait_quiet
 from qosfs.control.ctl import Client
 
 KINDS = {"bare": None, "no-qos": ["--no-qos"], "policy": []}

@@ -13,50 +13,11 @@ burst once): the cap holds within +-2% (issue "Protected reads at native speed")
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
+from bench.core.fio import FioMetrics, find_fio
+from bench.core.storm import STORM_ALONE, Row, scenarios
+from bench.core.system import QosfsMount, require_root, tmpfs_area
 
-from bench.fio import FioMetrics, find_fio, run_job
-from bench.isolation import with_storm
-from bench.system import QosfsMount, require_root, tmpfs_area
-
-JOBS = Path(__file__).resolve().parent / "jobs"
-RUNTIME = "8"
-READER = {"RUNTIME": RUNTIME, "SIZE": "256m", "NUMJOBS": "2"}
-STORM = {"RUNTIME": str(int(RUNTIME) + 1), "SIZE": "128m", "NUMJOBS": "4"}
-STORM_ALONE = "10"  # seconds: the window the cap is held over
 READER_KEEPS, P99_AT_MOST, CHECKPOINTS_KEEP, CAP_HOLDS = 0.80, 1.5, 0.25, 0.02
-
-
-def _reader(fio: str, top: Path) -> FioMetrics:
-    metrics, _, _ = run_job(fio, JOBS / "dataset.fio", str(top / "data"), READER)
-    assert metrics is not None
-    return metrics
-
-
-def _storm_alone(fio: str, top: Path) -> FioMetrics:
-    metrics, _, _ = run_job(fio, JOBS / "checkpoint-storm.fio", str(top / "checkpoints"),
-                            {**STORM, "RUNTIME": STORM_ALONE})
-    assert metrics is not None
-    return metrics
-
-
-def _with_storm(fio: str, top: Path) -> tuple[FioMetrics, FioMetrics]:
-    return with_storm(fio, str(top / "data"), str(top / "checkpoints"), READER, STORM,
-                      lead=0.5)
-
-
-Row = tuple[str, FioMetrics, FioMetrics | None]
-
-
-def _scenarios(fio: str, label: str, top: Path, rows: list[Row],
-               mounted: Callable[[], object] | None = None) -> None:
-    """Reader alone, storm alone, reader with the storm, on *top* (a mount or the bare
-    directory); appended to *rows*."""
-    _reader(fio, top)  # lay the dataset files out once
-    rows.append((f"reader alone, {label}", _reader(fio, top), None))
-    rows.append((f"checkpoint storm alone, {label}", _storm_alone(fio, top), None))
-    rows.append((f"reader + storm, {label}", *_with_storm(fio, top)))
 
 
 def _print(rows: list[Row]) -> None:
@@ -108,11 +69,11 @@ def run(quick: bool = True) -> int:
         log = str(top / "qosfs.log")
         print("qosfs demo: dataset reader (random 4k-1M reads, 2 jobs) next to a checkpoint "
               "storm (4 writers, 1 MiB writes), on tmpfs")
-        _scenarios(fio, "bare directory", top / "bare", rows)
+        scenarios(fio, "bare directory", top / "bare", rows)
         with QosfsMount(str(top / "src"), str(top / "mnt"), ["--no-qos"], log):
-            _scenarios(fio, "qosfs --no-qos", top / "mnt", rows)
+            scenarios(fio, "qosfs --no-qos", top / "mnt", rows)
         with QosfsMount(str(top / "src"), str(top / "mnt"), [], log):
-            _scenarios(fio, "qosfs default policy", top / "mnt", rows)
+            scenarios(fio, "qosfs default policy", top / "mnt", rows)
     _print(rows)
     reader_alone, storm_alone = rows[-3][1], rows[-2][1]
     _, reader, storm = rows[-1]

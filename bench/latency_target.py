@@ -47,8 +47,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.fio import FioMetrics, find_fio, fio_version, run_job
-from bench.system import (
+from bench.core.fio import FioMetrics, find_fio, fio_version, run_job
+from bench.core.system import (
     REPO,
     BenchError,
     QosfsMount,

@@ -1,25 +1,14 @@
-"""What the QoS machinery adds to each metadata operation, measured in-process.
+"""``python -m bench machinery``: what the QoS machinery costs per request, measured
+in-process (no mount; about a minute).
 
-Through a mount, one metadata operation costs 50-250 us of round trips, wake-ups and
-syscalls, and on a 2-vCPU VM the rates of two *identical* mounts differ by up to 40% from
-one interleaved run to the next (bench.metadata shows such a pair): a policy / no-qos
-ratio of mount rates cannot resolve a 5% cost. The machinery itself is deterministic
-Python, so this module calls the filesystem's handlers directly, on the scratch tmpfs,
-with the engine of a mount without policy and with the generous policy of the overhead
-suite, alternately, and reports the handler time per operation on each side. What the
-policy adds, times the operation rate of a ``--no-qos`` mount, is the share of each
-operation's time the machinery takes.
-
-Each operation is the sequence of FUSE requests the kernel sends for it on a cold cache
-(bench.metadata's ``meta.fio``): create = lookup (negative) + create + release; stat =
-lookup; open = lookup + open + read + release (of an empty file); unlink = lookup +
-unlink.
-
-``read``/``write`` below are the data path's own handlers: a 4 KiB read and a 4 KiB write
-at offset 0 of one open file, so a change to the handlers themselves (not the engine)
-can be compared to the one before.
+* admission: the engine's fast path for a read, a write and a metadata request, with a
+  class, a tenant and a backend all limited and none waiting, node and cluster scope;
+* the metadata handlers, without and with a policy: :func:`bench.suites.metadata.measure`,
+  the in-process figure the metadata suite reports;
+* ``read``/``write``: the data path's own handlers, a 4 KiB read and a 4 KiB write at
+  offset 0 of one open file, so a change to the handlers themselves (not the engine) can
+  be compared to the one before.
 """
-
 from __future__ import annotations
 
 import os
@@ -33,100 +22,13 @@ from typing import Any
 import pyfuse3
 import trio
 
-from bench.figures import HandlerCost, HandlerCosts
+from bench.core.sides import GENEROUS_POLICY
+from bench.suites.metadata import FILES, ROUNDS, measure
 from qosfs.passthrough.backing_io import BackingIO, IoMode
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import parse_policy
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.interface import PassThroughQos
-
-OPERATIONS = ("create", "stat", "open", "unlink")
-FILES = 1000  # per operation and round: a quarter of the daemon's usual fd headroom
-ROUNDS = 7
-
-
-async def _round(fs: PassthroughOperations, top: Path, name: str) -> dict[str, float]:
-    """One pass of every operation over FILES files; microseconds per operation."""
-    ctx = SimpleNamespace(uid=0, gid=0, pid=os.getpid(), umask=0o022)
-    os.mkdir(top / name)
-    parent = (await fs.lookup(pyfuse3.ROOT_INODE, name.encode(), ctx)).st_ino
-    names = [f"f{i}".encode() for i in range(FILES)]
-    took: dict[str, float] = {}
-
-    t = time.perf_counter()
-    for n in names:
-        await fs.lookup(parent, n, ctx)  # negative: the kernel asks before it creates
-        info, entry = await fs.create(parent, n, 0o644, os.O_WRONLY | os.O_CREAT, ctx)
-        await fs.release(info.fh)
-        await fs.forget([(entry.st_ino, 1)])
-    took["create"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    for n in names:
-        entry = await fs.lookup(parent, n, ctx)
-        await fs.forget([(entry.st_ino, 1)])
-    took["stat"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    for n in names:
-        entry = await fs.lookup(parent, n, ctx)
-        info = await fs.open(entry.st_ino, os.O_RDONLY, ctx)
-        await fs.read(info.fh, 0, 4096)
-        await fs.release(info.fh)
-        await fs.forget([(entry.st_ino, 1)])
-    took["open"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    for n in names:
-        entry = await fs.lookup(parent, n, ctx)
-        await fs.unlink(parent, n, ctx)
-        await fs.forget([(entry.st_ino, 1)])
-    took["unlink"] = time.perf_counter() - t
-
-    await fs.forget([(parent, 1)])
-    os.rmdir(top / name)
-    return {op: 1e6 * s / FILES for op, s in took.items()}
-
-
-def measure(scratch: Path, policy_text: str) -> HandlerCosts:
-    """Median handler microseconds per operation without and with *policy_text*."""
-    sides: dict[str, PassthroughOperations] = {}
-    fds = []
-    for side, engine in (("no-qos", PassThroughQos()),
-                         ("policy", PolicyQos(parse_policy(policy_text)))):
-        top = scratch / side
-        top.mkdir()
-        fd = os.open(top, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        fds.append(fd)
-        sides[side] = PassthroughOperations(fd, BackingIO(IoMode.INLINE), engine,
-                                            FsOptions())
-    samples: dict[str, dict[str, list[float]]] = {s: {op: [] for op in OPERATIONS}
-                                                  for s in sides}
-
-    async def main() -> None:
-        for r in range(ROUNDS + 1):  # the first round of each side warms up, discarded
-            order = list(sides.items())
-            for side, fs in order if r % 2 else reversed(order):
-                us = await _round(fs, scratch / side, f"r{r}")
-                if r:
-                    for op in OPERATIONS:
-                        samples[side][op].append(us[op])
-
-    try:
-        trio.run(main)
-    finally:
-        for fd in fds:
-            os.close(fd)
-        shutil.rmtree(scratch / "no-qos", ignore_errors=True)
-        shutil.rmtree(scratch / "policy", ignore_errors=True)
-    costs = {}
-    for op in OPERATIONS:
-        base = statistics.median(samples["no-qos"][op])
-        pol = statistics.median(samples["policy"][op])
-        costs[op] = HandlerCost(no_qos_us=round(base, 2), policy_us=round(pol, 2),
-                                added_us=round(pol - base, 2))
-    return HandlerCosts(files=FILES, rounds=ROUNDS, ops=costs)
-
 
 # -- admission: what every read, write and metadata request pays on the fast path ------
 
@@ -260,8 +162,6 @@ def run() -> int:
         print(f"  {name:12s} {ns:6.0f} {shared[name]:8.0f}")
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(dir=base) as scratch:
-        from bench.overhead import GENEROUS_POLICY
-
         handlers = measure(Path(scratch), GENEROUS_POLICY)
         io = io_handlers(Path(scratch), GENEROUS_POLICY)
     print(f"metadata handlers ({FILES} files x {ROUNDS} rounds, us per operation):")

@@ -36,26 +36,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.loader import epoch
-from bench.system import drop_caches, unmount
+from bench.core.epochs import epoch, make_tree
+from bench.core.system import drop_caches, qosfs_mount, unmount
 
 TRACING = Path("/sys/kernel/tracing")
 WORKERS = 4
 _SEND = re.compile(r"opcode \d+ \((FUSE_\w+)\)")
-
-
-def make_tree(top: Path, count: int, size: int) -> list[str]:
-    """*count* files of *size* bytes under top/data/shardNN/ (the default policy's
-    datasets class); their relative paths."""
-    block = os.urandom(size)
-    names = []
-    for i in range(count):
-        rel = f"data/shard{i % 16:02d}/sample{i:06d}.bin"
-        path = top / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(block)
-        names.append(rel)
-    return names
 
 
 class RequestCounter:
@@ -118,31 +104,6 @@ def hp_mount(binary: str, source: Path, mnt: Path) -> Iterator[tuple[Path, int |
     finally:
         unmount(mnt)
         proc.wait(timeout=10)
-
-
-@contextmanager
-def qosfs_mount(source: Path, mnt: Path, work: Path, pythonpath: str,
-                extra: list[str]) -> Iterator[tuple[Path, int | None]]:
-    """qosfs with the embedded default policy (as users mount it), in the foreground, its
-    daemon run with *pythonpath* (empty: this process's)."""
-    env = dict(os.environ)
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "qosfs", "mount", "--foreground", str(source), str(mnt),
-         "--socket", str(work / f"ctl-{mnt.name}.sock"),
-         "--log-file", str(work / f"{mnt.name}.log"), *extra], env=env, cwd=str(work))
-    try:
-        for _ in range(600):
-            if os.path.ismount(mnt) or proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        if not os.path.ismount(mnt):
-            raise RuntimeError(f"qosfs did not mount {mnt} (see {work / mnt.name}.log)")
-        yield mnt, proc.pid
-    finally:
-        unmount(mnt)
-        proc.wait(timeout=30)
 
 
 def main() -> None:

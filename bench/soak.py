@@ -30,7 +30,7 @@ from typing import Any
 
 import xxhash
 
-from bench.system import BenchError, QosfsMount, machine_info, require_root, tmpfs_area
+from bench.core.system import BenchError, QosfsMount, machine_info, require_root, tmpfs_area
 from qosfs.control.ctl import Client
 
 MiB = 1 << 20

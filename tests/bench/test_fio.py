@@ -1,4 +1,4 @@
-"""bench/fio.py: reading fio's JSON, and the job files' documented defaults."""
+"""bench/core/fio.py: reading fio's JSON, and the job files' documented defaults."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from bench.fio import JOBS_DIR, FioError, job_defaults, parse_fio_json
+from bench.core.fio import JOBS_DIR, FioError, job_defaults, parse_fio_json
 
 
 def _ddir(ios: int = 0, bw: float = 0.0, p99_ns: float = 0.0) -> dict[str, Any]:

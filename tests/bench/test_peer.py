@@ -1,4 +1,4 @@
-"""bench.peer: what the section and the headline say when a column is missing, and the
+"""bench.suites.peer: what the section and the headline say when a column is missing, and the
 parts of the runner that need no mount."""
 
 from __future__ import annotations
@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from bench import loader
-from bench.figures import PeerResult
-from bench.headlines import peer as peer_headline
-from bench.peer import peer_mount
-from bench.sections import section_peer
-from bench.system import BenchError
+from bench.core.epochs import make_samples
+from bench.core.system import BenchError
+from bench.suites.peer import PeerResult, peer_mount
+from bench.suites.peer import headline as peer_headline
+from bench.suites.peer import section as section_peer
 from tests.bench.test_registry import sample
 
 
@@ -52,7 +51,7 @@ def test_a_qosfs_passthrough_entry_is_shown_as_the_daemon_gave_it() -> None:
 
 
 def test_fixed_size_samples(tmp_path: Path) -> None:
-    names = loader.make_samples(tmp_path, 20, kib=112)
+    names = make_samples(tmp_path, 20, kib=112)
     assert len(names) == 20 and all(n.startswith("data/") for n in names)
     assert {(tmp_path / n).stat().st_size for n in names} == {112 * 1024}
 

@@ -1,4 +1,4 @@
-"""bench/suites.py and the typed results: every suite is complete, every stored sample
+"""bench/catalog.py and the typed results: every suite is complete, every stored sample
 loads, round-trips and renders, and a file that does not match names its field.
 
 The samples in tests/bench/data/results are figures measured by the suites themselves
@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 
 from bench.__main__ import build_parser
-from bench.figures import CapLevel, StepChange
-from bench.report import headline, loaded, render
-from bench.suites import BY_NAME, COMMANDS, SUITES
-from bench.typed import Record, ResultMismatch, from_json, to_json
+from bench.catalog import BY_NAME, COMMANDS, SUITES
+from bench.core.report import headline, loaded, render
+from bench.core.typed import Record, ResultMismatch, from_json, to_json
+from bench.suites.caps import CapLevel
+from bench.suites.live_change.live_report import StepChange
 from tests.bench.test_report import fixture
 
 SAMPLES = Path(__file__).parent / "data" / "results"
@@ -69,9 +70,9 @@ def test_a_stored_sample_loads_and_writes_back_unchanged(suite: Any) -> None:
 
 def test_report_renders_every_suite_from_its_stored_sample() -> None:
     doc = every_sample_doc()
-    text = render(doc)
+    text = render(doc, BY_NAME)
     assert "Not rendered" not in text and "do not match" not in text
-    for name, (suite, result) in loaded(doc).items():
+    for name, (suite, result) in loaded(doc, BY_NAME).items():
         assert not isinstance(result, ResultMismatch), name
         heading = suite.section(doc["plots"], result)[0]
         assert heading.startswith("## ") and heading in text, name
@@ -80,17 +81,17 @@ def test_report_renders_every_suite_from_its_stored_sample() -> None:
             assert "| " + " | ".join(row) + " |" in text
     for name, _ in (p for s in SUITES for p in s.plots):
         assert f"(report-{name}.png)" in text
-    assert len(headline(doc)) >= 20
+    assert len(headline(doc, BY_NAME)) >= 20
 
 
 def test_plots_are_drawn_from_every_sample(tmp_path: Path) -> None:
     import matplotlib  # noqa: F401 - the test extra: fails, not skips, if missing
 
-    from bench import plots
+    from bench.core import plotting
 
-    jobs = [(name, fn, result) for suite, result in loaded(every_sample_doc()).values()
+    jobs = [(name, fn, result) for suite, result in loaded(every_sample_doc(), BY_NAME).values()
             for name, fn in suite.plots]
-    files, errors = plots.draw(jobs, tmp_path)
+    files, errors = plotting.draw(jobs, tmp_path)
     assert errors == []
     assert sorted(files) == sorted(name for name, _, _ in jobs)
     assert all((tmp_path / f).stat().st_size > 0 for f in files.values())

@@ -1,4 +1,4 @@
-"""bench/report.py: REPORT.md rendered from a fixture document, no measuring."""
+"""bench/core/report.py: REPORT.md rendered from a fixture document, no measuring."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from bench import headlines
-from bench.figures import MetadataResult
-from bench.report import headline, render
-from bench.session import write
+from bench.catalog import BY_NAME
+from bench.core.report import headline, render
+from bench.core.session import write
+from bench.suites import metadata
+from bench.suites.metadata import MetadataResult
 
 MiB = float(1 << 20)
 
@@ -116,7 +117,7 @@ def fixture() -> dict[str, Any]:
 
 
 def test_header_names_the_machine_commit_and_mode() -> None:
-    text = render(fixture())
+    text = render(fixture(), BY_NAME)
     assert text.startswith("# qosfs benchmark report\n")
     assert "commit **abc1234**" in text
     assert "Mode: **full** (`python -m bench all`)" in text
@@ -124,7 +125,7 @@ def test_header_names_the_machine_commit_and_mode() -> None:
 
 
 def test_headline_shows_each_guarantee_against_its_target() -> None:
-    rows = {r[0]: r[1:] for r in headline(fixture())}
+    rows = {r[0]: r[1:] for r in headline(fixture(), BY_NAME)}
     machinery = rows["QoS machinery: policy (caps far above demand) / no-qos, worst workload"]
     assert machinery == ["0.90×", "≥ 0.95", "**MISS** by 5.0 points"]
     # the 800 MiB/s level had no demand: it is shown, never counted as accuracy
@@ -151,12 +152,12 @@ def test_a_metadata_miss_within_the_spread_of_two_identical_mounts_is_inconclusi
         "summary": [_row("stat", "stat", "iops", {"native": 100e3, "no-qos": 5e3,
                                                   "no-qos-2": twin, "policy": 4.5e3})],
         "nrfiles": 100, "meta_cap": 1000, "policy": "[z]"})
-    (*_, mounted), = [r for r in headlines.metadata(meta) if "mount rates" in r[0]]
+    (*_, mounted), = [r for r in metadata.headline(meta) if "mount rates" in r[0]]
     assert mounted == expected
 
 
 def test_sections_plots_and_extra_reports() -> None:
-    text = render(fixture())
+    text = render(fixture(), BY_NAME)
     for title in ("## 1. Overhead", "## 2. Cap accuracy", "## 3. Isolation", "## 4. Live",
                   "## 5. Fair share", "## 6. Metadata", "## 7. Priorities"):
         assert title in text
@@ -179,7 +180,7 @@ def test_failed_suite_missing_plots_and_interruption_are_said() -> None:
     doc["complete"] = False
     doc["plots"] = {}
     doc["plots_error"] = "matplotlib is not installed"
-    text = render(doc)
+    text = render(doc, BY_NAME)
     assert "**Failed:** fio exited with 1" in text
     assert "INCOMPLETE" in text
     assert "Plots: not drawn (matplotlib is not installed)." in text
@@ -190,7 +191,7 @@ def test_a_result_this_version_cannot_read_is_named_with_its_field() -> None:
     doc = copy.deepcopy(fixture())
     doc["suites"]["caps"]["result"]["workloads"][0]["levels"][0]["worst_1s_pct"] = "3%"
     del doc["suites"]["fairshare"]["result"]["phase_s"]
-    text = render(doc)
+    text = render(doc, BY_NAME)
     caps = ("caps: figures do not match this version of bench/ (REPORT.json: suites.caps."
             "result.workloads[0].levels[0].worst_1s_pct: expected float, found str), not "
             "rendered")
@@ -208,13 +209,13 @@ def test_a_suite_measured_in_its_own_run_is_named_by_its_own_file() -> None:
                         "elapsed_s": 9.0, "file": "priorities.json"}
     entry["result"]["backend"] = 100
     assert "(priorities.json: suites.priorities.result.backend: expected str, found int)" \
-        in render(doc)
+        in render(doc, BY_NAME)
 
 
 def test_without_matplotlib_the_report_is_written_and_says_so(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
-    md = write(fixture(), tmp_path, "REPORT")
+    md = write(fixture(), tmp_path, "REPORT", BY_NAME)
     text = md.read_text()
     assert "Plots: not drawn (matplotlib is not installed" in text
     assert "![" not in text

@@ -1,9 +1,9 @@
-"""bench/sampler.py: rates per window from sampled counters, the burst/tail discard and
+"""bench/core/sampler.py: rates per window from sampled counters, the burst/tail discard and
 long-window spans (pure arithmetic, no daemon)."""
 
 from __future__ import annotations
 
-from bench.sampler import (
+from bench.core.sampler import (
     Sample,
     Window,
     mean_rate,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from bench.caps import analyse
-from bench.fairshare import IDLE_AFTER, SKIP, UIDS, phase_table
-from bench.live_change import analyse_parked, binned_rates, settle_delay
-from bench.priorities import expected_shares
-from bench.sampler import Sample, Window
+from bench.core.sampler import Sample, Window
+from bench.suites.caps import analyse
+from bench.suites.fairshare import IDLE_AFTER, SKIP, UIDS, phase_table
+from bench.suites.live_change.writes import analyse_parked, binned_rates, settle_delay
+from bench.suites.priorities import expected_shares
 
 
 def test_cap_analysis_reports_signed_worst_errors() -> None:

@@ -1,10 +1,10 @@
-"""bench/training.py without DLIO: its configuration writer, the parsing of DLIO's output
+"""bench/suites/training/ without DLIO: its configuration writer, the parsing of DLIO's output
 (on a saved sample), the storm's records, the planner comparison and the report rows.
 
 tests/bench/data/dlio-sample/ is the output folder of a real one-epoch DLIO 2.0.0 run
 (pytorch data loader, 32 npz files of 4 MiB, batch 2, 0.3 s compute per batch, through
 a qosfs mount); tests/bench/data/storm/ holds the records of a real 2-rank
-bench.ckpt_storm run (32 MiB shards, four rounds: torch/dcp, sync/async).
+bench.suites.training.ckpt_storm run (32 MiB shards, four rounds: torch/dcp, sync/async).
 """
 
 from __future__ import annotations
@@ -17,18 +17,17 @@ from typing import Any
 import pytest
 import yaml
 
-from bench import training
-from bench.ckpt_storm import WAYS, read_records
-from bench.figures import TrainingResult
-from bench.system import BenchError
-from bench.training_report import headline, section
+from bench.core.system import BenchError
+from bench.suites.training import workload
+from bench.suites.training.au_report import TrainingResult, headline, section
+from bench.suites.training.ckpt_storm import WAYS, read_records
 
 DATA = Path(__file__).parent / "data"
 MiB = 1 << 20
 
 
 def test_dlio_summary_and_epoch_stats_are_parsed() -> None:
-    fig = training.parse_dlio_output(DATA / "dlio-sample", 4 * MiB)
+    fig = workload.parse_dlio_output(DATA / "dlio-sample", 4 * MiB)
     assert fig["au_pct"] == [pytest.approx(98.76665490497386)]
     assert fig["samples_per_s"] == [pytest.approx(6.5286845251408225)]
     # DLIO's own "MB/second" is samples/s x record length / 2^20: the same figure
@@ -47,17 +46,17 @@ def test_several_epochs_keep_their_order(tmp_path: Path) -> None:
     stats = {str(e): {"start": "x", "end": "y", "duration": d}
              for e, d in ((10, "3.00"), (2, "2.00"), (1, "1.00"))}
     (tmp_path / "per_epoch_stats.json").write_text(json.dumps(stats))
-    fig = training.parse_dlio_output(tmp_path, MiB)
+    fig = workload.parse_dlio_output(tmp_path, MiB)
     assert fig["au_pct"] == [91.0, 85.5, 97.25]
     assert fig["read_mib_s"] == [10.0, 9.0, 11.0]
     assert fig["epoch_s"] == [1.0, 2.0, 3.0]  # epoch 10 after epoch 2
 
 
 def test_workload_config_is_what_dlio_reads(tmp_path: Path) -> None:
-    shape = training.SHAPES["unet3d"]
-    cfg = training.workload_config(shape, data_folder="/m/data/unet3d",
+    shape = workload.SHAPES["unet3d"]
+    cfg = workload.workload_config(shape, data_folder="/m/data/unet3d",
                                    output_folder="/w/out", files=40, seed=3)
-    path = training.write_workload(tmp_path, "unet3d-x", cfg)
+    path = workload.write_workload(tmp_path, "unet3d-x", cfg)
     assert path == tmp_path / "workload" / "unet3d-x.yaml"  # Hydra's group/name.yaml
     loaded = yaml.safe_load(path.read_text())
     assert loaded == cfg
@@ -72,13 +71,13 @@ def test_workload_config_is_what_dlio_reads(tmp_path: Path) -> None:
                                "seed": 3}
     assert loaded["metric"]["au"] == pytest.approx(0.9)
     assert loaded["output"]["folder"] == "/w/out"
-    gen = training.workload_config(shape, data_folder="d", output_folder="o", files=4,
+    gen = workload.workload_config(shape, data_folder="d", output_folder="o", files=4,
                                    generate=True)
     assert gen["workflow"] == {"generate_data": True, "train": False, "checkpoint": False}
 
 
 def test_shapes_fit_the_machine() -> None:
-    for shape in training.SHAPES.values():
+    for shape in workload.SHAPES.values():
         demand = shape.batch_size * shape.record_length / shape.computation_time
         # what one accelerator asks of the mount, bytes/s: a mount on this machine serves
         # about 240 MiB/s of 16 MiB npz samples at 95% AU (measured, bench/ANALYSIS.md)
@@ -92,7 +91,7 @@ def test_storm_records_make_rounds() -> None:
     records = read_records(DATA / "storm")
     assert [(r["round"], r["rank"]) for r in records] == [(n, k) for n in range(4)
                                                            for k in range(2)]
-    rounds = training.rounds_of(records)
+    rounds = workload.rounds_of(records)
     assert [(r["kind"], r["mode"]) for r in rounds] == list(WAYS)
     first = rounds[0]
     pair = [r for r in records if r["round"] == 0]
@@ -119,21 +118,21 @@ def test_a_round_a_rank_did_not_finish_is_left_out() -> None:
              "end": 1.0, "blocked_s": 1.0, "bytes": 5},
             {"round": 0, "rank": 1, "kind": "torch", "mode": "sync", "start": 0.0,
              "blocked_s": 0.0}]
-    assert training.rounds_of(recs) == []
+    assert workload.rounds_of(recs) == []
 
 
 def test_planner_prediction_is_size_over_cap() -> None:
     cap = 400.0 * MiB
     # the planner rounds caps down to 3 significant digits (419 MB/s): 0.1% slower
-    assert training.planned_seconds(800 * MiB, cap) == pytest.approx(2.0, rel=2e-3)
-    assert training.planned_seconds(800 * MiB, cap, replicas=2) == \
+    assert workload.planned_seconds(800 * MiB, cap) == pytest.approx(2.0, rel=2e-3)
+    assert workload.planned_seconds(800 * MiB, cap, replicas=2) == \
         pytest.approx(4.0, rel=2e-3)
     rounds = [{"round": 0, "kind": "dcp", "mode": "sync", "bytes": 800 * MiB,
                "duration_s": 2.2},
               {"round": 1, "kind": "torch", "mode": "async", "bytes": 400 * MiB,
                "duration_s": 0.9},
               {"round": 2, "kind": "torch", "mode": "sync", "bytes": 0, "duration_s": 0.1}]
-    check = training.plan_check(rounds, cap)
+    check = workload.plan_check(rounds, cap)
     assert [c["way"] for c in check] == ["dcp/sync", "torch/async"]  # nothing written: out
     assert check[0]["error_pct"] == pytest.approx(10.0, abs=0.3)
     assert check[1]["error_pct"] == pytest.approx(-10.0, abs=0.3)
@@ -141,24 +140,24 @@ def test_planner_prediction_is_size_over_cap() -> None:
 
 def test_cap_in_force_is_the_controllers_when_lower() -> None:
     cap = 400.0 * MiB
-    assert training.cap_in_force({"latency_control": None}, cap) == cap  # no targets
+    assert workload.cap_in_force({"latency_control": None}, cap) == cap  # no targets
     status = {"latency_control": {"throttled": [
         {"class": "default", "read_bandwidth": None, "write_bandwidth": 5.0 * MiB},
         {"class": "checkpoints", "read_bandwidth": None, "write_bandwidth": 50.0 * MiB}]}}
-    assert training.cap_in_force(status, cap) == 50.0 * MiB
+    assert workload.cap_in_force(status, cap) == 50.0 * MiB
     status["latency_control"]["throttled"][1]["write_bandwidth"] = None  # reads only
-    assert training.cap_in_force(status, cap) == cap
+    assert workload.cap_in_force(status, cap) == cap
 
 
 def test_mean_cap_weighs_each_sample_until_the_next() -> None:
     samples = [(10.0, 400.0), (12.0, 100.0), (14.0, 200.0)]
-    assert training.mean_cap(samples, 10.0, 12.0) == pytest.approx(400.0)
-    assert training.mean_cap(samples, 11.0, 13.0) == pytest.approx(250.0)
-    assert training.mean_cap(samples, 11.0, 16.0) == pytest.approx(
+    assert workload.mean_cap(samples, 10.0, 12.0) == pytest.approx(400.0)
+    assert workload.mean_cap(samples, 11.0, 13.0) == pytest.approx(250.0)
+    assert workload.mean_cap(samples, 11.0, 16.0) == pytest.approx(
         (400.0 + 200.0 + 400.0) / 5)  # the last sample holds on
-    assert training.mean_cap(samples, 0.0, 10.0) == pytest.approx(400.0)  # first, before
-    assert training.mean_cap(samples, 12.0, 12.0) is None
-    assert training.mean_cap([], 0.0, 1.0) is None
+    assert workload.mean_cap(samples, 0.0, 10.0) == pytest.approx(400.0)  # first, before
+    assert workload.mean_cap(samples, 12.0, 12.0) is None
+    assert workload.mean_cap([], 0.0, 1.0) is None
 
 
 def test_plan_check_against_the_cap_in_force() -> None:
@@ -166,20 +165,20 @@ def test_plan_check_against_the_cap_in_force() -> None:
     caps = [(100.0, cap), (101.0, 100.0 * MiB)]  # lowered a second into the round
     rounds = [{"round": 0, "kind": "torch", "mode": "sync", "bytes": 400 * MiB,
                "start": 100.0, "end": 105.0, "duration_s": 5.0}]
-    (row,) = training.plan_check(rounds, cap, caps)
+    (row,) = workload.plan_check(rounds, cap, caps)
     assert row["planned_s"] == pytest.approx(1.0, rel=2e-3)
     assert row["error_pct"] == pytest.approx(400.0, rel=1e-2)
     assert row["cap_in_force"] == pytest.approx((400 + 4 * 100) / 5 * MiB)
     assert row["planned_in_force_s"] == pytest.approx(2.5, rel=1e-2)  # 3 digits of MB/s
     assert row["error_in_force_pct"] == pytest.approx(100.0, rel=1e-2)
-    (plain,) = training.plan_check(rounds, cap)
+    (plain,) = workload.plan_check(rounds, cap)
     assert "cap_in_force" not in plain
     # an asynchronous round is judged on its write time, from the end of its staging
     staged = [{**rounds[0], "mode": "async", "write_start": 101.0, "write_s": 4.0}]
-    (row,) = training.plan_check(staged, cap, caps)
+    (row,) = workload.plan_check(staged, cap, caps)
     assert row["measured_s"] == 4.0
     assert row["cap_in_force"] == pytest.approx(100.0 * MiB)
-    assert training.changes_of([(1.0, 5.0), (2.0, 5.0), (3.0, 7.0), (4.0, 7.0)]) == \
+    assert workload.changes_of([(1.0, 5.0), (2.0, 5.0), (3.0, 7.0), (4.0, 7.0)]) == \
         [(1.0, 5.0), (3.0, 7.0)]
 
 
@@ -187,15 +186,15 @@ def test_scenario_policies_change_only_what_they_say() -> None:
     from qosfs.policy.loading import default_policy, parse_policy
 
     default = default_policy()
-    latency = parse_policy(training.policy_for("latency") or "")
-    fixed = parse_policy(training.policy_for("fixed") or "")
-    assert training.policy_for("default") is None and training.policy_for("bare") is None
+    latency = parse_policy(workload.policy_for("latency") or "")
+    fixed = parse_policy(workload.policy_for("fixed") or "")
+    assert workload.policy_for("default") is None and workload.policy_for("bare") is None
     datasets = latency.class_by_name("datasets")
     assert datasets is not None and datasets.target_read_latency == pytest.approx(0.020)
     assert datasets.target_read_slowdown is None
-    assert training.checkpoint_cap(training.policy_for("latency")) == \
-        training.checkpoint_cap(None) == (400.0 * MiB, 64.0 * MiB)
-    assert training.checkpoint_cap(training.policy_for("fixed")) == (128.0 * MiB, 64.0 * MiB)
+    assert workload.checkpoint_cap(workload.policy_for("latency")) == \
+        workload.checkpoint_cap(None) == (400.0 * MiB, 64.0 * MiB)
+    assert workload.checkpoint_cap(workload.policy_for("fixed")) == (128.0 * MiB, 64.0 * MiB)
     assert not any(c.latency_protected for c in fixed.classes)  # nothing moves the cap
     assert [c.name for c in fixed.classes] == [c.name for c in default.classes]
 
@@ -207,10 +206,10 @@ def test_skipped_cleanly_without_dlio(monkeypatch: pytest.MonkeyPatch) -> None:
         return None if name == "dlio_benchmark" else real(name, *a)
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
-    why = training.missing()
+    why = workload.missing()
     assert why is not None and "DLIO is not installed" in why
     with pytest.raises(BenchError, match="DLIO is not installed"):
-        training.run(None)  # type: ignore[arg-type]  # refused before touching the Run
+        workload.run(None)  # type: ignore[arg-type]  # refused before touching the Run
 
 
 def _scenario(label: str, serve: str, storm: bool, au: list[float],
@@ -304,7 +303,8 @@ def test_section_has_the_tables_and_the_configuration() -> None:
 
 
 def test_merge_puts_a_separate_run_first_and_says_so(tmp_path: Path) -> None:
-    from bench.session import merge
+    from bench.catalog import BY_NAME
+    from bench.core.session import merge
     from tests.bench.test_report import fixture
 
     report = fixture()
@@ -316,7 +316,7 @@ def test_merge_puts_a_separate_run_first_and_says_so(tmp_path: Path) -> None:
             "suites": {"training": {"result": figures(), "error": None,
                                     "elapsed_s": 880.0}}}
     (tmp_path / "training.json").write_text(json.dumps(part))
-    md = merge(tmp_path / "training.json", tmp_path)
+    md = merge(tmp_path / "training.json", tmp_path, BY_NAME)
     text = md.read_text()
     merged = json.loads((tmp_path / "REPORT.json").read_text())
     assert next(iter(merged["suites"])) == "training"
@@ -328,5 +328,5 @@ def test_merge_puts_a_separate_run_first_and_says_so(tmp_path: Path) -> None:
         "qosfs commit **def5678**, full mode (`python -m bench training`)" in text
     assert "except the sections marked as measured in a run of their own" in text
     # merging it again replaces it rather than adding a second copy
-    merge(tmp_path / "training.json", tmp_path)
+    merge(tmp_path / "training.json", tmp_path, BY_NAME)
     assert md.read_text().count("## Training I/O") == 1

@@ -22,8 +22,9 @@ opens). Unlike ``drop_caches`` this touches only the dataset and needs no ``sync
 would wait for the storm's dirty pages. The daemon's read bytes per epoch (``rchar``)
 show the reads reached it.
 
-The storm (:mod:`bench.ckpt_storm`): 2 rank processes in a gloo group holding 1 GiB of
-state each, a round every ``interval`` (8 s) seconds, in turn ``torch.save`` /
+The storm (:mod:`bench.suites.training.ckpt_storm`): 2 rank processes in a gloo group
+holding 1 GiB of state each, a round every ``interval`` (8 s) seconds, in turn
+``torch.save`` /
 ``dcp.save`` (the step waits) and a staged ``torch.save`` in a thread /
 ``dcp.async_save`` (training goes on), written under ``checkpoints/`` of the same tree,
 which the default policy classifies as checkpoints. 2 GiB a round is more than this
@@ -59,10 +60,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.ckpt_storm import read_records
-from bench.context import Mounted, Run
-from bench.figures import TrainingResult
-from bench.system import REPO, BenchError, QosfsMount
+from bench.core.context import Mounted, Run
+from bench.core.system import REPO, BenchError, QosfsMount
+from bench.suites.training.au_report import TrainingResult
+from bench.suites.training.ckpt_storm import read_records
 
 MiB = 1 << 20
 AU_PASS = 90.0  # MLPerf Storage: U-Net3D and ResNet-50
@@ -270,7 +271,7 @@ def _dlio(config: dict[str, Any], name: str, work: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     mpi = mpiexec()
     assert mpi is not None
-    cmd = [mpi, "-n", "1", sys.executable, "-m", "bench.dlio_entry", "--config-dir",
+    cmd = [mpi, "-n", "1", sys.executable, "-m", "bench.suites.training.dlio_entry", "--config-dir",
            str(cfg_dir), f"workload={name}"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "DFTRACER_ENABLE": "0",
            "OMP_NUM_THREADS": "1"}
@@ -296,10 +297,10 @@ def _storm(top: Path, work: Path, storm: Storm, lead: float) -> Iterator[Path]:
     records = work / f"storm-{time.monotonic_ns()}"
     records.mkdir()
     stop = records / "stop"
-    cmd = [sys.executable, "-m", "bench.ckpt_storm", str(top / "checkpoints" / "storm"),
-           "--records", str(records), "--stop", str(stop), "--ranks", str(storm.ranks),
-           "--shard", str(storm.shard), "--interval", str(storm.interval),
-           "--lead", str(lead)]
+    cmd = [sys.executable, "-m", "bench.suites.training.ckpt_storm",
+           str(top / "checkpoints" / "storm"), "--records", str(records), "--stop", str(stop),
+           "--ranks", str(storm.ranks), "--shard", str(storm.shard),
+           "--interval", str(storm.interval), "--lead", str(lead)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with open(records / "stderr.txt", "w") as err:
         proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=err, stderr=err,

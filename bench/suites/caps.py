@@ -5,7 +5,7 @@ One mount, one class ``capped``; for each workload the suite first runs it with 
 above any demand (its demand: a baseline measured in the same run and counted the same
 way, since metadata requests are only counted under a ``meta_iops`` cap), then at each
 cap level, set live with ``qosfs ctl set``. The achieved rate comes from the admitted
-bytes (or ops) counter of the class, sampled every second (:mod:`bench.sampler`); the
+bytes (or ops) counter of the class, sampled every second (:mod:`bench.core.sampler`); the
 first window of a run is discarded (it holds the bucket's burst: 100 ms of the cap by
 default) and so is the last (the job ends inside it). A window in which no request waited for
 tokens had no excess demand (its clients left gaps: a busy machine); such windows are
@@ -16,14 +16,17 @@ shown beside, as the client's view.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from bench.context import Mounted, Run
-from bench.figures import CapsResult
-from bench.fio import JOBS_DIR, run_job
-from bench.sampler import StatusSampler, Window, error_pct, span_rates, steady
-from bench.system import drop_caches, wait_quiet
+from bench.core.context import Mounted, Run
+from bench.core.fio import JOBS_DIR, run_job
+from bench.core.plotting import save
+from bench.core.sampler import StatusSampler, Window, error_pct, span_rates, steady
+from bench.core.system import drop_caches, wait_quiet
+from bench.core.tables import Plots, Rows, mib, ops, pct, plot, policy_block, table, verdict
+from bench.core.typed import Record
 from qosfs.control.ctl import call
 from qosfs.core.units import parse_bandwidth, parse_iops
 
@@ -33,7 +36,43 @@ paths = ["**"]
 
 [classes.default]
 """
+CAP_LONG_PCT, CAP_1S_PCT = 2.0, 10.0  # DESIGN §4 targets: over 10 s, per 1 s
 LIMIT_KEYS = ("read_bandwidth", "write_bandwidth", "read_iops", "write_iops", "meta_iops")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CapLevel(Record):
+    """One cap of a workload; without steady windows only ``windows`` (0) is known."""
+
+    level: str
+    cap: float
+    has_demand: bool
+    fio_rate: float
+    windows: int
+    span_s: float | None = None
+    long_window_s: float | None = None
+    achieved: float | None = None
+    worst_1s_pct: float | None = None
+    worst_long_pct: float | None = None
+    idle_windows: int = 0
+    waiting: list[float] = field(default_factory=list)
+    per_second: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CapWorkload(Record):
+    key: str
+    label: str
+    demand: float
+    levels: list[CapLevel]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CapsResult(Record):
+    workloads: list[CapWorkload]
+    runtime_s: int
+    policy: str
+    elapsed_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -169,3 +208,77 @@ def run(run: Run) -> CapsResult:
     return CapsResult.from_json({"workloads": results, "runtime_s": caps.runtime,
                                  "elapsed_s": round(time.monotonic() - t0, 1),
                                  "policy": POLICY.strip()})
+
+
+# -- its part of REPORT.md --
+
+
+def headline(r: CapsResult) -> Rows:
+    levels = [lv for w in r.workloads for lv in w.levels if lv.windows and lv.has_demand]
+    longs = [lv.worst_long_pct for lv in levels if lv.worst_long_pct is not None]
+    ones = [lv.worst_1s_pct for lv in levels if lv.worst_1s_pct is not None]
+    spans = [lv.long_window_s for lv in levels if lv.long_window_s is not None]
+    if not longs or not ones or not spans:
+        return []
+    long, one = max(longs, key=abs), max(ones, key=abs)
+    return [[f"cap accuracy, worst {min(spans):.0f} s window ({len(levels)} caps)", pct(long),
+             f"±{CAP_LONG_PCT:.0f}% over 10 s", verdict(abs(long) <= CAP_LONG_PCT)],
+            ["cap accuracy, worst 1 s window", pct(one), f"±{CAP_1S_PCT:.0f}%",
+             verdict(abs(one) <= CAP_1S_PCT)]]
+
+
+def section(plots: Plots, r: CapsResult) -> list[str]:
+    rows = []
+    for w in r.workloads:
+        show = mib if w.key.endswith("bandwidth") else ops
+        for lv in w.levels:
+            if not lv.windows or lv.worst_long_pct is None or lv.worst_1s_pct is None:
+                rows.append([f"`{w.key}`", w.label, lv.level, show(w.demand),
+                             "no steady windows", "", "", "", "", "—"])
+                continue
+            ok = abs(lv.worst_long_pct) <= CAP_LONG_PCT and \
+                abs(lv.worst_1s_pct) <= CAP_1S_PCT
+            rows.append([f"`{w.key}`", w.label, lv.level, show(w.demand),
+                         show(lv.achieved),
+                         f"{pct(lv.worst_long_pct)} ({lv.long_window_s or 0:.0f} s)",
+                         pct(lv.worst_1s_pct),
+                         f"{lv.windows} ({lv.idle_windows})",
+                         show(lv.fio_rate),
+                         verdict(ok) if lv.has_demand else "no demand: uncapped rate "
+                         "< 1.1× cap"])
+    return [
+        "## 2. Cap accuracy: achieved vs configured", "",
+        *plot(plots, "caps", "per-second rate / cap"),
+        *table(["limit", "workload", "cap", "uncapped demand", "achieved (steady)",
+                 "worst long window", "worst 1 s", "1 s windows (none waited)",
+                 "fio average", "result"], rows),
+        "",
+        f"Each workload runs first uncapped (its demand, this run's baseline) then at each "
+        f"cap, set live with `qosfs ctl set`, {r.runtime_s} s per run. Achieved = the "
+        "class's admitted bytes or ops from the daemon's counters, polled every second; the "
+        "first window of each run is **discarded** (it holds the bucket's burst, 100 ms of "
+        "the cap by default) and so is the last (the job ends inside it). Long window = "
+        "every run of consecutive windows lasting 10 s (shorter in quick mode, as shown); "
+        f"targets ±{CAP_LONG_PCT:.0f}% over 10 s, ±{CAP_1S_PCT:.0f}% per 1 s. \"None "
+        "waited\": windows in which no request waited for tokens, so the class had no "
+        "excess demand there (its clients left gaps: a busy machine); they are counted in "
+        "the worst figures all the same. fio average: the client's view over the whole "
+        "run, burst included.", "",
+        *policy_block(r.policy),
+    ]
+
+
+def chart(plt: Any, r: CapsResult, out: Path, name: str) -> str:
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for w in r.workloads:
+        for lv in w.levels:
+            if lv.windows and lv.has_demand:
+                ys = [v / lv.cap for v in lv.per_second]
+                ax.plot(range(2, len(ys) + 2), ys, marker=".", label=f"{w.key} {lv.level}")
+    ax.axhspan(0.9, 1.1, color="green", alpha=0.08, label="±10% (1 s target)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("second of the run (first discarded: burst)")
+    ax.set_ylabel("achieved / cap, per 1 s window")
+    ax.set_title("Cap accuracy")
+    ax.legend(fontsize=7, ncol=2)
+    return save(plt, fig, out, name)

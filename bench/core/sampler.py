@@ -25,6 +25,7 @@ from qosfs.core.errors import QosfsError
 
 COUNTERS = ("read_bytes", "write_bytes", "read_ops", "write_ops", "meta_ops",
             "throttled_seconds")
+Series = list[tuple[float, float]]  # (s, bytes/s), as the suites' records hold rates
 LevelKey = tuple[str, str, "int | None"]  # (level, name, uid)
 
 

@@ -7,7 +7,7 @@ generators, checkpointing) imports TensorFlow lazily, only when configured. So w
 TensorFlow is absent this entry point registers an empty module under that name before
 importing DLIO, which saves the ~1.5 GB a TensorFlow install costs the ``training`` extra.
 A configuration that really needs TensorFlow then fails with an AttributeError on ``tf``,
-not silently. Run as ``mpiexec -n N python -m bench.dlio_entry [hydra overrides]``.
+not silently. Run as ``mpiexec -n N python -m bench.suites.training.dlio_entry [hydra overrides]``.
 """
 
 from __future__ import annotations

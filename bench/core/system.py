@@ -24,7 +24,7 @@ from typing import Any
 
 import qosfs
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 class BenchError(Exception):
@@ -333,3 +333,28 @@ def _read(path: str) -> str | None:
         return Path(path).read_text().strip()
     except OSError:
         return None
+
+
+@contextmanager
+def qosfs_mount(source: Path, mnt: Path, work: Path, pythonpath: str,
+                extra: list[str]) -> Iterator[tuple[Path, int | None]]:
+    """qosfs with the embedded default policy (as users mount it), in the foreground, its
+    daemon run with *pythonpath* (empty: this process's)."""
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qosfs", "mount", "--foreground", str(source), str(mnt),
+         "--socket", str(work / f"ctl-{mnt.name}.sock"),
+         "--log-file", str(work / f"{mnt.name}.log"), *extra], env=env, cwd=str(work))
+    try:
+        for _ in range(600):
+            if os.path.ismount(mnt) or proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        if not os.path.ismount(mnt):
+            raise RuntimeError(f"qosfs did not mount {mnt} (see {work / mnt.name}.log)")
+        yield mnt, proc.pid
+    finally:
+        unmount(mnt)
+        proc.wait(timeout=30)

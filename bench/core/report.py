@@ -6,31 +6,31 @@ the machine and commit on top, a headline table of every guarantee against its t
 then one section per suite with its table, its plot and how it was measured. A figure
 that misses its target says so and by how much; nothing is rounded into a pass.
 
-Each suite's result is read back through its record (bench/suites.py, bench/figures.py)
-before anything is rendered. A result that does not have the record's shape (a file
-written by another version of bench/) is named, with the field, in one line where its
-rows and its section would be; the other suites render as usual.
+Each suite's result is read back through its record before anything is rendered: the
+caller passes the suites by name (``bench.catalog.BY_NAME``), each a
+:class:`~bench.core.registry.Suite`. A result that does not have the record's shape (a
+file written by another version of bench/) is named, with the field, in one line where
+its rows and its section would be; the other suites render as usual.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from bench.sections import table
-from bench.suites import BY_NAME, Suite
-from bench.typed import ResultMismatch
+from bench.core.registry import Suite, Suites
+from bench.core.tables import Rows, table
+from bench.core.typed import ResultMismatch
 
 Doc = dict[str, Any]
-Rows = list[list[str]]
 Loaded = tuple[Suite[Any], Any]  # the suite and its record, or the ResultMismatch
 
 
-def loaded(doc: Doc) -> dict[str, Loaded]:
+def loaded(doc: Doc, suites: Suites) -> dict[str, Loaded]:
     """The result of every suite in *doc* that has one, read through its suite's record
     (suites this version does not know, and suites without a result, are left out)."""
     out: dict[str, Loaded] = {}
     for name, entry in doc.get("suites", {}).items():
-        suite = BY_NAME.get(name)
+        suite = suites.get(name)
         if suite is None or entry.get("result") is None:
             continue
         origin = (entry.get("own_run") or {}).get("file") or f"{doc.get('stem', 'REPORT')}.json"
@@ -47,10 +47,10 @@ def _unreadable(name: str, exc: ResultMismatch) -> str:
             "rendered")
 
 
-def headline(doc: Doc, results: dict[str, Loaded] | None = None) -> Rows:
+def headline(doc: Doc, suites: Suites, results: dict[str, Loaded] | None = None) -> Rows:
     """Rows (what, figure, target, result) of the headline table, for the suites run."""
     rows: Rows = []
-    for name, (suite, result) in (loaded(doc) if results is None else results).items():
+    for name, (suite, result) in (loaded(doc, suites) if results is None else results).items():
         if isinstance(result, ResultMismatch):
             rows.append([_unreadable(name, result), "—", "—", ""])
         else:
@@ -95,13 +95,13 @@ def _own_run(run: Doc) -> str:
             f"`{run['file']}`._")
 
 
-def render(doc: Doc) -> str:
+def render(doc: Doc, suites: Suites) -> str:
     """The whole REPORT.md (see the module docstring)."""
-    results = loaded(doc)
+    results = loaded(doc, suites)
     plots = doc.get("plots") or {}
     title = doc.get("title", "qosfs benchmark report")
     lines = [f"# {title}", "", *_header(doc), "", "## Headline", ""]
-    head = headline(doc, results)
+    head = headline(doc, suites, results)
     lines += table(["what", "figure", "target", "result"], head, "---|---:|---:|---") \
         if head else ["(no suite produced figures)"]
     misses = [r[0] for r in head if r[3].startswith("**MISS")]

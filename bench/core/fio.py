@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-JOBS_DIR = Path(__file__).resolve().parent / "jobs"
+JOBS_DIR = Path(__file__).resolve().parents[1] / "jobs"
 PERCENTILES = ("50.000000", "99.000000", "99.900000")
 _DDIRS = ("read", "write", "trim")
 

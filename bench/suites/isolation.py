@@ -21,19 +21,23 @@ from the daemon's counters every 0.5 s, with the same classes uncapped and cappe
 from __future__ import annotations
 
 import statistics
-import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.context import Mounted, Run
-from bench.figures import IsolationResult
-from bench.fio import JOBS_DIR, FioError, FioMetrics, parse_fio_json, run_job
-from bench.sampler import StatusSampler, windows
-from bench.system import CpuWatch, drop_caches, wait_quiet
+from bench.core.context import Mounted, Run
+from bench.core.fio import JOBS_DIR, FioMetrics, parse_fio_json, run_job
+from bench.core.plotting import bars, save
+from bench.core.sampler import Series, StatusSampler, windows
+from bench.core.storm import with_storm
+from bench.core.system import CpuWatch, drop_caches, wait_quiet
+from bench.core.tables import Plots, Rows, mib, pct, plot, policy_block, ratio, table, us, verdict
+from bench.core.typed import Json, Record
 from qosfs.control.ctl import call
 
 MiB = 1 << 20
+ISO_THROUGHPUT, ISO_P99 = 0.90, 1.20  # DESIGN §4.3 targets, against the solo reader
 SWEEP = ("25MiB/s", "50MiB/s", "100MiB/s", "200MiB/s")
 # The storm alone costs the daemon ~2 ms of CPU per MiB admitted under a cap (the
 # write_cost figures), so 50 MiB/s is ~10% of a core: what the solo reader, which keeps
@@ -58,36 +62,65 @@ priority = "high"
 """
 
 
+@dataclass(frozen=True, kw_only=True)
+class IsolationRow(Record):
+    """A scenario's reader (medians) and its ratios to the solo reader of its kind."""
+
+    scenario: str
+    baseline: str
+    reps: int
+    storm_bw: float | None
+    bw_bytes: float | None
+    bw_bytes_ratio: float | None
+    clat_p50_us: float | None
+    clat_p50_us_ratio: float | None
+    clat_p99_us: float | None
+    clat_p99_us_ratio: float | None
+    clat_p999_us: float | None
+    clat_p999_us_ratio: float | None
+    daemon_cpu_pct: float | None = None
+    machine_busy_pct: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriteCost(Record):
+    cap: str | None
+    storm_bw: float
+    daemon_cpu_pct: float | None
+    daemon_ms_per_mib: float
+    wall_s: float | None = None
+    machine_busy_pct: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Burst(Record):
+    cap: str | None
+    series: dict[str, Series]
+    reader_during: float | None
+    reader_between: float | None
+    reader: FioMetrics
+    checkpoint: FioMetrics
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class IsolationResult(Record):
+    headline_cap: str
+    sweep: list[str]
+    policy: str
+    reader_env: dict[str, str]
+    storm_env: dict[str, str]
+    summary: list[IsolationRow]
+    bursts: list[Burst]
+    write_cost: list[WriteCost] = field(default_factory=list)
+    runs: Json = None  # per scenario, every repetition's fio figures
+
+    def row(self, scenario: str) -> IsolationRow | None:
+        return next((r for r in self.summary if r.scenario == scenario), None)
+
+
 def policy(cap: str | None) -> str:
     return POLICY.format(cap=f'write_bandwidth = "{cap}"' if cap else "")
-
-
-def with_storm(fio: str, reader_dir: str, storm_dir: str, reader_env: dict[str, str],
-               storm_env: dict[str, str], lead: float = 1.0, cwd: str | None = None
-               ) -> tuple[FioMetrics, FioMetrics]:
-    """Run the checkpoint storm in the background and the dataset reader once it has been
-    under way for *lead* s; return (reader, storm). The storm's RUNTIME should outlast
-    the reader's by more than *lead*."""
-    storm: dict[str, Any] = {}
-
-    def run_storm() -> None:
-        try:
-            storm["m"], _, _ = run_job(fio, JOBS_DIR / "checkpoint-storm.fio", storm_dir,
-                                       storm_env, cwd=cwd)
-        except FioError as exc:
-            storm["error"] = exc
-
-    writer = threading.Thread(target=run_storm, name="checkpoint-storm")
-    writer.start()
-    try:
-        time.sleep(lead)
-        reader, _, _ = run_job(fio, JOBS_DIR / "dataset.fio", reader_dir, reader_env, cwd=cwd)
-    finally:
-        writer.join()
-    if "error" in storm:
-        raise storm["error"]
-    assert reader is not None
-    return reader, storm["m"]
 
 
 class Isolation:
@@ -191,7 +224,7 @@ def run(run: Run) -> IsolationResult:
     reps = run.repetitions(3)  # p99 ratios move ~10% run to run: a median of 3
     with run.mount(src, no_qos=True) as m:
         # discarded: the first writes after the set-up run slow for a few seconds (see
-        # bench.caps), which would soften the storm of the first scenario
+        # bench.suites.caps), which would soften the storm of the first scenario
         run_job(run.fio, JOBS_DIR / "checkpoint-storm.fio", str(m.path),
                 {**iso.storm_env, "RUNTIME": str(int(run.pick(5, 3)))}, parse=False,
                 cwd=str(run.work))
@@ -236,3 +269,121 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
             row[key] = statistics.median(vals) if vals else None
         out.append(row)
     return out
+
+
+# -- its part of REPORT.md --
+
+
+def headline(iso: IsolationResult) -> Rows:
+    rows: Rows = []
+    head, free = iso.row(f"storm cap {iso.headline_cap}"), iso.row("storm no-qos")
+    if head and head.bw_bytes_ratio is not None:
+        tp, p99 = head.bw_bytes_ratio, head.clat_p99_us_ratio
+        rows.append([f"isolation, checkpoints capped at {iso.headline_cap}: reader "
+                     "throughput vs solo", pct(100 * tp, False), f"≥ {100 * ISO_THROUGHPUT:.0f}%",
+                     verdict(tp >= ISO_THROUGHPUT,
+                             f"by {100 * (ISO_THROUGHPUT - tp):.0f} points")])
+        rows.append(["isolation, same: reader p99 vs solo", ratio(p99), f"≤ {ISO_P99}×",
+                     verdict(p99 is not None and p99 <= ISO_P99)])
+    if free and free.bw_bytes_ratio is not None:
+        rows.append(["isolation without QoS (--no-qos): reader throughput, p99",
+                     f"{100 * free.bw_bytes_ratio:.0f}%, {ratio(free.clat_p99_us_ratio)}",
+                     "(contrast)", ""])
+    return rows
+
+
+def section(plots: Plots, r: IsolationResult) -> list[str]:
+    rows = []
+    for s in r.summary:
+        capped = s.scenario.startswith("storm cap")
+        ok = None
+        if capped and s.bw_bytes_ratio is not None and s.clat_p99_us_ratio is not None:
+            ok = s.bw_bytes_ratio >= ISO_THROUGHPUT and s.clat_p99_us_ratio <= ISO_P99
+        rows.append([s.scenario + (" **(headline)**" if s.scenario ==
+                                      f"storm cap {r.headline_cap}" else ""),
+                     mib(s.bw_bytes), pct(None if s.bw_bytes_ratio is None
+                                             else 100 * s.bw_bytes_ratio, False),
+                     us(s.clat_p50_us), us(s.clat_p99_us), ratio(s.clat_p99_us_ratio),
+                     us(s.clat_p999_us), mib(s.storm_bw),
+                     pct(s.daemon_cpu_pct, False), pct(s.machine_busy_pct, False),
+                     verdict(ok) if capped else "baseline" if s.scenario.startswith("solo")
+                     else "contrast"])
+    cost = [[c.cap or "none (64GiB/s)", mib(c.storm_bw),
+             pct(c.daemon_cpu_pct, False), f"{c.daemon_ms_per_mib:.2f} ms"]
+            for c in r.write_cost]
+    out = [
+        "## 3. Isolation: a dataset reader next to a checkpoint storm", "",
+        *plot(plots, "isolation", "reader throughput and p99 vs solo"),
+        *table(["scenario", "reader", "of solo", "p50", "p99", "p99 / solo", "p99.9",
+                "checkpoint writers", "daemon CPU", "machine busy", "result"], rows),
+        "",
+        f"Reader: dataset.fio, {r.reader_env['NUMJOBS']} jobs at queue depth 1, random "
+        f"4 KiB–1 MiB O_DIRECT reads over {r.reader_env['NRFILES']} files, "
+        f"{r.reader_env['RUNTIME']} s. Storm: checkpoint-storm.fio, "
+        f"{r.storm_env['NUMJOBS']} writers, 1 MiB sequential, fsync at the end, started "
+        "1 s before the reader and ending after it. Each scenario is compared with the solo "
+        "reader on the same kind of mount (`solo no-qos` or `solo policy`); medians over "
+        "repetitions. Targets (DESIGN §4.3): ≥ "
+        f"{100 * ISO_THROUGHPUT:.0f}% of solo throughput, p99 ≤ {ISO_P99}× solo. Headline "
+        f"cap {r.headline_cap}, chosen for this 2-CPU machine before the run: the daemon "
+        "is one Python thread that both classes share, so the checkpoints may only have "
+        "what the solo reader leaves of it" + _budget(r) + "; the sweep "
+        f"({', '.join(r.sweep)}) shows the trade-off. Daemon CPU: 100% = one core; "
+        "machine busy: both CPUs, 100% = all.", "",
+    ]
+    if cost:
+        out += ["What a checkpoint MiB costs the daemon (the storm alone, same mount):", "",
+                *table(["checkpoints cap", "written", "daemon CPU", "daemon CPU per MiB"],
+                       cost), ""]
+    out += ["### Through periodic checkpoint bursts (mixed.fio)", "",
+            *plot(plots, "isolation-burst", "class rates through checkpoint bursts")]
+    brow = []
+    for b in r.bursts:
+        d, q = b.reader_during, b.reader_between
+        brow.append([b.cap or "no cap (classes only)", mib(q), mib(d),
+                     pct(None if d is None or not q else 100 * d / q, False),
+                     us(b.reader.clat_p99_us), mib(b.checkpoint.bw_bytes)])
+    out += [*table(["checkpoints cap", "reader between bursts", "reader during bursts",
+                     "during / between", "reader p99 (whole run)",
+                     "checkpoint average"], brow), "",
+            "Rates of both classes from the daemon's counters every 0.5 s; \"during\" = "
+            "windows in which checkpoints moved data.", "", *policy_block(r.policy)]
+    return out
+
+
+def _budget(r: IsolationResult) -> str:
+    """This run's figures behind the headline cap, as a clause."""
+    solo = next((s for s in r.summary if s.scenario == "solo policy"), None)
+    cost = next((c for c in r.write_cost if c.cap == r.headline_cap), None)
+    if not solo or not cost or solo.daemon_cpu_pct is None:
+        return ""
+    return (f" (in this run the solo reader kept the daemon {solo.daemon_cpu_pct:.0f}% "
+            f"busy, and a MiB admitted at {r.headline_cap} cost it "
+            f"{cost.daemon_ms_per_mib:.1f} ms of CPU)")
+
+
+def chart(plt: Any, r: IsolationResult, out: Path, name: str) -> str:
+    rows = [s for s in r.summary if not s.scenario.startswith("solo")]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bars(ax, [s.scenario.replace("storm ", "") for s in rows], {
+        "reader throughput / solo": [s.bw_bytes_ratio for s in rows],
+        "reader p99 / solo": [s.clat_p99_us_ratio for s in rows]}, "ratio to solo")
+    ax.axhline(0.9, color="green", lw=0.8, ls="--")
+    ax.axhline(1.2, color="red", lw=0.8, ls="--")
+    ax.set_title("Isolation: reader under a 4-writer checkpoint storm")
+    return save(plt, fig, out, name)
+
+
+def burst_chart(plt: Any, r: IsolationResult, out: Path, name: str) -> str:
+    fig, axes = plt.subplots(len(r.bursts), 1, figsize=(9, 3 * len(r.bursts)),
+                             sharex=True, squeeze=False)
+    for ax, b in zip(axes[:, 0], r.bursts, strict=False):
+        for cls, style in (("datasets", "-"), ("checkpoints", "--")):
+            pts = b.series[cls]
+            ax.plot([t for t, _ in pts], [v / MiB for _, v in pts], style, label=cls)
+        ax.set_ylabel("MiB/s")
+        ax.set_title(f"checkpoints {'capped at ' + b.cap if b.cap else 'uncapped'}",
+                     fontsize=9)
+        ax.legend(fontsize=8)
+    axes[-1, 0].set_xlabel("s since fio start (0.5 s windows)")
+    return save(plt, fig, out, name)

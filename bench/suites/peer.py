@@ -21,7 +21,7 @@ Two tables (issue 30's):
 * tmpfs: fio psync, O_DIRECT so that the page cache answers no read and each one takes
   the column's path: 4 KiB random reads at QD1 and with 4 jobs (IOPS), 128 KiB random
   reads at QD1 and 1 MiB sequential reads (MB/s), on one file; then the small-file loader
-  (:func:`bench.loader.epoch`: 4 processes open, read whole and close 4,000 files of
+  (:func:`bench.core.epochs.epoch`: 4 processes open, read whole and close 4,000 files of
   128 KiB), ``cold`` = the first pass after the daemon started and caches were dropped,
   ``warm`` = the pass after it (files/s).
 * disk (the run's disk area, ext4 on the VM's disk here): the loader with 2 processes
@@ -41,14 +41,16 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import loader
-from bench.context import Run
-from bench.figures import PEER_DISK_COLUMNS, PEER_TMPFS_COLUMNS, PeerResult
-from bench.fio import FioError, FioMetrics, parse_fio_json
-from bench.system import REPO, BenchError, cpu_seconds, drop_caches, unmount, wait_quiet
+from bench.core.context import Run
+from bench.core.epochs import epoch, make_samples
+from bench.core.fio import FioError, FioMetrics, parse_fio_json
+from bench.core.system import REPO, BenchError, cpu_seconds, drop_caches, unmount, wait_quiet
+from bench.core.tables import Plots, Rows, pct, ratio, table, verdict
+from bench.core.typed import Json, Record
 from qosfs.control.ctl import Client, checked
 
 MiB = 1 << 20
@@ -61,6 +63,47 @@ PEER_OPTIONS = {"hp-single": ("--single", "--nopassthrough"),
 # The daemon used less CPU than this share of the QD1 job's time: its reads did not reach it.
 PASSED_THROUGH_CPU = 0.05
 FIO_JOB = "randread_4k_qd1_iops"
+
+
+# Columns of the two tables, in order; the workloads (rows) in order, with their units.
+PEER_TMPFS_COLUMNS = ("native", "hp-single", "hp-multi", "hp-passthrough", "no-qos",
+                      "policy")
+
+
+PEER_DISK_COLUMNS = ("native", "hp-single", "hp-passthrough", "policy")
+
+
+PEER_FIO = ("randread_4k_qd1_iops", "randread_4k_4jobs_iops", "randread_128k_qd1_mb_s",
+            "read_1m_direct_mb_s")
+
+
+PEER_LOADER = ("loader_cold_files_s", "loader_warm_files_s")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerResult(Record):
+    """bench.peer: each column's figure per workload (``tmpfs``: PEER_FIO and PEER_LOADER;
+    ``disk``: PEER_LOADER); a column or workload that could not run is absent, with its
+    one-line reason in ``errors``."""
+
+    seconds: int  # fio runtime per job
+    tmpfs_files: int
+    tmpfs_file_kib: int
+    tmpfs_workers: int
+    disk_files: int
+    disk_file_kib: int
+    disk_workers: int
+    disk: str | None  # what the disk table ran on ("ext4 on /dev/vda, /var/tmp"), or None
+    peer: str | None  # the passthrough_hp binary measured, or None
+    peer_missing: str | None  # why passthrough_hp was not measured (one line)
+    peer_passthrough: bool | None  # its kernel passthrough column really passed through
+    tmpfs: dict[str, dict[str, float]]  # column -> workload -> figure
+    disk_figures: dict[str, dict[str, float]]
+    errors: dict[str, str]  # "<table> <column>" -> one line
+    # how busy the machine was just before each column ran, nothing of the suite's running
+    # (other tenants; 100 = every CPU), per table
+    busy_pct: dict[str, dict[str, float]] = field(default_factory=dict)
+    qosfs_passthrough: Json = None  # `ctl status`'s "passthrough" entry, when it has one
 
 
 def build_peer() -> tuple[str | None, str | None]:
@@ -141,8 +184,8 @@ def fio_figures(run: Run, path: Path, pid: int | None) -> tuple[dict[str, float]
 
 def loader_figures(root: Path, names: list[str], workers: int) -> dict[str, float]:
     """Cold (the caller dropped caches after mounting) and warm passes, files/s."""
-    cold = loader.epoch(root, names, seed=1, workers=workers)["samples_per_s"]
-    warm = loader.epoch(root, names, seed=2, workers=workers)["samples_per_s"]
+    cold = epoch(root, names, seed=1, workers=workers)["samples_per_s"]
+    warm = epoch(root, names, seed=2, workers=workers)["samples_per_s"]
     return {"loader_cold_files_s": cold, "loader_warm_files_s": warm}
 
 
@@ -228,7 +271,7 @@ def run(run: Run) -> PeerResult:
     columns = _Columns(run, peer, missing)
 
     src = run.scratch("peer")
-    names = loader.make_samples(src, TMPFS_FILES, kib=TMPFS_KIB)
+    names = make_samples(src, TMPFS_FILES, kib=TMPFS_KIB)
     fio_file = Path("data") / "fio.bin"
     size = int(run.pick(1024, 256))
     with open(src / fio_file, "wb") as f:
@@ -245,7 +288,7 @@ def run(run: Run) -> PeerResult:
     else:
         dsrc = run.scratch("peer", "disk")
         disk = _disk_description(dsrc)
-        dnames = loader.make_samples(dsrc, DISK_FILES, kib=DISK_KIB)
+        dnames = make_samples(dsrc, DISK_FILES, kib=DISK_KIB)
         os.sync()
         disk_figures = {c: columns.measure("disk", c, dsrc, dnames, DISK_WORKERS, None)
                         for c in PEER_DISK_COLUMNS}
@@ -261,3 +304,110 @@ def run(run: Run) -> PeerResult:
         tmpfs={c: f for c, f in tmpfs.items() if f},
         disk_figures={c: f for c, f in disk_figures.items() if f},
         errors=columns.errors, busy_pct=columns.busy, qosfs_passthrough=columns.passthrough or None)
+
+
+# -- its part of REPORT.md --
+
+
+PEER_NATIVE_MIN = 0.8  # issue 30: the passthrough class reaches 0.8x native on tmpfs
+
+
+def headline(r: PeerResult) -> Rows:
+    """qosfs against native and against libfuse's single-threaded passthrough_hp."""
+    qd1 = peer_ratio(r.tmpfs, "randread_4k_qd1_iops", "policy")
+    rows = [["peer (tmpfs): qosfs default policy / native, 4 KiB random read QD1",
+             ratio(qd1), f"≥ {PEER_NATIVE_MIN}",
+             verdict(None if qd1 is None else qd1 >= PEER_NATIVE_MIN)]]
+    for where, figures in (("tmpfs", r.tmpfs), ("disk", r.disk_figures)):
+        cold = peer_ratio(figures, "loader_cold_files_s", "policy", "hp-single")
+        rows.append([f"peer ({where}): qosfs default policy / passthrough_hp 1 thread, "
+                     "small-file loader cold", ratio(cold), "≥ 1",
+                     verdict(None if cold is None else cold >= 1.0)])
+    return rows
+
+
+PEER_COLUMNS = {"native": "native", "hp-single": "passthrough_hp 1 thread",
+                "hp-multi": "passthrough_hp, libfuse's threads",
+                "hp-passthrough": "passthrough_hp 1 thread, kernel passthrough",
+                "no-qos": "qosfs --no-qos", "policy": "qosfs default policy (datasets)"}
+
+
+PEER_ROWS = {"randread_4k_qd1_iops": "4 KiB random read, QD1 (IOPS)",
+             "randread_4k_4jobs_iops": "4 KiB random read, 4 jobs (IOPS)",
+             "randread_128k_qd1_mb_s": "128 KiB random read, QD1 (MB/s)",
+             "read_1m_direct_mb_s": "1 MiB sequential O_DIRECT (MB/s)",
+             "loader_cold_files_s": "small-file loader, cold (files/s)",
+             "loader_warm_files_s": "small-file loader, warm (files/s)"}
+
+
+def peer_ratio(table: dict[str, dict[str, float]], key: str, column: str,
+               base: str = "native") -> float | None:
+    """*column*'s figure for *key* over *base*'s, when both were measured."""
+    got, of = table.get(column, {}).get(key), table.get(base, {}).get(key)
+    return got / of if got is not None and of else None
+
+
+def _peer_figure(key: str, v: float) -> str:
+    if key.endswith("_mb_s"):
+        return f"{v:,.0f}"
+    return f"{v / 1e3:,.0f}k" if v >= 1e5 else f"{v / 1e3:.1f}k" if v >= 1e4 else f"{v:,.0f}"
+
+
+def _peer_table(figures: dict[str, dict[str, float]], columns: tuple[str, ...],
+                keys: tuple[str, ...], base_label: str, busy: dict[str, float]) -> list[str]:
+    rows = []
+    for key in keys:
+        cells = [PEER_ROWS[key]]
+        for column in columns:
+            v = figures.get(column, {}).get(key)
+            r = peer_ratio(figures, key, column)
+            cells.append("—" if v is None else _peer_figure(key, v) if column == "native"
+                         or r is None else f"{_peer_figure(key, v)} ({r:.2f}×)")
+        rows.append(cells)
+    if busy:
+        rows.append(["machine busy before the column (other tenants)"] +
+                    [pct(busy.get(c), signed=False) for c in columns])
+    header = ["workload", *(base_label if c == "native" else PEER_COLUMNS[c] for c in columns)]
+    return table(header, rows)
+
+
+def section(plots: Plots, r: PeerResult) -> list[str]:
+    notes = []
+    if r.peer is None:
+        notes.append(f"passthrough_hp was not measured: {r.peer_missing}.")
+    elif r.peer_passthrough is not None:
+        notes.append("passthrough_hp's kernel passthrough column: "
+                     + ("its daemon served no reads (passed through)." if r.peer_passthrough
+                        else "its reads still reached the daemon (passthrough refused or "
+                        "not negotiated)."))
+    notes += [f"Not measured, {where}: {why}." for where, why in r.errors.items()]
+    if r.qosfs_passthrough is None:
+        notes.append("qosfs's `ctl status` has no `passthrough` entry: every qosfs read "
+                     "went through the daemon.")
+    else:
+        notes += [f"qosfs `ctl status` passthrough, {where}: `{json.dumps(entry)}`"
+                  for where, entry in sorted(r.qosfs_passthrough.items())]
+    return [
+        "## A peer: libfuse's passthrough_hp beside native and qosfs", "",
+        f"tmpfs source; fio psync, O_DIRECT, {r.seconds} s per job, on one file under "
+        f"`data/`; small-file loader: {r.tmpfs_workers} processes reading "
+        f"{r.tmpfs_files:,} × {r.tmpfs_file_kib} KiB files. In brackets: the ratio to "
+        "native.", "",
+        *_peer_table(r.tmpfs, PEER_TMPFS_COLUMNS, PEER_FIO + PEER_LOADER, "native",
+                     r.busy_pct.get("tmpfs", {})), "",
+        f"Disk ({r.disk or 'no disk area'}; the run's --disk-dir): {r.disk_files:,} × "
+        f"{r.disk_file_kib} KiB files, {r.disk_workers} reader processes, page cache "
+        "dropped before the cold pass. In brackets: the ratio to bare.", "",
+        *_peer_table(r.disk_figures, PEER_DISK_COLUMNS, PEER_LOADER, "bare",
+                     r.busy_pct.get("disk", {})), "",
+        "Each column is mounted fresh over the same files and measured once, after waiting "
+        "(up to --quiet-wait s) for the machine to be idle; \"machine busy\" is every "
+        "CPU's busy share over the last 0.25 s of that wait (100% = all CPUs), nothing of "
+        "the suite's running: a column that ran while other tenants were busy shows it. "
+        "`cold`: the "
+        "first pass after the daemon started and caches were dropped; `warm`: the next. "
+        f"passthrough_hp ({r.peer or 'not built'}) is libfuse's C++ example, built from "
+        "the same source as the library pyfuse3 is linked to (`make passthrough-hp`); "
+        "without kernel passthrough it runs `--nopassthrough`.", "",
+        *(f"- {n}" for n in notes), "",
+    ]

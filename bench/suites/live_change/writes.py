@@ -49,9 +49,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.context import Run
-from bench.figures import LiveChangeResult
-from bench.system import REPO, BenchError, wait_quiet
+from bench.core.context import Run
+from bench.core.system import REPO, BenchError, wait_quiet
+from bench.suites.live_change.live_report import LiveChangeResult
 from qosfs.control.ctl import Client, checked
 from qosfs.core.units import parse_bandwidth
 

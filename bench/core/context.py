@@ -1,10 +1,11 @@
 """What every suite of one benchmark run shares: fio, the scratch areas, the mode, and a
 way to mount qosfs over a scratch directory with a scenario's policy.
 
-A suite gets a :class:`Run` and returns its figures as a record of :mod:`bench.figures`;
-it never writes the report itself, so ``python -m bench all`` and a single suite render
-the same way (:mod:`bench.report`). Mountpoints, sockets, policy files and daemon logs live in
-``work/`` on the scratch tmpfs, so nothing outlives the run.
+A suite gets a :class:`Run` and returns its figures as a record (defined in its module
+under ``bench/suites/``); it never writes the report itself, so ``python -m bench all``
+and a single suite render the same way (:mod:`bench.core.report`). Mountpoints, sockets,
+policy files and daemon logs live in ``work/`` on the scratch tmpfs, so nothing outlives
+the run.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.system import QosfsMount
+from bench.core.system import QosfsMount
 
 Log = Callable[[str], None]
 

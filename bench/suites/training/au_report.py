@@ -1,16 +1,115 @@
-"""The training suite's part of REPORT.md: its headline rows and its section, pure
-functions from the figures :func:`bench.training.run` returns (no measuring, no I/O)."""
+"""The training suite's figures and its part of REPORT.md: the record
+:func:`bench.suites.training.workload.run` returns, and its headline rows, its section and
+its plot, pure functions of that record (no measuring, no I/O)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
+from pathlib import Path
 from statistics import mean, median
+from typing import Any
 
-from bench.figures import ShapeRun, TrainingResult
-from bench.sections import Plots, pct, plot, table, verdict
+from bench.core.plotting import bars, save
+from bench.core.tables import Plots, Rows, pct, plot, table, verdict
+from bench.core.typed import Json, Record
 
-Rows = list[list[str]]
 MiB = float(1 << 20)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DlioShape(Record):
+    """bench.suites.training.workload.Shape as written to JSON."""
+
+    name: str
+    record_length: int
+    files: int
+    files_quick: int
+    batch_size: int
+    computation_time: float
+    read_threads: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StormShape(Record):
+    """bench.suites.training.workload.Storm as written to JSON."""
+
+    ranks: int
+    shard: int
+    interval: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointRound(Record):
+    round: int
+    kind: str
+    mode: str
+    ranks: int
+    bytes: int
+    start: float
+    end: float
+    duration_s: float
+    blocked_s: float
+    write_start: float | None = None
+    write_s: float | None = None
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRow(Record):
+    round: int
+    way: str
+    bytes: int
+    measured_s: float
+    planned_s: float
+    error_pct: float
+    cap_in_force: float | None = None
+    planned_in_force_s: float | None = None
+    error_in_force_pct: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingScenario(Record):
+    label: str
+    serve: str
+    storm: bool
+    au_pct: list[float]
+    read_mib_s: list[float]
+    rounds: list[CheckpointRound]
+    cap: float | None
+    burst: float | None
+    plan: list[PlanRow]
+    daemon_cpu_pct: float | None
+    epochs: Json = None  # DLIO's figures per epoch
+    # s from the storm's start to its first round (0: writing when the first epoch starts)
+    storm_lead_s: float | None = None
+    cap_changes: Json = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShapeRun(Record):
+    shape: DlioShape
+    files: int
+    area: str
+    config: Json  # the DLIO workload configuration, shown as it is
+    scenarios: list[TrainingScenario]
+    cap: float
+    burst: float
+
+    def scenario(self, label: str) -> TrainingScenario | None:
+        return next((s for s in self.scenarios if s.label == label), None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingResult(Record):
+    shapes: dict[str, ShapeRun]
+    storm: StormShape
+    epochs: int
+    latency_target: str
+    versions: dict[str, str]
+    au_pass_pct: float
+    storm_keeps: float
+    plan_pct: float
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -179,3 +278,37 @@ def section(plots: Plots, r: TrainingResult) -> list[str]:
     versions = ", ".join(f"{k} {v}" for k, v in r.versions.items())
     lines += ["", f"Versions: {versions}. {r.epochs} epoch(s) per scenario.", ""]
     return lines
+
+
+def chart(plt: Any, r: TrainingResult, out: Path, name: str) -> str:
+    shapes = r.shapes
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [s.label for s in next(iter(shapes.values())).scenarios]
+    bars(axes[0], labels, {
+        shape_name: [sum(s.au_pct) / len(s.au_pct) if s.au_pct else None
+                     for s in shape.scenarios] for shape_name, shape in shapes.items()},
+          "AU (%)")
+    axes[0].axhline(r.au_pass_pct, color="red", lw=0.8, ls="--")
+    axes[0].set_ylim(0, 105)
+    axes[0].set_title("DLIO accelerator utilization, mean over epochs")
+    ax = axes[1]
+    for shape_name, shape in shapes.items():
+        for s in shape.scenarios:
+            if s.plan:
+                ax.scatter([_planned(p) for p in s.plan],
+                           [p.measured_s for p in s.plan],
+                           label=f"{shape_name}: {s.label}")
+    plans = [p for sh in shapes.values() for s in sh.scenarios for p in s.plan]
+    top = max([p.measured_s for p in plans] + [_planned(p) for p in plans] + [1.0])
+    ax.plot([0, top], [0, top], color="grey", lw=0.8)
+    ax.fill_between([0, top], [0, 0.9 * top], [0, 1.1 * top], color="green", alpha=0.08)
+    ax.set_xlabel("qosfs plan: T = size / cap in force (s)")
+    ax.set_ylabel("measured checkpoint round (s)")
+    ax.set_title("Checkpoints under the cap vs the planner")
+    ax.legend(fontsize=7)
+    return save(plt, fig, out, name)
+
+
+def _planned(p: PlanRow) -> float:
+    """The planner's T for the cap in force when it is known, else for the cap set."""
+    return p.planned_in_force_s if p.planned_in_force_s is not None else p.planned_s

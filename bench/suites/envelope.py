@@ -13,13 +13,15 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.context import Run
-from bench.figures import EnvelopeResult
-from bench.fio import JOBS_DIR, run_job
-from bench.system import unmount
+from bench.core.context import Run
+from bench.core.fio import JOBS_DIR, run_job
+from bench.core.system import unmount
+from bench.core.tables import Plots, Rows, table
+from bench.core.typed import Record
 
 MiB = 1 << 20
 SIDES = ("policy", "no-qos", "null")
@@ -56,6 +58,14 @@ try:
 finally:
     pyfuse3.close()
 '''
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvelopeResult(Record):
+    seconds: int
+    files: int
+    reps: int
+    summary: dict[str, dict[str, list[float]]]  # side -> figure -> one per repetition
 
 
 def _fio(fio: str, args: list[str]) -> dict[str, Any]:
@@ -132,3 +142,37 @@ def run(run: Run) -> EnvelopeResult:
     summary = {side: {key: [r[key] for r in rs] for key in rs[0]} for side, rs in runs.items()}
     return EnvelopeResult.from_json({"seconds": seconds, "files": files, "reps": reps,
                                      "summary": summary})
+
+
+# -- its part of REPORT.md --
+
+
+def headline(r: EnvelopeResult) -> Rows:
+    """None: what one mount carries is a capacity figure, not a guarantee."""
+    return []
+
+
+def section(plots: Plots, r: EnvelopeResult) -> list[str]:
+    sm = r.summary
+    labels = {"randread_4k_1job_iops": "4 KiB random reads, QD1 (IOPS)",
+              "randread_4k_4job_iops": "4 KiB random reads, 4 jobs (IOPS)",
+              "read_1m_2job_gb_per_s": "1 MiB direct reads, 2 jobs (GB/s)",
+              "create_per_s": "create (per s)", "stat_per_s": "stat (per s)",
+              "delete_per_s": "unlink (per s)"}
+
+    def cell(side: str, key: str) -> str:
+        values = sm.get(side, {}).get(key)
+        if not values:
+            return "—"
+        fmt = "{:.2f}" if key.endswith("gb_per_s") else "{:,.0f}"
+        return " / ".join(fmt.format(v) for v in values)
+
+    rows = [[label, cell("policy", k), cell("no-qos", k), cell("null", k)]
+            for k, label in labels.items()]
+    return [
+        "## Envelope: what one mount carries", "",
+        *table(["what", "default policy", "--no-qos", "do-nothing pyfuse3"], rows), "",
+        f"tmpfs source; fio, {r.seconds} s per figure, {r.reps} repetitions shown "
+        f"apart; meta.fio with {r.files} files. The do-nothing pyfuse3 filesystem is "
+        "the floor: what pyfuse3's request loop and the kernel cost without any work.", "",
+    ]

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import qosfs
-from bench import plots, report
-from bench.context import Run, stderr_log
-from bench.fio import FioError, find_fio, fio_version
-from bench.suites import BY_NAME
-from bench.system import (
+from bench.core import plotting, report
+from bench.core.context import Run, stderr_log
+from bench.core.fio import FioError, find_fio, fio_version
+from bench.core.registry import Suite, Suites
+from bench.core.system import (
     REPO,
     BenchError,
     disk_area,
@@ -32,7 +32,7 @@ from bench.system import (
     require_root,
     tmpfs_area,
 )
-from bench.typed import ResultMismatch
+from bench.core.typed import ResultMismatch
 from qosfs.core.errors import QosfsError
 
 
@@ -48,7 +48,7 @@ class Options:
     qosfs_args: tuple[str, ...] = ()
 
 
-def _checks(names: list[str]) -> tuple[str, dict[str, str]]:
+def _checks(names: list[str], suites: Suites) -> tuple[str, dict[str, str]]:
     """fio's path and the suites this machine cannot run (name -> why); raises BenchError
     or FioError when nothing can run."""
     require_root("python -m bench")
@@ -57,7 +57,7 @@ def _checks(names: list[str]) -> tuple[str, dict[str, str]]:
         raise BenchError(f"qosfs is imported from {here}, not this tree ({REPO}): run "
                          "`python -m bench` from the repository root")
     fio = find_fio()
-    skip = {name: why for name in names if (why := BY_NAME[name].unavailable(fio))}
+    skip = {name: why for name in names if (why := suites[name].unavailable(fio))}
     return fio, skip
 
 
@@ -72,15 +72,15 @@ def _extra_reports(out: Path, stem: str, since: float) -> list[dict[str, str]]:
     return found
 
 
-def write(doc: dict[str, Any], out: Path, stem: str) -> Path:
+def write(doc: dict[str, Any], out: Path, stem: str, suites: Suites) -> Path:
     """Plots (when matplotlib is there), then ``<stem>.json`` and ``<stem>.md``."""
     out.mkdir(parents=True, exist_ok=True)
     try:
         # REPORT's plots are report-*.png, so a single suite run later (its plots are
         # <name>.png) never replaces a plot REPORT.md shows
-        jobs = [(name, fn, result) for suite, result in report.loaded(doc).values()
+        jobs = [(name, fn, result) for suite, result in report.loaded(doc, suites).values()
                 if not isinstance(result, ResultMismatch) for name, fn in suite.plots]
-        doc["plots"], errors = plots.draw(jobs, out, "report-" if stem == "REPORT" else "")
+        doc["plots"], errors = plotting.draw(jobs, out, "report-" if stem == "REPORT" else "")
         if errors:
             doc["plots_error"] = "; ".join(errors)
     except ImportError:
@@ -92,11 +92,11 @@ def write(doc: dict[str, Any], out: Path, stem: str) -> Path:
         doc["plots_error"] = f"plotting failed: {type(exc).__name__}: {exc}"
     (out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
     md = out / f"{stem}.md"
-    md.write_text(report.render(doc))
+    md.write_text(report.render(doc, suites))
     return md
 
 
-def merge(part: Path, out: Path, stem: str = "REPORT") -> Path:
+def merge(part: Path, out: Path, suites: Suites, stem: str = "REPORT") -> Path:
     """Add the suites of a single-suite run (*part*, its ``<name>.json``) to the report
     ``<out>/<stem>.json`` and render it again, each added suite marked with its own run
     (date, commit, command) and placed first. A long suite (``training``) measured on
@@ -106,19 +106,19 @@ def merge(part: Path, out: Path, stem: str = "REPORT") -> Path:
     added = json.loads(part.read_text())
     own_run = {"machine": added["machine"], "config": added["config"],
                "elapsed_s": added.get("elapsed_s"), "file": part.name}
-    suites = {name: {**entry, "own_run": own_run} for name, entry in added["suites"].items()}
-    doc["suites"] = {**suites, **{k: v for k, v in doc["suites"].items() if k not in suites}}
-    return write(doc, out, stem)
+    joined = {name: {**entry, "own_run": own_run} for name, entry in added["suites"].items()}
+    doc["suites"] = {**joined, **{k: v for k, v in doc["suites"].items() if k not in joined}}
+    return write(doc, out, stem, suites)
 
 
-def execute(names: list[str], opts: Options, stem: str,
+def execute(names: list[str], opts: Options, stem: str, suites: Suites,
             extra: Callable[[str], int] | None = None, extra_names: tuple[str, ...] = ()
             ) -> int:
     """Run suites *names* (then *extra_names* through *extra*, each writing its own
     ``<out>/<name>.md``); write ``<stem>.md``/``.json``. Returns the exit code."""
     log = stderr_log
     try:
-        fio, skip = _checks(names)
+        fio, skip = _checks(names, suites)
     except (BenchError, FioError) as exc:
         log(f"bench: {exc}")
         return 2
@@ -144,7 +144,7 @@ def execute(names: list[str], opts: Options, stem: str,
                 # stays so if Ctrl-C or SIGTERM stops the suite
                 doc["suites"][name] = {"result": None, "error": "interrupted",
                                        "elapsed_s": 0.0}
-                doc["suites"][name] = _one(run, name, skip.get(name))
+                doc["suites"][name] = _one(run, suites[name], skip.get(name))
         for name in extra_names:
             assert extra is not None
             log(f"== {name}")
@@ -157,23 +157,24 @@ def execute(names: list[str], opts: Options, stem: str,
         info["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
         doc["elapsed_s"] = round(time.monotonic() - t0, 1)
         doc["extra_reports"] = _extra_reports(opts.out, stem, since)
-        md = write(doc, opts.out, stem)
+        md = write(doc, opts.out, stem, suites)
     log(f"wrote {md} and {md.with_suffix('.json')} ({doc['elapsed_s']:.0f} s)")
     failed = [n for n, e in doc["suites"].items() if e.get("error")]
     return 0 if doc["complete"] and not failed else 1
 
 
-def _one(run: Run, name: str, skip: str | None) -> dict[str, Any]:
+def _one(run: Run, suite: Suite[Any], skip: str | None) -> dict[str, Any]:
+    name = suite.name
     run.log(f"== {name}")
     if skip:
         run.log(f"  skipped: {skip}")
         return {"error": f"skipped: {skip}", "result": None, "elapsed_s": 0.0}
     t0 = time.monotonic()
     try:
-        result = BY_NAME[name].runner(run).to_json()
+        result = suite.runner(run).to_json()
         error = None
     except ResultMismatch as exc:  # a runner whose figures its own record does not hold
-        result, error = None, f"figures do not match {BY_NAME[name].result.__name__}: {exc}"
+        result, error = None, f"figures do not match {suite.result.__name__}: {exc}"
         run.log(f"  {name} failed: {error}")
     except (BenchError, FioError, QosfsError, OSError) as exc:
         result, error = None, str(exc).splitlines()[0][:300] or type(exc).__name__

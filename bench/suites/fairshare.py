@@ -18,14 +18,28 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.context import Run
-from bench.figures import FairshareResult
-from bench.fio import JOBS_DIR, FioError, run_job
-from bench.sampler import Sample, StatusSampler, error_pct, mean_rate, windows
-from bench.system import BenchError
+from bench.core.context import Run
+from bench.core.fio import JOBS_DIR, FioError, run_job
+from bench.core.plotting import save
+from bench.core.sampler import Sample, Series, StatusSampler, error_pct, mean_rate, windows
+from bench.core.system import BenchError
+from bench.core.tables import (
+    SHARE_PCT,
+    MiB,
+    Plots,
+    Rows,
+    mib,
+    pct,
+    plot,
+    policy_block,
+    table,
+    verdict,
+)
+from bench.core.typed import Json, Record
 from qosfs.core.units import parse_bandwidth
 from qosfs.qos.levels import FairShareGroup
 
@@ -44,6 +58,29 @@ SCHEDULE = ((0, 0, 3), (1, 1, 3), (2, 2, 2))
 PHASES = 4
 SKIP = 1.0  # seconds discarded at the start of each phase
 IDLE_AFTER = inspect.signature(FairShareGroup).parameters["idle_after"].default
+
+
+@dataclass(frozen=True, kw_only=True)
+class FairPhase(Record):
+    phase: int
+    active: list[int]
+    share: float
+    achieved: dict[str, float | None]  # per uid
+    worst_pct: float | None
+    total: float
+    skipped_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class FairshareResult(Record):
+    cap: str
+    phase_s: int
+    idle_after_s: float
+    phases: list[FairPhase]
+    series: dict[str, Series]  # per uid
+    policy: str
+    uids: list[int] = field(default_factory=list)
+    schedule: Json = None
 
 
 def phase_table(samples: list[Sample], t0: float, phase_s: int,
@@ -111,3 +148,50 @@ def run(run: Run) -> FairshareResult:
         "cap": CAP, "uids": list(UIDS), "phase_s": phase_s, "schedule": SCHEDULE,
         "idle_after_s": IDLE_AFTER, "phases": table, "series": series,
         "policy": POLICY.strip()})
+
+
+# -- its part of REPORT.md --
+
+
+def headline(fair: FairshareResult) -> Rows:
+    errs = [p.worst_pct for p in fair.phases if p.worst_pct is not None]
+    if not errs:
+        return []
+    w = max(errs, key=abs)
+    return [["fair share, 3 uids: worst per-user error vs equal split", pct(w),
+             f"±{SHARE_PCT:.0f}%", verdict(abs(w) <= SHARE_PCT)]]
+
+
+def section(plots: Plots, r: FairshareResult) -> list[str]:
+    rows = []
+    for p in r.phases:
+        rows.append([str(p.phase), ", ".join(str(u) for u in p.active), mib(p.share),
+                     ", ".join(mib(v) for v in p.achieved.values()), pct(p.worst_pct),
+                     mib(p.total)])
+    return [
+        "## 5. Fair share: three users in a `per_user = \"fair\"` class", "",
+        *plot(plots, "fairshare", "per-user rates"),
+        *table(["phase", "active uids", "equal share", "achieved per uid", "worst error",
+                 "class total"], rows), "",
+        f"Class capped at {r.cap}; each uid runs one 1 MiB sequential writer as itself "
+        f"(setpriv), phases of {r.phase_s} s. Per-uid rates from the daemon's per-user "
+        "levels every 0.5 s; the first second of each phase is discarded (a newcomer's fio "
+        "start-up), and after a departure the first "
+        f"{r.idle_after_s + 1:.0f} s: a user who stops keeps its share until idle for "
+        f"`idle_after` = {r.idle_after_s:.0f} s, by design.", "",
+        *policy_block(r.policy),
+    ]
+
+
+def chart(plt: Any, r: FairshareResult, out: Path, name: str) -> str:
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    for uid, pts in r.series.items():
+        ax.plot([t for t, _ in pts], [v / MiB for _, v in pts], label=f"uid {uid}")
+    for p in r.phases:
+        t0 = (p.phase - 1) * r.phase_s
+        ax.hlines(p.share / MiB, t0, t0 + r.phase_s, colors="grey", linestyles=":")
+    ax.set_xlabel("s (phases: dotted line = equal share)")
+    ax.set_ylabel("MiB/s (0.5 s windows)")
+    ax.set_title(f"Fair share of {r.cap} between active uids")
+    ax.legend(fontsize=8)
+    return save(plt, fig, out, name)

@@ -2,7 +2,7 @@
 fixed interval with ``torch.save`` and ``torch.distributed.checkpoint`` (dcp), both
 synchronously and asynchronously.
 
-Run as ``python -m bench.ckpt_storm DIR --records OUT --stop FILE [options]`` (the
+Run as ``python -m bench.suites.training.ckpt_storm DIR --records OUT --stop FILE [options]`` (the
 training suite starts it and stops it by creating FILE). ``--ranks`` processes join one
 gloo process group (a ``file://`` rendezvous in OUT, no network) and each holds a state
 dict of ``--shard`` bytes of float32 tensors under rank-specific names, so every rank
@@ -184,7 +184,8 @@ def _spawned(rank: int, args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.ckpt_storm", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.suites.training.ckpt_storm",
+                                description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", help="where the checkpoints go (under the mount's checkpoints/)")
     p.add_argument("--records", required=True, help="directory for rank*.jsonl")

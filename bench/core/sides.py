@@ -1,11 +1,12 @@
-"""Overhead: the same fio workload on the native directory and through qosfs, side by side.
+"""Workloads side by side: the same fio job on the native directory and through qosfs
+mounts, for the overhead suite (:mod:`bench.suites.overhead`) and the metadata suite
+(:mod:`bench.suites.metadata`, which adds sides and kinds of workload).
 
 Sides: ``native`` (the scratch directory itself), ``no-qos`` (qosfs ``--no-qos``: the
 pass-through that only counts) and ``policy`` (a policy whose caps are far above any
 demand: every request runs the whole token-bucket path and never waits). ``no-qos`` /
 ``native`` is the cost of the FUSE pass-through; ``policy`` / ``no-qos`` is the cost of the
-QoS machinery (the figure held to 5%). Other suites add sides (:mod:`bench.metadata` adds a
-``meta_iops`` cap).
+QoS machinery (the figure held to 5%).
 
 Each side has its own copy of the files (``native/``, ``backing-<side>/``), each qosfs side
 a fresh daemon per group of workloads, so one group's failure does not spoil the next.
@@ -27,11 +28,11 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench import fio as fiolib
-from bench.context import Mounted, Run
-from bench.figures import OverheadResult
-from bench.fio import JOBS_DIR, FioError
-from bench.system import BenchError, CpuWatch, drop_caches, wait_quiet
+from bench.core import fio as fiolib
+from bench.core.context import Mounted, Run
+from bench.core.fio import JOBS_DIR, FioError
+from bench.core.system import BenchError, CpuWatch, drop_caches, wait_quiet
+from bench.core.typed import Record
 
 GB = 1e9
 
@@ -63,6 +64,46 @@ write_iops = "10M"
 meta_iops = "10M"
 cache = "keep"
 """
+
+
+# -- the figures of a row, as the suites' records hold them --
+
+
+@dataclass(frozen=True, kw_only=True)
+class SideFigures(Record):
+    """One side of a row: medians over its repetitions."""
+
+    value: float | None  # the row's figure: bytes/s or ops/s
+    reps: int
+    clat_p50_us: float | None
+    clat_p99_us: float | None
+    clat_p999_us: float | None
+    daemon_cpu_pct: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SummaryRow(Record):
+    key: str
+    label: str
+    group: str
+    area: str
+    metric: str  # "bw" or "iops"
+    target: float | None
+    sides: dict[str, SideFigures]
+    ratio_to_native: dict[str, float]
+    machinery: float | None  # policy / no-qos
+    error: str | None
+    max_other_cpu_pct: float | None
+
+    def side(self, name: str, what: str = "value") -> float | None:
+        """A figure of side *name* (None when the side did not run)."""
+        s = self.sides.get(name)
+        return None if s is None else getattr(s, what)
+
+    def over(self, a: str, b: str) -> float | None:
+        """Side *a*'s figure / side *b*'s, when both ran."""
+        va, vb = self.side(a), self.side(b)
+        return va / vb if va is not None and vb else None
 
 
 @dataclass(frozen=True)
@@ -112,38 +153,6 @@ class Group:
     runs: dict[str, dict[str, list[dict[str, Any]]]] = field(default_factory=dict)
     error: str | None = None
     elapsed: float = 0.0
-
-
-def data_groups(run: Run) -> list[Group]:
-    """The overhead suite: ML shapes on tmpfs (the pass-through's own cost) and on disk."""
-    size = "256m" if run.quick else "1g"
-    runtime = str(int(run.pick(5, 3)))
-    base = {"SIZE": size, "RUNTIME": runtime}
-    groups = [
-        Group("seqread", "seqread", [
-            Row("seqread-buffered", "1 MiB seq read, buffered (cold)", "bw", 1.5 * GB),
-            Row("seqread-direct", "1 MiB seq read, direct=1", "bw", 3.0 * GB),
-        ], env=base),
-        Group("checkpoint", "checkpoint",
-              [Row("checkpoint", "checkpoint dump: 1 MiB seq write + fsync, 1 writer", "bw")],
-              env={"SIZE": size, "NUMJOBS": "1"}),
-        Group("randread", "randread",
-              [Row("randread-1", "4 KiB rand read, direct=1, QD1", "iops", 25e3)],
-              env={**base, "NUMJOBS": "1", "DIRECT": "1"}),
-        Group("dataset", "dataset",
-              [Row("dataset", "dataset: rand read 4K-1M, 4 jobs, direct=1", "bw")],
-              env={**base, "SIZE": "512m" if not run.quick else "256m", "NUMJOBS": "4"}),
-    ]
-    if run.disk is not None:
-        groups += [
-            Group("disk-checkpoint", "checkpoint",
-                  [Row("disk-checkpoint", "disk: checkpoint dump, 1 writer + fsync", "bw")],
-                  area="disk", env={"SIZE": "256m" if run.quick else "512m", "NUMJOBS": "1"}),
-            Group("disk-dataset", "dataset",
-                  [Row("disk-dataset", "disk: dataset rand read 4K-1M, 4 jobs", "bw")],
-                  area="disk", env={**base, "SIZE": "256m", "NUMJOBS": "4"}),
-        ]
-    return groups
 
 
 class Runner:
@@ -289,13 +298,6 @@ def run_groups(run: Run, groups: list[Group], runner_cls: type[Runner] = Runner
                     "env": g.env, "error": g.error,
                     "elapsed_s": round(g.elapsed, 1), "runs": g.runs} for g in groups],
     }
-
-
-def run(run: Run) -> OverheadResult:
-    """The overhead suite (see the module docstring)."""
-    result = run_groups(run, data_groups(run))
-    result["policy"] = GENEROUS_POLICY.strip()
-    return OverheadResult.from_json(result)
 
 
 def _child_cpu() -> float:

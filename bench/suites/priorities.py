@@ -6,20 +6,34 @@ Scenarios, each on a fresh mount: a ``high`` and a ``low`` class (weights 100 an
 each with four 1 MiB sequential writers (checkpoint-storm.fio), without and with a
 minimum for ``low``; and ``low`` alone (what a high class does not use, lower classes
 get). Achieved rates are the class levels' admitted bytes per second (steady windows,
-:mod:`bench.sampler`); expected shares follow :func:`expected_shares`.
+:mod:`bench.core.sampler`); expected shares follow :func:`expected_shares`.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from bench.context import Run
-from bench.figures import PrioritiesResult
-from bench.fio import JOBS_DIR, FioError, run_job
-from bench.sampler import StatusSampler, error_pct, mean_rate, steady, windows
-from bench.system import BenchError, drop_caches, wait_quiet
+from bench.core.context import Run
+from bench.core.fio import JOBS_DIR, FioError, run_job
+from bench.core.plotting import bars, save
+from bench.core.sampler import StatusSampler, error_pct, mean_rate, steady, windows
+from bench.core.system import BenchError, drop_caches, wait_quiet
+from bench.core.tables import (
+    SHARE_PCT,
+    MiB,
+    Plots,
+    Rows,
+    mib,
+    pct,
+    plot,
+    policy_block,
+    table,
+    verdict,
+)
+from bench.core.typed import Record, key
 from qosfs.core.units import parse_bandwidth
 from qosfs.policy.keys import PRIORITY_WEIGHTS
 
@@ -45,6 +59,33 @@ priority = "low"
 
 [classes.default]
 """
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClassShare(Record):
+    class_: str = field(metadata=key("class"))
+    expected: float
+    achieved: float | None
+    error_pct: float | None
+    error_backend_pct: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PriorityScenario(Record):
+    name: str
+    low_min: str | None
+    classes: list[ClassShare]
+    windows: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrioritiesResult(Record):
+    backend: str
+    weights: dict[str, int]
+    runtime_s: int
+    writers: int
+    policy: str
+    scenarios: list[PriorityScenario]
 
 
 @dataclass(frozen=True)
@@ -139,3 +180,50 @@ def run(run: Run) -> PrioritiesResult:
         "policy": POLICY.format(backend=BACKEND, low_min=f'# min_write_bandwidth = '
                                 f'"{LOW_MIN}"  (second scenario)').strip(),
         "scenarios": [_scenario(run, sc, runtime) for sc in SCENARIOS]})
+
+
+# -- its part of REPORT.md --
+
+
+def headline(prio: PrioritiesResult) -> Rows:
+    errs = [c.error_backend_pct for sc in prio.scenarios for c in sc.classes
+            if c.error_backend_pct is not None]
+    if not errs:
+        return []
+    w = max(errs, key=abs)
+    return [[f"priorities/minimums, backend {prio.backend}: worst error vs expected "
+             "share, in % of the backend", pct(w), f"±{SHARE_PCT:.0f}%",
+             verdict(abs(w) <= SHARE_PCT)]]
+
+
+def section(plots: Plots, r: PrioritiesResult) -> list[str]:
+    rows = []
+    for sc in r.scenarios:
+        for c in sc.classes:
+            ok = None if c.error_backend_pct is None else \
+                abs(c.error_backend_pct) <= SHARE_PCT
+            rows.append([sc.name, f"{c.class_} (weight {r.weights[c.class_]})",
+                         mib(c.expected), mib(c.achieved), pct(c.error_pct),
+                         pct(c.error_backend_pct), verdict(ok)])
+    return [
+        "## 7. Priorities and minimums on a declared backend", "",
+        *plot(plots, "priorities", "achieved vs expected shares"),
+        *table(["scenario", "class", "expected", "achieved", "error", "error, % of backend",
+                 "result"], rows), "",
+        f"`[backend] write_bandwidth = \"{r.backend}\"`; each class runs {r.writers} 1 MiB "
+        f"sequential writers for {r.runtime_s} s (each class alone could exceed the "
+        "backend). Expected = max(minimum, weighted share), shared again among the others "
+        "when a minimum binds. Achieved: the classes' admitted bytes over the steady windows "
+        "of the backend level (first and last second discarded).", "",
+        *policy_block(r.policy),
+    ]
+
+
+def chart(plt: Any, r: PrioritiesResult, out: Path, name: str) -> str:
+    rows = [(sc.name, c) for sc in r.scenarios for c in sc.classes]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bars(ax, [f"{n}: {c.class_}" for n, c in rows], {
+        "expected": [c.expected / MiB for _, c in rows],
+        "achieved": [(c.achieved or 0) / MiB for _, c in rows]}, "MiB/s")
+    ax.set_title(f"Backend {r.backend} shared by priority and minimum")
+    return save(plt, fig, out, name)
