@@ -10,8 +10,10 @@ import every other.
   across a crash (``FDSTORE=1``, ``$LISTEN_FDS``), without libsystemd.
 - ``tuning``: the FUSE connection's kernel-side knobs, set through sysfs.
 - ``privileges``: root's resource privileges, kept from the users it serves.
-- ``handover``: a successor process serving the live mount (the FUSE descriptor, the
-  state negotiated at INIT, FUSE_NOTIFY_RESEND), over deploy/libfuse's adopt patches.
+- ``pointer``: where a mount's sockets are, said at the derived socket path.
+- ``unmount``: ``qosfs umount``, returning once nothing of the mount holds its source.
+- ``takeover``: another process serving the live mount: a planned handover
+  (``qosfs upgrade``) or a restart after a crash (its package docstring).
 
 This file only describes the layer: import names from the module that defines them.
 """

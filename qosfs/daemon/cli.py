@@ -233,7 +233,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         serves_qosfs,
     )
     from qosfs.daemon.pointer import running_socket_path
-    from qosfs.daemon.recover import kept_descriptors, mount_or_recover
+    from qosfs.daemon.takeover.recover import kept_descriptors, mount_or_recover
     from qosfs.passthrough.operations import FsOptions
     from qosfs.policy.loading import load_policy
 
@@ -276,7 +276,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
     if kept is None and serves_qosfs(cfg.mountpoint):
         # A live qosfs serves it: hand the mount over to this code, as `qosfs upgrade`
         # does, with the policy named here (if any) in force (issue 31).
-        from qosfs.daemon.upgrade import adopt_mount
+        from qosfs.daemon.takeover.upgrade import adopt_mount
 
         logging.getLogger(__name__).info("%s is served by a live qosfs daemon: taking it "
                                          "over", cfg.mountpoint)
@@ -292,7 +292,7 @@ def _cmd_upgrade(args: argparse.Namespace) -> int:
 
     from qosfs.daemon.logsetup import setup_logging
     from qosfs.daemon.mount import daemonize
-    from qosfs.daemon.upgrade import adopt_mount
+    from qosfs.daemon.takeover.upgrade import adopt_mount
 
     socket_path = os.path.abspath(args.socket) if args.socket else None
     setup_logging(args.debug, daemon=not args.foreground, log_file=args.log_file)

@@ -52,13 +52,13 @@ from qosfs.core.errors import (
 from qosfs.core.failures import Failures
 from qosfs.core.mountinfo import lies_within, mount_type, resolve_without_touching
 from qosfs.daemon import tuning
-from qosfs.daemon.crash_guard import CrashGuard
-from qosfs.daemon.listeners import Listeners
 from qosfs.daemon.notify import notify, reloading
-from qosfs.daemon.offer import FAILURES, HandoverOffer, daemon_version
 from qosfs.daemon.pointer import pointer_path
 from qosfs.daemon.privileges import shed_resource_privileges
 from qosfs.daemon.supervise import Service, supervised
+from qosfs.daemon.takeover.crash_guard import CrashGuard
+from qosfs.daemon.takeover.listeners import Listeners
+from qosfs.daemon.takeover.offer import FAILURES, HandoverOffer, daemon_version
 from qosfs.daemon.topology import QOSFS_FSTYPE, check_before_stat, check_topology
 from qosfs.passthrough import interrupts
 from qosfs.passthrough.backing_io import BackingIO, IoMode, backing_mount, choose_io_mode
@@ -108,7 +108,7 @@ class MountConfig:
     allow_stacked: bool = False  # a source in a qosfs mount (qosfs.daemon.topology)
     # False (--no-passthrough): never ask the kernel for passthrough, whatever the policy.
     kernel_passthrough: bool = True
-    # Who keeps the FUSE connection across a crash (qosfs.daemon.keeper): "holder",
+    # Who keeps the FUSE connection across a crash (qosfs.daemon.takeover.keeper): "holder",
     # "systemd" (its descriptor store) or "none"; and how long a holder waits for a new
     # daemon before letting the connection end (callers then get ENOTCONN).
     keeper: str = "holder"
@@ -149,7 +149,7 @@ def check_mount_args(source: str, mountpoint: str, allow_stacked: bool = False) 
 
 def serves_qosfs(mountpoint: str) -> bool:
     """Whether a live qosfs daemon serves *mountpoint* (``qosfs mount`` on it hands the
-    mount over instead of mounting again, :func:`qosfs.daemon.upgrade.adopt_mount`). A
+    mount over instead of mounting again, :func:`qosfs.daemon.takeover.upgrade.adopt_mount`). A
     dead one (ENOTCONN) is not live: it is cleaned by `check_mount_args`."""
     return (_statfs_errno(mountpoint) == 0
             and mount_type(os.path.realpath(mountpoint)) == QOSFS_FSTYPE)
@@ -224,7 +224,7 @@ def _fuse_options(cfg: MountConfig, backing_options: frozenset[str]) -> set[str]
 class Daemon:
     """What serves one mount, built before the session starts (`build_daemon`): the
     first process of a mount builds it in `run_mount`, a successor in
-    :func:`qosfs.daemon.upgrade.adopt_mount` from what its predecessor sent."""
+    :func:`qosfs.daemon.takeover.upgrade.adopt_mount` from what its predecessor sent."""
 
     cfg: MountConfig
     mountpoint: str  # resolved: never resolved again once served
@@ -237,7 +237,7 @@ class Daemon:
     failures: Failures
     backing_options: frozenset[str]
     handovers: int = 0  # how many times the mount changed process before this one
-    # Handovers that failed, by how (qosfs.daemon.offer.FAILURES), over the mount's
+    # Handovers that failed, by how (qosfs.daemon.takeover.offer.FAILURES), over the mount's
     # processes: carried to a successor, so a failure stays counted after a retry.
     handover_failures: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(FAILURES, 0))
@@ -253,7 +253,7 @@ class Daemon:
     # ctl set while a successor prepared, or the one qosfs mount --policy named.
     policy_to_apply: Policy | None = None
     # The control socket and metrics listener: bound by the first process of the mount,
-    # inherited by a successor (qosfs.daemon.listeners); None until then.
+    # inherited by a successor (qosfs.daemon.takeover.listeners); None until then.
     listeners: Listeners | None = None
     # The journal and keeper that let a restarted daemon take over after a crash.
     guard: CrashGuard | None = None
@@ -362,7 +362,7 @@ def serve_mount(daemon: Daemon, start: Callable[[], None],
                 on_ready: Callable[[], None] | None = None, adopting: bool = False) -> int:
     """Serve *daemon*'s mount: bind the services, *start* the session (``pyfuse3.init``),
     serve until unmounted, signalled or handed over to a successor
-    (:mod:`qosfs.daemon.upgrade`), then close what the process holds. A successor that
+    (:mod:`qosfs.daemon.takeover.upgrade`), then close what the process holds. A successor that
     fails after this process stopped reading gives the session back here
     (`upgrade.HandoverOffer.take_back`), and serving goes on.
 
