@@ -23,7 +23,7 @@ from qosfs.passthrough.operations import PassthroughOperations
 
 
 class Daemon(Protocol):
-    """What the guard needs of the daemon it serves (qosfs.daemon.mount.Daemon)."""
+    """What the guard needs of the daemon it serves (qosfs.daemon.assembly.Daemon)."""
 
     ops: PassthroughOperations
     root_fd: int

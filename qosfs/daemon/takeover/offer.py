@@ -98,7 +98,7 @@ def _peer(sock: socket.socket) -> tuple[int, int]:
 
 
 class Served(Protocol):
-    """What serves the mount (:class:`qosfs.daemon.mount.Daemon`), as this module uses it."""
+    """What serves the mount (:class:`qosfs.daemon.assembly.Daemon`), as this module uses it."""
 
     mountpoint: str
     root_fd: int

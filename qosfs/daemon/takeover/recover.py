@@ -9,7 +9,8 @@ While a mount is served, :class:`CrashGuard` keeps two things outside the proces
 When the daemon dies, the kernel connection lives on in the keeper and callers' requests
 wait in the kernel. ``qosfs mount`` started again on the same mountpoint (by systemd's
 ``Restart=``, a supervisor, or an administrator) finds the kept descriptors before it
-touches the mountpoint (a stat there would wait on the dead daemon), and
+touches the mountpoint (a stat there would wait on the dead daemon; :mod:`qosfs.daemon.start`
+chooses this path then), and
 :func:`recover_mount` rebuilds the tables from the journal, adopts the connection without
 a new INIT, asks the kernel to send again every request the dead process had read and
 not answered (FUSE_NOTIFY_RESEND), and serves on.
@@ -42,14 +43,10 @@ from collections.abc import Callable
 from qosfs.core.errors import EXIT_MOUNTPOINT, QosfsError
 from qosfs.core.mountinfo import mount_type, resolve_without_touching
 from qosfs.daemon import notify
-from qosfs.daemon.mount import (
-    MountConfig,
-    build_daemon,
-    clean_stale_mount,
-    control_socket_path,
-    run_mount,
-    serve_mount,
-)
+from qosfs.daemon.assembly import build_daemon
+from qosfs.daemon.config import MountConfig, control_socket_path
+from qosfs.daemon.preflight import clean_stale_mount
+from qosfs.daemon.serve import serve_mount
 from qosfs.daemon.takeover import fuse_session, keeper
 from qosfs.daemon.takeover.crash_guard import FUSE_NAME, ROOT_NAME, release_store
 from qosfs.daemon.topology import QOSFS_FSTYPE
@@ -66,20 +63,6 @@ class Unrecoverable(QosfsError):
 
 
 # ----------------------------------------------------------------------- restarting
-
-
-def mount_or_recover(cfg: MountConfig, kept: tuple[int, int] | None,
-                     on_ready: Callable[[], None] | None = None) -> int:
-    """``qosfs mount``: take over the mount whose daemon died while a keeper held its
-    connection (*kept*: `kept_descriptors`), else mount afresh
-    (:func:`qosfs.daemon.mount.run_mount`)."""
-    if kept is not None:
-        control = control_socket_path(cfg, cfg.mountpoint)
-        try:
-            return recover_mount(cfg, kept, control, on_ready)
-        except Unrecoverable as exc:
-            log.error("%s", exc)  # the connection was let go: mount afresh
-    return run_mount(cfg, on_ready)
 
 
 def kept_descriptors(cfg: MountConfig) -> tuple[int, int] | None:

@@ -69,14 +69,10 @@ from typing import Any
 
 from qosfs.core.errors import EXIT_DAEMON, EXIT_MOUNTPOINT, QosfsError
 from qosfs.core.mountinfo import lies_within
-from qosfs.daemon.mount import (
-    Daemon,
-    MountConfig,
-    build_daemon,
-    control_socket_path,
-    serve_mount,
-)
+from qosfs.daemon.assembly import Daemon, build_daemon
+from qosfs.daemon.config import MountConfig, control_socket_path
 from qosfs.daemon.pointer import mount_socket_path, pointer_path
+from qosfs.daemon.serve import serve_mount
 from qosfs.daemon.takeover import fuse_session
 from qosfs.daemon.takeover.listeners import Listeners
 from qosfs.daemon.takeover.offer import FAILURES, PROTOCOL, daemon_version, handover_socket_path

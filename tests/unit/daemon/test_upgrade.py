@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from qosfs.daemon.mount import MountConfig
+from qosfs.daemon.config import MountConfig
 from qosfs.daemon.takeover import fuse_session
 from qosfs.daemon.takeover.offer import (
     PROTOCOL,
