@@ -21,7 +21,7 @@ Faults (repeat ``--fault``):
   loop, once a second) raises ``RuntimeError`` while PATH exists;
 * ``handover=hang``: a successor (``-- upgrade ...``) that took everything over and
   adopted the session hangs for ever instead of telling its predecessor it serves (the
-  ``serving`` message of :mod:`qosfs.daemon.upgrade` is never sent), as a successor stuck
+  ``serving`` message of :mod:`qosfs.daemon.takeover.upgrade` is never sent), as a successor stuck
   in a system call or a deadlock would: its predecessor, which stopped reading
   /dev/fuse, must not wait for ever;
 * ``handover=slow-ready``: a successor takes 2 s to say it is ready (building the
@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # qosfs of this
 import pyfuse3
 
 from qosfs.control.snapshot import RateSampler
-from qosfs.daemon import handover
 from qosfs.daemon.cli import main
+from qosfs.daemon.takeover import fuse_session
 from qosfs.qos.charge import OpenCharge
 from qosfs.qos.engine import PolicyFlow
 
@@ -102,14 +102,14 @@ def _refuse_registration(name: str) -> None:
 
 def _stall_before(message: str, seconds: float | None) -> None:
     """The successor waits *seconds* (None: for ever) before it sends *message*."""
-    original = handover.send_message
+    original = fuse_session.send_message
 
     def stalling(sock: Any, kind: str, *args: Any) -> None:
         if kind == message:
             threading.Event().wait(seconds)  # for ever: only SIGKILL ends this process
         original(sock, kind, *args)
 
-    handover.send_message = stalling  # what qosfs.daemon.upgrade calls
+    fuse_session.send_message = stalling  # what qosfs.daemon.takeover.upgrade calls
 
 
 def run(argv: Sequence[str]) -> int:

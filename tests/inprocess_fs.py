@@ -1,5 +1,5 @@
 """The pass-through filesystem in-process, without a mount: its handlers called directly
-under trio on a temporary backing tree, built the way ``qosfs.daemon.mount`` builds it.
+under trio on a temporary backing tree, built the way ``qosfs.daemon.assembly`` builds it.
 
 pyfuse3 lets Python build a :class:`pyfuse3.RequestContext` and a
 :class:`pyfuse3.SetattrFields`, but not fill them (their fields are read-only and set
@@ -103,7 +103,7 @@ def open_fds() -> int:
 class InProcessFs:
     """A :class:`PassthroughOperations` over *root*, and what tests ask of it.
 
-    Built as ``qosfs.daemon.mount.run_mount`` builds it: the backing root opened as a
+    Built as ``qosfs.daemon.start.run_mount`` builds it: the backing root opened as a
     directory, a :class:`BackingIO` in *mode*, the engine, the mount's options.
     """
 

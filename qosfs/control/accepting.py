@@ -1,7 +1,7 @@
 """The accept loop of the control socket and of the metrics listener: one that a planned
 handover can stop, and then wait out.
 
-At a handover (:mod:`qosfs.daemon.listeners`) the old daemon stops accepting, answers
+At a handover (:mod:`qosfs.daemon.takeover.listeners`) the old daemon stops accepting, answers
 what it accepted, and ends; connections made meanwhile wait in the kernel's backlog for
 the successor, which serves the same listening socket. "What it accepted" is not a count
 taken when it stops: an accept task that the I/O poll had already woken when the cancel

@@ -48,7 +48,7 @@ def socket_name(mountpoint: str) -> str:
     import hashlib  # here: `qosfs ctl` without --socket MOUNTPOINT should not pay for it
 
     # The mountpoint itself is not resolved (no stat of it): a mount whose daemon died
-    # and whose connection is kept (qosfs.daemon.keeper) would not answer.
+    # and whose connection is kept (qosfs.daemon.takeover.keeper) would not answer.
     from qosfs.core.mountinfo import resolve_without_touching
 
     path = resolve_without_touching(mountpoint)

@@ -231,7 +231,7 @@ def format_levels(reply: dict[str, Any]) -> list[str]:
 
 
 def format_crash_protection(reply: dict[str, Any]) -> list[str]:
-    """Whether a crash of the daemon would break open files (qosfs.daemon.recover), and
+    """Whether a crash of the daemon would break open files (qosfs.daemon.takeover.recover), and
     what this process took over from a dead one."""
     lines = []
     guard = reply.get("crash_protection")

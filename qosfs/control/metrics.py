@@ -58,7 +58,7 @@ Resources (see ``_RESOURCES``): ``qosfs_inode_descriptors``, ``..._budget``,
 and ``qosfs_internal_errors_total{where, type}`` (unexpected exceptions the daemon
 survived: a request answered EIO, a service restarted; :mod:`qosfs.core.failures`).
 
-Handovers (``qosfs upgrade``, :mod:`qosfs.daemon.offer`): ``qosfs_handovers_total{result}``
+Handovers (``qosfs upgrade``, :mod:`qosfs.daemon.takeover.offer`): ``qosfs_handovers_total{result}``
 (completed, refused, taken_back), counted over the mount's daemon processes.
 
 Kernel passthrough (:mod:`qosfs.passthrough.kernel`): ``qosfs_passthrough_active``,

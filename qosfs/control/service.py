@@ -11,7 +11,7 @@ A reload that fails is remembered until the next one of the same kind succeeds, 
 when, who asked, the file, line, key and reason: ``status`` and ``stats`` carry it as
 ``last_reload_failure`` (``last_reload_ok`` false), ``/metrics`` as
 ``qosfs_policy_last_reload_success 0`` (the ``QosfsReloadFailed`` alert), and under systemd
-the ``STATUS=`` line ``systemctl status`` shows (:mod:`qosfs.daemon.mount`). Only reloads of
+the ``STATUS=`` line ``systemctl status`` shows (:mod:`qosfs.daemon.assembly`). Only reloads of
 the mount's *own* policy count: SIGHUP, ``ctl reload`` without a file (what
 ``systemctl reload`` runs), or ``ctl reload`` of that same file. A refused ``ctl reload
 OTHER.toml`` was answered to its caller, who saw file, line and reason, and leaves both

@@ -6,7 +6,7 @@ the mount: pyfuse3 ends its main loop on any exception but ``FUSEError``, and th
 every caller of the mount gets ENOTCONN until it is remounted. So every handler answers
 EIO for what it did not expect, and every service on the event loop (control socket,
 metrics, latency control, cluster renewal) is restarted when it fails
-(:mod:`qosfs.daemon.mount`).
+(:mod:`qosfs.daemon.supervise`).
 
 A broken class fails every one of its requests, thousands a second: logging each would
 flood the journal and cost more than the request. The first failure of each kind

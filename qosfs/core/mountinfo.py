@@ -88,6 +88,6 @@ def containing(path: str, entries: list[MountEntry]) -> MountEntry | None:
 def resolve_without_touching(path: str) -> str:
     """*path* made absolute and resolved, with no system call on its last component (its
     parent is resolved): a mountpoint whose daemon died while its connection is kept
-    (qosfs.daemon.keeper) would not answer a stat until a new daemon serves it."""
+    (qosfs.daemon.takeover.keeper) would not answer a stat until a new daemon serves it."""
     path = os.path.abspath(path)
     return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))

@@ -221,19 +221,12 @@ _COMMANDS: dict[str, Callable[[Any], None]] = {
 
 def _cmd_mount(args: argparse.Namespace) -> int:
     # Imported in the commands that need them (see _COMMANDS).
-    import functools
-    import logging
-
     from qosfs.control.exporter import parse_address
+    from qosfs.daemon.config import MountConfig
     from qosfs.daemon.logsetup import setup_logging
-    from qosfs.daemon.mount import (
-        MountConfig,
-        check_own_paths,
-        daemonize,
-        serves_qosfs,
-    )
     from qosfs.daemon.pointer import running_socket_path
-    from qosfs.daemon.recover import kept_descriptors, mount_or_recover
+    from qosfs.daemon.preflight import check_own_paths
+    from qosfs.daemon.start import start_mount
     from qosfs.passthrough.operations import FsOptions
     from qosfs.policy.loading import load_policy
 
@@ -270,29 +263,16 @@ def _cmd_mount(args: argparse.Namespace) -> int:
     if args.metrics:
         parse_address(args.metrics)  # likewise a malformed address
     setup_logging(args.debug, daemon=not args.foreground, log_file=args.log_file)
-    # First, without touching the mountpoint: a dead daemon's connection that a keeper
-    # holds (a stat there would wait on it) is taken over (issue 31's crash path).
-    kept = kept_descriptors(cfg)
-    if kept is None and serves_qosfs(cfg.mountpoint):
-        # A live qosfs serves it: hand the mount over to this code, as `qosfs upgrade`
-        # does, with the policy named here (if any) in force (issue 31).
-        from qosfs.daemon.upgrade import adopt_mount
-
-        logging.getLogger(__name__).info("%s is served by a live qosfs daemon: taking it "
-                                         "over", cfg.mountpoint)
-        take_over = functools.partial(adopt_mount, cfg.mountpoint, cfg.socket_path,
-                                      args.foreground, requested=cfg)
-        return take_over() if args.foreground else daemonize(take_over)
-    run = functools.partial(mount_or_recover, cfg, kept)
-    return run() if args.foreground else daemonize(run)
+    # Fresh, recovered after a crash or handed over by a live daemon: decided once.
+    return start_mount(cfg, args.foreground)
 
 
 def _cmd_upgrade(args: argparse.Namespace) -> int:
     import functools
 
+    from qosfs.daemon.daemonize import daemonize
     from qosfs.daemon.logsetup import setup_logging
-    from qosfs.daemon.mount import daemonize
-    from qosfs.daemon.upgrade import adopt_mount
+    from qosfs.daemon.takeover.upgrade import adopt_mount
 
     socket_path = os.path.abspath(args.socket) if args.socket else None
     setup_logging(args.debug, daemon=not args.foreground, log_file=args.log_file)

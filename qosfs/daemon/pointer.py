@@ -9,7 +9,7 @@ finds the mount's sockets: ``qosfs upgrade MOUNTPOINT``, ``qosfs mount`` run aga
 (after a crash, or to upgrade), ``qosfs umount MOUNTPOINT``, and ``qosfs ctl``, ``top``
 and ``explain`` with ``--socket MOUNTPOINT`` or alone (``connect()`` follows the link).
 
-The pointer lives as long as the control socket's path (:mod:`qosfs.daemon.listeners`):
+The pointer lives as long as the control socket's path (:mod:`qosfs.daemon.takeover.listeners`):
 left when the socket is bound, left again by a successor that inherits the socket (an
 upgrade), kept when a daemon hands the socket over, and removed with the socket when the
 mount ends, if it still names this mount's socket. A daemon killed leaves both behind;

@@ -4,7 +4,7 @@ source any more.
 ``fusermount3 -u`` returns as soon as the kernel has detached the mount. The daemon learns
 it only afterwards (its next read of ``/dev/fuse`` fails), then closes what it holds in
 the source (its root, the backing files it had open) and exits; its keeper
-(:mod:`qosfs.daemon.keeper`) closes its copy of the source's root when told. Until both
+(:mod:`qosfs.daemon.takeover.keeper`) closes its copy of the source's root when told. Until both
 are gone the source's filesystem is busy: a script's ``umount`` of it right after
 ``fusermount3 -u`` failed with "target is busy" in 2 of 5 tries on a tmpfs here (issue
 38). So this command:
@@ -47,9 +47,9 @@ from typing import Any
 from qosfs.control.address import answers, beside_socket
 from qosfs.core.errors import EXIT_DAEMON, EXIT_FUSE, EXIT_MOUNTPOINT, QosfsError
 from qosfs.core.mountinfo import QOSFS_FSTYPE, mount_type, resolve_without_touching
-from qosfs.daemon import keeper
 from qosfs.daemon.pointer import mount_socket_path, pointer_path
 from qosfs.daemon.pointer import remove as remove_pointer
+from qosfs.daemon.takeover import keeper
 
 DEFAULT_TIMEOUT = 30.0
 BUSY_RETRY = 0.05  # seconds between two tries of an unmount that found the mount busy

@@ -17,7 +17,7 @@ with native stores (one ``mov`` each on a little-endian machine: a kill never le
 word). Entries are taken from a FIFO of free ones at the intent and given back once the
 handler's answer is ready (the outcome stored, the new name looked up), right before the
 reply (pyfuse3 replies when the handler returns, with no checkpoint in between): since
-at most ``MAX_TASKS`` (4096, qosfs.daemon.mount) requests are in flight and the ring has
+at most ``MAX_TASKS`` (4096, qosfs.daemon.serve) requests are in flight and the ring has
 twice as many entries, an entry is never reused while its request is in flight, and an
 outcome outlives its reply by at least 4096 other intents. The tag (31 bits of the key
 and a set top bit, never 0) makes an entry valid only when both words agree: a reused
@@ -48,7 +48,7 @@ import pyfuse3
 log = logging.getLogger(__name__)
 
 RESEND = 1 << 63  # FUSE_UNIQUE_RESEND: the kernel sent this request again
-RING_ENTRIES = 8192  # 2 x MAX_TASKS (qosfs.daemon.mount): see the module docstring
+RING_ENTRIES = 8192  # 2 x MAX_TASKS (qosfs.daemon.serve): see the module docstring
 _WORD = struct.Struct("=Q")  # native and aligned: one store
 ENTRY_SIZE = 16
 RING_SIZE = RING_ENTRIES * ENTRY_SIZE

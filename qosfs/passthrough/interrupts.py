@@ -10,7 +10,7 @@ request's ``fuse_req_t``, which pyfuse3 keeps in its internal ``_Container``.
 
 This is FUSE code, so it lives with the pass-through; the QoS engine reaches it only
 through the :class:`~qosfs.qos.interface.CallerWatch` it is given (:data:`WATCH`, passed by
-:func:`qosfs.daemon.mount.run_mount`). Only on the slow path of a request that must park:
+:func:`qosfs.daemon.assembly.build_daemon`). Only on the slow path of a request that must park:
 
 * learns the ``_Container`` of the request being started: pyfuse3 looks its
   ``fuse_read_async``/``fuse_write_async`` up by name at every request, so a thin

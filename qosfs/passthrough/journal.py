@@ -2,7 +2,7 @@
 journal.
 
 When the daemon is killed (``kill -9``, the OOM killer, a bug in a native library), the
-kernel connection lives on in a keeper (:mod:`qosfs.daemon.keeper`) and keeps every node
+kernel connection lives on in a keeper (:mod:`qosfs.daemon.takeover.keeper`) and keeps every node
 id and file handle it was given. A restarted daemon must answer each of them with the same
 backing object, or the job holding it breaks. A planned handover sends the tables over a
 socket (:mod:`qosfs.passthrough.transfer`); a crash sends nothing, so the tables are

@@ -160,7 +160,7 @@ class PassthroughOperations(pyfuse3.Operations):
         self._meta_limiter = qos.meta_limiter
         # Pids of the latency canary process (qosfs.qos.latency_probe), filled by it.
         self.probe_tids: set[int] = set()
-        # Kernel passthrough (asked for at INIT by daemon/mount.py, or why not), which
+        # Kernel passthrough (asked for at INIT by daemon/assembly.py, or why not), which
         # opens the kernel serves itself, counted by class.
         self.kernel_opens = KernelOpens(self.files)
         # Where the state is written down for a successor after a crash (attach_journal).

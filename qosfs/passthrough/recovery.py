@@ -1,6 +1,6 @@
 """Taking a mount over from a daemon that died: the tables rebuilt from its journal.
 
-The kernel connection outlived the daemon (:mod:`qosfs.daemon.keeper`); its node ids and
+The kernel connection outlived the daemon (:mod:`qosfs.daemon.takeover.keeper`); its node ids and
 file handles are still in the kernel and in use. :func:`rebuild` gives a new, idle
 operations object the same meaning for each of them, from the dead process's session
 journal (:mod:`qosfs.passthrough.journal`):

@@ -10,7 +10,7 @@ The engine is given a :class:`CallerWatch` at construction: who sent the request
 parked and whether its caller is being killed is FUSE's to know
 (:mod:`qosfs.passthrough.interrupts`), not the engine's.
 
-The control layer and the daemon (:mod:`qosfs.control.service`, :mod:`qosfs.daemon.mount`)
+The control layer and the daemon (:mod:`qosfs.control.service`, :mod:`qosfs.daemon.serve`)
 see the same engine through the same protocol: the policy in force, swapping it, what a
 request would get (explain), and typed figures (:mod:`qosfs.qos.stats`). Nobody asks
 which engine it is: the engine without a policy answers every question too, with empty

@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import yaml
 
-from qosfs.daemon import handover
 from qosfs.daemon.cli import _build_parser
-from qosfs.daemon.offer import handover_socket_path
+from qosfs.daemon.takeover import fuse_session
+from qosfs.daemon.takeover.offer import handover_socket_path
 from qosfs.policy.loading import parse_policy
 from tests.mounting import ROOT, is_mounted
 from tests.waiting import wait_for
@@ -181,7 +181,7 @@ def test_the_image_installs_the_entry_point_and_can_hand_over(
     run = dockerfile.replace("\\\n", " ")
     venv = "/opt/qosfs"
     assert f"/src/deploy/libfuse/build.sh {venv} " in run
-    assert f"{venv}/bin/python -c 'import sys; from qosfs.daemon.handover import " \
+    assert f"{venv}/bin/python -c 'import sys; from qosfs.daemon.takeover.fuse_session import " \
         "unavailable_reason; sys.exit(unavailable_reason())'" in run
     assert f"ln -s {venv}/bin/qosfs /usr/local/bin/qosfs" in run
 
@@ -384,7 +384,7 @@ class Node:
 
 @pytest.fixture
 def node(tmp_tree: Path, daemonset: dict[str, Any]) -> Iterator[Node]:
-    if (reason := handover.unavailable_reason()) is not None:
+    if (reason := fuse_session.unavailable_reason()) is not None:
         pytest.skip(f"handover unavailable: {reason}")
     n = Node(tmp_tree, daemonset)
     try:

@@ -1,5 +1,5 @@
 """A minimal read-write pass-through filesystem that hands its live mount to a successor,
-for the handover tests (qosfs.daemon.handover): the files at the top of a source
+for the handover tests (qosfs.daemon.takeover.fuse_session): the files at the top of a source
 directory, node ids handed out on lookup, one backing descriptor per open.
 
 Deliberately not qosfs's own filesystem: it proves the native piece (a process serving a
@@ -39,7 +39,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from qosfs.daemon import handover
+from qosfs.daemon.takeover import fuse_session
 
 WHOAMI = b".whoami"
 WHOAMI_INODE = 2
@@ -254,14 +254,14 @@ class Offer:
         """Phase 1, while still serving: the descriptor and the state go; True if the
         successor is ready. A holder (hello "hold", what systemd's descriptor store does
         for a unit) gets them too, and the process serves on."""
-        hello = handover.receive_message(sock)
-        session = handover.export_session()
-        handover.send_message(sock, "prepare", {"state": session.state}, [session.fuse_fd])
+        hello = fuse_session.receive_message(sock)
+        session = fuse_session.export_session()
+        fuse_session.send_message(sock, "prepare", {"state": session.state}, [session.fuse_fd])
         if hello.kind == "hold":
             return False
         try:
-            reply = handover.receive_message(sock)
-        except handover.HandoverError as exc:
+            reply = fuse_session.receive_message(sock)
+        except fuse_session.HandoverError as exc:
             print(f"successor failed before commit: {exc}", file=sys.stderr, flush=True)
             self.refusals += 1
             return False
@@ -278,10 +278,10 @@ def commit(fs: HandoverFs, sock: socket.socket, stopped_at: float) -> None:
     descriptors go; returns when the successor serves."""
     tables, fds = fs.export_tables()
     tables["stopped_at"] = stopped_at  # CLOCK_MONOTONIC: the same clock in both processes
-    handover.send_message(sock, "commit", tables, fds)
-    reply = handover.receive_message(sock)
+    fuse_session.send_message(sock, "commit", tables, fds)
+    reply = fuse_session.receive_message(sock)
     if reply.kind != "serving":
-        raise handover.HandoverError(f"successor did not take over: {reply.kind}")
+        raise fuse_session.HandoverError(f"successor did not take over: {reply.kind}")
 
 
 def adopt_from(path: str, fs: HandoverFs, mountpoint: str, refuse: bool) -> float:
@@ -290,21 +290,22 @@ def adopt_from(path: str, fs: HandoverFs, mountpoint: str, refuse: bool) -> floa
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
     with sock:
-        handover.send_message(sock, "adopt", {})
-        prepare = handover.receive_message(sock)
-        session = handover.Session(prepare.fds[0], handover.check_state(prepare.payload["state"]))
-        handover.check_fuse_fd(session.fuse_fd)
+        fuse_session.send_message(sock, "adopt", {})
+        prepare = fuse_session.receive_message(sock)
+        session = fuse_session.Session(prepare.fds[0],
+                                       fuse_session.check_state(prepare.payload["state"]))
+        fuse_session.check_fuse_fd(session.fuse_fd)
         if refuse:
             os.close(session.fuse_fd)
-            handover.send_message(sock, "refuse", {"reason": "--refuse"})
+            fuse_session.send_message(sock, "refuse", {"reason": "--refuse"})
             raise SystemExit(3)
-        handover.send_message(sock, "ready", {})
-        tables = handover.receive_message(sock)
+        fuse_session.send_message(sock, "ready", {})
+        tables = fuse_session.receive_message(sock)
         fs.import_tables(tables.payload, tables.fds)
-        handover.adopt(fs, session, mountpoint, OPTIONS)
+        fuse_session.adopt(fs, session, mountpoint, OPTIONS)
         if tables.payload.get("resend"):  # the predecessor died: what it held comes again
-            handover.resend()
-        handover.send_message(sock, "serving", {})
+            fuse_session.resend()
+        fuse_session.send_message(sock, "serving", {})
         return float(tables.payload["stopped_at"])
 
 
@@ -339,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.adopt:
         stopped_at = adopt_from(args.adopt, fs, args.mountpoint, args.refuse)
     else:
-        reason = handover.unavailable_reason()
+        reason = fuse_session.unavailable_reason()
         if reason is not None:
             print(f"handover unavailable: {reason}", file=sys.stderr, flush=True)
         pyfuse3.init(fs, args.mountpoint, set(OPTIONS))

@@ -1,5 +1,5 @@
 """kill -9 of the daemon while 16 callers have requests in flight, with a keeper
-(qosfs.daemon.keeper's holder, the default): a new ``qosfs mount`` takes the mount over and
+(qosfs.daemon.takeover.keeper's holder, the default): a new ``qosfs mount`` takes the mount over and
 every caller carries on with the descriptors it had, source -> mountpoint and in place.
 
 Callers (tests/mount/crash_callers.py, one process each): 4 readers checking every
@@ -7,7 +7,7 @@ block, 4 writers fsyncing every 256 KiB, 4 writers in a capped class (their writ
 in the daemon: the dead process had read them and never answered, so only the kernel's
 resend brings them back) and 4 doing metadata (create, stat, list, rename, unlink).
 
-What must hold (qosfs.daemon.recover's guarantees):
+What must hold (qosfs.daemon.takeover.recover's guarantees):
 - every caller completes within BOUND seconds of the kill, with no error at all where
   pyfuse3 tells request ids (a resent rename or unlink the dead daemon had done is
   answered with its recorded outcome); without them, the ENOENT of a re-executed rename
@@ -44,7 +44,7 @@ import pytest
 import xxhash
 
 from qosfs.control.address import default_socket_path
-from qosfs.daemon import handover, keeper
+from qosfs.daemon.takeover import fuse_session, keeper
 from qosfs.passthrough.intents import CRASH_ENV, request_ids_known
 from tests.mount.crash_callers import BLOCK, expected_block
 from tests.mounting import ROOT, QosfsMount, abort_connection, is_mounted
@@ -52,7 +52,7 @@ from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.root]
 
-_reason = handover.unavailable_reason()
+_reason = fuse_session.unavailable_reason()
 if _reason is not None:
     pytest.skip(f"crash recovery unavailable: {_reason}", allow_module_level=True)
 

@@ -1,6 +1,6 @@
 """A live FUSE session handed to a successor process, through real mounts
-(qosfs.daemon.handover over deploy/libfuse's adopt patches), with a minimal filesystem of
-the tests' own (tests/mount/handover_fs.py) whose node ids and file handles travel.
+(qosfs.daemon.takeover.fuse_session over deploy/libfuse's adopt patches), with a minimal
+filesystem of the tests' own (tests/mount/handover_fs.py) whose node ids and file handles travel.
 
 - Planned: a reader and a writer that fsyncs keep their descriptors across 10 handovers
   in a row (G0 -> G1 -> ... -> G10): no error, data intact, the same node id, and the
@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from qosfs.daemon import handover
+from qosfs.daemon.takeover import fuse_session
 from tests.mount.timed_load import TimedLoad
 from tests.mounting import ROOT, is_mounted
 from tests.waiting import wait_for
@@ -43,7 +43,7 @@ KiB = 1 << 10
 MiB = 1 << 20
 CHUNK = 64 * KiB
 
-_reason = handover.unavailable_reason()
+_reason = fuse_session.unavailable_reason()
 if _reason is not None:
     pytest.skip(f"handover unavailable: {_reason}", allow_module_level=True)
 
@@ -260,29 +260,29 @@ def test_a_refused_handover_leaves_the_old_process_serving(
     assert load.served_by == ["A", "B2"]
 
 
-def hold(path: Path) -> handover.Session:
+def hold(path: Path) -> fuse_session.Session:
     """What systemd's descriptor store does for a unit: keep the FUSE descriptor (and
     here the state negotiated at INIT) while the daemon serves on."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(str(path))
-        handover.send_message(s, "hold", {})
-        prepare = handover.receive_message(s)
-    return handover.Session(prepare.fds[0], handover.check_state(prepare.payload["state"]))
+        fuse_session.send_message(s, "hold", {})
+        prepare = fuse_session.receive_message(s)
+    return fuse_session.Session(prepare.fds[0], fuse_session.check_state(prepare.payload["state"]))
 
 
-def hand_held(listener: socket.socket, held: handover.Session, died_at: float,
+def hand_held(listener: socket.socket, held: fuse_session.Session, died_at: float,
               resend: bool = True) -> None:
     """The holder's side of a handover to a successor of a dead daemon: the descriptor
     and state, no tables (they died with the process), and "resend"."""
     conn, _ = listener.accept()
     with conn:
-        assert handover.receive_message(conn).kind == "adopt"
-        handover.send_message(conn, "prepare", {"state": held.state}, [held.fuse_fd])
-        assert handover.receive_message(conn).kind == "ready"
+        assert fuse_session.receive_message(conn).kind == "adopt"
+        fuse_session.send_message(conn, "prepare", {"state": held.state}, [held.fuse_fd])
+        assert fuse_session.receive_message(conn).kind == "ready"
         tables = {"inodes": [], "next_inode": 0, "opens": [], "next_fh": 1,
                   "stopped_at": died_at, "resend": resend}
-        handover.send_message(conn, "commit", tables)
-        assert handover.receive_message(conn).kind == "serving"
+        fuse_session.send_message(conn, "commit", tables)
+        assert fuse_session.receive_message(conn).kind == "serving"
 
 
 @pytest.mark.parametrize("resend", [True, False], ids=["resend", "no-resend"])

@@ -134,7 +134,7 @@ def test_stale_mount_after_kill_9_is_recovered_and_fsynced_data_kept(tmp_tree: P
 @pytest.mark.root
 def test_in_place_mount_recovers_at_once_after_kill_9(tmp_tree: Path) -> None:
     """In place, the source is covered by the dead mount itself: the keeper's copy of the
-    source's root is what the restarted daemon serves from (qosfs.daemon.keeper)."""
+    source's root is what the restarted daemon serves from (qosfs.daemon.takeover.keeper)."""
     src = tmp_tree / "mlfs"
     src.mkdir()
     m = QosfsMount(src, src).start()

@@ -31,7 +31,7 @@ import xxhash
 from qosfs.control.address import default_socket_path
 from qosfs.control.ctl import Client
 from qosfs.core.mountinfo import mount_type
-from qosfs.daemon import mount
+from qosfs.daemon import preflight, serve
 from tests.mount import posix_scenarios
 from tests.mount.test_fidelity import SCENARIOS, TEST_GID, TEST_UID, _run_as_user
 from tests.mounting import ROOT, as_user, is_mounted
@@ -234,7 +234,7 @@ def test_ready_only_once_mount_control_socket_and_metrics_answer(instance: Insta
     assert (instance.mnt / "hello").read_text() == "world"
     lines = [line for line in instance.log().splitlines() if line]
     assert lines and all(re.match(r"<[0-7]>\S", line) for line in lines), lines
-    serving = f"<6>{mount.log.name}: qosfs serving"  # the logger is the module's name
+    serving = f"<6>{serve.log.name}: qosfs serving"  # the logger is the module's name
     assert any(line.startswith(serving) for line in lines), lines
 
 
@@ -347,7 +347,7 @@ def test_restart_after_kill_9_cleans_the_stale_mount_and_keeps_fsynced_data(
 
     again = instance.start()
     instance.await_ready(again)
-    stale = rf"^<4>{re.escape(mount.log.name)}: .* is a stale mount"
+    stale = rf"^<4>{re.escape(preflight.log.name)}: .* is a stale mount"
     assert re.search(stale, instance.log(), re.MULTILINE), instance.log()
     for path, digest in digests.items():
         assert xxhash.xxh3_128_hexdigest(path.read_bytes()) == digest

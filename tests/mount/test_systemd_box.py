@@ -15,7 +15,7 @@ import pytest
 
 from qosfs.control.address import default_socket_path
 from qosfs.core.mountinfo import mount_type
-from qosfs.daemon.offer import handover_socket_path
+from qosfs.daemon.takeover.offer import handover_socket_path
 from tests.mounting import ROOT, is_mounted
 from tests.systemd_box import SystemdBox, unavailable, wait_until_serving
 from tests.systemd_units import UNIT, escape_path
@@ -139,7 +139,7 @@ def test_reload_hands_over_and_systemd_follows_the_new_daemon_through_a_crash(
         inst.policy.write_text(SAMPLE.read_text())
 
         # kill -9: the connection waits in the store, the restarted daemon takes it over
-        # (qosfs.daemon.recover), and the job's descriptor goes on as if nothing happened.
+        # (qosfs.daemon.takeover.recover), and the job's descriptor goes on as if nothing happened.
         box.systemctl("kill", "--signal=SIGKILL", "--kill-who=main", inst.unit)
         took = wait_until_serving(inst.mnt, timeout=30)
         # (ExecStartPost may still run: a stop now would kill it and fail the unit.)

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from qosfs.control.address import beside_socket, default_socket_path
-from qosfs.daemon import keeper
+from qosfs.daemon.takeover import keeper
 from tests.mounting import BOTH_LAYOUTS, ROOT, is_mounted
 from tests.waiting import wait_for
 

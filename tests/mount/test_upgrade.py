@@ -1,5 +1,5 @@
 """``qosfs upgrade``: a new daemon process takes a live qosfs mount over from the running
-one (qosfs.daemon.offer, qosfs.daemon.upgrade), through real mounts, source ->
+one (qosfs.daemon.takeover.offer, qosfs.daemon.takeover.upgrade), through real mounts, source ->
 mountpoint and in place (the long runs in place only: how qosfs is deployed, and the
 harder case).
 
@@ -69,7 +69,7 @@ import xxhash
 
 from qosfs.control.address import default_socket_path
 from qosfs.control.ctl import Client
-from qosfs.daemon import handover, offer
+from qosfs.daemon.takeover import fuse_session, offer
 from qosfs.qos.latency_control import CLIMB
 from tests.mount.held_reader import HeldReader
 from tests.mount.listener_polls import ListenerPolls, get_metrics
@@ -79,7 +79,7 @@ from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.root]
 
-_reason = handover.unavailable_reason()
+_reason = fuse_session.unavailable_reason()
 if _reason is not None:
     pytest.skip(f"handover unavailable: {_reason}", allow_module_level=True)
 

@@ -1,5 +1,5 @@
 """A successor that fails on purpose, for tests/mount/test_upgrade.py: it connects to a
-serving daemon's handover socket (qosfs.daemon.offer) and stops where it is told to.
+serving daemon's handover socket (qosfs.daemon.takeover.offer) and stops where it is told to.
 
     python -m tests.mount.upgrade_peer HANDOVER_SOCKET MODE
 
@@ -16,8 +16,8 @@ import os
 import socket
 import sys
 
-from qosfs.daemon import handover
-from qosfs.daemon.offer import PROTOCOL
+from qosfs.daemon.takeover import fuse_session
+from qosfs.daemon.takeover.offer import PROTOCOL
 
 
 def main(argv: list[str]) -> int:
@@ -25,17 +25,17 @@ def main(argv: list[str]) -> int:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
     protocol = PROTOCOL + 1000 if mode == "wrong-protocol" else PROTOCOL
-    handover.send_message(sock, "adopt", {"protocol": protocol, "version": "peer",
+    fuse_session.send_message(sock, "adopt", {"protocol": protocol, "version": "peer",
                                           "pid": os.getpid()})
-    reply = handover.receive_message(sock)
+    reply = fuse_session.receive_message(sock)
     for fd in reply.fds:
         os.close(fd)
     print(reply.kind, reply.payload.get("reason", ""), flush=True)
     if mode == "refuse":
-        handover.send_message(sock, "refuse", {"reason": "told to"})
+        fuse_session.send_message(sock, "refuse", {"reason": "told to"})
     elif mode == "vanish-after-ready":
-        handover.send_message(sock, "ready", {})
-        handover.receive_message(sock)  # the first message of the commit: then gone
+        fuse_session.send_message(sock, "ready", {})
+        fuse_session.receive_message(sock)  # the first message of the commit: then gone
     sock.close()
     return 0
 

@@ -128,7 +128,7 @@ def test_a_refused_client_that_hung_up_does_not_end_the_server(tmp_path: Path) -
 
 
 def test_a_socket_handed_over_never_refuses_and_drops_no_request(tmp_path: Path) -> None:
-    """A planned handover (qosfs.daemon.listeners): the old server stops accepting, lets
+    """A planned handover (qosfs.daemon.takeover.listeners): the old server stops accepting, lets
     a connection idle between requests go after LINGER, answers a request that came just
     then and the first request of a connection it accepted, even well after LINGER (that
     client connected to ask; on a loaded machine its send() came late, and an EOF failed

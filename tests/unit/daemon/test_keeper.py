@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from qosfs.core.errors import QosfsError
-from qosfs.daemon.keeper import Lease, claim, drop, holder_pid, start_holder
+from qosfs.daemon.takeover.keeper import Lease, claim, drop, holder_pid, start_holder
 
 OTHER_UID = 4243
 
@@ -182,7 +182,7 @@ def test_a_daemon_killed_without_bye_leaves_the_descriptors_to_a_successor(
     holder = start()
     daemon = subprocess.Popen(
         [sys.executable, "-c", "import sys, time\n"
-         "from qosfs.daemon.keeper import Lease\n"
+         "from qosfs.daemon.takeover.keeper import Lease\n"
          "lease = Lease(sys.argv[1])\nprint('serving', flush=True)\ntime.sleep(60)\n",
          holder.path], stdout=subprocess.PIPE)
     try:

@@ -1,4 +1,4 @@
-"""The listeners' wind-down at a planned handover (qosfs.daemon.listeners), on real
+"""The listeners' wind-down at a planned handover (qosfs.daemon.takeover.listeners), on real
 sockets: what the old daemon accepted is answered in full, however late its request
 comes within the exchange's own deadlines, and only then does the daemon hand over."""
 
@@ -14,7 +14,7 @@ from qosfs.control import exporter
 from qosfs.control import server as control
 from qosfs.control.protocol import Peer, Request
 from qosfs.control.snapshot import take_snapshot
-from qosfs.daemon.listeners import WIND_DOWN_LIMIT, Listeners
+from qosfs.daemon.takeover.listeners import WIND_DOWN_LIMIT, Listeners
 from tests.unit.control.test_metrics import FakeEngine
 
 

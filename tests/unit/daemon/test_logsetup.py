@@ -31,10 +31,10 @@ def test_journal_lines_carry_priorities_even_in_tracebacks() -> None:
         raise ValueError("boom")
     except ValueError:
         exc_info = sys.exc_info()
-    record = logging.LogRecord("qosfs.daemon.mount", logging.ERROR, __file__, 1, "failed %s",
+    record = logging.LogRecord("qosfs.daemon.serve", logging.ERROR, __file__, 1, "failed %s",
                                ("x",), exc_info)
     lines = logsetup._JournalFormatter().format(record).split("\n")
-    assert lines[0] == "<3>qosfs.daemon.mount: failed x"
+    assert lines[0] == "<3>qosfs.daemon.serve: failed x"
     assert len(lines) > 3 and all(line.startswith("<3>") for line in lines)
     assert lines[-1] == "<3>ValueError: boom"
     warning = logging.LogRecord("qosfs", logging.WARNING, __file__, 1, "careful", (), None)
@@ -68,9 +68,9 @@ def test_a_log_file_moved_away_by_logrotate_is_reopened(tmp_path: Path) -> None:
     saved = list(root.handlers), root.level
     try:
         logsetup.setup_logging(debug=False, log_file=str(path))
-        logging.getLogger("qosfs.daemon.mount").info("before rotation")
+        logging.getLogger("qosfs.daemon.serve").info("before rotation")
         path.rename(tmp_path / "qosfs.log.1")  # logrotate without copytruncate
-        logging.getLogger("qosfs.daemon.mount").info("after rotation")
+        logging.getLogger("qosfs.daemon.serve").info("after rotation")
         assert "before rotation" in (tmp_path / "qosfs.log.1").read_text()
         assert "after rotation" in path.read_text()
     finally:

@@ -1,6 +1,6 @@
 """The pointer a mount made with ``--socket PATH`` leaves at its derived socket path
 (qosfs.daemon.pointer), through the listeners whose lifetime it shares
-(qosfs.daemon.listeners), on real sockets in a temporary directory: left at bind and by a
+(qosfs.daemon.takeover.listeners), on real sockets in a temporary directory: left at bind and by a
 successor, kept at release, removed at close unless replaced; a stale one is replaced by
 a mount bound at the derived path, a live one is not."""
 
@@ -20,7 +20,7 @@ from qosfs.core import mountinfo
 from qosfs.core.errors import QosfsError
 from qosfs.core.mountinfo import QOSFS_FSTYPE, MountEntry
 from qosfs.daemon import pointer
-from qosfs.daemon.listeners import Listeners
+from qosfs.daemon.takeover.listeners import Listeners
 
 
 @pytest.fixture

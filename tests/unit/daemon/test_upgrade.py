@@ -1,6 +1,7 @@
-"""The pure parts of ``qosfs upgrade`` (qosfs.daemon.offer, qosfs.daemon.upgrade): where
-the handover socket is, the mount's configuration and an open's charge as they travel,
-and a successor speaking another protocol refused before anything is sent."""
+"""The pure parts of ``qosfs upgrade`` (qosfs.daemon.takeover.offer,
+qosfs.daemon.takeover.upgrade): where the handover socket is, the mount's configuration
+and an open's charge as they travel, and a successor speaking another protocol refused
+before anything is sent."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from qosfs.daemon import handover
-from qosfs.daemon.mount import MountConfig
-from qosfs.daemon.offer import (
+from qosfs.daemon.config import MountConfig
+from qosfs.daemon.takeover import fuse_session
+from qosfs.daemon.takeover.offer import (
     PROTOCOL,
     VERSION_ENV,
     HandoverOffer,
@@ -25,7 +26,7 @@ from qosfs.daemon.offer import (
     daemon_version,
     handover_socket_path,
 )
-from qosfs.daemon.upgrade import config_from_payload
+from qosfs.daemon.takeover.upgrade import config_from_payload
 from qosfs.passthrough.operations import FsOptions
 from qosfs.policy.loading import parse_policy
 from qosfs.qos.charge import MAX_WRITE, OpenCharge
@@ -56,7 +57,7 @@ def test_the_mounts_configuration_travels_as_json_and_back() -> None:
     raw = json.loads(json.dumps(config_payload(cfg)))
     assert config_from_payload(raw, foreground=True) == MountConfig(
         **{**vars_of(cfg), "foreground": True})
-    with pytest.raises(handover.HandoverError, match="not this version's"):
+    with pytest.raises(fuse_session.HandoverError, match="not this version's"):
         config_from_payload({**raw, "added_later": 1}, foreground=False)
 
 
@@ -122,9 +123,9 @@ def test_a_successor_of_another_protocol_is_refused_and_nothing_is_sent(
         offer: HandoverOffer, caplog: pytest.LogCaptureFixture) -> None:
     ours, theirs = socket.socketpair()
     with ours, theirs:
-        handover.send_message(theirs, "adopt", {"protocol": PROTOCOL + 1})
+        fuse_session.send_message(theirs, "adopt", {"protocol": PROTOCOL + 1})
         assert not offer._prepare(ours, *offer._prepare_payload())
-        reply = handover.receive_message(theirs)
+        reply = fuse_session.receive_message(theirs)
     (record,) = [r for r in caplog.records if "refused, serving on" in r.getMessage()]
     record.expected = True  # type: ignore[attr-defined]
     assert reply.kind == "refused" and reply.fds == []
@@ -133,7 +134,7 @@ def test_a_successor_of_another_protocol_is_refused_and_nothing_is_sent(
 
 
 def test_descriptors_inherited_under_the_mount_are_closed(tmp_path: Path) -> None:
-    from qosfs.daemon.upgrade import close_inherited
+    from qosfs.daemon.takeover.upgrade import close_inherited
 
     (tmp_path / "mnt").mkdir()
     (tmp_path / "mnt" / "f").write_text("x")

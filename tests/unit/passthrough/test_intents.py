@@ -365,5 +365,5 @@ def _ring_cost(r: IntentRing) -> float:
 def test_the_ring_outnumbers_the_requests_that_can_be_in_flight_twice() -> None:
     """An entry is given back when its request is answered; with at most MAX_TASKS held,
     the FIFO reuses it only after MAX_TASKS other intents: the ring must stay larger."""
-    from qosfs.daemon.mount import MAX_TASKS
+    from qosfs.daemon.serve import MAX_TASKS
     assert RING_ENTRIES >= 2 * MAX_TASKS

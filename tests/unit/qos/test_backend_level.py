@@ -11,7 +11,7 @@ WITH_BACKEND = '[backend]\nwrite_bandwidth = "1GB/s"\nread_bandwidth = "2GB/s"\n
 
 
 def test_policy_with_backend_builds_outside_trio() -> None:
-    # mount.run_mount builds the engine before trio.run; this raised "must be called from
+    # assembly.build_daemon builds the engine before trio.run; this raised "must be called from
     # async context", so no policy with a [backend] table could be mounted.
     qos = PolicyQos(parse_policy(WITH_BACKEND))
     assert qos.backend is not None

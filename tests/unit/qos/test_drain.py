@@ -1,6 +1,6 @@
 """Caps lifted while requests are parked (SIGTERM's drain), with writers that go on writing.
 
-The daemon's drain (:func:`qosfs.daemon.mount._drain`) lifts every cap, then waits until
+The daemon's drain (:func:`qosfs.daemon.serve._drain`) lifts every cap, then waits until
 nothing is parked. The requests parked at the lift go at once; the bug was in those that
 came after it: they queued behind the ones still waiting for their turn, although the
 level no longer limited anything, and writers that write again as soon as they are

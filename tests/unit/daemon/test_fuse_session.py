@@ -1,4 +1,4 @@
-"""qosfs.daemon.handover without a mount: why a handover is unavailable, the state's
+"""qosfs.daemon.takeover.fuse_session without a mount: why a handover is unavailable, the state's
 checks, and messages with descriptors over a real socket pair."""
 
 from __future__ import annotations
@@ -12,21 +12,21 @@ from typing import Any
 
 import pytest
 
-from qosfs.daemon import handover
+from qosfs.daemon.takeover import fuse_session
 
-STATE = dict.fromkeys(handover.STATE_KEYS, 1) | {"proto_major": 7, "proto_minor": 45}
+STATE = dict.fromkeys(fuse_session.STATE_KEYS, 1) | {"proto_major": 7, "proto_minor": 45}
 
 
 def test_unpatched_pyfuse3_says_why() -> None:
-    reason = handover.unavailable_reason(types.SimpleNamespace())
+    reason = fuse_session.unavailable_reason(types.SimpleNamespace())
     assert reason is not None and "adopt patch" in reason
-    with pytest.raises(handover.HandoverError, match="handover unavailable: pyfuse3 lacks"):
-        handover.export_session(types.SimpleNamespace())
+    with pytest.raises(fuse_session.HandoverError, match="handover unavailable: pyfuse3 lacks"):
+        fuse_session.export_session(types.SimpleNamespace())
 
 
 def test_pyfuse3_on_the_systems_libfuse_says_why() -> None:
     binding = types.SimpleNamespace(init_adopted=lambda *a: None, ADOPT_SUPPORTED=False)
-    reason = handover.unavailable_reason(binding)
+    reason = fuse_session.unavailable_reason(binding)
     assert reason is not None and "without fuse_session_adopt" in reason
 
 
@@ -56,14 +56,14 @@ class FakeBinding:
 
 
 def test_export_before_init_is_a_clear_error() -> None:
-    assert handover.export_session(FakeBinding()) == handover.Session(9, STATE)
-    with pytest.raises(handover.HandoverError, match="Transport endpoint"):
-        handover.export_session(FakeBinding(fail=errno.ENOTCONN))
+    assert fuse_session.export_session(FakeBinding()) == fuse_session.Session(9, STATE)
+    with pytest.raises(fuse_session.HandoverError, match="Transport endpoint"):
+        fuse_session.export_session(FakeBinding(fail=errno.ENOTCONN))
 
 
 def test_resend_on_an_old_kernel_is_a_clear_error() -> None:
-    with pytest.raises(handover.HandoverError, match="FUSE_NOTIFY_RESEND refused"):
-        handover.resend(FakeBinding(fail=errno.ENOSYS))
+    with pytest.raises(fuse_session.HandoverError, match="FUSE_NOTIFY_RESEND refused"):
+        fuse_session.resend(FakeBinding(fail=errno.ENOSYS))
 
 
 @pytest.mark.parametrize("change", [{"want_ext": None}, {"max_write": -1},
@@ -75,17 +75,18 @@ def test_a_state_that_is_not_counts_is_refused(change: dict[str, Any]) -> None:
             del state[key]
         else:
             state[key] = value
-    with pytest.raises(handover.HandoverError, match="session state"):
-        handover.check_state(state)
-    assert handover.check_state(STATE) == STATE
+    with pytest.raises(fuse_session.HandoverError, match="session state"):
+        fuse_session.check_state(state)
+    assert fuse_session.check_state(STATE) == STATE
 
 
 def test_adopt_refuses_a_descriptor_that_is_not_dev_fuse() -> None:
     binding = FakeBinding()
     r, w = os.pipe()
     try:
-        with pytest.raises(handover.HandoverError, match="is not /dev/fuse"):
-            handover.adopt(object(), handover.Session(r, STATE), None, (), binding)  # type: ignore[arg-type]
+        with pytest.raises(fuse_session.HandoverError, match="is not /dev/fuse"):
+            fuse_session.adopt(object(), fuse_session.Session(r, STATE),  # type: ignore[arg-type]
+                               None, (), binding)
     finally:
         os.close(r)
         os.close(w)
@@ -97,9 +98,9 @@ def test_messages_carry_payload_and_descriptors() -> None:
     r, w = os.pipe()
     with a, b:
         big = {"inodes": list(range(50_000))}  # more than the socket buffers: a sender thread
-        sender = threading.Thread(target=handover.send_message, args=(a, "commit", big, [r, w]))
+        sender = threading.Thread(target=fuse_session.send_message, args=(a, "commit", big, [r, w]))
         sender.start()
-        message = handover.receive_message(b)
+        message = fuse_session.receive_message(b)
         sender.join()
         assert message.kind == "commit" and message.payload == big
         assert len(message.fds) == 2
@@ -113,7 +114,7 @@ def test_messages_carry_payload_and_descriptors() -> None:
 def test_a_peer_that_closes_mid_message_is_a_clear_error() -> None:
     a, b = socket.socketpair()
     with b:
-        a.sendall(handover._HEADER.pack(100, 0) + b"{")
+        a.sendall(fuse_session._HEADER.pack(100, 0) + b"{")
         a.close()
-        with pytest.raises(handover.HandoverError, match="mid-message"):
-            handover.receive_message(b)
+        with pytest.raises(fuse_session.HandoverError, match="mid-message"):
+            fuse_session.receive_message(b)

@@ -191,7 +191,7 @@ def _request(conn: socket.socket) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m qosfs.daemon.keeper SOCKET GRACE FUSE_FD ROOT_FD [READY_FD]`` (started
+    """``python -m qosfs.daemon.takeover.keeper SOCKET GRACE FUSE_FD ROOT_FD [READY_FD]`` (started
     by the daemon, which passes the descriptors)."""
     args = sys.argv[1:] if argv is None else argv
     path, grace, fuse_fd, root_fd = args[0], float(args[1]), int(args[2]), int(args[3])
@@ -229,7 +229,7 @@ def start_holder(path: str, fuse_fd: int, root_fd: int, grace: float) -> None:
     ready_r, ready_w = os.pipe()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "qosfs.daemon.keeper", path, str(grace), str(fuse_fd),
+            [sys.executable, "-m", "qosfs.daemon.takeover.keeper", path, str(grace), str(fuse_fd),
              str(root_fd), str(ready_w)],
             pass_fds=(fuse_fd, root_fd, ready_w), stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,

@@ -3,7 +3,7 @@ per mount, not per process, and handed from a daemon to its successor with the m
 
 A ``qosfs ctl`` or a scrape during an upgrade must not find the mount deaf (issue 31
 lists both among what travels). The old daemon sends the listening sockets themselves at
-prepare (SCM_RIGHTS, :mod:`qosfs.daemon.offer`), stops accepting once the successor is
+prepare (SCM_RIGHTS, :mod:`qosfs.daemon.takeover.offer`), stops accepting once the successor is
 ready (:meth:`Listeners.wind_down`: the requests and scrapes it holds are answered, new
 connections wait in the kernel's backlog), and closes its descriptors, leaving the
 socket's path in place, once the successor serves (:meth:`Listeners.release`). The

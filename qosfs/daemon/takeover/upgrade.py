@@ -2,16 +2,16 @@
 
 A training job must not notice that the daemon serving its mount was replaced (issue
 31): its open descriptors, node ids and caps carry on. The native piece
-(:mod:`qosfs.daemon.handover`) lets a process serve a connection another one initialised;
-this module is the successor's side of the daemon's protocol over it, and
-:mod:`qosfs.daemon.offer` the serving daemon's, on a Unix socket next to the control
-socket (``/run/qosfs/NAME.handover`` for ``/run/qosfs/NAME.sock``):
+(:mod:`qosfs.daemon.takeover.fuse_session`) lets a process serve a connection another one
+initialised; this module is the successor's side of the daemon's protocol over it, and
+:mod:`qosfs.daemon.takeover.offer` the serving daemon's, on a Unix socket next to the
+control socket (``/run/qosfs/NAME.handover`` for ``/run/qosfs/NAME.sock``):
 
 1. hello: the successor says ``adopt`` with its handover protocol and version; the old
    daemon refuses another protocol (and keeps serving);
 2. prepare, while the old daemon serves on: it sends the FUSE descriptor, the source's
    root descriptor and the listening control socket and metrics listener (SCM_RIGHTS,
-   :mod:`qosfs.daemon.listeners`), the state negotiated at INIT, the mount's
+   :mod:`qosfs.daemon.takeover.listeners`), the state negotiated at INIT, the mount's
    configuration and the policy in force (text and source; ``ctl set`` changes
    included). The successor builds everything that serves the mount from them and
    answers ``ready``, or ``refuse`` with a reason: the old daemon then serves on as if
@@ -27,10 +27,10 @@ socket (``/run/qosfs/NAME.handover`` for ``/run/qosfs/NAME.sock``):
    leaving the mount in place.
 
 If the successor fails between ``ready`` and ``serving`` (it died, said something else,
-or hangs past :func:`qosfs.daemon.offer.commit_timeout`), nothing it did can have been
+or hangs past :func:`qosfs.daemon.takeover.offer.commit_timeout`), nothing it did can have been
 seen by the kernel but requests it never read: the old daemon kills it, adopts its own
 session again with the tables it never changed, and serves on
-(:meth:`qosfs.daemon.offer.HandoverOffer.take_back`). Failed handovers are counted
+(:meth:`qosfs.daemon.takeover.offer.HandoverOffer.take_back`). Failed handovers are counted
 (``qosfs_handovers_total{result}``), and the counts travel with the mount.
 
 The buckets' balances travel too (debt included, on ``time.monotonic()``), so a cap goes
@@ -69,17 +69,13 @@ from typing import Any
 
 from qosfs.core.errors import EXIT_DAEMON, EXIT_MOUNTPOINT, QosfsError
 from qosfs.core.mountinfo import lies_within
-from qosfs.daemon import handover
-from qosfs.daemon.listeners import Listeners
-from qosfs.daemon.mount import (
-    Daemon,
-    MountConfig,
-    build_daemon,
-    control_socket_path,
-    serve_mount,
-)
-from qosfs.daemon.offer import FAILURES, PROTOCOL, daemon_version, handover_socket_path
+from qosfs.daemon.assembly import Daemon, build_daemon
+from qosfs.daemon.config import MountConfig, control_socket_path
 from qosfs.daemon.pointer import mount_socket_path, pointer_path
+from qosfs.daemon.serve import serve_mount
+from qosfs.daemon.takeover import fuse_session
+from qosfs.daemon.takeover.listeners import Listeners
+from qosfs.daemon.takeover.offer import FAILURES, PROTOCOL, daemon_version, handover_socket_path
 from qosfs.passthrough.operations import FsOptions
 from qosfs.passthrough.transfer import import_state
 from qosfs.policy.loading import load_policy, parse_policy
@@ -89,7 +85,7 @@ log = logging.getLogger(__name__)
 
 
 def config_from_payload(raw: dict[str, Any], foreground: bool) -> MountConfig:
-    """The predecessor's MountConfig (:func:`qosfs.daemon.offer.config_payload`);
+    """The predecessor's MountConfig (:func:`qosfs.daemon.takeover.offer.config_payload`);
     HandoverError if it lacks a field this version needs, or has one it does not know."""
     try:
         fields = dict(raw)
@@ -98,7 +94,7 @@ def config_from_payload(raw: dict[str, Any], foreground: bool) -> MountConfig:
         fields["foreground"] = foreground
         return MountConfig(**fields)
     except (KeyError, TypeError) as exc:
-        raise handover.HandoverError(f"the mount's configuration is not this version's: "
+        raise fuse_session.HandoverError(f"the mount's configuration is not this version's: "
                                      f"{exc}") from None
 
 
@@ -162,14 +158,14 @@ def close_inherited(top: str) -> None:
 
 
 def _prepare(sock: socket.socket, foreground: bool,
-             requested: MountConfig | None = None) -> tuple[Daemon, handover.Session]:
+             requested: MountConfig | None = None) -> tuple[Daemon, fuse_session.Session]:
     """Phase 1: receive the session and the configuration, build what serves the mount,
     answer ready (or refuse, leaving the old daemon serving)."""
-    handover.send_message(sock, "adopt", {"protocol": PROTOCOL, "version": daemon_version(),
+    fuse_session.send_message(sock, "adopt", {"protocol": PROTOCOL, "version": daemon_version(),
                                           "pid": os.getpid()})
     try:
-        prepare = handover.receive_message(sock)
-    except handover.HandoverError as exc:
+        prepare = fuse_session.receive_message(sock)
+    except fuse_session.HandoverError as exc:
         raise QosfsError(f"handover refused: {exc}", EXIT_DAEMON) from None
     if prepare.kind != "prepare":
         raise QosfsError(f"handover refused: {prepare.payload.get('reason', prepare.kind)}",
@@ -178,16 +174,16 @@ def _prepare(sock: socket.socket, foreground: bool,
         p = prepare.payload
         listening = dict(p.get("listeners", {}))  # absent from a predecessor without them
         if len(prepare.fds) != 2 + len(listening):
-            raise handover.HandoverError(f"expected {2 + len(listening)} descriptors, got "
+            raise fuse_session.HandoverError(f"expected {2 + len(listening)} descriptors, got "
                                          f"{len(prepare.fds)}")
         fuse_fd, root_fd = prepare.fds[:2]
         if p.get("protocol") != PROTOCOL:
-            raise handover.HandoverError(f"handover protocol {p.get('protocol')} is not "
+            raise fuse_session.HandoverError(f"handover protocol {p.get('protocol')} is not "
                                          f"this version's ({PROTOCOL})")
-        session = handover.Session(fuse_fd, handover.check_state(p["state"]))
-        handover.check_fuse_fd(fuse_fd)
+        session = fuse_session.Session(fuse_fd, fuse_session.check_state(p["state"]))
+        fuse_session.check_fuse_fd(fuse_fd)
         if not stat.S_ISDIR(os.fstat(root_fd).st_mode):
-            raise handover.HandoverError("the source's descriptor is not a directory")
+            raise fuse_session.HandoverError("the source's descriptor is not a directory")
         cfg = config_from_payload(p["config"], foreground)
         if requested is not None:
             _check_requested(requested, cfg)
@@ -205,14 +201,14 @@ def _prepare(sock: socket.socket, foreground: bool,
                 cfg.metrics, prepare.fds[int(listening["control"])],
                 prepare.fds[int(listening["metrics"])] if "metrics" in listening else None,
                 pointer_path(daemon.mountpoint, control))
-    except (handover.HandoverError, PolicyError, OSError, KeyError, ValueError) as exc:
+    except (fuse_session.HandoverError, PolicyError, OSError, KeyError, ValueError) as exc:
         for fd in prepare.fds:
             os.close(fd)
-        handover.send_message(sock, "refuse", {"reason": str(exc)})
+        fuse_session.send_message(sock, "refuse", {"reason": str(exc)})
         raise QosfsError(f"handover refused here: {exc}", EXIT_DAEMON) from None
     log.info("taking %s over from pid %s (qosfs %s, %d handovers before)",
              daemon.mountpoint, p.get("pid"), p.get("version"), daemon.handovers - 1)
-    handover.send_message(sock, "ready", {})
+    fuse_session.send_message(sock, "ready", {})
     return daemon, session
 
 
@@ -220,7 +216,7 @@ def _check_requested(requested: MountConfig, running: MountConfig) -> None:
     """HandoverError if ``qosfs mount`` named another source than the mount's; a warning
     for each other option that differs from the running mount's (which stays)."""
     if os.path.realpath(requested.source) != os.path.realpath(running.source):
-        raise handover.HandoverError(
+        raise fuse_session.HandoverError(
             f"{requested.mountpoint} is a mount of {running.source}, not of "
             f"{requested.source}: unmount it first to mount another source there")
     kept = ("source", "mountpoint", "foreground", "policy_path")
@@ -238,7 +234,7 @@ def _put_chosen_policy(daemon: Daemon, path: str) -> None:
     reload`` re-read it). PolicyError if the file is invalid or the mount cannot take
     it live (the old daemon then serves on with the policy it has)."""
     if daemon.policy_engine is None:
-        raise handover.HandoverError("the mount runs without QoS (--no-qos): a policy "
+        raise fuse_session.HandoverError("the mount runs without QoS (--no-qos): a policy "
                                      "needs a new mount")
     policy = load_policy(path)
     daemon.policy_engine.check_swap(policy)
@@ -251,14 +247,14 @@ def _policy(raw: dict[str, Any] | None) -> Policy | None:
     return None if raw is None else parse_policy(str(raw["text"]), str(raw["source"]))
 
 
-def _commit(sock: socket.socket, daemon: Daemon, session: handover.Session,
+def _commit(sock: socket.socket, daemon: Daemon, session: fuse_session.Session,
             chosen_policy: bool = False) -> None:
     """Phase 2 (serve_mount's start): the tables and descriptors come, the session is
     adopted, and the old daemon is told so. *chosen_policy*: ``qosfs mount --policy``
     put another policy in force, which the old daemon's does not replace."""
     fds: list[int] = []
     while True:
-        message = handover.receive_message(sock)
+        message = fuse_session.receive_message(sock)
         fds.extend(message.fds)
         if message.kind == "commit":
             break
@@ -278,12 +274,12 @@ def _commit(sock: socket.socket, daemon: Daemon, session: handover.Session,
     if policy is not None and daemon.engine.policy is not None and not chosen_policy \
             and policy.render() != daemon.engine.policy.render():
         daemon.policy_to_apply = policy  # changed (ctl set) while we prepared
-    handover.adopt(daemon.ops, session, daemon.mountpoint, daemon.fuse_options)
+    fuse_session.adopt(daemon.ops, session, daemon.mountpoint, daemon.fuse_options)
     chosen = daemon.policy_to_apply
     if chosen_policy and daemon.listeners is not None and chosen is not None:
         daemon.listeners.control.set_admin_group(chosen.control.admin_gid)
     daemon.adopted_at = float(payload["stopped_at"])  # CLOCK_MONOTONIC: one per system
     daemon.balances = list(payload["balances"])  # put in force when the loop starts
     daemon.latency_state = payload.get("latency")  # likewise (absent from older daemons)
-    handover.send_message(sock, "serving", {})
+    fuse_session.send_message(sock, "serving", {})
     sock.close()  # the predecessor exits now

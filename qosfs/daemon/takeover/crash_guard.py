@@ -2,11 +2,11 @@
 
 While a mount is served, :class:`CrashGuard` keeps two things outside the process, so
 that a daemon started after this one dies can take the mount over
-(:mod:`qosfs.daemon.recover` says how, and what holds then):
+(:mod:`qosfs.daemon.takeover.recover` says how, and what holds then):
 
 * the session journal (:mod:`qosfs.passthrough.journal`), written as the tables change;
 * a copy of the FUSE descriptor and of the source's root, in the keeper
-  (:mod:`qosfs.daemon.keeper`: systemd's descriptor store, or the project's holder).
+  (:mod:`qosfs.daemon.takeover.keeper`: systemd's descriptor store, or the project's holder).
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import os
 from typing import Any, Protocol
 
 from qosfs.core.errors import QosfsError
-from qosfs.daemon import handover, keeper, notify
+from qosfs.daemon import notify
+from qosfs.daemon.takeover import fuse_session, keeper
 from qosfs.passthrough.journal import SessionJournal
 from qosfs.passthrough.operations import PassthroughOperations
 
 
 class Daemon(Protocol):
-    """What the guard needs of the daemon it serves (qosfs.daemon.mount.Daemon)."""
+    """What the guard needs of the daemon it serves (qosfs.daemon.assembly.Daemon)."""
 
     ops: PassthroughOperations
     root_fd: int
@@ -57,14 +58,14 @@ class CrashGuard:
 
     @property
     def on(self) -> bool:
-        return self.kind != "none" and handover.unavailable_reason() is None
+        return self.kind != "none" and fuse_session.unavailable_reason() is None
 
     def attach(self, daemon: Daemon, state: dict[str, int] | None = None) -> None:
         """Write *daemon*'s tables down from now on (before it reads a request); *state*:
         the INIT state, if the session was adopted (else `keep` learns it)."""
         if not self.on:
             if self.kind != "none":
-                log.warning("crash protection off: %s", handover.unavailable_reason())
+                log.warning("crash protection off: %s", fuse_session.unavailable_reason())
             return
         self.journal = SessionJournal(self.journal_path)
         daemon.ops.attach_journal(self.journal)
@@ -83,7 +84,7 @@ class CrashGuard:
         if self.journal is None:
             return
         try:
-            session = handover.export_session()
+            session = fuse_session.export_session()
             if self.state is None:
                 self._describe(daemon, session.state)
             if self.kind == "systemd":
@@ -100,7 +101,7 @@ class CrashGuard:
                                     self.grace)
                 self.lease = keeper.Lease(self.keeper_path)
             self.kept = True
-        except (OSError, QosfsError, handover.HandoverError) as exc:
+        except (OSError, QosfsError, fuse_session.HandoverError) as exc:
             log.error("crash protection off: the keeper failed: %s", exc)
 
     def status(self) -> dict[str, Any]:
@@ -109,7 +110,7 @@ class CrashGuard:
         reason = None
         if not kept:
             reason = ("--keeper none" if self.kind == "none"
-                      else handover.unavailable_reason() or "the keeper failed (see the log)")
+                      else fuse_session.unavailable_reason() or "the keeper failed (see the log)")
         return {"keeper": self.kind, "kept": kept, "reason": reason,
                 "recover_within": self.grace if self.kind == "holder" else None,
                 "journal_records": 0 if self.journal is None else self.journal.used}

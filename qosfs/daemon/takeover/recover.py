@@ -4,12 +4,13 @@ While a mount is served, :class:`CrashGuard` keeps two things outside the proces
 
 * the session journal (:mod:`qosfs.passthrough.journal`), written as the tables change;
 * a copy of the FUSE descriptor and of the source's root, in the keeper
-  (:mod:`qosfs.daemon.keeper`: systemd's descriptor store, or the project's holder).
+  (:mod:`qosfs.daemon.takeover.keeper`: systemd's descriptor store, or the project's holder).
 
 When the daemon dies, the kernel connection lives on in the keeper and callers' requests
 wait in the kernel. ``qosfs mount`` started again on the same mountpoint (by systemd's
 ``Restart=``, a supervisor, or an administrator) finds the kept descriptors before it
-touches the mountpoint (a stat there would wait on the dead daemon), and
+touches the mountpoint (a stat there would wait on the dead daemon; :mod:`qosfs.daemon.start`
+chooses this path then), and
 :func:`recover_mount` rebuilds the tables from the journal, adopts the connection without
 a new INIT, asks the kernel to send again every request the dead process had read and
 not answered (FUSE_NOTIFY_RESEND), and serves on.
@@ -41,16 +42,13 @@ from collections.abc import Callable
 
 from qosfs.core.errors import EXIT_MOUNTPOINT, QosfsError
 from qosfs.core.mountinfo import mount_type, resolve_without_touching
-from qosfs.daemon import handover, keeper, notify
-from qosfs.daemon.crash_guard import FUSE_NAME, ROOT_NAME, release_store
-from qosfs.daemon.mount import (
-    MountConfig,
-    build_daemon,
-    clean_stale_mount,
-    control_socket_path,
-    run_mount,
-    serve_mount,
-)
+from qosfs.daemon import notify
+from qosfs.daemon.assembly import build_daemon
+from qosfs.daemon.config import MountConfig, control_socket_path
+from qosfs.daemon.preflight import clean_stale_mount
+from qosfs.daemon.serve import serve_mount
+from qosfs.daemon.takeover import fuse_session, keeper
+from qosfs.daemon.takeover.crash_guard import FUSE_NAME, ROOT_NAME, release_store
 from qosfs.daemon.topology import QOSFS_FSTYPE
 from qosfs.passthrough.intents import request_ids_known
 from qosfs.passthrough.journal import JournalError, read_journal
@@ -65,20 +63,6 @@ class Unrecoverable(QosfsError):
 
 
 # ----------------------------------------------------------------------- restarting
-
-
-def mount_or_recover(cfg: MountConfig, kept: tuple[int, int] | None,
-                     on_ready: Callable[[], None] | None = None) -> int:
-    """``qosfs mount``: take over the mount whose daemon died while a keeper held its
-    connection (*kept*: `kept_descriptors`), else mount afresh
-    (:func:`qosfs.daemon.mount.run_mount`)."""
-    if kept is not None:
-        control = control_socket_path(cfg, cfg.mountpoint)
-        try:
-            return recover_mount(cfg, kept, control, on_ready)
-        except Unrecoverable as exc:
-            log.error("%s", exc)  # the connection was let go: mount afresh
-    return run_mount(cfg, on_ready)
 
 
 def kept_descriptors(cfg: MountConfig) -> tuple[int, int] | None:
@@ -109,12 +93,12 @@ def recover_mount(cfg: MountConfig, fds: tuple[int, int], control_path: str,
     path = keeper.journal_path(control_path)
     try:
         journal = read_journal(path)
-        state = handover.check_state(journal.session["state"])
-        handover.check_fuse_fd(fuse_fd)
+        state = fuse_session.check_state(journal.session["state"])
+        fuse_session.check_fuse_fd(fuse_fd)
         st = os.fstat(root_fd)
         if not stat.S_ISDIR(st.st_mode) or [st.st_dev, st.st_ino] != journal.session["root"]:
             raise JournalError("the kept source root is not the journal's")
-    except (OSError, JournalError, handover.HandoverError, KeyError, ValueError) as exc:
+    except (OSError, JournalError, fuse_session.HandoverError, KeyError, ValueError) as exc:
         _let_go(cfg, fds, control_path)
         clean_stale_mount(mountpoint)
         raise Unrecoverable(f"{mountpoint}: the dead daemon's state cannot be rebuilt "
@@ -136,9 +120,9 @@ def recover_mount(cfg: MountConfig, fds: tuple[int, int], control_path: str,
 
     def start() -> None:
         guard.attach(daemon, state)
-        handover.adopt(daemon.ops, handover.Session(fuse_fd, state), daemon.mountpoint,
+        fuse_session.adopt(daemon.ops, fuse_session.Session(fuse_fd, state), daemon.mountpoint,
                        daemon.fuse_options)
-        handover.resend()  # what the dead process read and never answered comes again
+        fuse_session.resend()  # what the dead process read and never answered comes again
 
     return serve_mount(daemon, start, on_ready, adopting=True)
 

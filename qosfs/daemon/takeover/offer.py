@@ -1,5 +1,5 @@
 """The serving daemon's side of a planned handover (``qosfs upgrade``,
-:mod:`qosfs.daemon.upgrade` is the successor's side and says what the protocol is): a
+:mod:`qosfs.daemon.takeover.upgrade` is the successor's side and says what the protocol is): a
 Unix socket next to the control socket (``/run/qosfs/NAME.handover`` for
 ``/run/qosfs/NAME.sock``, mode 0600; the peer must be root or the daemon's own user,
 checked by SO_PEERCRED), on which this process prepares a successor while it serves,
@@ -33,8 +33,8 @@ import trio
 
 from qosfs import __version__
 from qosfs.control.address import beside_socket
-from qosfs.daemon import handover
-from qosfs.daemon.listeners import Listeners
+from qosfs.daemon.takeover import fuse_session
+from qosfs.daemon.takeover.listeners import Listeners
 from qosfs.passthrough.operations import PassthroughOperations
 from qosfs.passthrough.transfer import export_state
 from qosfs.qos.interface import QosEngine
@@ -98,7 +98,7 @@ def _peer(sock: socket.socket) -> tuple[int, int]:
 
 
 class Served(Protocol):
-    """What serves the mount (:class:`qosfs.daemon.mount.Daemon`), as this module uses it."""
+    """What serves the mount (:class:`qosfs.daemon.assembly.Daemon`), as this module uses it."""
 
     mountpoint: str
     root_fd: int
@@ -150,7 +150,7 @@ class HandoverOffer:
         """Bind the handover socket beside the control socket *control_path* (closed and
         removed when *stack* unwinds); None, with one line in the log, where this build
         cannot hand over or the socket cannot be bound."""
-        reason = handover.unavailable_reason()
+        reason = fuse_session.unavailable_reason()
         if reason is not None:
             log.info("handover unavailable: %s ('qosfs upgrade' will be refused)", reason)
             return None
@@ -237,25 +237,25 @@ class HandoverOffer:
         try:
             pid, uid = _peer(sock)
             if uid not in (0, os.geteuid()):
-                raise handover.HandoverError(f"uid {uid} may not take the mount over")
-            hello = handover.receive_message(sock)
+                raise fuse_session.HandoverError(f"uid {uid} may not take the mount over")
+            hello = fuse_session.receive_message(sock)
             if hello.kind != "adopt":
-                raise handover.HandoverError(f"expected adopt, not {hello.kind}")
+                raise fuse_session.HandoverError(f"expected adopt, not {hello.kind}")
             if hello.payload.get("protocol") != PROTOCOL:
                 reason = (f"handover protocol {hello.payload.get('protocol')} is not this "
                           f"daemon's ({PROTOCOL})")
-                handover.send_message(sock, "refused", {"reason": reason})
-                raise handover.HandoverError(reason)
+                fuse_session.send_message(sock, "refused", {"reason": reason})
+                raise fuse_session.HandoverError(reason)
             pidfd = os.pidfd_open(pid)
-            session = handover.export_session()
+            session = fuse_session.export_session()
             self._state = session.state
-            handover.send_message(sock, "prepare", {**payload, "state": session.state},
+            fuse_session.send_message(sock, "prepare", {**payload, "state": session.state},
                                   [session.fuse_fd, self.daemon.root_fd, *listening])
-            reply = handover.receive_message(sock)
+            reply = fuse_session.receive_message(sock)
             if reply.kind != "ready":
-                raise handover.HandoverError(f"successor refused: "
+                raise fuse_session.HandoverError(f"successor refused: "
                                              f"{reply.payload.get('reason', reply.kind)}")
-        except (OSError, handover.HandoverError, ValueError) as exc:
+        except (OSError, fuse_session.HandoverError, ValueError) as exc:
             if pidfd >= 0:
                 os.close(pidfd)
             log.warning("handover to pid %d refused, serving on: %s", pid,
@@ -277,23 +277,23 @@ class HandoverOffer:
             timeout = commit_timeout(
                 len(tables["inodes"]["records"]) + len(tables["files"]) + len(tables["dirs"]))
             sock.settimeout(timeout)
-            for at in range(0, len(fds), handover.MAX_FDS):
-                handover.send_message(sock, "fds", {}, fds[at:at + handover.MAX_FDS])
-            handover.send_message(sock, "commit", {
+            for at in range(0, len(fds), fuse_session.MAX_FDS):
+                fuse_session.send_message(sock, "fds", {}, fds[at:at + fuse_session.MAX_FDS])
+            fuse_session.send_message(sock, "commit", {
                 "filesystem": tables, "fd_count": len(fds), "stopped_at": self.stopped_at,
                 "policy": policy_payload(daemon.engine),
                 "balances": daemon.engine.export_balances(self.to_monotonic),
                 "accounts": daemon.engine.accounts.export_totals(),
                 "latency": (daemon.latency.export_state(self.to_monotonic)
                             if daemon.latency is not None else None)})
-            reply = handover.receive_message(sock)
+            reply = fuse_session.receive_message(sock)
             if reply.kind != "serving":
-                raise handover.HandoverError(f"successor answered {reply.kind}")
+                raise fuse_session.HandoverError(f"successor answered {reply.kind}")
         except TimeoutError:
             log.error("pid %d did not take %s over within %.1f s: taking the session back",
                       self.successor_pid, daemon.mountpoint, timeout)
             return False
-        except (OSError, handover.HandoverError) as exc:
+        except (OSError, fuse_session.HandoverError) as exc:
             log.error("pid %d failed to take %s over (%s): taking the session back",
                       self.successor_pid, daemon.mountpoint,
                       exc.strerror if isinstance(exc, OSError) and exc.strerror else exc)
@@ -316,18 +316,18 @@ class HandoverOffer:
         _wait_gone(self._pidfd)
         os.close(self._pidfd)
         self._pidfd = -1
-        session = handover.export_session()
+        session = fuse_session.export_session()
         fd = os.dup(session.fuse_fd)
         pyfuse3.close(unmount=False)  # pyfuse3's session and its copy of the descriptor
-        handover.adopt(self.daemon.ops, handover.Session(fd, self._state),
+        fuse_session.adopt(self.daemon.ops, fuse_session.Session(fd, self._state),
                        self.daemon.mountpoint, self.daemon.fuse_options)
         self.successor = None
-        if self._state.get("proto_minor", 0) >= handover.RESEND_MINOR:
+        if self._state.get("proto_minor", 0) >= fuse_session.RESEND_MINOR:
             # What the successor may have read before it died comes again (this process
             # answered everything it read before it stopped).
             try:
-                handover.resend()
-            except handover.HandoverError as exc:
+                fuse_session.resend()
+            except fuse_session.HandoverError as exc:
                 log.warning("%s", exc)
         log.info("serving %s again", self.daemon.mountpoint)
 
