@@ -444,7 +444,7 @@ def _passthrough(kp: dict[str, Any]) -> Iterator[Metric]:
 
 
 # ctl status key -> metric: descriptors held for inodes (qosfs.passthrough.inodes), requests
-# parked for tokens and those refused past the parking lot's bounds (qosfs.qos.bounds),
+# parked for tokens and those refused past the parking bounds (qosfs.qos.bounds),
 # parked requests answered because their caller was killed (qosfs.passthrough.interrupts),
 # and opens refused past a uid's share of the daemon's descriptors (qosfs.passthrough.handles).
 _RESOURCES = (

@@ -45,7 +45,7 @@ from qosfs.policy.classify import CallerKey, Classifier, JobCache, compile_path_
 from qosfs.policy.model import ClassRule, Limits, Policy, stream_threshold
 from qosfs.qos.accounting import AccountKey, Accounts
 from qosfs.qos.backend import BackendLevel, ClassPort, Share
-from qosfs.qos.bounds import ParkingLot
+from qosfs.qos.bounds import ParkedCount
 from qosfs.qos.bucket import LevelLimits, Limit
 from qosfs.qos.charge import InodeCharge
 from qosfs.qos.explain import Asked, explain
@@ -214,10 +214,10 @@ class PolicyFlow:
 
     def __init__(self, cls: ClassState, tenant: Level | None, backend: BackendLevel | None,
                  uid: int, tenant_name: str | None = None,
-                 accounts: Accounts | None = None, parking: ParkingLot | None = None,
+                 accounts: Accounts | None = None, parking: ParkedCount | None = None,
                  callers: CallerWatch = NO_CALLER_WATCH) -> None:
         self.uid = uid
-        self.parking = parking if parking is not None else ParkingLot()
+        self.parking = parking if parking is not None else ParkedCount()
         self.callers = callers  # who a parked request's caller is (qosfs.qos.interface)
         self.limited = True  # admission also counts per level, so it is always called
         self.open_files = 0
@@ -256,7 +256,7 @@ class PolicyFlow:
         """Wait until every level admits the read; returns the seconds spent waiting.
 
         Raises:
-            OSError: EAGAIN if it would have to wait and the parking lot is full
+            OSError: EAGAIN if it would have to wait and a parking bound is reached
                 (:mod:`qosfs.qos.bounds`); EINTR if its caller was killed while it waited.
         """
         levels = self._levels()
@@ -285,7 +285,7 @@ class PolicyFlow:
     async def _park(self, levels: list[Level | ClassPort], start: int, kind: Kind,
                     nbytes: int, caller: Caller | None) -> float:
         """Wait at ``levels[start:]`` (try_admit charged the levels before), within the
-        parking lot's bounds and for as long as the caller lives."""
+        parking bounds and for as long as the caller lives."""
         uid = self.uid if caller is None else caller.uid  # the writer, not the opener
         cls = self.cls.rule.name
         held = nbytes if kind is _WRITE else 0  # the data a parked write holds
@@ -397,7 +397,7 @@ class PolicyQos:
         self.auto_caps: dict[str, AutoCaps] = {}  # by class name; see set_auto_caps()
         self.draining = False
         self.generation = 0
-        self.parking = ParkingLot()  # bounds on requests waiting for tokens (qosfs.qos.bounds)
+        self.parking = ParkedCount()  # bounds on requests waiting for tokens (qosfs.qos.bounds)
         self.policy = policy  # swap() replaces it; set first so swap() can compare
         self.stream_moves: dict[str, int] = {}  # opens moved as streaming writers, by class
         self.rename_charges: dict[str, int] = {}  # bytes charged at a rename, by class

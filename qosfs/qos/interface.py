@@ -191,7 +191,7 @@ class QosEngine(Protocol):
 
     def counters(self) -> EngineCounters:
         """The engine's own counters: streaming moves, rename charges, per-uid series,
-        the parking lot."""
+        the parked count."""
 
 
 class Caller(Protocol):

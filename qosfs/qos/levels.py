@@ -388,7 +388,7 @@ class RateLevel:
         wait for nothing but to run (:meth:`enforce` released them all, see
         :meth:`qosfs.qos.waiting.Turn.release_all`); a newcomer queued behind them kept the
         line full for as long as writers wrote again as soon as they were answered, so
-        SIGTERM's drain, which waits for an empty parking lot, waited its whole deadline.
+        SIGTERM's drain, which waits until nothing is parked, waited its whole deadline.
 
         Race-free: trio runs one task at a time and this is synchronous, so ``limited``
         and ``parked`` are read in the step that charges, and :meth:`enforce` changes

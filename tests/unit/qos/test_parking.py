@@ -1,4 +1,4 @@
-"""What a request that must wait meets on the product's path: the parking lot's bounds
+"""What a request that must wait meets on the product's path: the parking bounds
 (EAGAIN past them, :mod:`qosfs.qos.bounds`) and its caller's death (EINTR), through a
 file's flow on trio's mock clock (tests.admission)."""
 
