@@ -61,7 +61,7 @@ from qosfs.qos.explain import Asked
 if TYPE_CHECKING:
     from qosfs.qos.cluster import ClusterCoordinator
     from qosfs.qos.interface import QosEngine
-    from qosfs.qos.latency_control import LatencyLoop
+    from qosfs.qos.latency.loop import LatencyLoop
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class ControlService:
         policy_path: the file the mount was started with (``reload`` without a file and
             SIGHUP re-read it); None: the embedded default policy.
         info: shown in status (source, mountpoint, socket...).
-        latency: the mount's :class:`~qosfs.qos.latency_control.LatencyLoop` (status only).
+        latency: the mount's :class:`~qosfs.qos.latency.loop.LatencyLoop` (status only).
     """
 
     def __init__(self, engine: QosEngine, policy_path: str | None = None,

@@ -69,8 +69,8 @@ from qosfs.policy.model import ClassRule, Policy, PolicyError, passthrough_block
 from qosfs.qos.cluster import ClusterCoordinator
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.interface import PassThroughQos, QosEngine
-from qosfs.qos.latency_control import LatencyLoop
-from qosfs.qos.latency_probe import LatencyProbe
+from qosfs.qos.latency.loop import LatencyLoop
+from qosfs.qos.latency.probe import LatencyProbe
 from qosfs.qos.levels import local_level
 
 log = logging.getLogger(__name__)

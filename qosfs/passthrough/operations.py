@@ -71,7 +71,7 @@ from qosfs.passthrough.kernel_opens import KernelOpens
 from qosfs.passthrough.paths import PathBook
 from qosfs.qos.charge import CUT_MIN, MAX_WRITE, OpenCharge, charge_renamed
 from qosfs.qos.interface import QosEngine
-from qosfs.qos.latency_probe import PROBE_XATTR
+from qosfs.qos.latency.probe import PROBE_XATTR
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class PassthroughOperations(pyfuse3.Operations):
         self.paths = PathBook(root_fd, self.inodes.root)
         self._learn_paths = qos.needs_paths
         self._meta_limiter = qos.meta_limiter
-        # Pids of the latency canary process (qosfs.qos.latency_probe), filled by it.
+        # Pids of the latency canary process (qosfs.qos.latency.probe), filled by it.
         self.probe_tids: set[int] = set()
         # Kernel passthrough (asked for at INIT by daemon/mount.py, or why not), which
         # opens the kernel serves itself, counted by class.

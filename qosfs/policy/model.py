@@ -148,7 +148,7 @@ class ClassRule:
     attr_timeout: float | None = None
     target_read_latency: float | None = None
     # A target relative to the class itself: its read latency may be at most this many
-    # times what it is while the classes below it are quiet (qosfs.qos.latency_control).
+    # times what it is while the classes below it are quiet (qosfs.qos.latency.decider).
     target_read_slowdown: float | None = None
     latency_percentile: float = 99.0
     latency_measure: str = "request"

@@ -12,7 +12,7 @@
 - ``backend``: the declared ``[backend]``, shared out by minimums and priority.
 - ``cluster``: caps over every mount, leased through Redis.
 - ``accounting``: per-flow traffic counters and latency histograms.
-- ``latency_control``, ``latency_probe``: latency targets, and the canary that measures them.
+- ``latency``: latency targets: the decider, its loop, and the canary that measures them.
 - ``explain``: what a request would get, and why.
 
 This file only describes the layer: import names from the module that defines them.

@@ -12,7 +12,7 @@ survive by name keep their bucket state and get the new limits through ``set_lim
 which wakes every request parked there so it re-checks at once. Open files of a class
 that disappeared are re-bound to ``default``.
 
-Automatic caps (:mod:`qosfs.qos.latency_control`) are kept apart from the policy: the engine
+Automatic caps (:mod:`qosfs.qos.latency`) are kept apart from the policy: the engine
 holds them per class name (:meth:`PolicyQos.set_auto_caps`) and a class level enforces the
 lower of its configured cap and its automatic one, so a swap or ``ctl set`` re-applies the
 automatic cap at once, bounded by the new configured cap, and the policy stays what the
@@ -543,7 +543,7 @@ class PolicyQos:
         arrives is still served, and it is served now rather than at the cap's pace, so a
         deep queue of checkpoint writes does not hold the unmount for minutes.
         """
-        self.draining = True  # no automatic cap may come back (qosfs.qos.latency_control)
+        self.draining = True  # no automatic cap may come back (qosfs.qos.latency)
         for state in self.classes.values():
             state.set_limits(LevelLimits())
         for level in self.tenants.values():

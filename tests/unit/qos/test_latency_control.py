@@ -17,19 +17,17 @@ from qosfs.policy.loading import parse_policy, with_changes
 from qosfs.qos.accounting import FineHistogram, fine_index, fine_upper_bound
 from qosfs.qos.charge import OpenCharge
 from qosfs.qos.engine import PolicyQos
-from qosfs.qos.latency_control import (
+from qosfs.qos.latency.decider import (
     DEEPEST,
     FLOOR,
-    PROBE_CHECK,
     STARTING_WINDOWS,
-    WINDOW,
     ClassSample,
     LatencyDecider,
-    LatencyLoop,
     ProtectedSample,
     low_classes,
     protected_classes,
 )
+from qosfs.qos.latency.loop import PROBE_CHECK, WINDOW, LatencyLoop
 from qosfs.qos.stats import AutoCaps
 from tests.mock_clock import mock_clock
 
