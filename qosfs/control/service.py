@@ -56,7 +56,7 @@ from qosfs.control.protocol import (
 from qosfs.control.snapshot import RateSampler, Snapshot, take_snapshot, to_json
 from qosfs.policy.loading import default_policy, load_policy, parse_policy, with_changes
 from qosfs.policy.model import Policy, PolicyError, policy_to_raw
-from qosfs.qos.explain import Asked
+from qosfs.qos.explanation import Asked
 
 if TYPE_CHECKING:
     from qosfs.qos.cluster import ClusterCoordinator

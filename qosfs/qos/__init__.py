@@ -13,7 +13,7 @@
 - ``cluster``: caps over every mount, leased through Redis.
 - ``accounting``: per-flow traffic counters and latency histograms.
 - ``latency``: latency targets: the decider, its loop, and the canary that measures them.
-- ``explain``: what a request would get, and why.
+- ``explanation``: what a request would get, and why (``qosfs explain`` asks it).
 
 This file only describes the layer: import names from the module that defines them.
 """

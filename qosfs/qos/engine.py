@@ -48,7 +48,7 @@ from qosfs.qos.backend import BackendLevel, ClassPort, Share
 from qosfs.qos.bounds import ParkedCount
 from qosfs.qos.bucket import LevelLimits, Limit
 from qosfs.qos.charge import InodeCharge
-from qosfs.qos.explain import Asked, explain
+from qosfs.qos.explanation import Asked, explain
 from qosfs.qos.interface import (
     NO_CALLER_WATCH,
     THREADS_PER_FLOW,
@@ -769,6 +769,6 @@ class PolicyQos:
     def explain(self, asked: Asked, *, pid: int, uid: int, gid: int, mountpoint: str | None,
                 mount_cache: str) -> dict[str, Any]:
         """What *asked* gets under the policy in force, with the limits in force here
-        (:func:`qosfs.qos.explain.explain`)."""
+        (:func:`qosfs.qos.explanation.explain`)."""
         return explain(self.classifier, asked, pid=pid, uid=uid, gid=gid,
                        mountpoint=mountpoint, live=self.statistics(), mount_cache=mount_cache)

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import pyfuse3
 
     from qosfs.policy.model import Policy
-    from qosfs.qos.explain import Asked
+    from qosfs.qos.explanation import Asked
 
 # Threads one flow may occupy at once for blocking backing-store calls (fsync, network
 # filesystems). Bounded per flow so that a class whose calls hang cannot take them all.
@@ -179,7 +179,7 @@ class QosEngine(Protocol):
 
     def explain(self, asked: Asked, *, pid: int, uid: int, gid: int, mountpoint: str | None,
                 mount_cache: str) -> dict[str, Any] | None:
-        """What the request *asked* would get here (:func:`qosfs.qos.explain.explain`);
+        """What the request *asked* would get here (:func:`qosfs.qos.explanation.explain`);
         None when nothing is classified on this mount.
 
         Raises:

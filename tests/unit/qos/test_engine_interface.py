@@ -14,7 +14,7 @@ import trio
 from qosfs.policy.loading import parse_policy
 from qosfs.policy.model import PolicyError
 from qosfs.qos.engine import PolicyQos
-from qosfs.qos.explain import Asked
+from qosfs.qos.explanation import Asked
 from qosfs.qos.interface import PassThroughQos, QosEngine
 from qosfs.qos.stats import NO_COUNTERS, AutoCaps, EngineCounters, EngineStatistics
 from tests.mock_clock import mock_clock

@@ -18,7 +18,7 @@ from qosfs.policy.classify import CallerKey, Classifier, JobInfo
 from qosfs.policy.loading import default_policy, parse_policy, with_changes
 from qosfs.qos.backend import ClassPort
 from qosfs.qos.engine import PolicyQos
-from qosfs.qos.explain import (
+from qosfs.qos.explanation import (
     PASSTHROUGH_NOT_SET,
     PASSTHROUGH_READS_ONLY,
     Asked,
