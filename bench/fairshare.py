@@ -27,7 +27,7 @@ from bench.fio import JOBS_DIR, FioError, run_job
 from bench.sampler import Sample, StatusSampler, error_pct, mean_rate, windows
 from bench.system import BenchError
 from qosfs.core.units import parse_bandwidth
-from qosfs.qos.levels import FairShareGroup
+from qosfs.qos.store import FairShareGroup
 
 UIDS = (60001, 60002, 60003)
 CAP = "150MiB/s"

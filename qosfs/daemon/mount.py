@@ -71,7 +71,7 @@ from qosfs.qos.engine import PolicyQos
 from qosfs.qos.interface import PassThroughQos, QosEngine
 from qosfs.qos.latency.loop import LatencyLoop
 from qosfs.qos.latency.probe import LatencyProbe
-from qosfs.qos.levels import local_level
+from qosfs.qos.store import local_level
 
 log = logging.getLogger(__name__)
 

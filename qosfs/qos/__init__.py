@@ -6,6 +6,7 @@
 - ``charge``: the QoS bookkeeping of one open file, which the filesystem reports to.
 - ``stats``: what an engine reports of itself, typed, for status, stats and metrics.
 - ``levels``: rate levels and admission: FIFO waiting, live limit changes.
+- ``store``: where levels come from (the in-process store) and the per-user split.
 - ``bucket``: token-bucket arithmetic and the limit values buckets are built from.
 - ``waiting``: the one way a request waits for tokens.
 - ``bounds``: how many requests may wait at once, per uid, per class and in all.

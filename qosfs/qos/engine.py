@@ -59,17 +59,15 @@ from qosfs.qos.interface import (
     PathSource,
 )
 from qosfs.qos.levels import (
-    FairShareGroup,
     Kind,
     Level,
-    LevelFactory,
     RateLevel,
     admit_rest,
-    local_level,
     refund_bytes,
     try_admit,
 )
 from qosfs.qos.stats import NO_AUTO_CAPS, AutoCaps, EngineCounters, EngineStatistics
+from qosfs.qos.store import FairShareGroup, LevelFactory, local_level
 
 if TYPE_CHECKING:
     import pyfuse3

@@ -15,7 +15,7 @@ see the same engine through the same protocol: the policy in force, swapping it,
 request would get (explain), and typed figures (:mod:`qosfs.qos.stats`). Nobody asks
 which engine it is: the engine without a policy answers every question too, with empty
 or neutral values. Token stores (in-process buckets, the cluster's shared caps) sit
-behind the engine, at :class:`qosfs.qos.levels.LevelFactory`, and change nothing here.
+behind the engine, at :class:`qosfs.qos.store.LevelFactory`, and change nothing here.
 
 :class:`PassThroughQos` is the engine without a policy (``--no-qos``): every request is
 counted in one flow and nothing waits.

@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 from qosfs.qos.bounds import ParkingLimits
 from qosfs.qos.engine import PolicyFlow, PolicyQos
 from qosfs.qos.levels import (
-    FairShareGroup,
     Kind,
     LevelLimits,
     LevelStatistics,
     Limit,
     RateLevel,
 )
+from qosfs.qos.store import FairShareGroup
 from tests.admission import GiB, MiB, class_level, engine, klass, open_flow, table
 from tests.mock_clock import mock_clock
 
