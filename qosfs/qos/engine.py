@@ -29,19 +29,18 @@ needs no change here. The filesystem and the control layer reach this engine thr
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import math
 import os
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from qosfs.core.limit_kinds import BY_KEY, LIMIT_KINDS, default_burst
-from qosfs.policy.classify import CallerKey, Classifier, JobCache, compile_path_globs
+from qosfs.policy.classify import CallerKey, Classifier, JobCache
 from qosfs.policy.model import ClassRule, Limits, Policy, stream_threshold
 from qosfs.qos.accounting import AccountKey, Accounts
 from qosfs.qos.backend import BackendLevel, ClassPort, Share
@@ -120,40 +119,6 @@ def backend_share(rule: ClassRule) -> Share:
     return Share(weight=float(rule.priority_weight),
                  min_read_bandwidth=rule.min_read_bandwidth or 0.0,
                  min_write_bandwidth=rule.min_write_bandwidth or 0.0)
-
-
-def _cache_timeouts(policy: Policy) -> Callable[[str], tuple[float | None, float | None]] | None:
-    """What ``entry_timeout``/``attr_timeout`` an object's path gets under *policy*: for
-    each, the first class in policy order that sets it and whose paths match (the default
-    class matches everything); None for a key no class decides (the mount's option).
-    None when no class sets either, so the filesystem skips the path lookup altogether.
-
-    By path alone, not by caller: the kernel caches a name and an inode's attributes for
-    every process, so a timeout that depended on who asked would apply to everyone anyway.
-    """
-    rules = [(None if rule.name == "default" else compile_path_globs(rule.paths),
-              rule.entry_timeout, rule.attr_timeout)
-             for rule in policy.classes
-             if rule.entry_timeout is not None or rule.attr_timeout is not None]
-    if not rules:
-        return None
-
-    @functools.lru_cache(maxsize=16384)
-    def timeouts(path: str) -> tuple[float | None, float | None]:
-        entry: float | None = None
-        attr: float | None = None
-        for pattern, entry_timeout, attr_timeout in rules:
-            if pattern is not None and pattern.fullmatch(path) is None:
-                continue
-            if entry is None:
-                entry = entry_timeout
-            if attr is None:
-                attr = attr_timeout
-            if entry is not None and attr is not None:
-                break
-        return entry, attr
-
-    return timeouts
 
 
 class ClassState:
@@ -462,7 +427,7 @@ class PolicyQos:
         self._streaming = policy.streaming_target  # the class streaming writers move to
         self.classes, self.tenants, self.backend = classes, tenants, backend
         self.meta_limited = policy.meta_limited
-        self.cache_timeouts = _cache_timeouts(policy)
+        self.cache_timeouts = classifier.cache_timeouts  # decided where classes are
         self._rebind(old_classes, old_tenants)
         for key in self.accounts.set_user_series(policy.exported.user_series):
             self._fold(key)
