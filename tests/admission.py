@@ -2,7 +2,7 @@
 
 A test states the levels a request passes as a policy (a class, a tenant, a backend),
 opens a file in it, and charges requests through that file's flow:
-:meth:`~qosfs.qos.engine.PolicyFlow.admit_read`, ``admit_write`` and ``admit_meta``, the
+:meth:`~qosfs.qos.flow.PolicyFlow.admit_read`, ``admit_write`` and ``admit_meta``, the
 calls the filesystem makes per request. So a test of a level also runs the coroutine-free
 fast path (``try_admit``), the parking bounds (:mod:`qosfs.qos.bounds`) and the
 killed-caller scope (the engine's ``CallerWatch``) that every production request runs,
@@ -26,9 +26,10 @@ import trio
 
 from qosfs.core.limit_kinds import Kind
 from qosfs.policy.loading import parse_policy
-from qosfs.qos import engine as engine_module
+from qosfs.qos import memo as memo_module
 from qosfs.qos.bounds import ParkedCount, ParkingLimits
-from qosfs.qos.engine import PolicyFlow, PolicyQos
+from qosfs.qos.engine import PolicyQos
+from qosfs.qos.flow import PolicyFlow
 from qosfs.qos.interface import NO_CALLER_WATCH, CallerWatch
 from qosfs.qos.levels import RateLevel
 
@@ -66,7 +67,7 @@ class _PathBook:
     epoch = 0
 
     def relpath_until(self, node: Any) -> tuple[str, float]:
-        return str(node.path), engine_module._monotonic() + 3600.0
+        return str(node.path), memo_module._monotonic() + 3600.0
 
 
 def open_flow(qos: PolicyQos, path: str = "c/f", uid: int = 0, writing: bool = True,

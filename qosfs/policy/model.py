@@ -197,7 +197,7 @@ def passthrough_blocker(policy: Policy, rule: ClassRule,
     share per uid), the caller's tenant, the ``[backend]``'s read caps, which every
     class's reads share by priority. The engine checks the same per open on the levels
     themselves, automatic caps of the latency controller included
-    (:meth:`qosfs.qos.engine.PolicyFlow.passes_reads_through`); this is what ``qosfs
+    (:meth:`qosfs.qos.flow.PolicyFlow.passes_reads_through`); this is what ``qosfs
     check`` and ``qosfs explain`` can tell from the file."""
     if rule.passthrough != "reads":
         return "passthrough is not set for this class"

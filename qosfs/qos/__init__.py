@@ -3,6 +3,11 @@
 
 - ``interface``: what the filesystem sees of an engine.
 - ``engine``: the engine of a policy, binding a classified open file to its chain of levels.
+- ``flow``: a flow's chain of levels (class, tenant, uid), and admission through it.
+- ``memo``: which flow a request gets: its classification, memoized on the inode.
+- ``swap``: a policy put in force whole: levels kept or built, open files rebound.
+- ``moves``: a charge moved after open: streaming writers, renamed files.
+- ``balances``: bucket balances handed to a process that takes the mount over.
 - ``charge``: the QoS bookkeeping of one open file, which the filesystem reports to.
 - ``stats``: what an engine reports of itself, typed, for status, stats and metrics.
 - ``levels``: rate levels and admission: FIFO waiting, live limit changes.

@@ -52,7 +52,7 @@ class InodeCharge:
     (:attr:`~qosfs.qos.interface.Classified.qos_memo`, dropped with the inode).
 
     ``memo_*`` is the engine's last classification of a request on it
-    (:meth:`qosfs.qos.engine.PolicyQos._memo_flow`); ``unnamed_*`` the bytes written to it
+    (:meth:`qosfs.qos.memo.Classification.flow`); ``unnamed_*`` the bytes written to it
     through watched opens and the flow they were charged to, until a rename settles them.
     """
 

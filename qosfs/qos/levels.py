@@ -31,7 +31,7 @@ Design, and why:
   no one is queued and the buckets cover the request it charges every level and returns,
   without a coroutine, a checkpoint, a log call or an allocation of its own. Only a
   request some level cannot admit at once goes on to :func:`admit_rest`, which waits
-  (the engine wraps that in its parking bounds: :meth:`qosfs.qos.engine.PolicyFlow.
+  (the engine wraps that in its parking bounds: :meth:`qosfs.qos.flow.PolicyFlow.
   admit_read`).
 * **Levels come from a store** (:class:`qosfs.qos.store.LevelFactory`): in-process
   buckets (:data:`~qosfs.qos.store.local_level`) or levels shared between mounts

@@ -19,7 +19,8 @@ import trio.testing
 
 from qosfs.core.limit_kinds import Kind
 from qosfs.qos.bucket import LevelLimits, Limit
-from qosfs.qos.engine import PolicyFlow, PolicyQos
+from qosfs.qos.engine import PolicyQos
+from qosfs.qos.flow import PolicyFlow
 from tests.admission import GiB, MiB, engine, klass, open_flow, table
 from tests.mock_clock import mock_clock
 

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qosfs.qos.bounds import ParkingLimits
-from qosfs.qos.engine import PolicyFlow, PolicyQos
+from qosfs.qos.engine import PolicyQos
+from qosfs.qos.flow import PolicyFlow
 from qosfs.qos.levels import (
     Kind,
     LevelLimits,

@@ -11,7 +11,8 @@ import trio
 import trio.testing
 
 from qosfs.qos.bounds import ParkingLimits
-from qosfs.qos.engine import PolicyFlow, PolicyQos
+from qosfs.qos.engine import PolicyQos
+from qosfs.qos.flow import PolicyFlow
 from tests.admission import (
     Callers,
     MiB,
