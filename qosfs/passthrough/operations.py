@@ -70,7 +70,7 @@ from qosfs.passthrough.journal import SessionJournal
 from qosfs.passthrough.kernel_opens import KernelOpens
 from qosfs.passthrough.paths import PathBook
 from qosfs.qos.charge import CUT_MIN, MAX_WRITE, OpenCharge, charge_renamed
-from qosfs.qos.interface import QosEngine
+from qosfs.qos.interface import FilesystemQos
 from qosfs.qos.latency.probe import PROBE_XATTR
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class PassthroughOperations(pyfuse3.Operations):
     enable_writeback_cache = False  # see module docstring: acknowledged means written
     enable_acl = False
 
-    def __init__(self, root_fd: int, io: BackingIO, qos: QosEngine, options: FsOptions,
+    def __init__(self, root_fd: int, io: BackingIO, qos: FilesystemQos, options: FsOptions,
                  write_as_caller: bool = False, failures: Failures | None = None) -> None:
         super().__init__()
         # Unexpected exceptions answered EIO instead of ending the mount (the daemon's
@@ -1064,7 +1064,7 @@ class PassthroughOperations(pyfuse3.Operations):
     def resources(self) -> dict[str, Any]:
         """What the filesystem holds now, for ``ctl status`` (inodes, descriptors, handles,
         the open quota, failures). The engine's figures come from the engine itself
-        (:meth:`qosfs.qos.interface.QosEngine.counters`)."""
+        (:meth:`qosfs.qos.interface.QosControl.counters`)."""
         inodes = self.inodes
         return {
             "inodes": len(inodes), "inode_fds": inodes.fds_held,
