@@ -482,7 +482,7 @@ def _reads_bypass(ops: PassthroughOperations,
     """Whether a class's reads bypass the daemon on this mount: kernel passthrough is
     active and nothing in the policy keeps the class's read-only opens in the daemon. The
     latency controller then judges the class by its canary and sees it active by its
-    opens and metadata (qosfs.qos.latency_control)."""
+    opens and metadata (qosfs.qos.latency.loop)."""
 
     def bypass(rule: ClassRule) -> bool:
         return (rule.passthrough == "reads" and ops.kernel_opens.active()

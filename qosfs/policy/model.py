@@ -143,7 +143,7 @@ class ClassRule:
     # How long the kernel may trust names (entry) and attributes (attr) of objects under
     # this class's paths; None: the mount's --attr-timeout. Decided by path alone: the
     # kernel caches an inode for every caller (qosfs.passthrough.operations,
-    # qosfs.policy.classify.Classifier.cache_timeouts).
+    # qosfs.policy.classify.CacheTimeouts).
     entry_timeout: float | None = None
     attr_timeout: float | None = None
     target_read_latency: float | None = None

@@ -209,7 +209,7 @@ def _levels(policy: Policy, rule: ClassRule, tenant: Tenant | None, caller: Call
             "level": "backend", "name": "backend",
             "limits": backend.limits.caps() if backend is not None else configured,
             "configured": configured,
-            # How this class competes there (qosfs.qos.engine.backend_share).
+            # How this class competes there (qosfs.qos.flow.backend_share).
             "priority": rule.priority_name, "weight": rule.priority_weight,
             "min_read_bandwidth": rule.min_read_bandwidth,
             "min_write_bandwidth": rule.min_write_bandwidth})

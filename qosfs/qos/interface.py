@@ -120,7 +120,7 @@ class FilesystemQos(Protocol):
     meta_limited: bool
     meta_limiter: trio.CapacityLimiter
     # (entry_timeout, attr_timeout) for an object's path, None where the mount's options
-    # apply (qosfs.policy.classify.Classifier.cache_timeouts); the attribute is None when
+    # apply (the Classifier's, qosfs.policy.classify.CacheTimeouts); the attribute is None when
     # nothing depends on the path.
     cache_timeouts: CacheTimeouts | None
 
