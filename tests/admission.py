@@ -2,9 +2,9 @@
 
 A test states the levels a request passes as a policy (a class, a tenant, a backend),
 opens a file in it, and charges requests through that file's flow:
-:meth:`~qosfs.qos.engine.PolicyFlow.admit_read`, ``admit_write`` and ``admit_meta``, the
+:meth:`~qosfs.qos.flow.PolicyFlow.admit_read`, ``admit_write`` and ``admit_meta``, the
 calls the filesystem makes per request. So a test of a level also runs the coroutine-free
-fast path (``try_admit``), the parking lot's bounds (:mod:`qosfs.qos.bounds`) and the
+fast path (``try_admit``), the parking bounds (:mod:`qosfs.qos.bounds`) and the
 killed-caller scope (the engine's ``CallerWatch``) that every production request runs,
 rather than a composition of its own that production never calls.
 
@@ -26,9 +26,10 @@ import trio
 
 from qosfs.core.limit_kinds import Kind
 from qosfs.policy.loading import parse_policy
-from qosfs.qos import engine as engine_module
-from qosfs.qos.bounds import ParkingLimits, ParkingLot
-from qosfs.qos.engine import PolicyFlow, PolicyQos
+from qosfs.qos import memo as memo_module
+from qosfs.qos.bounds import ParkedCount, ParkingLimits
+from qosfs.qos.engine import PolicyQos
+from qosfs.qos.flow import PolicyFlow
 from qosfs.qos.interface import NO_CALLER_WATCH, CallerWatch
 from qosfs.qos.levels import RateLevel
 
@@ -52,11 +53,11 @@ def klass(name: str = "c", **settings: object) -> str:
 
 
 def engine(*tables: str, parking: ParkingLimits | None = None) -> PolicyQos:
-    """The policy engine of the policy made of *tables*, with its parking lot bounded by
+    """The policy engine of the policy made of *tables*, with its parked count bounded by
     *parking* (default: the product's bounds)."""
     qos = PolicyQos(parse_policy("".join(tables)), callers=_watch)
     if parking is not None:
-        qos.parking = ParkingLot(parking)  # flows opened from now on park here
+        qos.parking = ParkedCount(parking)  # flows opened from now on park here
     return qos
 
 
@@ -66,7 +67,7 @@ class _PathBook:
     epoch = 0
 
     def relpath_until(self, node: Any) -> tuple[str, float]:
-        return str(node.path), engine_module._monotonic() + 3600.0
+        return str(node.path), memo_module._monotonic() + 3600.0
 
 
 def open_flow(qos: PolicyQos, path: str = "c/f", uid: int = 0, writing: bool = True,
@@ -113,7 +114,7 @@ class Callers:
     that a mount gives the engine as its ``CallerWatch``; engines built by :func:`engine`
     while it is in place get it: every request that parks is sent by a caller of uid *uid*, and gets
     the cancel scope a FUSE INTERRUPT for a killed caller cancels; :meth:`kill` is that
-    interrupt. The engine's side of it (EINTR, refunds, the parking lot left) is then
+    interrupt. The engine's side of it (EINTR, refunds, the parked count left) is then
     the product's; telling a killed caller from a signalled one needs a mount
     (tests/mount/test_flood.py).
     """

@@ -48,7 +48,7 @@ from qosfs.control.snapshot import RateSampler
 from qosfs.daemon.cli import main
 from qosfs.daemon.takeover import fuse_session
 from qosfs.qos.charge import OpenCharge
-from qosfs.qos.engine import PolicyFlow
+from qosfs.qos.flow import PolicyFlow
 
 _FLOW_FAULTS: dict[str, tuple[str, type[Exception]]] = {
     "read": ("admit_read", ValueError),

@@ -55,7 +55,7 @@ def unmount(mountpoint: str | os.PathLike[str], timeout: float = 20.0) -> bool:
     while it fails with EBUSY; whether the mount is gone.
 
     A FUSE mount is busy while any request to it is in flight. A test's own callers are
-    done when it unmounts, but qosfs's latency canary (qosfs.qos.latency_probe) sends one
+    done when it unmounts, but qosfs's latency canary (qosfs.qos.latency.probe) sends one
     every 2 ms for up to a window after a protected class's last request, and a caller
     killed in a throttled request is gone only once its request is answered: a
     single try failed with EBUSY on a loaded machine, and the daemon, still mounted,

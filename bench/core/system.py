@@ -58,7 +58,7 @@ def unmount(mountpoint: str | Path, attempts: int = 40) -> None:
     """``fusermount3 -u``, tried again while the mount is busy, then ``umount -l``.
 
     A FUSE mount is busy while any request to it is in flight, and qosfs's latency canary
-    (qosfs.qos.latency_probe) keeps sending one every 2 ms for up to a window after a
+    (qosfs.qos.latency.probe) keeps sending one every 2 ms for up to a window after a
     protected reader's last request: an unmount right after a run failed with EBUSY in 2
     of 37 tries (bench.opcost died on it). The next try, 50 ms later, worked.
     """

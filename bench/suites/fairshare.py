@@ -41,7 +41,7 @@ from bench.core.tables import (
 )
 from bench.core.typed import Json, Record
 from qosfs.core.units import parse_bandwidth
-from qosfs.qos.levels import FairShareGroup
+from qosfs.qos.store import FairShareGroup
 
 UIDS = (60001, 60002, 60003)
 CAP = "150MiB/s"

@@ -4,7 +4,7 @@ decided it, the levels it is charged to and who serves it.
 Asked of a running mount (its control socket's ``explain`` request: the daemon answers
 from the policy, classifier and limits in force, so the answer is what the mount does),
 or of a policy file with ``--policy`` (classified here, nothing mounted). Both answers
-come from :func:`qosfs.qos.explain.explain`.
+come from :func:`qosfs.qos.explanation.explain`.
 
 Which mount: ``--socket PATH`` or ``--socket MOUNTPOINT`` as for ``ctl``; without it, the
 qosfs mount an absolute PATH lies in, else the only socket in /run/qosfs. PATH is
@@ -119,7 +119,7 @@ def _local(args: argparse.Namespace, path: str, env: dict[str, str] | None) -> d
     """Classified here, with the policy file (its parser is imported only for this)."""
     from qosfs.policy.classify import Classifier
     from qosfs.policy.loading import load_policy
-    from qosfs.qos.explain import Asked, explain
+    from qosfs.qos.explanation import Asked, explain
 
     classifier = Classifier(load_policy(args.policy))
     mountpoint = _qosfs_mount(path) if path.startswith("/") else None

@@ -23,7 +23,7 @@ cap match on ``class`` without ``label_replace``):
 ``qosfs_limit_bytes_per_second{direction}``, ``qosfs_limit_ops_per_second{op}`` (caps in
 force; unlimited ones are absent).
 
-Latency control (:mod:`qosfs.qos.latency_control`), when some class has a target:
+Latency control (:mod:`qosfs.qos.latency`), when some class has a target:
 ``qosfs_latency_target_seconds{class}``, ``qosfs_latency_observed_seconds{class}`` (the
 estimate of the last window; absent when not judged), ``qosfs_latency_target_met{class}``
 (1 met or idle, 0 missed), ``qosfs_latency_control_state{state}`` (1 for the current one
@@ -444,7 +444,7 @@ def _passthrough(kp: dict[str, Any]) -> Iterator[Metric]:
 
 
 # ctl status key -> metric: descriptors held for inodes (qosfs.passthrough.inodes), requests
-# parked for tokens and those refused past the parking lot's bounds (qosfs.qos.bounds),
+# parked for tokens and those refused past the parking bounds (qosfs.qos.bounds),
 # parked requests answered because their caller was killed (qosfs.passthrough.interrupts),
 # and opens refused past a uid's share of the daemon's descriptors (qosfs.passthrough.handles).
 _RESOURCES = (

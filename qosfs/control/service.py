@@ -3,7 +3,7 @@ SIGHUP.
 
 A change is built and validated whole, off to the side (:func:`qosfs.policy.loading.with_changes`,
 :func:`qosfs.policy.loading.parse_policy`), and only a valid policy reaches the one synchronous
-:meth:`QosEngine.swap <qosfs.qos.interface.QosEngine.swap>`; a rejected change therefore leaves
+:meth:`QosControl.swap <qosfs.qos.interface.QosControl.swap>`; a rejected change therefore leaves
 the running policy exactly as it was. The swap wakes every parked request, so a raised
 cap is in force for requests already waiting in the same instant.
 
@@ -56,12 +56,12 @@ from qosfs.control.protocol import (
 from qosfs.control.snapshot import RateSampler, Snapshot, take_snapshot, to_json
 from qosfs.policy.loading import default_policy, load_policy, parse_policy, with_changes
 from qosfs.policy.model import Policy, PolicyError, policy_to_raw
-from qosfs.qos.explain import Asked
+from qosfs.qos.explanation import Asked
 
 if TYPE_CHECKING:
     from qosfs.qos.cluster import ClusterCoordinator
-    from qosfs.qos.interface import QosEngine
-    from qosfs.qos.latency_control import LatencyLoop
+    from qosfs.qos.interface import QosControl
+    from qosfs.qos.latency.loop import LatencyLoop
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +72,15 @@ class ControlService:
     """The control commands of one mount, run on its event loop.
 
     Args:
-        engine: the mount's engine (:class:`~qosfs.qos.interface.QosEngine`); one without
+        engine: the mount's engine (:class:`~qosfs.qos.interface.QosControl`); one without
             a policy (``--no-qos``) has nothing to change or explain.
         policy_path: the file the mount was started with (``reload`` without a file and
             SIGHUP re-read it); None: the embedded default policy.
         info: shown in status (source, mountpoint, socket...).
-        latency: the mount's :class:`~qosfs.qos.latency_control.LatencyLoop` (status only).
+        latency: the mount's :class:`~qosfs.qos.latency.loop.LatencyLoop` (status only).
     """
 
-    def __init__(self, engine: QosEngine, policy_path: str | None = None,
+    def __init__(self, engine: QosControl, policy_path: str | None = None,
                  info: dict[str, Any] | None = None, latency: LatencyLoop | None = None,
                  cluster: ClusterCoordinator | None = None) -> None:
         self.engine = engine

@@ -10,7 +10,7 @@ limits in force, queue depth and throttled time, and their admitted traffic. *Ac
 are who the traffic belongs to (class, tenant, and uid for ``per_user`` classes): bytes
 and ops really moved, time spent waiting, latency histograms (:mod:`qosfs.qos.accounting`).
 
-The engine is read through its one interface (:class:`qosfs.qos.interface.QosEngine`):
+The engine is read through its control face (:class:`qosfs.qos.interface.QosControl`):
 its policy, accounts, level statistics and own counters, all typed. An engine without a
 policy (``--no-qos``) answers with no policy and no levels; its status then shows the
 counted traffic only, as it always has (no engine counters either).
@@ -29,7 +29,7 @@ from qosfs.core.limit_kinds import LIMIT_KINDS
 from qosfs.qos.accounting import BUCKET_BOUNDS_SECONDS, AccountKey, FlowSnapshot, HistogramSnapshot
 
 if TYPE_CHECKING:
-    from qosfs.qos.interface import QosEngine
+    from qosfs.qos.interface import QosControl
     from qosfs.qos.levels import LevelStatistics
     from qosfs.qos.stats import EngineCounters
 
@@ -100,7 +100,7 @@ def _row(level: str, name: str, uid: int | None, st: LevelStatistics,
                     st.throttled_seconds, st.queue_depth, st.waits, settings or {})
 
 
-def take_snapshot(engine: QosEngine, now: float, *,
+def take_snapshot(engine: QosControl, now: float, *,
                   changes: dict[tuple[str, str], int] | None = None,
                   last_reload_ok: bool = True, info: dict[str, Any] | None = None,
                   latency: dict[str, Any] | None = None,

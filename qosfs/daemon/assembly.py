@@ -47,9 +47,9 @@ from qosfs.policy.model import ClassRule, Policy, PolicyError, passthrough_block
 from qosfs.qos.cluster import ClusterCoordinator
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.interface import PassThroughQos, QosEngine
-from qosfs.qos.latency_control import LatencyLoop
-from qosfs.qos.latency_probe import LatencyProbe
-from qosfs.qos.levels import local_level
+from qosfs.qos.latency.loop import LatencyLoop
+from qosfs.qos.latency.probe import LatencyProbe
+from qosfs.qos.store import local_level
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ def _reads_bypass(ops: PassthroughOperations,
     """Whether a class's reads bypass the daemon on this mount: kernel passthrough is
     active and nothing in the policy keeps the class's read-only opens in the daemon. The
     latency controller then judges the class by its canary and sees it active by its
-    opens and metadata (qosfs.qos.latency_control)."""
+    opens and metadata (qosfs.qos.latency.loop)."""
 
     def bypass(rule: ClassRule) -> bool:
         return (rule.passthrough == "reads" and ops.kernel_opens.active()

@@ -47,7 +47,7 @@ from qosfs.daemon.notify import notify
 from qosfs.daemon.supervise import Service, supervised
 from qosfs.daemon.topology import QOSFS_FSTYPE
 from qosfs.qos.interface import QosEngine
-from qosfs.qos.latency_control import LatencyLoop
+from qosfs.qos.latency.loop import LatencyLoop
 
 log = logging.getLogger(__name__)
 

@@ -70,8 +70,8 @@ from qosfs.passthrough.journal import SessionJournal
 from qosfs.passthrough.kernel_opens import KernelOpens
 from qosfs.passthrough.paths import PathBook
 from qosfs.qos.charge import CUT_MIN, MAX_WRITE, OpenCharge, charge_renamed
-from qosfs.qos.interface import QosEngine
-from qosfs.qos.latency_probe import PROBE_XATTR
+from qosfs.qos.interface import FilesystemQos
+from qosfs.qos.latency.probe import PROBE_XATTR
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class PassthroughOperations(pyfuse3.Operations):
     enable_writeback_cache = False  # see module docstring: acknowledged means written
     enable_acl = False
 
-    def __init__(self, root_fd: int, io: BackingIO, qos: QosEngine, options: FsOptions,
+    def __init__(self, root_fd: int, io: BackingIO, qos: FilesystemQos, options: FsOptions,
                  write_as_caller: bool = False, failures: Failures | None = None) -> None:
         super().__init__()
         # Unexpected exceptions answered EIO instead of ending the mount (the daemon's
@@ -158,7 +158,7 @@ class PassthroughOperations(pyfuse3.Operations):
         self.paths = PathBook(root_fd, self.inodes.root)
         self._learn_paths = qos.needs_paths
         self._meta_limiter = qos.meta_limiter
-        # Pids of the latency canary process (qosfs.qos.latency_probe), filled by it.
+        # Pids of the latency canary process (qosfs.qos.latency.probe), filled by it.
         self.probe_tids: set[int] = set()
         # Kernel passthrough (asked for at INIT by daemon/assembly.py, or why not), which
         # opens the kernel serves itself, counted by class.
@@ -1064,7 +1064,7 @@ class PassthroughOperations(pyfuse3.Operations):
     def resources(self) -> dict[str, Any]:
         """What the filesystem holds now, for ``ctl status`` (inodes, descriptors, handles,
         the open quota, failures). The engine's figures come from the engine itself
-        (:meth:`qosfs.qos.interface.QosEngine.counters`)."""
+        (:meth:`qosfs.qos.interface.QosControl.counters`)."""
         inodes = self.inodes
         return {
             "inodes": len(inodes), "inode_fds": inodes.fds_held,

@@ -82,7 +82,7 @@ def _plan_value(parse: Callable[[str], float], flag: str, text: str | None) -> f
 
 def run(args: argparse.Namespace) -> int:
     """``qosfs plan``: print the plan (or its JSON) and write its policy if asked."""
-    from qosfs.plan.text import plan_json, plan_policy_text, render_plan  # policy parser
+    from qosfs.plan.report import plan_json, plan_policy_text, render_plan  # policy parser
 
     inputs = PlanInputs(
         params=parse_params(args.params), dtype=args.dtype, optimizer=args.optimizer,

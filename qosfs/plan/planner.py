@@ -29,7 +29,7 @@ The model (figures are decimal: 1 GB = 10^9 bytes, as in storage data sheets):
   must not be slower than needed), and every time printed is computed from the rounded cap
   that goes into the policy.
 
-:mod:`qosfs.plan.text` turns a :class:`Plan` into the report and the policy file.
+:mod:`qosfs.plan.report` turns a :class:`Plan` into the report and the policy file.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ Globs (``compile_glob``) are path-aware, unlike :mod:`fnmatch` whose ``*`` cross
 - ``*`` and ``?`` match within one component; ``[a-z]``, ``[!0-9]``/``[^0-9]`` are classes;
 - everything else, backslash included, is literal.
 
+The kernel's cache timeouts of an object (``entry_timeout``, ``attr_timeout``) are decided
+here too (:attr:`Classifier.cache_timeouts`), by the same compiled path globs, by path alone.
+
 Example:
     >>> compile_glob("**/*.pt").fullmatch("a/b/x.pt") is not None
     True
@@ -33,9 +36,13 @@ if TYPE_CHECKING:  # the types only: qosfs.policy.build imports this module
     from qosfs.policy.model import ClassRule, IdRange, Policy, Tenant
 
 __all__ = [
-    "Classifier", "Decision", "GlobError", "JobCache", "JobInfo", "compile_cgroup_glob",
-    "compile_glob", "compile_path_globs", "compile_value_glob", "read_job_info",
+    "CacheTimeouts", "Classifier", "Decision", "GlobError", "JobCache", "JobInfo",
+    "compile_cgroup_glob", "compile_glob", "compile_value_glob", "read_job_info",
 ]
+
+#: (entry_timeout, attr_timeout) for an object's path relative to the mount root, None
+#: where the mount's option applies (:attr:`Classifier.cache_timeouts`).
+CacheTimeouts = Callable[[str], tuple[float | None, float | None]]
 
 
 class GlobError(ValueError):
@@ -159,12 +166,6 @@ def _any_of(patterns: tuple[str, ...], compile_one: Callable[[str], re.Pattern[s
     if not patterns:
         return None
     return re.compile("|".join(f"(?:{compile_one(p).pattern})" for p in patterns), re.DOTALL)
-
-
-def compile_path_globs(patterns: tuple[str, ...]) -> re.Pattern[str] | None:
-    """One regex matching a relative path any of the path globs *patterns* matches (None
-    for no patterns); ``fullmatch`` it."""
-    return _any_of(patterns, compile_glob)
 
 
 def _in_ranges(value: int, ranges: tuple[IdRange, ...]) -> bool:
@@ -322,13 +323,17 @@ class _Rule:
         self.jobs = _any_of(rule.jobs, compile_value_glob)
         self.cgroups = _any_of(rule.cgroups, compile_cgroup_glob)
 
+    def holds(self, path: str) -> bool:
+        """Whether *path* is under this class's paths (a class without any holds all)."""
+        return self.paths is None or self.paths.fullmatch(path) is not None
+
     def miss(self, path: str, caller: CallerKey, job: JobInfo | None,
              tenant: Tenant | None) -> str | None:
         """The first criterion (its key) the request fails, in the order they are checked;
         None if it meets every one. *tenant* is the caller's, for ``tenants``."""
         if self.ops and caller.op not in self.ops:
             return "ops"
-        if self.paths is not None and self.paths.fullmatch(path) is None:
+        if self.paths is not None and self.paths.fullmatch(path) is None:  # holds(), inlined
             return "paths"
         if self.uids and not _in_ranges(caller.uid, self.uids):
             return "uids"
@@ -435,6 +440,7 @@ class Classifier:
         self._uses_tenants = any(r.tenants for r in self._rules)
         self._classify = functools.lru_cache(maxsize=cache_size)(self._classify_uncached)
         self._tenant_of = functools.lru_cache(maxsize=cache_size)(self._tenant_of_uncached)
+        self.cache_timeouts = self._cache_timeouts()
 
     def __repr__(self) -> str:
         names = ", ".join(r.rule.name for r in self._rules)
@@ -505,6 +511,38 @@ class Classifier:
                     skipped.clear()  # what counts is how the final name fared
                 return self._first_match(final, caller, job, skipped), final
         return rule, path
+
+    def _cache_timeouts(self) -> CacheTimeouts | None:
+        """What ``entry_timeout``/``attr_timeout`` an object's path gets: for each, the
+        first class in policy order that sets it and holds the path (the default class
+        holds everything); None for a key no class decides (the mount's option). None
+        when no class sets either, so the filesystem skips the path lookup altogether.
+
+        By path alone, not by caller: the kernel caches a name and an inode's attributes
+        for every process, so a timeout that depended on who asked would apply to
+        everyone anyway.
+        """
+        rules = [r for r in self._rules
+                 if r.rule.entry_timeout is not None or r.rule.attr_timeout is not None]
+        if not rules:
+            return None
+
+        @functools.lru_cache(maxsize=16384)
+        def timeouts(path: str) -> tuple[float | None, float | None]:
+            entry: float | None = None
+            attr: float | None = None
+            for r in rules:
+                if not r.holds(path):
+                    continue
+                if entry is None:
+                    entry = r.rule.entry_timeout
+                if attr is None:
+                    attr = r.rule.attr_timeout
+                if entry is not None and attr is not None:
+                    break
+            return entry, attr
+
+        return timeouts
 
     def _first_match(self, path: str, caller: CallerKey, job: JobInfo | None,
                      skipped: list[tuple[str, str]] | None = None) -> ClassRule:

@@ -53,7 +53,7 @@ Schema (every key optional)::
     latency_percentile = 99       # capped automatically while the percentile (0 < p < 100)
     latency_measure = "request"   # of its read latency over a window misses the target;
                                   # "request": as a caller waits for it (queue + backend),
-                                  # "backend": the backing syscall only (qosfs.qos.latency_control)
+                                  # "backend": the backing syscall only (qosfs.qos.latency.loop)
     [classes.default]             # always exists and always last; limits only, no criteria
 
 Limit keys (backend, tenants, classes): ``read_bandwidth``, ``write_bandwidth`` (like

@@ -143,12 +143,12 @@ class ClassRule:
     # How long the kernel may trust names (entry) and attributes (attr) of objects under
     # this class's paths; None: the mount's --attr-timeout. Decided by path alone: the
     # kernel caches an inode for every caller (qosfs.passthrough.operations,
-    # PolicyQos.cache_timeouts).
+    # qosfs.policy.classify.CacheTimeouts).
     entry_timeout: float | None = None
     attr_timeout: float | None = None
     target_read_latency: float | None = None
     # A target relative to the class itself: its read latency may be at most this many
-    # times what it is while the classes below it are quiet (qosfs.qos.latency_control).
+    # times what it is while the classes below it are quiet (qosfs.qos.latency.decider).
     target_read_slowdown: float | None = None
     latency_percentile: float = 99.0
     latency_measure: str = "request"
@@ -197,7 +197,7 @@ def passthrough_blocker(policy: Policy, rule: ClassRule,
     share per uid), the caller's tenant, the ``[backend]``'s read caps, which every
     class's reads share by priority. The engine checks the same per open on the levels
     themselves, automatic caps of the latency controller included
-    (:meth:`qosfs.qos.engine.PolicyFlow.passes_reads_through`); this is what ``qosfs
+    (:meth:`qosfs.qos.flow.PolicyFlow.passes_reads_through`); this is what ``qosfs
     check`` and ``qosfs explain`` can tell from the file."""
     if rule.passthrough != "reads":
         return "passthrough is not set for this class"

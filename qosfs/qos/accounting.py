@@ -24,7 +24,7 @@ is built this way:
   controller needs per protected class and short window: take
   :meth:`Accounts.histogram` twice and subtract (:meth:`HistogramSnapshot.__sub__`).
 * Factor-2 buckets are too coarse to hold a target: a 5 ms target would be judged on the
-  4.1 ms / 8.2 ms bounds. The classes with a latency target (:mod:`qosfs.qos.latency_control`)
+  4.1 ms / 8.2 ms bounds. The classes with a latency target (:mod:`qosfs.qos.latency`)
   therefore also record their read backend times in a :class:`FineHistogram` (8 buckets
   per power of two, quantiles within 12.5 %), switched on per class
   (:meth:`Accounts.set_fine_classes`) so other classes pay one ``is None`` test.

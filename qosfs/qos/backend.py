@@ -50,7 +50,8 @@ import trio
 
 from qosfs.core.limit_kinds import LIMIT_KINDS
 from qosfs.qos.bucket import NO_LIMITS, LevelLimits
-from qosfs.qos.levels import Kind, LevelFactory, LevelStatistics, local_level
+from qosfs.qos.levels import Kind, LevelStatistics
+from qosfs.qos.store import LevelFactory, local_level
 from qosfs.qos.waiting import Ticket, Turn, until_covered
 
 __all__ = ["BackendLevel", "ClassPort", "Share"]

@@ -6,7 +6,7 @@ bounds one user's thousands of writer threads filled every worker (pyfuse3 stops
 ``/dev/fuse`` when all are busy): every class froze (a 6-byte ``cat`` in an unthrottled
 class took 19 s) and memory grew with the flood.
 
-So a request that must wait is first admitted to the parking lot, and one that would
+So a request that must wait is first counted against these bounds, and one that would
 exceed a bound is answered ``EAGAIN`` at once ("try again"; nothing was written, nothing
 acknowledged). The bounds (:class:`ParkingLimits`) cap:
 
@@ -44,8 +44,12 @@ class ParkingStatistics:
     by_class: dict[str, int]
 
 
-class ParkingLot:
-    """Counts parked requests against :class:`ParkingLimits` (all on the event loop)."""
+class ParkedCount:
+    """Counts parked requests against :class:`ParkingLimits` (all on the event loop).
+
+    Only a count: requests wait in a level's :class:`~qosfs.qos.waiting.Turn`; this says
+    whether one more may.
+    """
 
     __slots__ = ("_by_class", "_by_uid", "_bytes_by_uid", "bytes", "limits", "refused",
                  "refused_by_class", "requests")
@@ -110,5 +114,5 @@ class ParkingLot:
         return ParkingStatistics(self.requests, self.bytes, self.refused, dict(self._by_class))
 
     def __repr__(self) -> str:
-        return (f"<ParkingLot requests={self.requests} bytes={self.bytes} "
+        return (f"<ParkedCount requests={self.requests} bytes={self.bytes} "
                 f"refused={self.refused}>")

@@ -3,7 +3,7 @@
 The filesystem resolves an open's flow once, at open, and reads it on every request
 (:attr:`OpenCharge.flow`). What happens to an open's charge after that is kept here, so
 the filesystem only reports what it did (a write of *n* bytes at *off*, a rename, a
-release) and the engine decides what it means (:class:`~qosfs.qos.interface.QosEngine`:
+release) and the engine decides what it means (:class:`~qosfs.qos.interface.FilesystemQos`:
 the streaming threshold and class, whether a rename re-charges):
 
 * **Split tails.** Under ``direct_io`` the kernel sends a write straight from the caller's
@@ -35,7 +35,7 @@ import operator
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from qosfs.qos.interface import Classified, Flow, PathSource, QosEngine
+from qosfs.qos.interface import Classified, FilesystemQos, Flow, PathSource
 
 if TYPE_CHECKING:
     import pyfuse3
@@ -52,7 +52,7 @@ class InodeCharge:
     (:attr:`~qosfs.qos.interface.Classified.qos_memo`, dropped with the inode).
 
     ``memo_*`` is the engine's last classification of a request on it
-    (:meth:`qosfs.qos.engine.PolicyQos._memo_flow`); ``unnamed_*`` the bytes written to it
+    (:meth:`qosfs.qos.memo.Classification.flow`); ``unnamed_*`` the bytes written to it
     through watched opens and the flow they were charged to, until a rename settles them.
     """
 
@@ -86,7 +86,7 @@ class OpenCharge:
                  "_split_ops", "_stream_left", "_stream_limit", "_stream_off", "flow",
                  "watching")
 
-    def __init__(self, engine: QosEngine, paths: PathSource, node: Classified,
+    def __init__(self, engine: FilesystemQos, paths: PathSource, node: Classified,
                  ctx: pyfuse3.RequestContext, writing: bool) -> None:
         self.flow = flow = engine.open_flow(paths, node, ctx, writing)
         flow.open_files += 1
@@ -191,7 +191,7 @@ class OpenCharge:
         return {name.lstrip("_"): int(v) for name, v in zip(cls._STATE, values, strict=True)}
 
     @classmethod
-    def restore(cls, engine: QosEngine, flow: Flow, node: Classified,
+    def restore(cls, engine: FilesystemQos, flow: Flow, node: Classified,
                 state: dict[str, Any]) -> OpenCharge:
         """The charge of an open a predecessor process made, in *flow*, where its
         `export_state` left it: counted in the flow's ``open_files`` (not as a new open)."""
@@ -211,7 +211,7 @@ class OpenCharge:
         return self._stream_limit != 0
 
 
-def charge_renamed(engine: QosEngine, paths: PathSource, node: Classified,
+def charge_renamed(engine: FilesystemQos, paths: PathSource, node: Classified,
                    ctx: pyfuse3.RequestContext, opens: Iterable[OpenCharge]) -> None:
     """*node* just got a new name (an atomic save's final one): the bytes written to it
     through watched opens are charged to the class the engine gives the new name, as debt

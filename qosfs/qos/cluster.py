@@ -34,7 +34,7 @@ nodes -- logs it once, shows it in status and metrics, and retries with backoff 
 one second apart). Throttling continues locally: nothing errors, nothing waits for Redis.
 
 The engine knows none of this: the coordinator is its token store
-(:class:`~qosfs.qos.levels.LevelFactory`), which it asks for every level and every
+(:class:`~qosfs.qos.store.LevelFactory`), which it asks for every level and every
 ``per_user`` group; whatever is cluster-specific (the shares, the split by user, the
 renewals) stays in this module.
 """
@@ -52,7 +52,8 @@ import trio
 
 from qosfs.core.limit_kinds import BY_BUCKET, Kind, default_burst
 from qosfs.qos.bucket import NO_LIMITS, LevelLimits, Limit
-from qosfs.qos.levels import FairShareGroup, Level, LocalLevels, RateLevel
+from qosfs.qos.levels import Level, RateLevel
+from qosfs.qos.store import FairShareGroup, LocalLevels
 
 if TYPE_CHECKING:
     import redis
@@ -245,10 +246,10 @@ class CoordinatorStats:
 
 class ClusterCoordinator(LocalLevels):
     """The mount's side of cluster coordination: the engine's token store
-    (:class:`~qosfs.qos.levels.LevelFactory`), which builds ``scope = "cluster"`` levels
+    (:class:`~qosfs.qos.store.LevelFactory`), which builds ``scope = "cluster"`` levels
     steered by their :class:`ClusterShare` and every other level in-process, and renews
     the shares' grants. Like the local store it refuses a swap that changes ``[cluster]``
-    (:meth:`~qosfs.qos.levels.LocalLevels.check_swap`): it was built from that table.
+    (:meth:`~qosfs.qos.store.LocalLevels.check_swap`): it was built from that table.
 
     Args:
         config: the policy's ``[cluster]``.
@@ -267,7 +268,7 @@ class ClusterCoordinator(LocalLevels):
         self._last: tuple[float, dict[str, dict[str, int]]] | None = None
         self._threads = trio.CapacityLimiter(1)
 
-    # -- the token store (qosfs.qos.levels.LevelFactory) --------------------------------
+    # -- the token store (qosfs.qos.store.LevelFactory) --------------------------------
 
     def __call__(self, name: str, limits: LevelLimits = NO_LIMITS,
                  scope: str = "node") -> Level:

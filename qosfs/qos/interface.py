@@ -1,21 +1,24 @@
-"""The one interface of a QoS engine, and the engine without a policy.
+"""The two faces of a QoS engine, by who asks, and the engine without a policy.
 
-The filesystem (:mod:`qosfs.passthrough.operations`) knows nothing about policies: at open
-it takes an :class:`~qosfs.qos.charge.OpenCharge`, which asks the engine for a *flow* (the
-set of rate levels a file's traffic is charged to), and on every read/write it asks that
-flow to admit the request. Keeping this seam small lets the engine change without touching
-the filesystem.
+:class:`FilesystemQos` is what the filesystem (:mod:`qosfs.passthrough`) asks, and it
+knows nothing about policies: at open it takes an :class:`~qosfs.qos.charge.OpenCharge`,
+which asks the engine for a *flow* (the set of rate levels a file's traffic is charged
+to), and on every read/write it asks that flow to admit the request; metadata requests,
+moves of a charge after open and the handles handed to a successor go through it too.
+Keeping this seam small lets the engine change without touching the filesystem.
+
+:class:`QosControl` is what the control layer (:mod:`qosfs.control`) and the daemon ask:
+the policy in force, swapping it, what a request would get (explain), typed figures
+(:mod:`qosfs.qos.stats`), draining at shutdown and the balances handed to a successor.
+:class:`QosEngine` is both: what the daemon builds, hands to the filesystem as the first
+and to the control layer as the second. Nobody asks which engine it is: the engine
+without a policy answers every question too, with empty or neutral values.
 
 The engine is given a :class:`CallerWatch` at construction: who sent the request being
 parked and whether its caller is being killed is FUSE's to know
-(:mod:`qosfs.passthrough.interrupts`), not the engine's.
-
-The control layer and the daemon (:mod:`qosfs.control.service`, :mod:`qosfs.daemon.serve`)
-see the same engine through the same protocol: the policy in force, swapping it, what a
-request would get (explain), and typed figures (:mod:`qosfs.qos.stats`). Nobody asks
-which engine it is: the engine without a policy answers every question too, with empty
-or neutral values. Token stores (in-process buckets, the cluster's shared caps) sit
-behind the engine, at :class:`qosfs.qos.levels.LevelFactory`, and change nothing here.
+(:mod:`qosfs.passthrough.interrupts`), not the engine's. Token stores (in-process
+buckets, the cluster's shared caps) sit behind the engine, at
+:class:`qosfs.qos.store.LevelFactory`, and change nothing here.
 
 :class:`PassThroughQos` is the engine without a policy (``--no-qos``): every request is
 counted in one flow and nothing waits.
@@ -23,12 +26,13 @@ counted in one flow and nothing waits.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
+from qosfs.policy.classify import CacheTimeouts
 from qosfs.policy.model import PolicyError
 from qosfs.qos.accounting import Accounts, FlowStats
 from qosfs.qos.stats import NO_COUNTERS, EngineCounters, EngineStatistics
@@ -37,7 +41,7 @@ if TYPE_CHECKING:
     import pyfuse3
 
     from qosfs.policy.model import Policy
-    from qosfs.qos.explain import Asked
+    from qosfs.qos.explanation import Asked
 
 # Threads one flow may occupy at once for blocking backing-store calls (fsync, network
 # filesystems). Bounded per flow so that a class whose calls hang cannot take them all.
@@ -103,7 +107,7 @@ class Flow(Protocol):
         caller's write the kernel split (:mod:`qosfs.qos.charge`)."""
 
 
-class QosEngine(Protocol):
+class FilesystemQos(Protocol):
     """What the filesystem asks of the QoS machinery.
 
     ``paths`` is where an engine that classifies by path reads it (a
@@ -115,10 +119,10 @@ class QosEngine(Protocol):
 
     meta_limited: bool
     meta_limiter: trio.CapacityLimiter
-    accounts: Accounts  # every flow's FlowStats, for status and metrics
     # (entry_timeout, attr_timeout) for an object's path, None where the mount's options
-    # apply; the attribute is None when nothing depends on the path.
-    cache_timeouts: Callable[[str], tuple[float | None, float | None]] | None
+    # apply (the Classifier's, qosfs.policy.classify.CacheTimeouts); the attribute is None when
+    # nothing depends on the path.
+    cache_timeouts: CacheTimeouts | None
 
     def open_flow(self, paths: PathSource, node: Classified, ctx: pyfuse3.RequestContext,
                   writing: bool) -> Flow:
@@ -139,9 +143,6 @@ class QosEngine(Protocol):
         """Bytes written under a name that said nothing: charge them to the final name's
         class; returns its flow (None: nothing moved)."""
 
-    def drain(self) -> None:
-        """Shutdown: let every parked request through now (they are delayed, never dropped)."""
-
     def flow_key(self, flow: Flow) -> list[Any]:
         """What names *flow* in this engine, as plain data (JSON): an open's flow travels
         to a successor process by it (:mod:`qosfs.passthrough.transfer`)."""
@@ -150,13 +151,13 @@ class QosEngine(Protocol):
         """The flow `flow_key` named, made if need be; where the key names what this
         engine's policy lacks, the flow an open of the default class would have."""
 
-    def export_balances(self, to_monotonic: float) -> list[list[Any]]:
-        """The buckets' balances, on ``time.monotonic()`` (a successor takes them over)."""
 
-    def import_balances(self, balances: list[list[Any]], to_trio: float) -> int:
-        """Put `export_balances`' figures in force, inside a trio run."""
 
-    # -- observation and control (qosfs.control, qosfs.daemon) --------------------------
+class QosControl(Protocol):
+    """What the control layer and the daemon ask of the QoS machinery: observing it,
+    steering it, and shutting it down or handing it over."""
+
+    accounts: Accounts  # every flow's FlowStats, for status and metrics
 
     @property
     def policy(self) -> Policy | None:
@@ -179,7 +180,7 @@ class QosEngine(Protocol):
 
     def explain(self, asked: Asked, *, pid: int, uid: int, gid: int, mountpoint: str | None,
                 mount_cache: str) -> dict[str, Any] | None:
-        """What the request *asked* would get here (:func:`qosfs.qos.explain.explain`);
+        """What the request *asked* would get here (:func:`qosfs.qos.explanation.explain`);
         None when nothing is classified on this mount.
 
         Raises:
@@ -191,7 +192,22 @@ class QosEngine(Protocol):
 
     def counters(self) -> EngineCounters:
         """The engine's own counters: streaming moves, rename charges, per-uid series,
-        the parking lot."""
+        the parked count."""
+
+    def drain(self) -> None:
+        """Shutdown: let every parked request through now (they are delayed, never dropped)."""
+
+    def export_balances(self, to_monotonic: float) -> list[list[Any]]:
+        """The buckets' balances, on ``time.monotonic()`` (a successor takes them over)."""
+
+    def import_balances(self, balances: list[list[Any]], to_trio: float) -> int:
+        """Put `export_balances`' figures in force, inside a trio run."""
+
+
+class QosEngine(FilesystemQos, QosControl, Protocol):
+    """A whole engine, both faces: what the daemon builds and holds, and hands to the
+    filesystem as a :class:`FilesystemQos` and to the control layer as a
+    :class:`QosControl` (:class:`qosfs.qos.engine.PolicyQos`, :class:`PassThroughQos`)."""
 
 
 class Caller(Protocol):
@@ -279,8 +295,7 @@ class PassThroughQos:
     needs_paths = False  # nothing is classified
     policy: Policy | None = None
     generation = 0
-    # the mount's --attr-timeout for everything
-    cache_timeouts: Callable[[str], tuple[float | None, float | None]] | None = None
+    cache_timeouts: CacheTimeouts | None = None  # the mount's --attr-timeout for everything
 
     def __init__(self) -> None:
         self.accounts = Accounts()

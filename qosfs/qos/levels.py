@@ -31,10 +31,11 @@ Design, and why:
   no one is queued and the buckets cover the request it charges every level and returns,
   without a coroutine, a checkpoint, a log call or an allocation of its own. Only a
   request some level cannot admit at once goes on to :func:`admit_rest`, which waits
-  (the engine wraps that in its parking bounds: :meth:`qosfs.qos.engine.PolicyFlow.
+  (the engine wraps that in its parking bounds: :meth:`qosfs.qos.flow.PolicyFlow.
   admit_read`).
-* **Levels come from a store** (:class:`LevelFactory`): in-process buckets
-  (:data:`local_level`) or levels shared between mounts (:mod:`qosfs.qos.cluster`).
+* **Levels come from a store** (:class:`qosfs.qos.store.LevelFactory`): in-process
+  buckets (:data:`~qosfs.qos.store.local_level`) or levels shared between mounts
+  (:mod:`qosfs.qos.cluster`).
 * No background refill task, no polling: buckets refill lazily from elapsed time, read
   through :func:`trio.current_time`, so tests run exactly and instantly on
   :class:`trio.testing.MockClock`.
@@ -45,12 +46,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import trio
 
 from qosfs.core.limit_kinds import LIMIT_KINDS, Kind
-from qosfs.policy.model import PolicyError
 from qosfs.qos.bucket import (
     DEFAULT_BURST_SECONDS,
     NO_LIMITS,
@@ -61,25 +61,18 @@ from qosfs.qos.bucket import (
 )
 from qosfs.qos.waiting import Ticket, Turn, until_covered
 
-if TYPE_CHECKING:
-    from qosfs.policy.model import Policy
-
 __all__ = [  # the limit values are re-exported from qosfs.qos.bucket for convenience
     "DEFAULT_BURST_SECONDS",
     "NO_LIMITS",
     "UNLIMITED",
-    "FairShareGroup",
     "Kind",
     "Level",
-    "LevelFactory",
     "LevelLimits",
     "LevelStatistics",
     "Limit",
-    "LocalLevels",
     "RateLevel",
     "Stage",
     "admit_rest",
-    "local_level",
     "refund_bytes",
     "try_admit",
 ]
@@ -144,11 +137,12 @@ class Stage(Protocol):
 
 class Level(Stage, Protocol):
     """A named set of token buckets: a class, a user in a fair-share class, a tenant, the
-    backend's capacity -- and, behind a :data:`LevelFactory`, any other token store.
+    backend's capacity -- and, behind a :class:`~qosfs.qos.store.LevelFactory`, any other
+    token store.
 
-    Built only through a :class:`LevelFactory`, so a store plugs in at one place. Every
-    store so far hands out :class:`RateLevel` (a cluster level is one whose limits its
-    share steers), which keeps the request path's call sites monomorphic.
+    Built only through a :class:`~qosfs.qos.store.LevelFactory`, so a store plugs in at
+    one place. Every store so far hands out :class:`RateLevel` (a cluster level is one
+    whose limits its share steers), which keeps the request path's call sites monomorphic.
     """
 
     name: str
@@ -185,61 +179,6 @@ class Steering(Protocol):
     """Decides what a :class:`RateLevel` enforces when it is given limits."""
 
     def steer(self, limits: LevelLimits) -> None: ...
-
-
-class LevelFactory(Protocol):
-    """A token store: where the engine gets every level it charges.
-
-    The engine (:class:`qosfs.qos.engine.PolicyQos`, its ``level_factory``) builds every
-    class, per-user, tenant and backend level through one of these and knows nothing else
-    of the store: a new store is a new implementation of this protocol, not an edit of the
-    engine. :data:`local_level` keeps buckets in this daemon's memory;
-    :class:`qosfs.qos.cluster.ClusterCoordinator` shares ``scope = "cluster"`` levels
-    between mounts.
-    """
-
-    def __call__(self, name: str, limits: LevelLimits, scope: str = "node") -> Level:
-        """A level named *name* (a class, a tenant, a user's share, the backend) holding
-        *limits* over *scope*; ValueError for a scope this store cannot hold."""
-
-    def fair_share(self, name: str, limits: LevelLimits, scope: str = "node") -> FairShareGroup:
-        """A ``per_user`` class: *limits* split equally among its active users (the store
-        decides how users beyond this mount count, for a scope that spans mounts)."""
-
-    def check_swap(self, running: Policy, new: Policy) -> None:
-        """Refuse a policy swap that changes what this store was set up from.
-
-        Raises:
-            PolicyError: such settings take effect only when a mount starts.
-        """
-
-
-class LocalLevels:
-    """The in-process :class:`LevelFactory`: token buckets in this daemon's memory, for
-    ``scope = "node"`` only."""
-
-    def __call__(self, name: str, limits: LevelLimits = NO_LIMITS,
-                 scope: str = "node") -> Level:
-        if scope != "node":
-            raise ValueError(f"a {scope!r} level needs a coordinator (qosfs.qos.cluster)")
-        return RateLevel(name, limits)
-
-    def fair_share(self, name: str, limits: LevelLimits, scope: str = "node") -> FairShareGroup:
-        return FairShareGroup(name, limits, factory=self, scope=scope)
-
-    def check_swap(self, running: Policy, new: Policy) -> None:
-        """A ``[cluster]`` table chooses the store when the mount starts (the daemon builds
-        a coordinator for it), so a swap may not add, change or drop one."""
-        if new.cluster != running.cluster:
-            raise PolicyError("[cluster] settings take effect when the mount starts: "
-                              "remount to change them", source=new.source, key="cluster")
-
-    def __repr__(self) -> str:
-        return "<LocalLevels>"
-
-
-#: The in-process store, the engine's default.
-local_level = LocalLevels()
 
 
 def _number(x: float) -> str:
@@ -388,7 +327,7 @@ class RateLevel:
         wait for nothing but to run (:meth:`enforce` released them all, see
         :meth:`qosfs.qos.waiting.Turn.release_all`); a newcomer queued behind them kept the
         line full for as long as writers wrote again as soon as they were answered, so
-        SIGTERM's drain, which waits for an empty parking lot, waited its whole deadline.
+        SIGTERM's drain, which waits until nothing is parked, waited its whole deadline.
 
         Race-free: trio runs one task at a time and this is synchronous, so ``limited``
         and ``parked`` are read in the step that charges, and :meth:`enforce` changes
@@ -526,95 +465,3 @@ def refund_bytes(levels: Sequence[Stage], kind: Kind, nbytes: int) -> None:
     if nbytes > 0:
         for level in levels:
             level.refund(kind, nbytes, 0)
-
-
-class FairShareGroup:
-    """A class level whose limits are split equally among its currently active users.
-
-    ``parent`` carries the class's full limits and caps the total; each active uid gets a
-    child level with ``parent.limits / active_users``. The split is work-conserving at the
-    granularity of activity: a user is active while it has a request parked at its level
-    or made one within ``idle_after`` seconds; when it goes idle its share is re-split
-    among the others (by ``set_limits``, which wakes their waiters), and when a new user
-    arrives everybody's share shrinks. Idle children are dropped (memory stays bounded by
-    the users active at once; per-user counters restart, the parent's are authoritative).
-
-    Expiry is lazy -- checked when :meth:`level_for` is called and the earliest possible
-    expiry has passed -- so no background task is needed; a scheduler may also call
-    :meth:`expire` from a periodic tick.
-
-    Charge a request at ``[group.level_for(uid), group.parent, <tenant>, <backend>]``.
-    """
-
-    __slots__ = ("_children", "_factory", "_next_expiry", "_seen", "idle_after", "parent")
-
-    def __init__(
-        self, name: str, limits: LevelLimits = NO_LIMITS, *, idle_after: float = 2.0,
-        factory: LevelFactory = local_level, scope: str = "node",
-    ) -> None:
-        if not idle_after > 0.0:
-            raise ValueError(f"idle_after must be > 0, got {idle_after!r}")
-        self._factory = factory
-        self.parent = factory(name, limits, scope)  # users' own levels are always local
-        self.idle_after = idle_after
-        self._children: dict[int, Level] = {}
-        self._seen: dict[int, float] = {}
-        self._next_expiry = _INF
-
-    @property
-    def children(self) -> dict[int, Level]:
-        """The active users' levels by uid (a copy)."""
-        return dict(self._children)
-
-    def set_limits(self, limits: LevelLimits) -> None:
-        """Change the class limits live and re-split them among the active users."""
-        self.parent.set_limits(limits)
-        self.resplit()
-
-    def level_for(self, uid: int) -> Level:
-        """The level of ``uid``, created (and shares re-split) if the user was idle.
-
-        Call it once per request: it also records the user's activity.
-        """
-        now = trio.current_time()
-        if now >= self._next_expiry:
-            self._expire(now)
-        child = self._children.get(uid)
-        if child is None:
-            share = self.parent.limits.scaled(1.0 / (len(self._children) + 1))
-            child = self._factory(f"{self.parent.name}/uid={uid}", share)
-            self._children[uid] = child
-            self.resplit()
-            self._next_expiry = min(self._next_expiry, now + self.idle_after)
-        self._seen[uid] = now
-        return child
-
-    def expire(self) -> int:
-        """Drop the users idle for ``idle_after`` seconds now; return how many went."""
-        return self._expire(trio.current_time())
-
-    def _expire(self, now: float) -> int:
-        cutoff = now - self.idle_after
-        idle = []
-        for uid, seen in self._seen.items():
-            if seen <= cutoff:
-                if self._children[uid].queue_depth:
-                    self._seen[uid] = now  # parked requests keep a user active
-                else:
-                    idle.append(uid)
-        for uid in idle:
-            del self._children[uid], self._seen[uid]
-        if idle:
-            self.resplit()
-        self._next_expiry = min(self._seen.values(), default=_INF) + self.idle_after
-        return len(idle)
-
-    def resplit(self) -> None:
-        """Give each active user an equal part of the parent's limits in force now."""
-        if self._children:
-            share = self.parent.limits.scaled(1.0 / len(self._children))
-            for child in self._children.values():
-                child.set_limits(share)
-
-    def __repr__(self) -> str:
-        return f"<FairShareGroup {self.parent.name!r} active_users={len(self._children)}>"

@@ -42,7 +42,7 @@ class EngineStatistics:
     users: dict[str, dict[int, LevelStatistics]]  # per_user classes: each active uid's share
     tenants: dict[str, LevelStatistics]
     backend: LevelStatistics | None  # None: the policy declares no [backend]
-    # The latency controller's caps by class (qosfs.qos.latency_control); a class's
+    # The latency controller's caps by class (qosfs.qos.latency); a class's
     # ``limits`` above show what is in force, these what the controller asked for.
     auto_caps: dict[str, AutoCaps] = field(default_factory=dict)
 

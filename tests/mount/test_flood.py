@@ -4,8 +4,8 @@ killed flooder goes away at once.
 One user starts a thousand (or ten thousand) threads that each write 1 MiB into a class
 capped at 1 MiB/s. Before: every pyfuse3 worker was parked, so nothing else was read from
 /dev/fuse (a 6-byte ``cat`` in an unthrottled class took 19 s), and ``kill -9`` of the
-flooder left its threads in D state until the cap was lifted. Now the parking lot bounds
-what may wait (the rest is answered EAGAIN), and FUSE INTERRUPT answers the parked
+flooder left its threads in D state until the cap was lifted. Now the parking bounds
+limit what may wait (the rest is answered EAGAIN), and FUSE INTERRUPT answers the parked
 requests of a killed caller (qosfs.qos.bounds, qosfs.passthrough.interrupts).
 """
 

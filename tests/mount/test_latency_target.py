@@ -50,7 +50,7 @@ def _canaries(daemon_pid: int) -> list[int]:
                 cmd = f.read()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == daemon_pid and b"qosfs.qos.latency_probe" in cmd:
+        if ppid == daemon_pid and b"qosfs.qos.latency.probe" in cmd:
             found.append(int(entry))
     return found
 

@@ -70,7 +70,7 @@ import xxhash
 from qosfs.control.address import default_socket_path
 from qosfs.control.ctl import Client
 from qosfs.daemon.takeover import fuse_session, offer
-from qosfs.qos.latency_control import CLIMB
+from qosfs.qos.latency.decider import CLIMB
 from tests.mount.held_reader import HeldReader
 from tests.mount.listener_polls import ListenerPolls, get_metrics
 from tests.mount.timed_load import TimedLoad

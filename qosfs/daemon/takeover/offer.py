@@ -38,7 +38,7 @@ from qosfs.daemon.takeover.listeners import Listeners
 from qosfs.passthrough.operations import PassthroughOperations
 from qosfs.passthrough.transfer import export_state
 from qosfs.qos.interface import QosEngine
-from qosfs.qos.latency_control import LatencyLoop
+from qosfs.qos.latency.loop import LatencyLoop
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from qosfs.control.service import ControlService
 from qosfs.daemon import cli
 from qosfs.policy.loading import parse_policy
 from qosfs.qos.engine import PolicyQos
-from qosfs.qos.explain import PASSTHROUGH_READS_ONLY
+from qosfs.qos.explanation import PASSTHROUGH_READS_ONLY
 from qosfs.qos.interface import PassThroughQos
 from tests.mock_clock import mock_clock
 from tests.unit.qos.test_explain import TEXT, line_of

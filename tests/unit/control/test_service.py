@@ -17,7 +17,8 @@ from qosfs.control.protocol import Peer, ReloadRequest, SetRequest, SimpleReques
 from qosfs.control.service import ControlService
 from qosfs.policy.loading import parse_policy
 from qosfs.policy.model import Policy
-from qosfs.qos.engine import PolicyFlow, PolicyQos
+from qosfs.qos.engine import PolicyQos
+from qosfs.qos.flow import PolicyFlow
 from qosfs.qos.interface import PassThroughQos
 from tests.mock_clock import mock_clock
 from tests.unit.policy.test_policy import hostile_policy

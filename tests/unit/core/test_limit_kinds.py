@@ -18,7 +18,8 @@ from qosfs.policy.keys import LIMIT_KEYS
 from qosfs.policy.loading import parse_policy
 from qosfs.policy.model import Limits, policy_to_raw
 from qosfs.qos.bucket import LevelLimits, Limit
-from qosfs.qos.engine import PolicyQos, level_limits
+from qosfs.qos.engine import PolicyQos
+from qosfs.qos.flow import level_limits
 from qosfs.qos.levels import RateLevel
 
 KINDS = pytest.mark.parametrize("kind", LIMIT_KINDS, ids=lambda k: k.key)

@@ -11,7 +11,7 @@ import pytest
 from qosfs.core.errors import EXIT_PLAN
 from qosfs.daemon.cli import main
 from qosfs.plan.planner import PlanError, PlanInputs, make_plan, parse_params
-from qosfs.plan.text import plan_policy_text, render_plan
+from qosfs.plan.report import plan_policy_text, render_plan
 from qosfs.policy.loading import load_policy, parse_policy
 
 GB = 1e9

@@ -15,7 +15,7 @@ import pytest
 from qosfs.core.errors import EXIT_POLICY
 from qosfs.daemon.cli import main
 from qosfs.plan.planner import PlanInputs, make_plan
-from qosfs.plan.text import plan_policy_text
+from qosfs.plan.report import plan_policy_text
 from qosfs.policy.classify import compile_glob
 from qosfs.policy.lint import glob_covers, policy_warnings
 from qosfs.policy.loading import parse_policy

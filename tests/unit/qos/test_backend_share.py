@@ -13,7 +13,8 @@ import trio.testing
 
 from qosfs.policy.loading import parse_policy
 from qosfs.qos.backend import BackendLevel, ClassPort
-from qosfs.qos.engine import PolicyFlow, PolicyQos
+from qosfs.qos.engine import PolicyQos
+from qosfs.qos.flow import PolicyFlow
 from qosfs.qos.levels import Kind, LevelLimits, Limit
 from tests.admission import MiB, admit, engine, klass, open_flow, table
 from tests.mock_clock import mock_clock

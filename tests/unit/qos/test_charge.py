@@ -10,7 +10,8 @@ import trio
 
 from qosfs.policy.loading import parse_policy
 from qosfs.qos.charge import CUT_MIN, MAX_WRITE, OpenCharge, charge_renamed
-from qosfs.qos.engine import PolicyFlow, PolicyQos
+from qosfs.qos.engine import PolicyQos
+from qosfs.qos.flow import PolicyFlow
 from qosfs.qos.interface import PassThroughQos, QosEngine
 from tests.mock_clock import mock_clock
 

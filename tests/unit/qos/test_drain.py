@@ -4,7 +4,7 @@ The daemon's drain (:func:`qosfs.daemon.serve._drain`) lifts every cap, then wai
 nothing is parked. The requests parked at the lift go at once; the bug was in those that
 came after it: they queued behind the ones still waiting for their turn, although the
 level no longer limited anything, and writers that write again as soon as they are
-answered refilled that queue as fast as the turn was handed along it. So the parking lot
+answered refilled that queue as fast as the turn was handed along it. So the parked count
 stayed full for as long as the writers wrote (up to the drain's 10 s deadline on a mount).
 
 Each scenario parks writes at one kind of level -- a class, a user of a ``per_user`` class,
@@ -19,7 +19,8 @@ import trio.testing
 
 from qosfs.core.limit_kinds import Kind
 from qosfs.qos.bucket import LevelLimits, Limit
-from qosfs.qos.engine import PolicyFlow, PolicyQos
+from qosfs.qos.engine import PolicyQos
+from qosfs.qos.flow import PolicyFlow
 from tests.admission import GiB, MiB, engine, klass, open_flow, table
 from tests.mock_clock import mock_clock
 
@@ -34,7 +35,7 @@ WHERE_THEY_PARK = {
 
 WRITERS = 8
 WRITE_SECONDS = 0.0005  # one 1 MiB pwrite, done on the event loop (no thread once uncapped)
-POLL = 0.01  # how often the daemon's drain looks at the parking lot
+POLL = 0.01  # how often the daemon's drain looks at the parked count
 
 
 async def writer(flow: PolicyFlow) -> None:

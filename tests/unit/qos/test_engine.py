@@ -11,9 +11,10 @@ import trio
 
 from qosfs.passthrough.paths import PATH_MEMO_SECONDS
 from qosfs.policy.loading import default_policy, parse_policy
-from qosfs.qos import engine as engine_module
+from qosfs.qos import memo as memo_module
 from qosfs.qos.charge import OpenCharge
-from qosfs.qos.engine import PolicyFlow, PolicyQos
+from qosfs.qos.engine import PolicyQos
+from qosfs.qos.flow import PolicyFlow
 from tests.mock_clock import mock_clock
 
 MiB = 1 << 20
@@ -56,7 +57,7 @@ class FakeFs:
     def relpath_until(self, inode: Any) -> tuple[str, float]:
         """The path, trusted for PATH_MEMO_SECONDS from now (as a path read from /proc)."""
         self.lookups += 1
-        return str(inode.path), engine_module._monotonic() + PATH_MEMO_SECONDS
+        return str(inode.path), memo_module._monotonic() + PATH_MEMO_SECONDS
 
 
 def fake_inode(path: str) -> Any:
@@ -107,7 +108,7 @@ async def _swap(qos: PolicyQos, text: str) -> None:
 def test_an_inodes_classification_is_memoized_until_a_rename_swap_or_a_second(
         monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [100.0]
-    monkeypatch.setattr(engine_module, "_monotonic", lambda: clock[0])
+    monkeypatch.setattr(memo_module, "_monotonic", lambda: clock[0])
     qos, fs, node = PolicyQos(parse_policy(POLICY)), FakeFs(), fake_inode("ckpt/x")
     root, other = SimpleNamespace(uid=0, gid=0, pid=1), SimpleNamespace(uid=42, gid=42, pid=2)
 

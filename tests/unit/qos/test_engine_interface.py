@@ -1,6 +1,6 @@
-"""The one engine interface: both engines answer every question of QosEngine, with typed
-figures; the engine without a policy answers with neutral values instead of being asked
-which engine it is."""
+"""The engine's two faces: both engines answer every question of FilesystemQos and
+QosControl (together QosEngine), with typed figures; the engine without a policy answers
+with neutral values instead of being asked which engine it is."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import trio
 from qosfs.policy.loading import parse_policy
 from qosfs.policy.model import PolicyError
 from qosfs.qos.engine import PolicyQos
-from qosfs.qos.explain import Asked
-from qosfs.qos.interface import PassThroughQos, QosEngine
+from qosfs.qos.explanation import Asked
+from qosfs.qos.interface import FilesystemQos, PassThroughQos, QosControl, QosEngine
 from qosfs.qos.stats import NO_COUNTERS, AutoCaps, EngineCounters, EngineStatistics
 from tests.mock_clock import mock_clock
 from tests.unit.qos.test_engine import POLICY, open_charge
@@ -23,14 +23,20 @@ from tests.unit.qos.test_engine import POLICY, open_charge
 MiB = 1 << 20
 
 
-def members(protocol: type) -> dict[str, Any]:
-    """What *protocol* declares: its methods and properties, and its annotated attributes
-    (None for those)."""
-    declared: dict[str, Any] = dict.fromkeys(protocol.__annotations__)
-    for name, value in vars(protocol).items():
-        if not name.startswith("_"):
-            declared[name] = value
+def members(*protocols: type) -> dict[str, Any]:
+    """What *protocols* declare: their methods and properties, and their annotated
+    attributes (None for those)."""
+    declared: dict[str, Any] = {}
+    for protocol in protocols:
+        declared.update(dict.fromkeys(protocol.__annotations__))
+        for name, value in vars(protocol).items():
+            if not name.startswith("_"):
+                declared[name] = value
     return declared
+
+
+#: A whole engine: what the filesystem asks, and what control and the daemon ask.
+ENGINE_FACES = (FilesystemQos, QosControl)
 
 
 def engines() -> list[Any]:
@@ -38,15 +44,22 @@ def engines() -> list[Any]:
 
 
 def test_the_protocol_declares_what_control_and_the_filesystem_ask() -> None:
-    declared = members(QosEngine)
+    declared = members(*ENGINE_FACES)
     # What the daemon and the control layer used to reach by isinstance or getattr.
     assert {"policy", "generation", "swap", "expire_idle_users", "explain", "statistics",
             "counters", "drain", "accounts", "open_flow", "admit_meta"} <= set(declared)
+    # Each face is asked by its own clients: the filesystem by one, control by the other.
+    assert {"open_flow", "admit_meta", "charge_renamed", "flow_key", "cache_timeouts"} \
+        <= set(members(FilesystemQos))
+    assert {"policy", "swap", "explain", "statistics", "drain", "export_balances"} \
+        <= set(members(QosControl))
+    assert not set(members(FilesystemQos)) & set(members(QosControl))
+    assert set(QosEngine.__mro__) >= set(ENGINE_FACES)  # what the daemon holds: both
 
 
 @pytest.mark.parametrize("engine", engines(), ids=lambda e: type(e).__name__)
 def test_both_engines_answer_every_member_with_the_protocols_signature(engine: Any) -> None:
-    for name, declared in members(QosEngine).items():
+    for name, declared in members(*ENGINE_FACES).items():
         assert hasattr(engine, name), f"{type(engine).__name__} lacks {name}"
         if inspect.isfunction(declared):
             wanted = list(inspect.signature(declared).parameters)[1:]  # without self

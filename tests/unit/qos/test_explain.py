@@ -18,7 +18,7 @@ from qosfs.policy.classify import CallerKey, Classifier, JobInfo
 from qosfs.policy.loading import default_policy, parse_policy, with_changes
 from qosfs.qos.backend import ClassPort
 from qosfs.qos.engine import PolicyQos
-from qosfs.qos.explain import (
+from qosfs.qos.explanation import (
     PASSTHROUGH_NOT_SET,
     PASSTHROUGH_READS_ONLY,
     Asked,
@@ -110,7 +110,7 @@ def ask(path: str, op: str = "read", uid: int = 1000, gid: int = 1000,
         env: dict[str, str] | None = None, cgroups: tuple[str, ...] = (),
         policy: Any = POLICY, engine: PolicyQos | None = None,
         mountpoint: str | None = None) -> dict[str, Any]:
-    classifier = engine.classifier if engine is not None else Classifier(policy)
+    classifier = engine.classification.classifier if engine is not None else Classifier(policy)
     asked = Asked(path, op, uid, gid, tuple((env or {}).items()), cgroups)
     return explain(classifier, asked, pid=os.getpid(), uid=0, gid=0, mountpoint=mountpoint,
                    live=engine.statistics() if engine is not None else None)
@@ -281,7 +281,7 @@ def test_levels_from_a_file_are_its_caps_in_charging_order() -> None:
 def _chain(flow: Any) -> list[tuple[str, str]]:
     """What a PolicyFlow charges, as (level, name) like explain's levels."""
     out = []
-    for level in flow._levels():
+    for level in flow.chain():
         if isinstance(level, ClassPort):
             out.append(("backend", "backend"))
         elif level.name.startswith("tenant:"):

@@ -17,19 +17,18 @@ from qosfs.policy.loading import parse_policy, with_changes
 from qosfs.qos.accounting import FineHistogram, fine_index, fine_upper_bound
 from qosfs.qos.charge import OpenCharge
 from qosfs.qos.engine import PolicyQos
-from qosfs.qos.latency_control import (
+from qosfs.qos.flow import PolicyFlow
+from qosfs.qos.latency.decider import (
     DEEPEST,
     FLOOR,
-    PROBE_CHECK,
     STARTING_WINDOWS,
-    WINDOW,
     ClassSample,
     LatencyDecider,
-    LatencyLoop,
     ProtectedSample,
     low_classes,
     protected_classes,
 )
+from qosfs.qos.latency.loop import PROBE_CHECK, WINDOW, LatencyLoop
 from qosfs.qos.stats import AutoCaps
 from tests.mock_clock import mock_clock
 
@@ -222,12 +221,18 @@ class Device:
 CTX = SimpleNamespace(uid=1000, gid=1000, pid=1)
 
 
+def flow_for(engine: PolicyQos, path: str, op: str) -> PolicyFlow:
+    """The flow *path* gets for *op* by CTX's caller, classified now."""
+    classification = engine.classification
+    return classification.classified(path, classification.caller_key(CTX, op))  # type: ignore[arg-type]
+
+
 async def _scenario(base: float, storm: tuple[float, float], end: float) -> list[dict]:
     engine = PolicyQos(policy())
     control = LatencyLoop(engine)
     device = Device(base=base)
-    reader = engine._flow_for("data/x", CTX, "read")
-    writer = engine._flow_for("ckpt/x", CTX, "write")
+    reader = flow_for(engine, "data/x", "read")
+    writer = flow_for(engine, "ckpt/x", "write")
     trace: list[dict] = []
     written = [0]
 
@@ -536,7 +541,7 @@ class FakeCanary:
 
 async def _storm(engine: PolicyQos, device: Device | None = None) -> None:
     """One checkpoint writer: 1 GiB/s when nothing caps it."""
-    writer = engine._flow_for("ckpt/x", CTX, "write")
+    writer = flow_for(engine, "ckpt/x", "write")
     while True:
         await writer.admit_write(1 << 20)
         if device is not None:

@@ -1,4 +1,4 @@
-"""The canary process (qosfs.qos.latency_probe) on a plain directory: its commands, and
+"""The canary process (qosfs.qos.latency.probe) on a plain directory: its commands, and
 its timed reads of a backing file named by the daemon's descriptor."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from qosfs.qos.latency_probe import LatencyProbe, _commands, _open_backing
+from qosfs.qos.latency.probe import LatencyProbe, _commands, _open_backing
 from tests.waiting import wait_for
 
 

@@ -1,6 +1,6 @@
 """Levels and FairShareGroup on trio's mock clock, charged the way the product charges
 them: through the flow of a file opened under a policy (tests.admission), so each test
-also runs the fast path, the parking lot and the killed-caller scope of a real request."""
+also runs the fast path, the parking bounds and the killed-caller scope of a real request."""
 
 from __future__ import annotations
 
@@ -14,15 +14,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qosfs.qos.bounds import ParkingLimits
-from qosfs.qos.engine import PolicyFlow, PolicyQos
+from qosfs.qos.engine import PolicyQos
+from qosfs.qos.flow import PolicyFlow
 from qosfs.qos.levels import (
-    FairShareGroup,
     Kind,
     LevelLimits,
     LevelStatistics,
     Limit,
     RateLevel,
 )
+from qosfs.qos.store import FairShareGroup
 from tests.admission import GiB, MiB, class_level, engine, klass, open_flow, table
 from tests.mock_clock import mock_clock
 
@@ -167,7 +168,7 @@ async def test_write_iops_cap() -> None:
     flow, level = open_flow(qos), class_level(qos)
     start = trio.current_time()
     async with trio.open_nursery() as nursery:
-        for _ in range(210):  # below the parking lot's 256 per uid: none refused
+        for _ in range(210):  # below the parking bound of 256 per uid: none refused
             nursery.start_soon(flow.admit_write, 4096)
     assert trio.current_time() - start == pytest.approx(2.0)
     assert level.ops_write == 210 and level.bytes_written == 210 * 4096
@@ -246,7 +247,7 @@ async def test_cancelled_waiter_refunds_passed_levels() -> None:
     assert a.buckets["write_bytes"].tokens == tokens_a
     assert b.queue_depth == 0 and b.waits == 1
     assert b.throttled_seconds == pytest.approx(0.5)
-    assert qos.parking.requests == 0  # it left the parking lot too
+    assert qos.parking.requests == 0  # it left the parked count too
     # b earned 0.5 MiB meanwhile and nobody queues: the next request waits only 0.5 s.
     assert await flow.admit_write(MiB) == pytest.approx(0.5)
 

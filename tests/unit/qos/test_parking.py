@@ -1,4 +1,4 @@
-"""What a request that must wait meets on the product's path: the parking lot's bounds
+"""What a request that must wait meets on the product's path: the parking bounds
 (EAGAIN past them, :mod:`qosfs.qos.bounds`) and its caller's death (EINTR), through a
 file's flow on trio's mock clock (tests.admission)."""
 
@@ -11,7 +11,8 @@ import trio
 import trio.testing
 
 from qosfs.qos.bounds import ParkingLimits
-from qosfs.qos.engine import PolicyFlow, PolicyQos
+from qosfs.qos.engine import PolicyQos
+from qosfs.qos.flow import PolicyFlow
 from tests.admission import (
     Callers,
     MiB,

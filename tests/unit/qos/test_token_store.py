@@ -14,7 +14,8 @@ from qosfs.policy.loading import parse_policy
 from qosfs.policy.model import Policy, PolicyError
 from qosfs.qos.bucket import NO_LIMITS, LevelLimits
 from qosfs.qos.engine import PolicyQos
-from qosfs.qos.levels import FairShareGroup, Level, RateLevel, local_level
+from qosfs.qos.levels import Level, RateLevel
+from qosfs.qos.store import FairShareGroup, local_level
 from tests.mock_clock import mock_clock
 from tests.unit.qos.test_engine import open_flow
 

@@ -7,7 +7,7 @@ every :data:`INTERVAL` and times the round trip: it queues exactly like a data r
 and the filesystem (:mod:`qosfs.passthrough.operations`) answers it at once (ENODATA)
 without charging it or touching the backing store when it comes from the canary's pid. The
 round trips go to a :class:`~qosfs.qos.accounting.FineHistogram` that
-:class:`qosfs.qos.latency_control.LatencyLoop` differences per window.
+:class:`qosfs.qos.latency.loop.LatencyLoop` differences per window.
 
 **Reads the daemon does not see.** A class whose reads the kernel sends straight to the
 backing file (FUSE passthrough) waits in no queue of ours for them: what its reads take is
@@ -27,7 +27,7 @@ opening that link reaches the backing file itself, also when the mount sits on t
 source, and the canary checks the device and inode it was told so a descriptor number the
 daemon reused in between is never measured.
 
-The canary is a separate process (``python -m qosfs.qos.latency_probe MOUNTPOINT INTERVAL``)
+The canary is a separate process (``python -m qosfs.qos.latency.probe MOUNTPOINT INTERVAL``)
 that reports each round trip in nanoseconds on its stdout. A thread inside the daemon
 would time its own wait for the daemon's GIL too: measured, a 6-8 ms p99 next to a 3.5 ms
 p99 seen by fio, which made the controller throttle a storm to its floor for a target
@@ -41,7 +41,7 @@ the canary cost a saturated daemon about 12% of its 4 KiB read rate (4 jobs: 35.
 40.7k IOPS without it). The timed backing reads cost the daemon nothing (the canary reads
 the file itself) and the storage 4 KiB per round trip. It runs only while a class measured
 as "request" has files open, and :meth:`LatencyLoop.stop_probe
-<qosfs.qos.latency_control.LatencyLoop.stop_probe>` stops it (SIGKILL, which also ends a
+<qosfs.qos.latency.loop.LatencyLoop.stop_probe>` stops it (SIGKILL, which also ends a
 request in flight) before the daemon stops serving."""
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class LatencyProbe:
             return
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "qosfs.qos.latency_probe", self.path, repr(self.interval)],
+            [sys.executable, "-m", "qosfs.qos.latency.probe", self.path, repr(self.interval)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             env=env, close_fds=True)
         assert proc.stdin is not None

@@ -13,7 +13,7 @@ The answer is plain JSON-ready data (its keys are documented in docs/policy.md, 
 class, and why"): the class and tenant with the criteria that matched and their
 lines in the policy file, the classes and tenants passed over and the criterion each
 failed, the levels the request is charged to in the order it passes them (user, class,
-tenant, backend, as :class:`~qosfs.qos.engine.PolicyFlow` chains them), who serves it,
+tenant, backend, as :class:`~qosfs.qos.flow.PolicyFlow` chains them), who serves it,
 and notes on what can still move it (streaming writers, temporary names).
 """
 
@@ -209,7 +209,7 @@ def _levels(policy: Policy, rule: ClassRule, tenant: Tenant | None, caller: Call
             "level": "backend", "name": "backend",
             "limits": backend.limits.caps() if backend is not None else configured,
             "configured": configured,
-            # How this class competes there (qosfs.qos.engine.backend_share).
+            # How this class competes there (qosfs.qos.flow.backend_share).
             "priority": rule.priority_name, "weight": rule.priority_weight,
             "min_read_bandwidth": rule.min_read_bandwidth,
             "min_write_bandwidth": rule.min_write_bandwidth})
@@ -295,7 +295,8 @@ def _explained(classifier: Classifier, path: str, caller: CallerKey, job: JobInf
                live: EngineStatistics | None, mountpoint: str | None, from_caller: list[str],
                mount_cache: str) -> dict[str, Any]:
     policy = classifier.policy
-    # As the engine asks (PolicyQos._classified): no job unless the policy reads jobs.
+    # As the engine asks (qosfs.qos.memo.Classification.classified): no job unless the
+    # policy reads jobs.
     seen = job if policy.needs_job_lookup else None
     decision = classifier.decide(path, caller, seen)
     rule, tenant = decision.rule, decision.tenant
