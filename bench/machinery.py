@@ -34,7 +34,8 @@ import pyfuse3
 import trio
 
 from bench.figures import HandlerCost, HandlerCosts
-from qosfs.passthrough.backing_io import BackingIO, IoMode
+from qosfs.daemon.filesystem import build_filesystem
+from qosfs.passthrough.backing_io import IoMode
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import parse_policy
 from qosfs.qos.engine import PolicyQos
@@ -98,8 +99,7 @@ def measure(scratch: Path, policy_text: str) -> HandlerCosts:
         top.mkdir()
         fd = os.open(top, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         fds.append(fd)
-        sides[side] = PassthroughOperations(fd, BackingIO(IoMode.INLINE), engine,
-                                            FsOptions())
+        sides[side] = build_filesystem(fd, IoMode.INLINE, engine, FsOptions())
     samples: dict[str, dict[str, list[float]]] = {s: {op: [] for op in OPERATIONS}
                                                   for s in sides}
 
@@ -222,7 +222,7 @@ def io_handlers(scratch: Path, policy_text: str) -> dict[str, dict[str, float]]:
         top = scratch / f"io-{side}"
         top.mkdir()
         fd = os.open(top, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        fs = PassthroughOperations(fd, BackingIO(IoMode.INLINE), engine, FsOptions())
+        fs = build_filesystem(fd, IoMode.INLINE, engine, FsOptions())
 
         async def main(fs: PassthroughOperations = fs, side: str = side) -> None:
             info, entry = await fs.create(pyfuse3.ROOT_INODE, b"f", 0o644,

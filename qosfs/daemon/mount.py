@@ -53,6 +53,7 @@ from qosfs.core.failures import Failures
 from qosfs.core.mountinfo import lies_within, mount_type, resolve_without_touching
 from qosfs.daemon import tuning
 from qosfs.daemon.crash_guard import CrashGuard
+from qosfs.daemon.filesystem import build_filesystem
 from qosfs.daemon.listeners import Listeners
 from qosfs.daemon.notify import notify, reloading
 from qosfs.daemon.offer import FAILURES, HandoverOffer, daemon_version
@@ -61,7 +62,7 @@ from qosfs.daemon.privileges import shed_resource_privileges
 from qosfs.daemon.supervise import Service, supervised
 from qosfs.daemon.topology import QOSFS_FSTYPE, check_before_stat, check_topology
 from qosfs.passthrough import interrupts
-from qosfs.passthrough.backing_io import BackingIO, IoMode, backing_mount, choose_io_mode
+from qosfs.passthrough.backing_io import IoMode, backing_mount, choose_io_mode
 from qosfs.passthrough.kernel import stack_depth
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import default_policy, load_policy
@@ -344,12 +345,11 @@ def build_daemon(cfg: MountConfig, policy: Policy | None, root_fd: int,
         interrupts.install()
     # Unexpected failures of handlers and services, answered and counted, not fatal.
     failures = Failures()
-    ops = PassthroughOperations(root_fd, BackingIO(mode), engine, cfg.fs_options,
-                                write_as_caller, failures)
+    ops = build_filesystem(root_fd, mode, engine, cfg.fs_options, write_as_caller, failures)
     # Kernel passthrough is negotiated at INIT, once per mount: asked for only if the
     # policy in force now wants it (a later policy cannot add it; ctl status says so).
     _request_passthrough(cfg, ops, engine, fstype)
-    latency = (LatencyLoop(policy_engine, LatencyProbe(mountpoint, ops.probe_tids),
+    latency = (LatencyLoop(policy_engine, LatencyProbe(mountpoint, policy_engine.probe_tids),
                            reads_bypass=_reads_bypass(ops, policy_engine),
                            backing_file=ops.kernel_opens.recent_file)
                if policy_engine is not None else None)

@@ -52,12 +52,16 @@ from qosfs.qos.explain import Asked, explain
 from qosfs.qos.interface import (
     NO_CALLER_WATCH,
     THREADS_PER_FLOW,
+    XATTR_CANARY,
+    XATTR_CHARGED,
+    XATTR_FREE,
     Caller,
     CallerWatch,
     Classified,
     Flow,
     PathSource,
 )
+from qosfs.qos.latency_probe import PROBE_XATTR
 from qosfs.qos.levels import (
     FairShareGroup,
     Kind,
@@ -91,6 +95,7 @@ def level_limits(limits: Limits) -> LevelLimits:
 _READ, _WRITE, _META = Kind.READ, Kind.WRITE, Kind.META
 _monotonic = time.monotonic
 _CALLER_FIELDS = len(CallerKey._fields)
+_CAPABILITY_XATTR = b"security.capability"
 
 
 def class_limits(limits: Limits, auto: AutoCaps = NO_AUTO_CAPS) -> LevelLimits:
@@ -313,6 +318,13 @@ class PolicyFlow:
             level.refund(Kind.WRITE, 0, 1)
         self.stats.write_ops -= 1
 
+    def read_done(self, asked: int, nbytes: int, waited: float, backend_ns: int) -> None:
+        """Count a read; a short one (EOF) is charged only what it transferred: the
+        readahead of a small file is not charged."""
+        if nbytes < asked:
+            refund_bytes(self._levels(), Kind.READ, asked - nbytes)
+        self.stats.record_read(nbytes, waited, backend_ns)
+
     @property
     def throttled_writes(self) -> bool:
         """Whether a cap (configured or automatic) bounds this flow's writes right now.
@@ -401,6 +413,8 @@ class PolicyQos:
         self.policy = policy  # swap() replaces it; set first so swap() can compare
         self.stream_moves: dict[str, int] = {}  # opens moved as streaming writers, by class
         self.rename_charges: dict[str, int] = {}  # bytes charged at a rename, by class
+        # Pids of the latency canary (qosfs.qos.latency_probe fills it while it runs).
+        self.probe_tids: set[int] = set()
         self.swap(policy)
 
     # ------------------------------------------------------------------ policy swap
@@ -550,6 +564,15 @@ class PolicyQos:
             level.set_limits(LevelLimits())
         if self.backend is not None:
             self.backend.set_limits(LevelLimits())
+
+    def getxattr_admission(self, name: bytes, pid: int) -> int:
+        """The canary's getxattr of the probe attribute is answered at once (only its round
+        trip matters). The kernel itself asks for security.capability before every write
+        (to know whether the write must drop file capabilities): not the caller's
+        metadata operation, so not charged (a meta_iops cap would throttle its writes)."""
+        if name == PROBE_XATTR and pid in self.probe_tids:
+            return XATTR_CANARY
+        return XATTR_FREE if name == _CAPABILITY_XATTR else XATTR_CHARGED
 
     def set_auto_caps(self, name: str, caps: AutoCaps) -> bool:
         """Put the latency controller's caps for class *name* in force (parked requests
