@@ -6,7 +6,7 @@ filesystem (its :class:`~qosfs.passthrough.handle_table.Tables`) the same meanin
 each of them, from the dead process's session journal (:mod:`qosfs.passthrough.journal`):
 
 - inodes: the same node ids and lookup counts, reopened from their file handles or their
-  (parent, name) when first used (:meth:`qosfs.passthrough.inodes.InodeTable.rebuild`);
+  (parent, name) when first used (:func:`qosfs.passthrough.inode_takeover.rebuild_inodes`);
 - open files: the same ``fh``, a new backing descriptor opened with the open's flags (less
   those that made or emptied the file), the same class, tenant and owner, and an open the
   kernel passes through keeps its backing id (it belongs to the connection, which lived
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from qosfs.passthrough.handle_table import OpenRecord, Tables
 from qosfs.passthrough.handles import PASSED_THROUGH, SERVED
+from qosfs.passthrough.inode_takeover import rebuild_inodes
 from qosfs.passthrough.journal import DIR, FILE, INODE, Journal
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ def _signed(value: int) -> int:
 
 def rebuild(fs: Tables, journal: Journal) -> Rebuilt:
     """Give *fs* (new, idle) the dead predecessor's tables from *journal*."""
-    nodes = fs.inodes.rebuild(list(journal.of_kind(INODE)))
+    nodes = rebuild_inodes(fs.inodes, list(journal.of_kind(INODE)))
     root = fs.inodes.root
     handles = fs.handles
     kernel = fs.kernel_opens.kernel

@@ -5,7 +5,7 @@ The kernel keeps using the node ids, lookup counts and file handles the old proc
 it, so the successor (``qosfs upgrade``) must answer each of them with the same
 backing object, the same open and the same QoS charge:
 
-- the inode table (:meth:`qosfs.passthrough.inodes.InodeTable.export_state`): node ids,
+- the inode table (:func:`qosfs.passthrough.inode_takeover.export_inodes`): node ids,
   lookup counts, what reopens each inode (file handle or parent and name) and its cached
   ``O_PATH`` descriptor;
 - every open file, as the crash journal writes it (:class:`qosfs.passthrough.handle_table.
@@ -31,6 +31,7 @@ import fcntl
 from typing import Any
 
 from qosfs.passthrough.handle_table import OpenRecord, Tables
+from qosfs.passthrough.inode_takeover import export_inodes, import_inodes
 
 
 def export_state(fs: Tables) -> tuple[dict[str, Any], list[int]]:
@@ -39,8 +40,8 @@ def export_state(fs: Tables) -> tuple[dict[str, Any], list[int]]:
     handles = fs.handles
     files = list(handles.files.values())
     dirs = list(handles.dirs.values())
-    inodes, index = fs.inodes.export_state(
-        fds, [h.inode for h in files] + [d.inode for d in dirs])
+    inodes, index = export_inodes(
+        fs.inodes, fds, [h.inode for h in files] + [d.inode for d in dirs])
 
     def add(fd: int) -> int:
         if fd < 0:
@@ -67,7 +68,7 @@ def export_state(fs: Tables) -> tuple[dict[str, Any], list[int]]:
 def import_state(fs: Tables, payload: dict[str, Any], fds: list[int]) -> None:
     """Take over a predecessor's state: *fs* must not have served a request yet, and
     owns *fds* (as `export_state` listed them) from here on."""
-    nodes = fs.inodes.import_state(payload["inodes"], fds)
+    nodes = import_inodes(fs.inodes, payload["inodes"], fds)
     handles = fs.handles
     for rec in payload["files"]:
         record = OpenRecord.load(rec["open"])

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from qosfs.passthrough import journal as journal_module
+from qosfs.passthrough.inode_takeover import rebuild_inodes
 from qosfs.passthrough.inodes import Inode, InodeTable
 from qosfs.passthrough.journal import (
     DIR,
@@ -267,7 +268,7 @@ class Source:
         table = InodeTable(self.root_fd, BUDGET)
         table.handles = self.table.handles
         self.successors.append(table)
-        return table, table.rebuild(list(self.read().of_kind(INODE)))
+        return table, rebuild_inodes(table, list(self.read().of_kind(INODE)))
 
 
 @pytest.fixture
@@ -304,7 +305,7 @@ def names_only(source: Source) -> Source:
 
 def known(table: InodeTable) -> dict[int, int]:
     """Node id -> lookup count of every inode the kernel holds (the root aside)."""
-    return {n: i.lookups for n, i in table._by_id.items() if i is not table.root}
+    return {n: i.lookups for n, i in table.by_id.items() if i is not table.root}
 
 
 @pytest.mark.parametrize("kind", ["handles", "names_only"])
