@@ -3,6 +3,7 @@ import every other.
 
 - ``cli``: the command line (``completion`` marks its path arguments for shell completion).
 - ``mount``: the mount's lifecycle: checks, daemonizing, the trio loop, signals, unmount.
+- ``filesystem``: the FUSE operations assembled from their parts (``build_filesystem``).
 - ``topology``: the source and mountpoint layouts that cannot work, refused.
 - ``supervise``: the services on the event loop, restarted when they fail.
 - ``logsetup``: logging to stderr, journald/syslog or a file.
