@@ -43,7 +43,7 @@ import trio
 from qosfs.core.limit_kinds import BY_KEY, LIMIT_KINDS, default_burst
 from qosfs.policy.classify import CallerKey, Classifier, JobCache, compile_path_globs
 from qosfs.policy.model import ClassRule, Limits, Policy, stream_threshold
-from qosfs.qos.accounting import AccountKey, Accounts
+from qosfs.qos.accounting import AccountKey, Accounts, record_latency
 from qosfs.qos.backend import BackendLevel, ClassPort, Share
 from qosfs.qos.bounds import ParkingLot
 from qosfs.qos.bucket import LevelLimits, Limit
@@ -323,7 +323,15 @@ class PolicyFlow:
         readahead of a small file is not charged."""
         if nbytes < asked:
             refund_bytes(self._levels(), Kind.READ, asked - nbytes)
-        self.stats.record_read(nbytes, waited, backend_ns)
+        # FlowStats.record_read, inlined: a call more per read would cost more than this.
+        stats = self.stats
+        stats.read_bytes += nbytes
+        stats.read_ops += 1
+        record_latency(stats.read_backend, stats.read_latency, backend_ns, waited)
+        if waited:
+            stats.throttled_seconds += waited
+        if stats.read_fine is not None:
+            stats.read_fine.observe(backend_ns)
 
     @property
     def throttled_writes(self) -> bool:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import trio
 
 from qosfs.policy.model import PolicyError
-from qosfs.qos.accounting import Accounts, FlowStats
+from qosfs.qos.accounting import Accounts, FlowStats, record_latency
 from qosfs.qos.stats import NO_COUNTERS, EngineCounters, EngineStatistics
 
 if TYPE_CHECKING:
@@ -292,7 +292,13 @@ class CountingFlow:
         self.stats.write_ops -= 1
 
     def read_done(self, asked: int, nbytes: int, waited: float, backend_ns: int) -> None:
-        self.stats.record_read(nbytes, waited, backend_ns)  # nothing was charged
+        # Nothing was charged: only counted (FlowStats.record_read, inlined).
+        stats = self.stats
+        stats.read_bytes += nbytes
+        stats.read_ops += 1
+        record_latency(stats.read_backend, stats.read_latency, backend_ns, waited)
+        if stats.read_fine is not None:
+            stats.read_fine.observe(backend_ns)
 
 
 class PassThroughQos:
