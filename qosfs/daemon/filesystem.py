@@ -14,12 +14,15 @@ import resource
 
 from qosfs.core.failures import Failures
 from qosfs.passthrough.backing_io import BackingIO, IoMode
+from qosfs.passthrough.entries import Entries
 from qosfs.passthrough.fdcache import DeferredClose
 from qosfs.passthrough.handle_table import HandleTable
 from qosfs.passthrough.handles import FileHandle, OpenQuota
 from qosfs.passthrough.inodes import InodeTable, default_fd_budget
 from qosfs.passthrough.intents import ExactlyOnce
 from qosfs.passthrough.kernel_opens import KernelOpens
+from qosfs.passthrough.meta_calls import MetaCalls
+from qosfs.passthrough.namespace import Namespace
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.passthrough.ownership import Ownership
 from qosfs.passthrough.paths import PathBook
@@ -57,10 +60,14 @@ def build_filesystem(root_fd: int, io: IoMode | BackingIO, qos: QosEngine,
     kernel_opens = KernelOpens(files)
     handles = HandleTable(OpenQuota(max(64, (soft - budget) // 2)), qos, inodes,
                           kernel_opens, files)
-    return PassthroughOperations(
-        inodes, handles, PathBook(root_fd, inodes.root), backing, qos, options, kernel_opens,
-        # Renames, unlinks, mkdirs... recorded by request id, so that one the kernel
-        # sends again after a crash is answered with what was done, not done twice.
-        ExactlyOnce(),
-        Ownership(os.geteuid() == 0, write_as_caller),
-        failures if failures is not None else Failures())
+    paths = PathBook(root_fd, inodes.root)
+    # Renames, unlinks, mkdirs... recorded by request id, so that one the kernel sends
+    # again after a crash is answered with what was done, not done twice.
+    once = ExactlyOnce()
+    calls = MetaCalls(backing, qos.meta_limiter, inodes)
+    entries = Entries(inodes, paths, qos, calls, options.entry_timeout, options.attr_timeout)
+    owners = Ownership(os.geteuid() == 0, write_as_caller)
+    names = Namespace(inodes, paths, handles, qos, calls, entries, owners, once)
+    return PassthroughOperations(inodes, handles, paths, backing, qos, options, kernel_opens,
+                                 once, calls, entries, names, owners,
+                                 failures if failures is not None else Failures())

@@ -115,14 +115,16 @@ class PassthroughOperations(pyfuse3.Operations):
 
     def __init__(self, inodes: InodeTable, handles: HandleTable, paths: PathBook,
                  io: BackingIO, qos: QosEngine, options: FsOptions, kernel_opens: KernelOpens,
-                 once: ExactlyOnce, owners: Ownership, failures: Failures) -> None:
+                 once: ExactlyOnce, calls: MetaCalls, entries: Entries, names: Namespace,
+                 owners: Ownership, failures: Failures) -> None:
         """Made by :func:`qosfs.daemon.filesystem.build_filesystem`, which builds the
         parts: *inodes* (held by O_PATH descriptors), *handles* (open files and
         directories by fh), *paths* (for the engine's classification by path), *io* (the
         data path's syscalls), *qos*, *kernel_opens* (which opens the kernel serves
         itself), *once* (non-idempotent requests done exactly once across a crash),
-        *owners* (ownership emulation) and *failures* (unexpected exceptions answered
-        EIO instead of ending the mount, counted)."""
+        *calls* (metadata syscalls), *entries* (what the kernel is told of an inode),
+        *names* (name changes), *owners* (ownership emulation) and *failures*
+        (unexpected exceptions answered EIO instead of ending the mount, counted)."""
         super().__init__()
         self.failures = failures
         self.inodes = inodes
@@ -138,15 +140,14 @@ class PassthroughOperations(pyfuse3.Operations):
         self.once = once
         self._owners = owners
         self._meta_limiter = qos.meta_limiter
-        self._calls = calls = MetaCalls(io, qos.meta_limiter, inodes)
+        # Bound methods looked up once: the handlers call them per request.
         self._meta = calls.run
         self._meta_opening = calls.opening
-        self._entries = entries = Entries(inodes, paths, qos, calls, options.entry_timeout,
-                                          options.attr_timeout)
+        self._resolve_inline = calls.resolve_inline
+        self._entries = entries
         self._entry = entries.of
         self._adopt = entries.adopt
-        self._resolve_inline = calls.resolve_inline
-        self._names = Namespace(inodes, paths, handles, qos, calls, entries, owners, once)
+        self._names = names
 
     # ----------------------------------------------------------------- helpers
 
