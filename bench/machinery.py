@@ -24,7 +24,8 @@ import trio
 
 from bench.core.sides import GENEROUS_POLICY
 from bench.suites.metadata import FILES, ROUNDS, measure
-from qosfs.passthrough.backing_io import BackingIO, IoMode
+from qosfs.daemon.filesystem import build_filesystem
+from qosfs.passthrough.backing_io import IoMode
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import parse_policy
 from qosfs.qos.engine import PolicyQos
@@ -124,7 +125,7 @@ def io_handlers(scratch: Path, policy_text: str) -> dict[str, dict[str, float]]:
         top = scratch / f"io-{side}"
         top.mkdir()
         fd = os.open(top, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        fs = PassthroughOperations(fd, BackingIO(IoMode.INLINE), engine, FsOptions())
+        fs = build_filesystem(fd, IoMode.INLINE, engine, FsOptions())
 
         async def main(fs: PassthroughOperations = fs, side: str = side) -> None:
             info, entry = await fs.create(pyfuse3.ROOT_INODE, b"f", 0o644,

@@ -18,8 +18,9 @@ from typing import Any
 import pyfuse3
 import trio
 
-from qosfs.passthrough.backing_io import BackingIO, IoMode
-from qosfs.passthrough.operations import FsOptions, PassthroughOperations
+from qosfs.daemon.filesystem import build_filesystem
+from qosfs.passthrough.backing_io import IoMode
+from qosfs.passthrough.operations import FsOptions
 from qosfs.policy.loading import parse_policy
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.interface import PassThroughQos, QosEngine
@@ -111,8 +112,7 @@ class InProcessFs:
                  mode: IoMode = IoMode.INLINE) -> None:
         self.root = root
         self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        self.ops = PassthroughOperations(self.root_fd, BackingIO(mode), qos,
-                                         options or FsOptions())
+        self.ops = build_filesystem(self.root_fd, mode, qos, options or FsOptions())
         self.ctx = Caller()
 
     def run(self, main: Callable[[], Awaitable[Any]]) -> None:

@@ -50,7 +50,8 @@ from bench.core.tables import (
     verdict,
 )
 from bench.core.typed import Json, Record
-from qosfs.passthrough.backing_io import BackingIO, IoMode
+from qosfs.daemon.filesystem import build_filesystem
+from qosfs.passthrough.backing_io import IoMode
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import parse_policy
 from qosfs.qos.engine import PolicyQos
@@ -205,8 +206,7 @@ def measure(scratch: Path, policy_text: str) -> HandlerCosts:
         top.mkdir()
         fd = os.open(top, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         fds.append(fd)
-        sides[side] = PassthroughOperations(fd, BackingIO(IoMode.INLINE), engine,
-                                            FsOptions())
+        sides[side] = build_filesystem(fd, IoMode.INLINE, engine, FsOptions())
     samples: dict[str, dict[str, list[float]]] = {s: {op: [] for op in OPERATIONS}
                                                   for s in sides}
 

@@ -32,6 +32,7 @@ from qosfs.control.service import ControlService
 from qosfs.core.errors import QosfsError
 from qosfs.core.failures import Failures
 from qosfs.daemon.config import MountConfig, control_socket_path
+from qosfs.daemon.filesystem import build_filesystem
 from qosfs.daemon.notify import notify, reloading
 from qosfs.daemon.pointer import pointer_path
 from qosfs.daemon.privileges import shed_resource_privileges
@@ -40,7 +41,7 @@ from qosfs.daemon.takeover.crash_guard import CrashGuard
 from qosfs.daemon.takeover.listeners import Listeners
 from qosfs.daemon.takeover.offer import FAILURES, HandoverOffer, daemon_version
 from qosfs.passthrough import interrupts
-from qosfs.passthrough.backing_io import BackingIO, IoMode, backing_mount, choose_io_mode
+from qosfs.passthrough.backing_io import IoMode, backing_mount, choose_io_mode
 from qosfs.passthrough.kernel import stack_depth
 from qosfs.passthrough.operations import PassthroughOperations
 from qosfs.policy.model import ClassRule, Policy, PolicyError, passthrough_blocker
@@ -163,12 +164,11 @@ def build_daemon(cfg: MountConfig, policy: Policy | None, root_fd: int,
         interrupts.install()
     # Unexpected failures of handlers and services, answered and counted, not fatal.
     failures = Failures()
-    ops = PassthroughOperations(root_fd, BackingIO(mode), engine, cfg.fs_options,
-                                write_as_caller, failures)
+    ops = build_filesystem(root_fd, mode, engine, cfg.fs_options, write_as_caller, failures)
     # Kernel passthrough is negotiated at INIT, once per mount: asked for only if the
     # policy in force now wants it (a later policy cannot add it; ctl status says so).
     _request_passthrough(cfg, ops, engine, fstype)
-    latency = (LatencyLoop(policy_engine, LatencyProbe(mountpoint, ops.probe_tids),
+    latency = (LatencyLoop(policy_engine, LatencyProbe(mountpoint, policy_engine.probe_tids),
                            reads_bypass=_reads_bypass(ops, policy_engine),
                            backing_file=ops.kernel_opens.recent_file)
                if policy_engine is not None else None)

@@ -211,15 +211,16 @@ def _pwrite_as(fsuid: int, fd: int, data: Any, off: int) -> int:
 class BackingIO:
     """Issues data-path syscalls according to the mount's :class:`IoMode`."""
 
-    def __init__(self, mode: IoMode) -> None:
+    def __init__(self, mode: IoMode, fd_guard: DeferredClose | None = None) -> None:
         self.mode = mode
         self._plain = _Pool(aligned=False)
         self._aligned = _Pool(aligned=True)
         self.thread_hops = 0  # how many syscalls went to a worker thread (diagnostics)
         self.prefetches = 0  # how many opens started reading their file (prefetch)
         # Inode descriptors evicted while a metadata call runs in a thread are closed only
-        # once it returns (qosfs.passthrough.fdcache); the filesystem shares its guard here.
-        self.fd_guard = DeferredClose()
+        # once it returns (qosfs.passthrough.fdcache): the inode table closes through
+        # the same guard (qosfs.daemon.filesystem builds both with it).
+        self.fd_guard = fd_guard if fd_guard is not None else DeferredClose()
 
     def __repr__(self) -> str:
         return (f"BackingIO(mode={self.mode.value}, thread_hops={self.thread_hops}, "

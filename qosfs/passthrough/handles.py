@@ -24,8 +24,8 @@ from qosfs.qos.charge import OpenCharge
 class FileHandle:
     """An open regular file.
 
-    ``fh`` is what the kernel knows the open by, a number the operations hand out in
-    sequence and never reuse while the process lives, not the backing descriptor's number:
+    ``fh`` is what the kernel knows the open by, a number the handle table hands out in
+    sequence and never reuses while the process lives, not the backing descriptor's number:
     a successor process (``qosfs upgrade``) must answer the kernel's ``fh``
     with descriptors it received under other numbers, and a number of its own must never
     collide with one the kernel still holds from the predecessor."""
@@ -38,7 +38,7 @@ class FileHandle:
     fsuid: int = 0  # writes run with this fsuid when not 0 (see qosfs.daemon.privileges)
     owner: int = -1  # the uid whose OpenQuota it counts against (-1: none)
     # A request whose offset or length has a bit of dio_mask set cannot be served O_DIRECT
-    # (0: any request can; PassthroughOperations._buffered): it goes to ``buffered``, the
+    # (0: any request can; qosfs.passthrough.odirect.buffered): it goes to ``buffered``, the
     # same file reopened without O_DIRECT at the first such request (-1: not yet).
     dio_mask: int = 0
     buffered: int = -1
@@ -47,7 +47,7 @@ class FileHandle:
     # PASSED_THROUGH (the kernel reads and writes the backing file itself: no READ or
     # WRITE of this handle ever reaches the daemon; its release gives the backing id back).
     kernel: int = 0
-    fh: int = -1  # the kernel's file handle (the operations' files table key)
+    fh: int = -1  # the kernel's file handle (the handle table's files key)
     jslot: int = -1  # its record in the session journal (qosfs.passthrough.journal)
 
 
@@ -64,7 +64,7 @@ class DirHandle:
     names: list[bytes] = field(default_factory=list)
     listed: bool = False
     owner: int = -1  # the uid whose OpenQuota it counts against (-1: none)
-    fh: int = -1  # the kernel's handle of the listing (the operations' dirs table key)
+    fh: int = -1  # the kernel's handle of the listing (the handle table's dirs key)
     jslot: int = -1  # its record in the session journal (qosfs.passthrough.journal)
 
 

@@ -54,7 +54,7 @@ import logging
 import os
 import resource
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import pyfuse3
@@ -64,9 +64,7 @@ from qosfs.passthrough.fdcache import CachedFd, DeferredClose, FdCache
 from qosfs.passthrough.journal import (
     NO_SLOT,
     ROOT_SLOT,
-    STALE,
     JournalFull,
-    Record,
     SessionJournal,
 )
 
@@ -191,9 +189,11 @@ class InodeTable:
         self._mount_fd = os.open(f"/proc/self/fd/{root_fd}",
                                  os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.root = Inode(self, pyfuse3.ROOT_INODE, (st.st_dev, st.st_ino), 1, None, root_fd)
-        self._by_id: dict[int, Inode] = {pyfuse3.ROOT_INODE: self.root}
-        self._by_key: dict[tuple[int, int], Inode] = {self.root.key: self.root}
-        self._next_synthetic = _SYNTHETIC_BASE
+        # By node id, the inodes the kernel holds; by (device, inode number), the live
+        # object's. A takeover fills them (qosfs.passthrough.inode_takeover).
+        self.by_id: dict[int, Inode] = {pyfuse3.ROOT_INODE: self.root}
+        self.by_key: dict[tuple[int, int], Inode] = {self.root.key: self.root}
+        self.next_synthetic = _SYNTHETIC_BASE
         close = deferred_close.retire if deferred_close is not None else os.close
         self._close = close
         self.cache = FdCache(fd_budget, close, self._evicting)
@@ -207,7 +207,7 @@ class InodeTable:
                         "the kernel knows (a large tree may exhaust the descriptor limit)")
 
     def __len__(self) -> int:
-        return len(self._by_id)
+        return len(self.by_id)
 
     @property
     def fds_held(self) -> int:
@@ -220,7 +220,7 @@ class InodeTable:
         Every request handler starts here, so this is where the descriptor cache is
         trimmed (:meth:`trim`).
         """
-        inode = self._by_id[nodeid]
+        inode = self.by_id[nodeid]
         if inode.stale:
             raise _stale()
         if self.cache.over:
@@ -256,7 +256,7 @@ class InodeTable:
         descriptor or is closed. *entry* is the (parent, name) it was looked up as.
         """
         key = (st.st_dev, st.st_ino)
-        inode = self._by_key.get(key)
+        inode = self.by_key.get(key)
         handle = None
         due = False
         if inode is not None and not inode.stale:
@@ -292,14 +292,14 @@ class InodeTable:
             else:
                 handle = self._handle_of(fd, st)
         nodeid = st.st_ino if st.st_dev == self.root_dev else 0
-        if nodeid <= pyfuse3.ROOT_INODE or nodeid in self._by_id:
-            nodeid = self._next_synthetic
-            self._next_synthetic += 1
+        if nodeid <= pyfuse3.ROOT_INODE or nodeid in self.by_id:
+            nodeid = self.next_synthetic
+            self.next_synthetic += 1
         inode = Inode(self, nodeid, key, 1, handle, -1)
         if entry is not None and stat.S_ISDIR(st.st_mode):
             inode.parent = entry[0]
-        self._by_id[nodeid] = inode
-        self._by_key[key] = inode
+        self.by_id[nodeid] = inode
+        self.by_key[key] = inode
         if handle is None and entry is None:
             inode.cached_fd = fd  # no way to reopen it: held for as long as it is known
             self.pinned += 1
@@ -319,7 +319,7 @@ class InodeTable:
         again after a successor that failed replaced the file). *also*: inodes open
         files and directories hold."""
         seen: set[int] = set()
-        todo = [*self._by_id.values(), *self._by_key.values(), *also]
+        todo = [*self.by_id.values(), *self.by_key.values(), *also]
         while todo:  # slots of a previous journal mean nothing in this one
             inode = todo.pop()
             if id(inode) in seen:
@@ -331,7 +331,7 @@ class InodeTable:
             if inode.parent is not None:
                 todo.append(inode.parent)
         self.journal = journal
-        for inode in list(self._by_id.values()):
+        for inode in list(self.by_id.values()):
             self.write_down(inode)
 
     def write_down(self, inode: Inode) -> None:
@@ -449,7 +449,7 @@ class InodeTable:
             st = os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
         except OSError:
             return
-        inode = self._by_key.get((st.st_dev, st.st_ino))
+        inode = self.by_key.get((st.st_dev, st.st_ino))
         if inode is None:
             return
         if stat.S_ISDIR(st.st_mode):
@@ -468,7 +468,7 @@ class InodeTable:
         without one (or if it is gone) the answer is ESTALE.
         """
         parent = inode.parent
-        known = self.root if parent is None else self._by_key.get(parent.key)
+        known = self.root if parent is None else self.by_key.get(parent.key)
         if known is not None and not known.stale:
             known.lookups += 1
             self.counted(known)
@@ -499,7 +499,7 @@ class InodeTable:
         parent = inode.parent
         if parent is None:
             return self.root.nodeid if inode is self.root else inode.nodeid
-        known = self._by_key.get(parent.key)
+        known = self.by_key.get(parent.key)
         return known.nodeid if known is not None else parent.nodeid
 
     def relieve(self) -> bool:
@@ -516,7 +516,7 @@ class InodeTable:
 
     def find(self, st: os.stat_result) -> Inode | None:
         """The known inode for a backing object, if the kernel knows it."""
-        return self._by_key.get((st.st_dev, st.st_ino))
+        return self.by_key.get((st.st_dev, st.st_ino))
 
     def release_unlinked(self, inode: Inode) -> None:
         """Let go of a file whose last name is gone and that nobody has open.
@@ -534,8 +534,8 @@ class InodeTable:
         except OSError as exc:
             if exc.errno != errno.ESTALE:  # short of descriptors, say: try again later
                 return
-        if self._by_key.get(inode.key) is inode:
-            del self._by_key[inode.key]
+        if self.by_key.get(inode.key) is inode:
+            del self.by_key[inode.key]
         inode.stale = True
         self._journal_stale(inode)
         self._let_go(inode)
@@ -550,7 +550,7 @@ class InodeTable:
 
     def forget(self, nodeid: int, count: int) -> None:
         """Drop *count* kernel references; close the descriptor when none remain."""
-        inode = self._by_id.get(nodeid)
+        inode = self.by_id.get(nodeid)
         if inode is None:
             log.warning("forget for unknown inode %d", nodeid)
             return
@@ -558,143 +558,16 @@ class InodeTable:
         self.counted(inode)
         if inode.lookups > 0 or inode is self.root:
             return
-        del self._by_id[nodeid]
-        if self._by_key.get(inode.key) is inode:
-            del self._by_key[inode.key]
+        del self.by_id[nodeid]
+        if self.by_key.get(inode.key) is inode:
+            del self.by_key[inode.key]
         inode.stale = True
         self._let_go(inode)
-
-    # ----------------------------------------------------------------- handover
-
-    def export_state(self, fds: list[int],
-                     also: Iterable[Inode] = ()) -> tuple[dict[str, Any], dict[int, int]]:
-        """The table as plain data, for a successor process that serves the same kernel
-        connection (:mod:`qosfs.passthrough.transfer`): every inode the kernel holds a
-        node id of, every inode those name as their parent or entry (a directory the kernel
-        forgot included) and the inodes of *also* (open files' and directories'), each
-        with its lookup count and what reopens it: its file handle, or its (parent, name).
-        A cached descriptor is appended to *fds* (they travel by SCM_RIGHTS) and its
-        record names its index. Returns the payload and, by ``id(inode)``, each inode's
-        record index. Nothing is closed or changed here: refused, the handover leaves the
-        table serving as it was."""
-        index: dict[int, int] = {}
-        order: list[Inode] = []
-
-        def ref(inode: Inode | None) -> int:
-            if inode is None:
-                return -1
-            at = index.get(id(inode))
-            if at is None:
-                at = index[id(inode)] = len(order)
-                order.append(inode)
-            return at
-
-        ref(self.root)  # record 0: the successor's own root (the root descriptor travels apart)
-        for inode in (*self._by_id.values(), *self._by_key.values(), *also):
-            ref(inode)
-        records: list[dict[str, Any]] = []
-        at = 0
-        while at < len(order):  # ref() appends the parents and entries it meets
-            inode = order[at]
-            at += 1
-            entry = inode.entry
-            fd, pinned = -1, False
-            if inode is not self.root and inode.cached_fd >= 0:
-                fd, pinned = len(fds), inode.slot < 0
-                fds.append(inode.cached_fd)
-            records.append({
-                "nodeid": inode.nodeid, "key": list(inode.key), "lookups": inode.lookups,
-                "handle": None if inode.handle is None else inode.handle.hex(),
-                "handle_due": inode.handle_due,
-                "entry": None if entry is None else [ref(entry[0]), entry[1].hex()],
-                "parent": ref(inode.parent), "stale": inode.stale,
-                "known": self._by_id.get(inode.nodeid) is inode,
-                "keyed": self._by_key.get(inode.key) is inode,
-                "cache_stamp": None if inode.cache_stamp is None else list(inode.cache_stamp),
-                "fd": fd, "pinned": pinned,
-            })
-        return {"records": records, "next_synthetic": self._next_synthetic,
-                "reopens": self.reopens}, index
-
-    def import_state(self, state: dict[str, Any], fds: Sequence[int]) -> list[Inode]:
-        """Take over a predecessor's table (`export_state`'s payload, the descriptors it
-        names received as *fds*, owned from here on); returns the inodes by record index.
-        The table must be new: record 0 is its root."""
-        records = state["records"]
-        nodes: list[Inode] = [self.root]
-        for rec in records[1:]:
-            handle = rec["handle"]
-            nodes.append(Inode(self, int(rec["nodeid"]), (int(rec["key"][0]),
-                               int(rec["key"][1])), int(rec["lookups"]),
-                               None if handle is None else bytes.fromhex(handle), -1))
-        for inode, rec in zip(nodes, records, strict=True):
-            if inode is not self.root:
-                inode.handle_due = bool(rec["handle_due"])
-                inode.stale = bool(rec["stale"])
-                entry = rec["entry"]
-                inode.entry = None if entry is None else (nodes[entry[0]],
-                                                          bytes.fromhex(entry[1]))
-                stamp = rec["cache_stamp"]
-                inode.cache_stamp = None if stamp is None else (int(stamp[0]), int(stamp[1]),
-                                                                int(stamp[2]))
-                if rec["known"]:
-                    self._by_id[inode.nodeid] = inode
-                if rec["keyed"]:
-                    self._by_key[inode.key] = inode
-            parent = rec["parent"]
-            inode.parent = None if parent < 0 else nodes[parent]
-            inode.lookups = int(rec["lookups"])
-            if rec["fd"] >= 0:
-                fd = fds[rec["fd"]]
-                if rec["pinned"]:
-                    inode.cached_fd = fd
-                    self.pinned += 1
-                else:
-                    self.cache.put(inode, fd)
-        self._next_synthetic = max(self._next_synthetic, int(state["next_synthetic"]))
-        self.reopens += int(state["reopens"])
-        return nodes
-
-    def rebuild(self, records: Sequence[Record]) -> dict[int, Inode]:
-        """Take over a dead predecessor's table from its journal's inode records (the
-        table must be new); returns the inodes by their old slot.
-
-        No descriptor is opened here: an inode is reopened from its handle, or by its
-        (parent, name) with its (device, inode number) checked, when first used, as after
-        an eviction. One that can be reopened neither way (the predecessor held its only
-        descriptor: a source without handles) answers ESTALE, as does one the predecessor
-        had let go (unlinked, or replaced underneath). Lookup counts are the
-        kernel's as the predecessor last wrote them; a lookup it counted but never answered
-        leaves one reference too many (the inode is then kept until unmount), never one
-        too few."""
-        nodes: dict[int, Inode] = {}
-        for rec in records:
-            nodes[rec.slot] = Inode(self, rec.nodeid, (rec.dev, rec.ino), rec.lookups,
-                                    rec.handle or None, -1)
-
-        def ref(slot: int) -> Inode | None:
-            return self.root if slot == ROOT_SLOT else nodes.get(slot)
-
-        for rec in records:
-            inode = nodes[rec.slot]
-            named = ref(rec.entry_slot)
-            if inode.handle is None and named is not None:
-                inode.entry = (named, rec.name)
-                inode.handle_due = self.handles and inode.key[0] == self.root_dev
-            inode.parent = ref(rec.parent_slot)
-            inode.stale = bool(rec.flags & STALE)
-            if rec.lookups > 0 and rec.nodeid not in self._by_id:
-                self._by_id[rec.nodeid] = inode
-                if not inode.stale:  # the key is the live object's, if one is known
-                    self._by_key.setdefault(inode.key, inode)
-            if rec.nodeid >= self._next_synthetic:
-                self._next_synthetic = rec.nodeid + 1
-        return nodes
 
     def close_all(self) -> None:
         """Close every descriptor (after unmount, when the kernel will send no more forgets)."""
         self.cache.close_all()
-        for inode in self._by_id.values():
+        for inode in self.by_id.values():
             if inode is not self.root and inode.cached_fd >= 0:
                 self._close(inode.cached_fd)
                 inode.cached_fd = -1
@@ -702,8 +575,8 @@ class InodeTable:
         if self._mount_fd >= 0:
             os.close(self._mount_fd)
             self._mount_fd = -1
-        self._by_id = {pyfuse3.ROOT_INODE: self.root}
-        self._by_key = {self.root.key: self.root}
+        self.by_id = {pyfuse3.ROOT_INODE: self.root}
+        self.by_key = {self.root.key: self.root}
 
 
 def default_fd_budget() -> int:

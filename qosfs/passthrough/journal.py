@@ -109,7 +109,11 @@ class Record:
     aux: int
     name: bytes
     handle: bytes
-    extra: Any  # a FILE's tuple (what qosfs.passthrough.operations writes at each open), else ()
+    extra: Any  # a FILE's record past its fh, slot and flags (saved()), else ()
+
+    def saved(self) -> tuple[Any, ...]:
+        """A FILE's record as it was saved (put_file's tuple: OpenRecord.load reads it)."""
+        return (self.nodeid, self.entry_slot, self.aux, *self.extra)
 
 
 class JournalFull(Exception):
@@ -212,14 +216,16 @@ class SessionJournal:
         """The kernel's lookup count of the inode in *slot* (one aligned 8-byte store)."""
         _LOOKUPS.pack_into(self._map, HEADER_SIZE + slot * SLOT_SIZE, lookups)
 
-    def put_file(self, fh: int, inode_slot: int, flags: int, extra: tuple[Any, ...]) -> int:
-        """Write an open file's record; returns its slot (free it at release)."""
+    def put_file(self, saved: tuple[Any, ...]) -> int:
+        """Write an open file's record (:meth:`qosfs.passthrough.handle_table.OpenRecord.
+        save`'s tuple: its fh, inode slot and flags go to the slot's own fields, the rest
+        after them); returns its slot (free it at release)."""
         slot = self._take()
         # marshal, not JSON: 10x cheaper per open (json.dumps with separators builds an
         # encoder per call), and the reader is this same Python (a journal another one
         # cannot read is refused whole: the connection is let go, never misread).
-        self._write(slot, FILE, 0, inode_slot, NO_SLOT, fh, 0, 0, flags, b"", b"",
-                    marshal.dumps(extra))
+        self._write(slot, FILE, 0, saved[1], NO_SLOT, saved[0], 0, 0, saved[2], b"", b"",
+                    marshal.dumps(saved[3:]))
         return slot
 
     def put_dir(self, fh: int, inode_slot: int, owner: int) -> int:

@@ -124,7 +124,7 @@ class KernelOpens:
                 "kernel": self.kernel.export_state()}
 
     def import_state(self, state: dict[str, Any]) -> None:
-        """Take over a predecessor's state (`export_state`), once the operations' files
+        """Take over a predecessor's state (`export_state`), once the handle table's files
         table holds the handles it refers to by fh."""
         self.on = bool(state["on"])
         self._off_reason = str(state["off_reason"])

@@ -2,11 +2,11 @@
 
 The kernel connection outlived the daemon (:mod:`qosfs.daemon.takeover.keeper`); its node ids and
 file handles are still in the kernel and in use. :func:`rebuild` gives a new, idle
-operations object the same meaning for each of them, from the dead process's session
-journal (:mod:`qosfs.passthrough.journal`):
+filesystem (its :class:`~qosfs.passthrough.handle_table.Tables`) the same meaning for
+each of them, from the dead process's session journal (:mod:`qosfs.passthrough.journal`):
 
 - inodes: the same node ids and lookup counts, reopened from their file handles or their
-  (parent, name) when first used (:meth:`qosfs.passthrough.inodes.InodeTable.rebuild`);
+  (parent, name) when first used (:func:`qosfs.passthrough.inode_takeover.rebuild_inodes`);
 - open files: the same ``fh``, a new backing descriptor opened with the open's flags (less
   those that made or emptied the file), the same class, tenant and owner, and an open the
   kernel passes through keeps its backing id (it belongs to the connection, which lived
@@ -28,10 +28,10 @@ import logging
 import os
 from dataclasses import dataclass
 
-from qosfs.passthrough.handles import PASSED_THROUGH, SERVED, DirHandle, FileHandle
+from qosfs.passthrough.handle_table import OpenRecord, Tables
+from qosfs.passthrough.handles import PASSED_THROUGH, SERVED
+from qosfs.passthrough.inode_takeover import rebuild_inodes
 from qosfs.passthrough.journal import DIR, FILE, INODE, Journal
-from qosfs.passthrough.operations import PassthroughOperations, dio_mask_of
-from qosfs.qos.charge import OpenCharge
 
 log = logging.getLogger(__name__)
 
@@ -53,45 +53,31 @@ def _signed(value: int) -> int:
     return value - (1 << 64) if value >= _SIGNED else value
 
 
-def rebuild(ops: PassthroughOperations, journal: Journal) -> Rebuilt:
-    """Give *ops* (new, idle) the dead predecessor's tables from *journal*."""
-    nodes = ops.inodes.rebuild(list(journal.of_kind(INODE)))
-    root = ops.inodes.root
+def rebuild(fs: Tables, journal: Journal) -> Rebuilt:
+    """Give *fs* (new, idle) the dead predecessor's tables from *journal*."""
+    nodes = rebuild_inodes(fs.inodes, list(journal.of_kind(INODE)))
+    root = fs.inodes.root
+    handles = fs.handles
+    kernel = fs.kernel_opens.kernel
     files = lost = dirs = 0
     for rec in journal.of_kind(FILE):
         node = nodes.get(rec.entry_slot)
         if node is None:
             log.warning("open fh %d names no inode in the journal: dropped", rec.nodeid)
             continue
-        # What operations._write_down_file wrote, in this order.
-        flow_key, charge_values, owner, fsuid, kill_priv, kernel, backing_id = rec.extra
-        fh = rec.nodeid
+        record = OpenRecord.load(rec.saved())
         try:
-            fd = os.open(f"/proc/self/fd/{node.fd}", rec.aux | os.O_CLOEXEC)
+            fd = os.open(f"/proc/self/fd/{node.fd}", record.flags | os.O_CLOEXEC)
         except OSError as exc:
             log.warning("open fh %d (node %d) cannot be reopened (%s): its requests "
-                        "answer ESTALE", fh, node.nodeid, exc.strerror)
+                        "answer ESTALE", record.fh, node.nodeid, exc.strerror)
             fd = -1
             lost += 1
-        flow = ops.qos.flow_from_key(flow_key)
-        charge = OpenCharge.restore(ops.qos, flow, node,
-                                    OpenCharge.state_from_values(charge_values))
-        node.opens += 1
-        ops.open_quota.adopt(int(owner))
-        direct = bool(rec.aux & os.O_DIRECT)
-        dio_mask = 0
-        if direct and fd >= 0:
-            dio_mask = dio_mask_of(fd)
-        handle = FileHandle(fd, direct, charge, node, bool(kill_priv), int(fsuid),
-                            int(owner), dio_mask, -1, int(kernel), fh)
-        if fd >= 0:
-            ops.files[fh] = handle
-        else:
-            ops.lost[fh] = handle
-        if kernel == PASSED_THROUGH and backing_id is not None:
-            ops.kernel_opens.kernel.restore_open(node.nodeid, int(backing_id))
-        elif kernel == SERVED:
-            ops.kernel_opens.kernel.plain_open(node.nodeid)
+        handles.restore_file(record, node, fd)
+        if record.kernel == PASSED_THROUGH and record.backing_id is not None:
+            kernel.restore_open(node.nodeid, record.backing_id)
+        elif record.kernel == SERVED:
+            kernel.plain_open(node.nodeid)
         files += 1
     for rec in journal.of_kind(DIR):
         node = root if rec.entry_slot == -2 else nodes.get(rec.entry_slot)
@@ -102,12 +88,9 @@ def rebuild(ops: PassthroughOperations, journal: Journal) -> Rebuilt:
                          os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
             continue  # gone: its READDIR answers EIO (no handle of that number)
-        owner = _signed(rec.aux)
-        ops.open_quota.adopt(owner)
-        ops.dirs[rec.nodeid] = DirHandle(fd, node, owner=owner, fh=rec.nodeid)
+        handles.restore_dir(rec.nodeid, fd, node, _signed(rec.aux))
         dirs += 1
-    ops.once.past = journal.outcomes
-    ops.once.carried = journal.ring
-    highest = max([*ops.files, *ops.dirs, 0])
-    ops.next_fh = max(ops.next_fh, journal.next_fh, highest + 1)
+    fs.once.past = journal.outcomes
+    fs.once.carried = journal.ring
+    handles.number_after(journal.next_fh)
     return Rebuilt(len(nodes), files, lost, dirs, len(journal.outcomes))

@@ -245,8 +245,11 @@ class FlowSnapshot:
     opens: int = 0
 
 
-def _record(backend: LatencyHistogram, whole: LatencyHistogram, ns: int, waited: float) -> None:
-    """Observe ``ns`` in ``backend`` and ``ns`` + the wait in ``whole`` (one index if no wait)."""
+def record_latency(backend: LatencyHistogram, whole: LatencyHistogram, ns: int,
+                   waited: float) -> None:
+    """Observe ``ns`` in ``backend`` and ``ns`` + the wait in ``whole`` (one index if no wait).
+    Called once per request (FlowStats.record_*, and the flows' read_done and
+    OpenCharge.write_done, which inline record_read/record_write: no call more per request)."""
     if ns < 0:  # a clock step; never seen with a monotonic clock, but never index -1
         ns = 0
     i = (ns // 1000).bit_length()
@@ -293,7 +296,7 @@ class FlowStats:
         """
         self.read_bytes += nbytes
         self.read_ops += 1
-        _record(self.read_backend, self.read_latency, backend_ns, waited)
+        record_latency(self.read_backend, self.read_latency, backend_ns, waited)
         if waited:
             self.throttled_seconds += waited
         if self.read_fine is not None:
@@ -303,7 +306,7 @@ class FlowStats:
         """Count one write; see :meth:`record_read`."""
         self.write_bytes += nbytes
         self.write_ops += 1
-        _record(self.write_backend, self.write_latency, backend_ns, waited)
+        record_latency(self.write_backend, self.write_latency, backend_ns, waited)
         if waited:
             self.throttled_seconds += waited
 

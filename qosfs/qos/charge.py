@@ -23,18 +23,23 @@ the streaming threshold and class, whether a rename re-charges):
 * **Open files.** A flow counts the opens charged to it (the engine forgets flows at 0):
   counted here only, where an open joins, moves and leaves.
 
-Nothing here is on a request's path unless the filesystem's filter lets it through:
-:attr:`OpenCharge.watching` or a request size in (:data:`CUT_MIN`, :data:`MAX_WRITE`)
-(one attribute test and one chained comparison per write, what the filter cost before).
+Nothing here is on a request's path unless :meth:`OpenCharge.write_done`'s filter lets it
+through: :attr:`OpenCharge.watching` or a request size in (:data:`CUT_MIN`,
+:data:`MAX_WRITE`) (one attribute test and one chained comparison per write).
+
+An open that created its file is charged as a write whatever its access mode
+(:func:`open_charge`): it made the file.
 """
 
 from __future__ import annotations
 
 import mmap
 import operator
+import os
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from qosfs.qos.accounting import record_latency
 from qosfs.qos.interface import Classified, FilesystemQos, Flow, PathSource
 
 if TYPE_CHECKING:
@@ -109,8 +114,22 @@ class OpenCharge:
         self._split_ops = 0
         self.watching = bool(limit)
 
+    def write_done(self, off: int, n: int, waited: float, backend_ns: int) -> None:
+        """After a write of *n* bytes at *off* that waited *waited* s and took *backend_ns*
+        at the backing store: counted, and seen by :meth:`wrote` if it may matter. The
+        filter is inline here: most writes need nothing more, and a call per write would
+        cost more than its two tests (and FlowStats.record_write is inlined likewise)."""
+        stats = self.flow.stats
+        stats.write_bytes += n
+        stats.write_ops += 1
+        record_latency(stats.write_backend, stats.write_latency, backend_ns, waited)
+        if waited:
+            stats.throttled_seconds += waited
+        if self.watching or CUT_MIN < n < MAX_WRITE:
+            self.wrote(off, n)
+
     def wrote(self, off: int, n: int) -> None:
-        """After the backing store took *n* bytes at *off*. The filesystem calls it when
+        """After the backing store took *n* bytes at *off*. :meth:`write_done` calls it when
         :attr:`watching` or ``CUT_MIN < n < MAX_WRITE``; every other write needs nothing."""
         if off == self._split_end or CUT_MIN < n < MAX_WRITE:
             self._split_tail(off, n)
@@ -232,6 +251,13 @@ def charge_renamed(engine: FilesystemQos, paths: PathSource, node: Classified,
     for charge in opens:
         if charge.moves_at_rename:
             charge.move_to(flow)
+
+
+def open_charge(engine: FilesystemQos, paths: PathSource, node: Classified,
+                ctx: pyfuse3.RequestContext, accmode: int, created: bool) -> OpenCharge:
+    """The charge of a new open of *node* with access mode *accmode*, classified as a
+    writing open if it may write or it *created* the file (whatever its access mode)."""
+    return OpenCharge(engine, paths, node, ctx, created or accmode != os.O_RDONLY)
 
 
 _STATE_GETTER = operator.attrgetter(*OpenCharge._STATE)

@@ -47,11 +47,15 @@ from qosfs.qos.flow import ClassState, PolicyFlow
 from qosfs.qos.interface import (
     NO_CALLER_WATCH,
     THREADS_PER_FLOW,
+    XATTR_CANARY,
+    XATTR_CHARGED,
+    XATTR_FREE,
     CallerWatch,
     Classified,
     Flow,
     PathSource,
 )
+from qosfs.qos.latency.probe import PROBE_XATTR
 from qosfs.qos.levels import Level
 from qosfs.qos.memo import Classification
 from qosfs.qos.moves import move_written, streaming_flow
@@ -63,6 +67,8 @@ if TYPE_CHECKING:
     import pyfuse3
 
 log = logging.getLogger(__name__)
+
+_CAPABILITY_XATTR = b"security.capability"
 
 
 class PolicyQos:
@@ -95,6 +101,8 @@ class PolicyQos:
         self.policy = policy  # swap() replaces it; set first so swap() can compare
         self.stream_moves: dict[str, int] = {}  # opens moved as streaming writers, by class
         self.rename_charges: dict[str, int] = {}  # bytes charged at a rename, by class
+        # Pids of the latency canary (qosfs.qos.latency_probe fills it while it runs).
+        self.probe_tids: set[int] = set()
         self.swap(policy)
 
     # ------------------------------------------------------------------ policy swap
@@ -195,6 +203,15 @@ class PolicyQos:
             level.set_limits(LevelLimits())
         if self.backend is not None:
             self.backend.set_limits(LevelLimits())
+
+    def getxattr_admission(self, name: bytes, pid: int) -> int:
+        """The canary's getxattr of the probe attribute is answered at once (only its round
+        trip matters). The kernel itself asks for security.capability before every write
+        (to know whether the write must drop file capabilities): not the caller's
+        metadata operation, so not charged (a meta_iops cap would throttle its writes)."""
+        if name == PROBE_XATTR and pid in self.probe_tids:
+            return XATTR_CANARY
+        return XATTR_FREE if name == _CAPABILITY_XATTR else XATTR_CHARGED
 
     def set_auto_caps(self, name: str, caps: AutoCaps) -> bool:
         """Put the latency controller's caps for class *name* in force (parked requests

@@ -23,7 +23,7 @@ import trio
 
 from qosfs.core.limit_kinds import BY_KEY, LIMIT_KINDS, default_burst
 from qosfs.policy.model import ClassRule, Limits
-from qosfs.qos.accounting import Accounts
+from qosfs.qos.accounting import Accounts, record_latency
 from qosfs.qos.backend import BackendLevel, ClassPort, Share
 from qosfs.qos.bounds import ParkedCount
 from qosfs.qos.bucket import LevelLimits, Limit
@@ -226,6 +226,21 @@ class PolicyFlow:
     def refund_read(self, nbytes: int) -> None:
         """Give back what a short read (EOF) was charged but did not transfer."""
         refund_bytes(self.chain(), Kind.READ, nbytes)
+
+    def read_done(self, asked: int, nbytes: int, waited: float, backend_ns: int) -> None:
+        """Count a read; a short one (EOF) is charged only what it transferred: the
+        readahead of a small file is not charged."""
+        if nbytes < asked:
+            refund_bytes(self.chain(), Kind.READ, asked - nbytes)
+        # FlowStats.record_read, inlined: a call more per read would cost more than this.
+        stats = self.stats
+        stats.read_bytes += nbytes
+        stats.read_ops += 1
+        record_latency(stats.read_backend, stats.read_latency, backend_ns, waited)
+        if waited:
+            stats.throttled_seconds += waited
+        if stats.read_fine is not None:
+            stats.read_fine.observe(backend_ns)
 
     def refund_write_op(self) -> None:
         """Give back the write op, charged and counted, of a request that only finishes a

@@ -34,7 +34,7 @@ import trio
 
 from qosfs.policy.classify import CacheTimeouts
 from qosfs.policy.model import PolicyError
-from qosfs.qos.accounting import Accounts, FlowStats
+from qosfs.qos.accounting import Accounts, FlowStats, record_latency
 from qosfs.qos.stats import NO_COUNTERS, EngineCounters, EngineStatistics
 
 if TYPE_CHECKING:
@@ -106,6 +106,17 @@ class Flow(Protocol):
         """Give back the op (charged and counted) of a request that only finishes a
         caller's write the kernel split (:mod:`qosfs.qos.charge`)."""
 
+    def read_done(self, asked: int, nbytes: int, waited: float, backend_ns: int) -> None:
+        """After a read of *asked* bytes that returned *nbytes*, waited *waited* s and
+        took *backend_ns* at the backing store: counted, and what a short read (EOF)
+        did not transfer given back. The one call of the read path after the syscall."""
+
+
+# What the filesystem does with a getxattr (QosEngine.getxattr_admission).
+XATTR_CANARY = 0  # the latency canary's own: answered ENODATA, no syscall, not charged
+XATTR_FREE = 1  # not the caller's metadata operation: not charged
+XATTR_CHARGED = 2  # admitted as a metadata operation of the caller
+
 
 class FilesystemQos(Protocol):
     """What the filesystem asks of the QoS machinery.
@@ -116,6 +127,9 @@ class FilesystemQos(Protocol):
     """
 
     needs_paths: bool
+    # Pids of the latency canary process (qosfs.qos.latency_probe fills it): their
+    # getxattr of the probe's attribute is not a caller's request (getxattr_admission).
+    probe_tids: set[int]
 
     meta_limited: bool
     meta_limiter: trio.CapacityLimiter
@@ -142,6 +156,12 @@ class FilesystemQos(Protocol):
                        charged: Flow, nbytes: int) -> Flow | None:
         """Bytes written under a name that said nothing: charge them to the final name's
         class; returns its flow (None: nothing moved)."""
+
+    # -- the filesystem's small decisions, asked once per request where they apply ------
+
+    def getxattr_admission(self, name: bytes, pid: int) -> int:
+        """What a getxattr of *name* by *pid* is: XATTR_CANARY (the latency canary's, whose
+        pids the engine holds in ``probe_tids``), XATTR_FREE or XATTR_CHARGED."""
 
     def flow_key(self, flow: Flow) -> list[Any]:
         """What names *flow* in this engine, as plain data (JSON): an open's flow travels
@@ -287,6 +307,15 @@ class CountingFlow:
     def refund_write_op(self) -> None:
         self.stats.write_ops -= 1
 
+    def read_done(self, asked: int, nbytes: int, waited: float, backend_ns: int) -> None:
+        # Nothing was charged: only counted (FlowStats.record_read, inlined).
+        stats = self.stats
+        stats.read_bytes += nbytes
+        stats.read_ops += 1
+        record_latency(stats.read_backend, stats.read_latency, backend_ns, waited)
+        if stats.read_fine is not None:
+            stats.read_fine.observe(backend_ns)
+
 
 class PassThroughQos:
     """The engine without a policy: one counting flow, no waiting anywhere."""
@@ -301,6 +330,7 @@ class PassThroughQos:
         self.accounts = Accounts()
         self.flow = CountingFlow("default", self.accounts.get("default", None, None))
         self.meta_limiter = trio.CapacityLimiter(THREADS_PER_FLOW)
+        self.probe_tids: set[int] = set()  # no latency canary runs without a policy
 
     def open_flow(self, paths: PathSource, node: Classified, ctx: pyfuse3.RequestContext,
                   writing: bool) -> CountingFlow:
@@ -322,6 +352,9 @@ class PassThroughQos:
 
     def drain(self) -> None:
         return None
+
+    def getxattr_admission(self, name: bytes, pid: int) -> int:
+        return XATTR_FREE  # nothing is charged without a policy
 
     def flow_key(self, flow: Flow) -> list[Any]:
         return []  # one flow

@@ -4,7 +4,7 @@ The kernel sends requests on an O_DIRECT open that O_DIRECT itself would refuse:
 writeback of a shared mapping ends at EOF, mid-block, and ``dd oflag=direct`` writes a
 last partial block after clearing O_DIRECT with fcntl, which FUSE never reports. The
 daemon issued them on its O_DIRECT descriptor, got EINVAL, and the data was lost
-(qosfs.passthrough.operations ``_buffered``). Each test runs the same steps on a plain
+(qosfs.passthrough.odirect ``buffered``). Each test runs the same steps on a plain
 directory and through qosfs, on an ext4 made for the test: tmpfs serves O_DIRECT from
 its page cache and takes any alignment, so the loss never shows there. Steps run in a
 child process with a timeout, so a hung mount fails the test instead of hanging it.

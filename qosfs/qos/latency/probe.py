@@ -75,8 +75,9 @@ class LatencyProbe:
 
     Args:
         path: The mount's root.
-        tids: A set the fs shares: the canary's pid is in it while it runs, so the
-            handler knows which ``getxattr`` calls are the canary's.
+        tids: The engine's ``probe_tids``: the canary's pid is in it while it runs, so
+            the engine knows which ``getxattr`` calls are the canary's
+            (``QosEngine.getxattr_admission``).
         interval: Pause between canary requests.
     """
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from qosfs.passthrough import journal as journal_module
+from qosfs.passthrough.inode_takeover import rebuild_inodes
 from qosfs.passthrough.inodes import Inode, InodeTable
 from qosfs.passthrough.journal import (
     DIR,
@@ -75,7 +76,7 @@ def test_records_of_every_kind_read_back_as_written(journal: SessionJournal) -> 
     d = put_node(journal, 100, lookups=3, handle=handle, parent=ROOT_SLOT, is_dir=True)
     f = put_node(journal, 101, lookups=2, name=b"weights.bin", entry=d)
     extra = (["train", "t1", 0], (0, 4096, -1, 0, 0, 0, 0), 7, 0, False, 1, None)
-    o = journal.put_file(5, f, os.O_RDWR | os.O_CLOEXEC, extra)
+    o = journal.put_file((5, f, os.O_RDWR | os.O_CLOEXEC, *extra))
     od = journal.put_dir(6, ROOT_SLOT, -1)  # an owner of -1: no quota owner
     journal.next_fh(7)
     back = read_journal(journal.path)
@@ -206,7 +207,7 @@ def test_an_oversize_record_is_refused_and_writes_nothing(journal: SessionJourna
     with pytest.raises(JournalFull):
         put_node(journal, 10, handle=b"h" * 128, name=b"n" * 400, entry=ROOT_SLOT)
     with pytest.raises(JournalFull):
-        journal.put_file(3, ROOT_SLOT, 0, ("x" * SLOT_SIZE,))
+        journal.put_file((3, ROOT_SLOT, 0, "x" * SLOT_SIZE))
     with pytest.raises(JournalFull):
         journal.session({"source": "s" * HEADER_SIZE})
     longest = put_node(journal, 11, handle=b"h" * 128, name=b"n" * 255, entry=ROOT_SLOT)
@@ -267,7 +268,7 @@ class Source:
         table = InodeTable(self.root_fd, BUDGET)
         table.handles = self.table.handles
         self.successors.append(table)
-        return table, table.rebuild(list(self.read().of_kind(INODE)))
+        return table, rebuild_inodes(table, list(self.read().of_kind(INODE)))
 
 
 @pytest.fixture
@@ -304,7 +305,7 @@ def names_only(source: Source) -> Source:
 
 def known(table: InodeTable) -> dict[int, int]:
     """Node id -> lookup count of every inode the kernel holds (the root aside)."""
-    return {n: i.lookups for n, i in table._by_id.items() if i is not table.root}
+    return {n: i.lookups for n, i in table.by_id.items() if i is not table.root}
 
 
 @pytest.mark.parametrize("kind", ["handles", "names_only"])

@@ -12,8 +12,9 @@ import pyfuse3
 import pytest
 import trio
 
+from qosfs.daemon.filesystem import build_filesystem
 from qosfs.passthrough import kernel
-from qosfs.passthrough.backing_io import BackingIO, IoMode
+from qosfs.passthrough.backing_io import IoMode
 from qosfs.passthrough.kernel import KernelPassthrough
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import parse_policy
@@ -46,8 +47,7 @@ def ops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Passthrough
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_bytes(b"x" * 100)
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
-    fs = PassthroughOperations(fd, BackingIO(IoMode.INLINE),
-                               PolicyQos(parse_policy(POLICY)), FsOptions())
+    fs = build_filesystem(fd, IoMode.INLINE, PolicyQos(parse_policy(POLICY)), FsOptions())
     fs.kernel_opens.kernel = KernelPassthrough(FakeBinding())
     fs.kernel_opens.request(fs, 0)
     yield fs

@@ -17,7 +17,8 @@ import pytest
 import trio
 
 from qosfs.core import syscalls
-from qosfs.passthrough import operations
+from qosfs.daemon.filesystem import build_filesystem
+from qosfs.passthrough import odirect
 from qosfs.passthrough.backing_io import BackingIO, IoMode
 from qosfs.passthrough.kernel import KernelPassthrough
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
@@ -35,7 +36,7 @@ class _Ctx:
 
 def _ops(root: Path) -> PassthroughOperations:
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-    return PassthroughOperations(fd, BackingIO(IoMode.INLINE), PassThroughQos(), FsOptions())
+    return build_filesystem(fd, IoMode.INLINE, PassThroughQos(), FsOptions())
 
 
 def test_backing_errors_become_their_own_errno(tmp_path: Path) -> None:
@@ -118,7 +119,7 @@ def test_every_handler_answers_an_unexpected_exception_with_eio(
     mount with it (every caller then gets ENOTCONN)."""
     assert {"read", "write", "forget", "release", "readdir", "statfs"} <= set(HANDLERS)
     ops = _ops(tmp_path)
-    ops.inodes = ops.files = ops.dirs = ops.io = _Broken()  # type: ignore[assignment]
+    ops.inodes = ops.files = ops.dirs = ops.handles = ops.io = _Broken()  # type: ignore[assignment]
 
     async def main() -> None:
         for name in HANDLERS:
@@ -240,7 +241,7 @@ def test_backing_errors_on_the_data_path_reach_the_caller_and_leave_handles_soun
             for name in ("read", "write", "blocking"):
                 patched.setattr(ops.io, name, fail)
             # release closes inline on a local filesystem, in a thread on a network one
-            patched.setattr(operations, "_close_file", fail)
+            patched.setattr(odirect, "close_file", fail)
             for call in (ops.read(info.fh, 0, 4096), ops.write(info.fh, 0, b"y" * 4096),
                          ops.fsync(info.fh, False), ops.fsync(info.fh, True)):
                 with pytest.raises(pyfuse3.FUSEError) as raised:
@@ -306,7 +307,7 @@ def test_writes_and_renames_are_reported_to_the_opens_charge(tmp_path: Path) -> 
     (tmp_path / "ckpt").mkdir()
     engine = PolicyQos(parse_policy(CHARGED_POLICY))
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
-    ops = PassthroughOperations(fd, BackingIO(IoMode.INLINE), engine, FsOptions())
+    ops = build_filesystem(fd, IoMode.INLINE, engine, FsOptions())
     tail = mmap.PAGESIZE * 256
 
     async def main() -> None:
@@ -369,7 +370,7 @@ def test_an_open_reads_a_small_file_ahead_only_for_reads_no_cap_holds_back(
     engine = PassThroughQos() if qos == "none" else PolicyQos(parse_policy(PREFETCH_POLICY))
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     io = BackingIO(IoMode.NOWAIT)
-    ops = PassthroughOperations(fd, io, engine, FsOptions())
+    ops = build_filesystem(fd, io, engine, FsOptions())
 
     async def main() -> None:
         parent = pyfuse3.ROOT_INODE

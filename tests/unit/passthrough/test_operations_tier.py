@@ -360,7 +360,7 @@ def test_a_uid_past_its_share_of_open_files_gets_enfile(fs: InProcessFs) -> None
     (fs.root / "f").write_bytes(b"x")
     ops, root = fs.ops, Caller(uid=0, gid=0)
     user = Caller(uid=4321, gid=4321)
-    ops.open_quota.per_uid = 2
+    ops.handles.quota.per_uid = 2
 
     async def main() -> None:
         ino = (await fs.lookup("f")).st_ino
@@ -372,13 +372,13 @@ def test_a_uid_past_its_share_of_open_files_gets_enfile(fs: InProcessFs) -> None
         assert await errno_of(ops.create(ROOT, b"new", FILE_MODE, RW_CREATE, user)
                               ) == errno.ENFILE
         assert not (fs.root / "new").exists() and open_fds() == fds  # nothing taken
-        assert ops.open_quota.refused == 3
+        assert ops.handles.quota.refused == 3
         other = await ops.open(ino, os.O_RDONLY, root)  # root is not counted
         await ops.release(held.pop())
         held.append((await ops.open(ino, os.O_RDONLY, user)).fh)  # room again
         for fh in [*held, other.fh]:
             await ops.release(fh)
-        assert ops.open_quota.held(4321) == 0
+        assert ops.handles.quota.held(4321) == 0
 
     fs.run(main)
 

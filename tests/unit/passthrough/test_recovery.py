@@ -13,7 +13,8 @@ import pyfuse3
 import pytest
 import trio
 
-from qosfs.passthrough.backing_io import BackingIO, IoMode
+from qosfs.daemon.filesystem import build_filesystem
+from qosfs.passthrough.backing_io import IoMode
 from qosfs.passthrough.journal import SessionJournal, read_journal
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.passthrough.recovery import rebuild
@@ -29,8 +30,8 @@ write_bandwidth = "1GiB/s"
 
 
 def _ops(root_fd: int) -> PassthroughOperations:
-    return PassthroughOperations(root_fd, BackingIO(IoMode.INLINE),
-                                 PolicyQos(parse_policy(POLICY)), FsOptions(fd_budget=0))
+    return build_filesystem(root_fd, IoMode.INLINE, PolicyQos(parse_policy(POLICY)),
+                            FsOptions(fd_budget=0))
 
 
 def test_a_successor_rebuilt_from_the_journal_serves_the_same_ids_and_handles(
@@ -72,8 +73,8 @@ def test_a_successor_rebuilt_from_the_journal_serves_the_same_ids_and_handles(
         b = _ops(b_root)
         rebuilt = rebuild(b, left)
         assert (rebuilt.open_files, rebuilt.lost_files, rebuilt.open_dirs) == (3, 1, 1)
-        assert set(b.files) == {reader.fh, writer.fh} and set(b.lost) == {gone.fh}
-        assert b.next_fh > max(reader.fh, writer.fh, gone.fh, listing, released.fh)
+        assert set(b.files) == {reader.fh, writer.fh} and set(b.handles.lost) == {gone.fh}
+        assert b.handles.next_fh > max(reader.fh, writer.fh, gone.fh, listing, released.fh)
         # The same node ids, counts and opens; nothing reopened O_TRUNC.
         node = b.inodes.get(entry.st_ino)
         assert (node.lookups, node.opens) == (2, 2)

@@ -12,7 +12,8 @@ import pyfuse3
 import pytest
 import trio
 
-from qosfs.passthrough.backing_io import BackingIO, IoMode
+from qosfs.daemon.filesystem import build_filesystem
+from qosfs.passthrough.backing_io import IoMode
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.passthrough.transfer import export_state, import_state
 from qosfs.policy.loading import parse_policy
@@ -34,8 +35,7 @@ class _Ctx:
 
 
 def _ops(root_fd: int, engine: QosEngine, budget: int = 0) -> PassthroughOperations:
-    return PassthroughOperations(root_fd, BackingIO(IoMode.INLINE), engine,
-                                 FsOptions(fd_budget=budget))
+    return build_filesystem(root_fd, IoMode.INLINE, engine, FsOptions(fd_budget=budget))
 
 
 def _hand_over(a: PassthroughOperations, engine: QosEngine) -> PassthroughOperations:
