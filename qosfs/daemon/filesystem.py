@@ -3,7 +3,7 @@ FUSE operations (:class:`qosfs.passthrough.operations.PassthroughOperations`) ar
 
 Kept apart from the operations so that they only answer FUSE: which inode table, which
 descriptor budget and open quota, which I/O mode, ownership emulation and failure
-counter a mount has is decided here, once, for the daemon (:mod:`qosfs.daemon.mount`),
+counter a mount has is decided here, once, for the daemon (:mod:`qosfs.daemon.assembly`),
 the in-process tests and the machinery benchmark alike.
 """
 
@@ -54,7 +54,7 @@ def build_filesystem(root_fd: int, io: IoMode | BackingIO, qos: FilesystemQos,
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20
-    # Open files by fh; kernel passthrough (asked for at INIT by daemon/mount.py, or why
+    # Open files by fh; kernel passthrough (asked for at INIT by daemon/assembly.py, or why
     # not): which opens the kernel serves itself, counted by class.
     files: dict[int, FileHandle] = {}
     kernel_opens = KernelOpens(files)

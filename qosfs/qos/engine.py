@@ -101,7 +101,7 @@ class PolicyQos:
         self.policy = policy  # swap() replaces it; set first so swap() can compare
         self.stream_moves: dict[str, int] = {}  # opens moved as streaming writers, by class
         self.rename_charges: dict[str, int] = {}  # bytes charged at a rename, by class
-        # Pids of the latency canary (qosfs.qos.latency_probe fills it while it runs).
+        # Pids of the latency canary (qosfs.qos.latency.probe fills it while it runs).
         self.probe_tids: set[int] = set()
         self.swap(policy)
 

@@ -127,7 +127,7 @@ class FilesystemQos(Protocol):
     """
 
     needs_paths: bool
-    # Pids of the latency canary process (qosfs.qos.latency_probe fills it): their
+    # Pids of the latency canary process (qosfs.qos.latency.probe fills it): their
     # getxattr of the probe's attribute is not a caller's request (getxattr_admission).
     probe_tids: set[int]
 
