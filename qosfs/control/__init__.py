@@ -2,6 +2,8 @@
 ``core``; a sibling of ``passthrough`` and ``plan``, which it does not import.
 
 - ``server``: the control socket, served on the daemon's trio loop.
+- ``accepting``: the accept loop of the control socket and of the metrics listener, one a
+  planned handover can stop and wait out.
 - ``protocol``: its JSON-lines protocol, parsed and validated.
 - ``address``: where a mount's control socket is (and the files beside it).
 - ``service``: what the daemon does for each request: status, stats, set, reload.
