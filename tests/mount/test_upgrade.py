@@ -18,7 +18,8 @@ harder case).
   polled in a loop during LISTENER_UPGRADES upgrades, never fail (the longest wait
   for an answer is reported), and the metrics port stays the same; the traffic
   counters go on from where they stood (no counter reset).
-- Refused halfway: a successor with another protocol, one that refuses, one that
+- Refused halfway: a successor with another protocol (or the build before protocol 2's
+  hello: a rollback), one that refuses, one that
   vanishes at prepare, and one that vanishes after it said ready (the old daemon has
   stopped reading by then, and takes its session back) all leave the old daemon serving
   the same descriptors; a real successor takes over afterwards. Each failure is
@@ -492,8 +493,8 @@ def test_a_cap_goes_on_from_where_it_stood_across_upgrades(mount: Mount) -> None
     assert "bucket balances carried over" in mount.current.log()
 
 
-@pytest.mark.parametrize("mode", ["wrong-protocol", "refuse", "vanish-at-prepare",
-                                  "vanish-after-ready"])
+@pytest.mark.parametrize("mode", ["wrong-protocol", "previous-build", "refuse",
+                                  "vanish-at-prepare", "vanish-after-ready"])
 def test_a_refused_upgrade_leaves_the_old_daemon_serving(
         mount: Mount, start_load: Callable[[], Load], mode: str) -> None:
     load = start_load()
@@ -504,8 +505,10 @@ def test_a_refused_upgrade_leaves_the_old_daemon_serving(
     # One that vanishes after ready may be killed by the old daemon before it is gone.
     assert peer.returncode in ((0, -signal.SIGKILL) if mode == "vanish-after-ready"
                                else (0,)), peer.stderr
-    answered = "refused" if mode == "wrong-protocol" else "prepare"
+    answered = "refused" if mode in ("wrong-protocol", "previous-build") else "prepare"
     assert peer.stdout.split()[0] == answered
+    if mode == "previous-build":  # a rollback across a live handover: told why
+        assert "protocol 1 only" in peer.stdout and "unmount" in peer.stdout
     time.sleep(0.5)
     assert old.proc.poll() is None, old.log()
     status = mount.status()  # the control socket answers: rebound if it was let go
