@@ -111,9 +111,9 @@ def chosen_protocol(hello: dict[str, Any]) -> int:
     version = hello.get("version", "unknown")
     if spoken == [1]:
         raise fuse_session.HandoverError(
-            f"the successor (qosfs {version}) speaks handover protocol 1 only, a build "
-            f"older than this daemon's protocol {PROTOCOL}: it cannot take the mount over "
-            f"live (unmount, then mount with that build)")
+            f"the successor (qosfs {version}) speaks handover protocol 1 only: a build "
+            f"from before protocol {PROTOCOL}, which this daemon hands over in, cannot take "
+            f"the mount over live (unmount, then mount with that build)")
     raise fuse_session.HandoverError(f"handover protocol {spoken} (qosfs {version}) is not "
                                      f"this daemon's ({PROTOCOL})")
 

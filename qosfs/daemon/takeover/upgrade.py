@@ -215,8 +215,9 @@ def _prepare(sock: socket.socket, foreground: bool,
             os.close(fd)
         fuse_session.send_message(sock, "refuse", {"reason": str(exc)})
         raise QosfsError(f"handover refused here: {exc}", EXIT_DAEMON) from None
-    log.info("taking %s over from pid %s (qosfs %s, %d handovers before)",
-             daemon.mountpoint, p.get("pid"), p.get("version"), daemon.handovers - 1)
+    log.info("taking %s over from pid %s (qosfs %s, handover protocol %s, %d handovers "
+             "before)", daemon.mountpoint, p.get("pid"), p.get("version"), protocol,
+             daemon.handovers - 1)
     fuse_session.send_message(sock, "ready", {})
     return daemon, session, int(protocol)
 

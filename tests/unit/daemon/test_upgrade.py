@@ -165,9 +165,9 @@ def test_the_build_before_is_refused_at_the_hello_with_the_reason(
     record.expected = True  # type: ignore[attr-defined]
     assert reply.kind == "refused" and reply.fds == []
     assert reply.payload["reason"] == (
-        "the successor (qosfs 0.9) speaks handover protocol 1 only, a build older than "
-        "this daemon's protocol 2: it cannot take the mount over live (unmount, then "
-        "mount with that build)")
+        "the successor (qosfs 0.9) speaks handover protocol 1 only: a build from before "
+        "protocol 2, which this daemon hands over in, cannot take the mount over live "
+        "(unmount, then mount with that build)")
     assert reply.payload["reason"] in record.getMessage()
     assert offer.daemon.handover_failures == {"refused": 1, "taken_back": 0}
 
