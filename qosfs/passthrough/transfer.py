@@ -23,15 +23,24 @@ by SCM_RIGHTS in the order of the returned list, which the payload refers to by 
 What does not travel: the QoS engine's memo of each inode's classification (made again at
 the next request) and the bytes a watched open wrote under a temporary name (a rename
 after the handover charges nothing more for them).
+
+The open files' format is the handover protocol's (:data:`qosfs.daemon.takeover.offer.
+PROTOCOL`): in protocol 2 each is its OpenRecord's tuple. The build before wrote protocol
+1, each open a dict of its fields; ``import_state`` still reads it (`open_record_v1`), so
+that ``qosfs upgrade`` from that build works. Nothing writes protocol 1.
 """
 
 from __future__ import annotations
 
 import fcntl
+import os
+from collections.abc import Callable
 from typing import Any
 
-from qosfs.passthrough.handle_table import OpenRecord, Tables
+from qosfs.passthrough.handle_table import OPEN_DROP, OpenRecord, Tables
+from qosfs.passthrough.handles import PASSED_THROUGH
 from qosfs.passthrough.inode_takeover import export_inodes, import_inodes
+from qosfs.qos.charge import OpenCharge
 
 
 def export_state(fs: Tables) -> tuple[dict[str, Any], list[int]]:
@@ -65,13 +74,16 @@ def export_state(fs: Tables) -> tuple[dict[str, Any], list[int]]:
     return payload, fds
 
 
-def import_state(fs: Tables, payload: dict[str, Any], fds: list[int]) -> None:
+def import_state(fs: Tables, payload: dict[str, Any], fds: list[int], protocol: int) -> None:
     """Take over a predecessor's state: *fs* must not have served a request yet, and
-    owns *fds* (as `export_state` listed them) from here on."""
+    owns *fds* (as `export_state` listed them) from here on. *protocol*: the handover
+    protocol *payload* was written in (2, or the build before's 1: see the module
+    docstring)."""
     nodes = import_inodes(fs.inodes, payload["inodes"], fds)
     handles = fs.handles
+    read = _files_reader(payload, fds, protocol)
     for rec in payload["files"]:
-        record = OpenRecord.load(rec["open"])
+        record = read(rec)
         handles.restore_file(record, nodes[record.inode], fds[rec["fd"]],
                              fds[rec["buffered"]] if rec["buffered"] >= 0 else -1)
     for rec in payload["dirs"]:
@@ -82,3 +94,36 @@ def import_state(fs: Tables, payload: dict[str, Any], fds: list[int]) -> None:
     handles.number_after(int(payload["next_fh"]))
     handles.quota.refused += int(payload["open_refused"])
     fs.kernel_opens.import_state(payload["passthrough"])
+
+
+def _files_reader(payload: dict[str, Any], fds: list[int],
+                  protocol: int) -> Callable[[dict[str, Any]], OpenRecord]:
+    """What reads an open file's record of *payload*, written in *protocol*."""
+    if protocol != 1:
+        return lambda rec: OpenRecord.load(rec["open"])
+    records = payload["inodes"]["records"]
+    backing_ids = {int(nodeid): int(backing_id)
+                   for nodeid, backing_id, _opens in payload["passthrough"]["kernel"]["ids"]}
+    return lambda rec: open_record_v1(
+        rec, fds[rec["fd"]], backing_ids.get(int(records[rec["inode"]]["nodeid"])))
+
+
+def open_record_v1(rec: dict[str, Any], fd: int, backing_id: int | None) -> OpenRecord:
+    """An open file of a protocol-1 payload (the build before's: ``{"fh", "fd",
+    "buffered", "direct", "inode", "kill_priv", "fsuid", "owner", "dio_mask", "kernel",
+    "flow", "charge"}``, the charge as ``OpenCharge.export_state``'s dict) as the
+    OpenRecord this build's export writes of the same open: its flags are its descriptor's
+    *fd* (the predecessor's open file description, received), less what
+    :meth:`~qosfs.passthrough.handle_table.HandleTable.record` drops, with O_DIRECT as
+    ``direct`` says; *backing_id*: its inode's kernel passthrough id (the payload's
+    ``passthrough`` state), kept if the open is passed through. ``dio_mask`` is not
+    read: the restore works it out from the descriptor, as the predecessor did at open
+    (:func:`qosfs.passthrough.odirect.dio_mask_of`)."""
+    direct = bool(rec["direct"])
+    flags = (fcntl.fcntl(fd, fcntl.F_GETFL) & ~(OPEN_DROP | os.O_TRUNC | os.O_DIRECT)
+             | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
+    kernel = int(rec["kernel"])
+    return OpenRecord(
+        int(rec["fh"]), int(rec["inode"]), flags, list(rec["flow"]),
+        OpenCharge.values_from_state(rec["charge"]), int(rec["owner"]), int(rec["fsuid"]),
+        bool(rec["kill_priv"]), kernel, backing_id if kernel == PASSED_THROUGH else None)

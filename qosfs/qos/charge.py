@@ -36,7 +36,7 @@ from __future__ import annotations
 import mmap
 import operator
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from qosfs.qos.accounting import record_latency
@@ -208,6 +208,12 @@ class OpenCharge:
     def state_from_values(cls, values: Sequence[int]) -> dict[str, int]:
         """`export_state`'s dict from `state_values`' tuple."""
         return {name.lstrip("_"): int(v) for name, v in zip(cls._STATE, values, strict=True)}
+
+    @classmethod
+    def values_from_state(cls, state: Mapping[str, Any]) -> tuple[int, ...]:
+        """`state_values`' tuple from `export_state`'s dict (a handover of the build
+        before sent the dict)."""
+        return tuple(int(state[name.lstrip("_")]) for name in cls._STATE)
 
     @classmethod
     def restore(cls, engine: FilesystemQos, flow: Flow, node: Classified,

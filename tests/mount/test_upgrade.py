@@ -18,7 +18,8 @@ harder case).
   polled in a loop during LISTENER_UPGRADES upgrades, never fail (the longest wait
   for an answer is reported), and the metrics port stays the same; the traffic
   counters go on from where they stood (no counter reset).
-- Refused halfway: a successor with another protocol, one that refuses, one that
+- Refused halfway: a successor with another protocol (or the build before protocol 2's
+  hello: a rollback), one that refuses, one that
   vanishes at prepare, and one that vanishes after it said ready (the old daemon has
   stopped reading by then, and takes its session back) all leave the old daemon serving
   the same descriptors; a real successor takes over afterwards. Each failure is
@@ -39,6 +40,10 @@ harder case).
   ``qosfs ctl --socket MNT`` to PATH; successors keep it, the unmount removes it; after a
   ``kill -9``, ``qosfs mount`` without ``--socket`` finds the keeper beside PATH and
   takes the mount over, an open descriptor reading on.
+- From the build before handover protocol 2 (:data:`PREVIOUS_BUILD`, taken out of the
+  repository; skipped without it): its daemon's mount is taken over by this build, a
+  reader and a writer going on; that build's ``qosfs upgrade`` on this build's daemon (a
+  rollback) is refused with the reason, and the daemon serves on.
 - A successor that hangs after it said ready (tests/faultinject.py ``handover=hang``:
   it adopted the session and never says it serves) is killed by the old daemon within
   its commit timeout, which takes the session back and serves the same descriptors on;
@@ -53,6 +58,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,13 +121,16 @@ burst = "8MiB"
 class Generation:
     """One daemon process of the mount (the first, or a successor), its log in a file."""
 
-    def __init__(self, name: str, cmd: list[str], log_path: Path) -> None:
+    def __init__(self, name: str, cmd: list[str], log_path: Path,
+                 build: Path = ROOT) -> None:
         self.name = name
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
         env = {**os.environ, "QOSFS_VERSION": name}
+        if build != ROOT:  # another build's qosfs package (`previous_build`)
+            env["PYTHONPATH"] = str(build)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     cwd=ROOT, env=env)
+                                     cwd=build, env=env)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -164,12 +173,13 @@ class Mount:
     def current(self) -> Generation:
         return self.generations[-1]
 
-    def mount(self) -> Generation:
+    def mount(self, build: Path = ROOT) -> Generation:
+        """The first daemon, of *build* (another build's tree: `previous_build`)."""
         cmd = [sys.executable, "-m", "qosfs", "mount", "--foreground", str(self.source)]
         if self.mountpoint != self.source:
             cmd.append(str(self.mountpoint))
         cmd += ["--socket", str(self.socket), *self.args]
-        return self._start("G0", cmd)
+        return self._start("G0", cmd, build)
 
     def upgrade(self, socket: bool = True) -> Generation:
         """One ``qosfs upgrade`` (*socket*: told the mount's ``--socket``, else given the
@@ -197,8 +207,8 @@ class Mount:
         assert "handed over" in old.log()
         return new
 
-    def _start(self, name: str, cmd: list[str]) -> Generation:
-        g = Generation(name, cmd, self.run / f"{name}.log")
+    def _start(self, name: str, cmd: list[str], build: Path = ROOT) -> Generation:
+        g = Generation(name, cmd, self.run / f"{name}.log", build)
         self.generations.append(g)
         g.wait_serving()
         return g
@@ -492,8 +502,8 @@ def test_a_cap_goes_on_from_where_it_stood_across_upgrades(mount: Mount) -> None
     assert "bucket balances carried over" in mount.current.log()
 
 
-@pytest.mark.parametrize("mode", ["wrong-protocol", "refuse", "vanish-at-prepare",
-                                  "vanish-after-ready"])
+@pytest.mark.parametrize("mode", ["wrong-protocol", "previous-build", "refuse",
+                                  "vanish-at-prepare", "vanish-after-ready"])
 def test_a_refused_upgrade_leaves_the_old_daemon_serving(
         mount: Mount, start_load: Callable[[], Load], mode: str) -> None:
     load = start_load()
@@ -504,8 +514,10 @@ def test_a_refused_upgrade_leaves_the_old_daemon_serving(
     # One that vanishes after ready may be killed by the old daemon before it is gone.
     assert peer.returncode in ((0, -signal.SIGKILL) if mode == "vanish-after-ready"
                                else (0,)), peer.stderr
-    answered = "refused" if mode == "wrong-protocol" else "prepare"
+    answered = "refused" if mode in ("wrong-protocol", "previous-build") else "prepare"
     assert peer.stdout.split()[0] == answered
+    if mode == "previous-build":  # a rollback across a live handover: told why
+        assert "protocol 1 only" in peer.stdout and "unmount" in peer.stdout
     time.sleep(0.5)
     assert old.proc.poll() is None, old.log()
     status = mount.status()  # the control socket answers: rebound if it was let go
@@ -522,6 +534,78 @@ def test_a_refused_upgrade_leaves_the_old_daemon_serving(
     assert status["handover_failures"][failed] == 1  # carried on: the alert still sees it
     load.stop()
     load.check(mount.mountpoint / "plain" / "log.bin")
+
+
+#: The build administrators upgrade from: the last before handover protocol 2 (the open
+#: files as OpenRecords, issue 39), which sends protocol 1.
+PREVIOUS_BUILD = "b31953a"
+
+
+@pytest.fixture
+def previous_build(tmp_path: Path) -> Path:
+    """The qosfs package of :data:`PREVIOUS_BUILD`, taken out of this repository (it runs
+    on this environment's pyfuse3); the test is skipped without git or the commit."""
+    if shutil.which("git") is None:
+        pytest.skip("git is needed to take the previous build out of the repository")
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", PREVIOUS_BUILD, "qosfs"],
+                             capture_output=True, timeout=60)
+    if archive.returncode != 0:
+        pytest.skip(f"the previous build {PREVIOUS_BUILD} is not in this repository: "
+                    f"{archive.stderr.decode(errors='replace').strip()}")
+    tree = tmp_path / "previous"
+    tree.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True,
+                   timeout=60)
+    return tree
+
+
+def test_an_upgrade_from_the_previous_build_carries_the_opens_on_and_no_rollback(
+        tmp_path: Path, previous_build: Path) -> None:
+    """``qosfs upgrade`` from the build before protocol 2 works (this build's successor
+    takes protocol 1 over): a reader and a writer go on through the same descriptors, the
+    data intact. The way back, that build's ``qosfs upgrade`` on this build's daemon, is
+    refused at the hello with the reason: this daemon serves on, the refusal counted."""
+    src, mnt, run = tmp_path / "src", tmp_path / "mnt", tmp_path / "run"
+    (src / "plain").mkdir(parents=True)
+    for made in (mnt, run):
+        made.mkdir()
+    data = os.urandom(4 * MiB)
+    (src / "plain" / "big.bin").write_bytes(data)
+    (src / "plain" / "log.bin").write_bytes(b"")
+    # --keeper none: a keeper process would import this tree's qosfs, not that build's.
+    m = Mount(src, mnt, run, ("--cache", "never", "--keeper", "none"))
+    load = None
+    try:
+        old = m.mount(previous_build)
+        assert "qosfs.daemon.mount" in old.log()  # that build's module, gone from this one
+        load = Load(mnt / "plain" / "big.bin", mnt / "plain" / "log.bin",
+                    lambda off, size: data[off:off + size], len(data)).start()
+        wait_for("the load to run", load_crossed(load))
+        new = m.upgrade()
+        status = m.status()
+        assert (status["pid"], status["handovers"]) == (new.proc.pid, 1)
+        assert status["file_handles"] >= 2
+        assert "handover protocol 1," in new.log()
+        wait_for("the reader and the writer to go on", load_crossed(load))
+
+        back = subprocess.run(
+            [sys.executable, "-m", "qosfs", "upgrade", str(mnt), "--socket", str(m.socket),
+             "--foreground"], cwd=previous_build, capture_output=True, text=True,
+            env={**os.environ, "PYTHONPATH": str(previous_build)}, timeout=60)
+        assert back.returncode == 8, back.stderr  # EXIT_DAEMON
+        assert "speaks handover protocol 1 only" in back.stderr, back.stderr
+        assert "unmount, then mount" in back.stderr
+        status = m.status()
+        assert (status["pid"], status["handovers"]) == (new.proc.pid, 1)
+        assert status["handover_failures"] == {"refused": 1, "taken_back": 0}
+        assert new.proc.poll() is None and "refused, serving on" in new.log()
+        wait_for("the reader and the writer to go on", load_crossed(load))
+        load.stop()
+        load.check(mnt / "plain" / "log.bin")
+    finally:
+        if load is not None:
+            load.halt()
+        m.close()
 
 
 def test_a_successor_that_hangs_after_ready_is_killed_and_the_old_daemon_serves_on(

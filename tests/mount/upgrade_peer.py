@@ -3,7 +3,8 @@ serving daemon's handover socket (qosfs.daemon.takeover.offer) and stops where i
 
     python -m tests.mount.upgrade_peer HANDOVER_SOCKET MODE
 
-MODE: ``wrong-protocol`` (says adopt with another protocol), ``refuse`` (refuses after
+MODE: ``wrong-protocol`` (says adopt with another protocol), ``previous-build`` (says
+adopt as the build before protocol 2 did: ``protocol`` 1 alone), ``refuse`` (refuses after
 receiving the session), ``vanish-at-prepare`` (exits after receiving it),
 ``vanish-after-ready`` (says ready, then exits without taking anything over: the old
 daemon has stopped reading by then and must take its session back). Prints what it was
@@ -17,16 +18,19 @@ import socket
 import sys
 
 from qosfs.daemon.takeover import fuse_session
-from qosfs.daemon.takeover.offer import PROTOCOL
+from qosfs.daemon.takeover.offer import PROTOCOL, adopt_hello
 
 
 def main(argv: list[str]) -> int:
     path, mode = argv
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
-    protocol = PROTOCOL + 1000 if mode == "wrong-protocol" else PROTOCOL
-    fuse_session.send_message(sock, "adopt", {"protocol": protocol, "version": "peer",
-                                          "pid": os.getpid()})
+    hello = {**adopt_hello(), "version": "peer"}
+    if mode == "wrong-protocol":
+        hello["protocol"], hello["protocols"] = PROTOCOL + 1000, [PROTOCOL + 1000]
+    elif mode == "previous-build":
+        hello = {"protocol": 1, "version": "peer", "pid": os.getpid()}
+    fuse_session.send_message(sock, "adopt", hello)
     reply = fuse_session.receive_message(sock)
     for fd in reply.fds:
         os.close(fd)

@@ -42,8 +42,15 @@ from qosfs.qos.latency.loop import LatencyLoop
 
 log = logging.getLogger(__name__)
 
-#: The handover protocol: both sides must speak the same (messages and payloads).
-PROTOCOL = 1
+#: The handover protocol this daemon hands over in (messages and payloads): 2 since the
+#: open files travel as their OpenRecords (:mod:`qosfs.passthrough.transfer`).
+PROTOCOL = 2
+
+#: The protocols a successor of this build takes a mount over in: also 1, the build
+#: before's (the open files as dicts), so that ``qosfs upgrade`` from it works. Its
+#: daemon wants the hello's ``protocol`` to be 1 and knows no other key; this build's
+#: successor says ``protocol`` 1 and, in ``protocols``, all it speaks (`adopt_hello`).
+PROTOCOLS = (1, 2)
 
 #: An environment variable that overrides the version a daemon reports (tests show a
 #: successor runs other code without building another package).
@@ -83,6 +90,32 @@ def commit_timeout(entries: int) -> float:
 def daemon_version() -> str:
     """The version this process reports: qosfs's, unless $QOSFS_VERSION says otherwise."""
     return os.environ.get(VERSION_ENV) or __version__
+
+
+def adopt_hello() -> dict[str, Any]:
+    """What a successor says first: ``protocols``, those it takes a mount over in, and
+    ``protocol`` 1, which a daemon of the build before (protocol 1, equal or refused)
+    accepts."""
+    return {"protocol": PROTOCOLS[0], "protocols": list(PROTOCOLS),
+            "version": daemon_version(), "pid": os.getpid()}
+
+
+def chosen_protocol(hello: dict[str, Any]) -> int:
+    """The protocol to hand over to the successor that said *hello* in: this daemon's, if
+    it speaks it (a successor that names none in ``protocols`` speaks its ``protocol``
+    alone). HandoverError, with the reason the successor is told, if it does not: a
+    build before protocol 2 (a rollback) cannot take this mount over live."""
+    spoken = hello.get("protocols", [hello.get("protocol")])
+    if isinstance(spoken, list) and PROTOCOL in spoken:
+        return PROTOCOL
+    version = hello.get("version", "unknown")
+    if spoken == [1]:
+        raise fuse_session.HandoverError(
+            f"the successor (qosfs {version}) speaks handover protocol 1 only: a build "
+            f"from before protocol {PROTOCOL}, which this daemon hands over in, cannot take "
+            f"the mount over live (unmount, then mount with that build)")
+    raise fuse_session.HandoverError(f"handover protocol {spoken} (qosfs {version}) is not "
+                                     f"this daemon's ({PROTOCOL})")
 
 
 def handover_socket_path(control_path: str) -> str:
@@ -241,11 +274,11 @@ class HandoverOffer:
             hello = fuse_session.receive_message(sock)
             if hello.kind != "adopt":
                 raise fuse_session.HandoverError(f"expected adopt, not {hello.kind}")
-            if hello.payload.get("protocol") != PROTOCOL:
-                reason = (f"handover protocol {hello.payload.get('protocol')} is not this "
-                          f"daemon's ({PROTOCOL})")
-                fuse_session.send_message(sock, "refused", {"reason": reason})
-                raise fuse_session.HandoverError(reason)
+            try:
+                chosen_protocol(hello.payload)  # this daemon's, or refused
+            except fuse_session.HandoverError as exc:
+                fuse_session.send_message(sock, "refused", {"reason": str(exc)})
+                raise
             pidfd = os.pidfd_open(pid)
             session = fuse_session.export_session()
             self._state = session.state

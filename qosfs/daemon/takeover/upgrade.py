@@ -7,8 +7,10 @@ initialised; this module is the successor's side of the daemon's protocol over i
 :mod:`qosfs.daemon.takeover.offer` the serving daemon's, on a Unix socket next to the
 control socket (``/run/qosfs/NAME.handover`` for ``/run/qosfs/NAME.sock``):
 
-1. hello: the successor says ``adopt`` with its handover protocol and version; the old
-   daemon refuses another protocol (and keeps serving);
+1. hello: the successor says ``adopt`` with the handover protocols it speaks and its
+   version; the old daemon refuses one that does not speak its protocol (and keeps
+   serving). This build's daemon hands over in protocol 2; its successor takes a mount
+   over in 1 too, from the build before (:data:`qosfs.daemon.takeover.offer.PROTOCOLS`);
 2. prepare, while the old daemon serves on: it sends the FUSE descriptor, the source's
    root descriptor and the listening control socket and metrics listener (SCM_RIGHTS,
    :mod:`qosfs.daemon.takeover.listeners`), the state negotiated at INIT, the mount's
@@ -75,7 +77,12 @@ from qosfs.daemon.pointer import mount_socket_path, pointer_path
 from qosfs.daemon.serve import serve_mount
 from qosfs.daemon.takeover import fuse_session
 from qosfs.daemon.takeover.listeners import Listeners
-from qosfs.daemon.takeover.offer import FAILURES, PROTOCOL, daemon_version, handover_socket_path
+from qosfs.daemon.takeover.offer import (
+    FAILURES,
+    PROTOCOLS,
+    adopt_hello,
+    handover_socket_path,
+)
 from qosfs.passthrough.operations import FsOptions
 from qosfs.passthrough.transfer import import_state
 from qosfs.policy.loading import load_policy, parse_policy
@@ -132,9 +139,9 @@ def adopt_mount(mountpoint: str, socket_path: str | None, foreground: bool,
         raise QosfsError(f"no qosfs daemon offers {mountpoint} for handover at {path}: "
                          f"{exc.strerror}", EXIT_MOUNTPOINT) from None
     with sock:
-        daemon, session = _prepare(sock, foreground, requested)
+        daemon, session, protocol = _prepare(sock, foreground, requested)
         chosen = requested is not None and requested.policy_path is not None
-        return serve_mount(daemon, lambda: _commit(sock, daemon, session, chosen),
+        return serve_mount(daemon, lambda: _commit(sock, daemon, session, protocol, chosen),
                            on_ready, adopting=True)
 
 
@@ -158,11 +165,12 @@ def close_inherited(top: str) -> None:
 
 
 def _prepare(sock: socket.socket, foreground: bool,
-             requested: MountConfig | None = None) -> tuple[Daemon, fuse_session.Session]:
+             requested: MountConfig | None = None,
+             ) -> tuple[Daemon, fuse_session.Session, int]:
     """Phase 1: receive the session and the configuration, build what serves the mount,
-    answer ready (or refuse, leaving the old daemon serving)."""
-    fuse_session.send_message(sock, "adopt", {"protocol": PROTOCOL, "version": daemon_version(),
-                                          "pid": os.getpid()})
+    answer ready (or refuse, leaving the old daemon serving). Returns the protocol the
+    old daemon hands over in, too."""
+    fuse_session.send_message(sock, "adopt", adopt_hello())
     try:
         prepare = fuse_session.receive_message(sock)
     except fuse_session.HandoverError as exc:
@@ -177,9 +185,10 @@ def _prepare(sock: socket.socket, foreground: bool,
             raise fuse_session.HandoverError(f"expected {2 + len(listening)} descriptors, got "
                                          f"{len(prepare.fds)}")
         fuse_fd, root_fd = prepare.fds[:2]
-        if p.get("protocol") != PROTOCOL:
-            raise fuse_session.HandoverError(f"handover protocol {p.get('protocol')} is not "
-                                         f"this version's ({PROTOCOL})")
+        protocol = p.get("protocol")
+        if protocol not in PROTOCOLS:
+            raise fuse_session.HandoverError(f"handover protocol {protocol} is not "
+                                             f"one of this version's {list(PROTOCOLS)}")
         session = fuse_session.Session(fuse_fd, fuse_session.check_state(p["state"]))
         fuse_session.check_fuse_fd(fuse_fd)
         if not stat.S_ISDIR(os.fstat(root_fd).st_mode):
@@ -206,10 +215,11 @@ def _prepare(sock: socket.socket, foreground: bool,
             os.close(fd)
         fuse_session.send_message(sock, "refuse", {"reason": str(exc)})
         raise QosfsError(f"handover refused here: {exc}", EXIT_DAEMON) from None
-    log.info("taking %s over from pid %s (qosfs %s, %d handovers before)",
-             daemon.mountpoint, p.get("pid"), p.get("version"), daemon.handovers - 1)
+    log.info("taking %s over from pid %s (qosfs %s, handover protocol %s, %d handovers "
+             "before)", daemon.mountpoint, p.get("pid"), p.get("version"), protocol,
+             daemon.handovers - 1)
     fuse_session.send_message(sock, "ready", {})
-    return daemon, session
+    return daemon, session, int(protocol)
 
 
 def _check_requested(requested: MountConfig, running: MountConfig) -> None:
@@ -248,10 +258,11 @@ def _policy(raw: dict[str, Any] | None) -> Policy | None:
 
 
 def _commit(sock: socket.socket, daemon: Daemon, session: fuse_session.Session,
-            chosen_policy: bool = False) -> None:
-    """Phase 2 (serve_mount's start): the tables and descriptors come, the session is
-    adopted, and the old daemon is told so. *chosen_policy*: ``qosfs mount --policy``
-    put another policy in force, which the old daemon's does not replace."""
+            protocol: int, chosen_policy: bool = False) -> None:
+    """Phase 2 (serve_mount's start): the tables and descriptors come (written in
+    *protocol*), the session is adopted, and the old daemon is told so. *chosen_policy*:
+    ``qosfs mount --policy`` put another policy in force, which the old daemon's does
+    not replace."""
     fds: list[int] = []
     while True:
         message = fuse_session.receive_message(sock)
@@ -265,7 +276,7 @@ def _commit(sock: socket.socket, daemon: Daemon, session: fuse_session.Session,
     if len(fds) != payload["fd_count"]:
         raise QosfsError(f"handover failed: {len(fds)} descriptors of "
                          f"{payload['fd_count']}", EXIT_DAEMON)
-    import_state(daemon.ops, payload["filesystem"], fds)
+    import_state(daemon.ops, payload["filesystem"], fds, protocol)
     # The traffic counters go on (absent from older daemons): no reset in /metrics.
     daemon.engine.accounts.import_totals(payload.get("accounts", []))
     if daemon.guard is not None:

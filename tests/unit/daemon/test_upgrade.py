@@ -1,7 +1,8 @@
 """The pure parts of ``qosfs upgrade`` (qosfs.daemon.takeover.offer,
 qosfs.daemon.takeover.upgrade): where the handover socket is, the mount's configuration
 and an open's charge as they travel, and a successor speaking another protocol refused
-before anything is sent."""
+before anything is sent: the build before's (protocol 1 only: a rollback) with the reason,
+while this build's successor says what that build's daemon accepts."""
 
 from __future__ import annotations
 
@@ -20,8 +21,11 @@ from qosfs.daemon.config import MountConfig
 from qosfs.daemon.takeover import fuse_session
 from qosfs.daemon.takeover.offer import (
     PROTOCOL,
+    PROTOCOLS,
     VERSION_ENV,
     HandoverOffer,
+    adopt_hello,
+    chosen_protocol,
     config_payload,
     daemon_version,
     handover_socket_path,
@@ -130,6 +134,41 @@ def test_a_successor_of_another_protocol_is_refused_and_nothing_is_sent(
     record.expected = True  # type: ignore[attr-defined]
     assert reply.kind == "refused" and reply.fds == []
     assert "protocol" in reply.payload["reason"]
+    assert offer.daemon.handover_failures == {"refused": 1, "taken_back": 0}
+
+
+def test_the_protocol_is_negotiated_from_the_successors_hello() -> None:
+    hello = adopt_hello()
+    # What the build before's daemon checks (equality with its 1), and what this one reads.
+    assert hello["protocol"] == 1 and hello["protocols"] == [1, 2] == list(PROTOCOLS)
+    assert hello["pid"] == os.getpid() and hello["version"] == daemon_version()
+    assert PROTOCOL == 2
+    assert chosen_protocol(json.loads(json.dumps(hello))) == PROTOCOL
+    assert chosen_protocol({"protocol": 1, "protocols": [2, 3]}) == PROTOCOL  # a later build
+    assert chosen_protocol({"protocol": 2}) == PROTOCOL  # names no list: speaks the one
+    for hello in ({"protocol": 3}, {"protocol": 1, "protocols": [1, 3]}, {}):
+        with pytest.raises(fuse_session.HandoverError, match="is not this daemon's"):
+            chosen_protocol(hello)
+
+
+def test_the_build_before_is_refused_at_the_hello_with_the_reason(
+        offer: HandoverOffer, caplog: pytest.LogCaptureFixture) -> None:
+    """A rollback: that build's successor says protocol 1 alone, and cannot read this
+    build's payload. It is told so before anything is sent; this daemon serves on."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        fuse_session.send_message(theirs, "adopt", {"protocol": 1, "version": "0.9",
+                                                    "pid": os.getpid()})
+        assert not offer._prepare(ours, *offer._prepare_payload())
+        reply = fuse_session.receive_message(theirs)
+    (record,) = [r for r in caplog.records if "refused, serving on" in r.getMessage()]
+    record.expected = True  # type: ignore[attr-defined]
+    assert reply.kind == "refused" and reply.fds == []
+    assert reply.payload["reason"] == (
+        "the successor (qosfs 0.9) speaks handover protocol 1 only: a build from before "
+        "protocol 2, which this daemon hands over in, cannot take the mount over live "
+        "(unmount, then mount with that build)")
+    assert reply.payload["reason"] in record.getMessage()
     assert offer.daemon.handover_failures == {"refused": 1, "taken_back": 0}
 
 
