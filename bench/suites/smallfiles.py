@@ -39,7 +39,7 @@ from bench.core.typed import Record
 SIDES = ("bare", "hp-single", "hp-multi", "hp-passthrough", "no-qos", "policy")
 THREADS = (1, 4, 16)
 PHASES = ("cold", "warm")
-FILES, QUICK_FILES, FILE_KIB = 2000, 500, 112
+FILES, QUICK_FILES, FILE_KIB = 8000, 1000, 112
 # a file's life, in order; other opcodes follow
 OPCODE_ORDER = ("LOOKUP", "GETATTR", "OPEN", "BACKING_OPEN", "READ", "FLUSH", "RELEASE",
                 "BACKING_CLOSE")
