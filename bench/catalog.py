@@ -32,6 +32,7 @@ from bench.suites import (
     overhead,
     peer,
     priorities,
+    smallfiles,
     storage,
 )
 from bench.suites.live_change import live_report, writes
@@ -89,6 +90,11 @@ SUITES: tuple[Suite[Any], ...] = (
         "peer", "libfuse's passthrough_hp (1 thread, threads, kernel passthrough) beside "
         "native and qosfs: fio and small files on tmpfs, small files on disk",
         peer.run, peer.PeerResult, peer.headline, peer.section),
+    Suite[smallfiles.SmallfilesResult](
+        "smallfiles", "small files on tmpfs and disk, 1/4/16 threads, cold and warm: bare, "
+        "passthrough_hp (3 modes), --no-qos, default policy; ratios, FUSE requests and "
+        "daemon CPU per file", smallfiles.run, smallfiles.SmallfilesResult,
+        smallfiles.headline, smallfiles.section, (("smallfiles", smallfiles.chart),)),
     Suite[au_report.TrainingResult](
         "training", "MLPerf Storage's AU: DLIO's emulated training under a PyTorch "
         "checkpoint storm (torch.save, dcp), bare / --no-qos / default policy / latency "

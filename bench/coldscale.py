@@ -28,18 +28,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import random
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.core.epochs import make_tree
+from bench.core.epochs import make_tree, read_files
 from bench.core.system import drop_caches, qosfs_mount, wait_quiet
 from qosfs.control.ctl import Client
 
@@ -59,31 +56,6 @@ def options(p: argparse.ArgumentParser) -> None:
                    help="before each run, wait up to this long for an idle machine")
     p.add_argument("sides", nargs="*", default=list(KINDS),
                    help="bare, no-qos, policy, or KIND@LABEL=PYTHONPATH")
-
-
-def read_files(root: Path, names: list[str], threads: int, seed: int) -> float:
-    """Open, read whole and close every file under *root* once, shuffled and split among
-    *threads* threads; files/s."""
-    order = list(names)
-    random.Random(seed).shuffle(order)
-
-    def work(part: list[str]) -> None:
-        for name in part:
-            fd = os.open(root / name, os.O_RDONLY)
-            try:
-                while os.read(fd, 1 << 20):
-                    pass
-            finally:
-                os.close(fd)
-
-    workers = [threading.Thread(target=work, args=(order[i::threads],))
-               for i in range(threads)]
-    start = time.perf_counter()
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    return len(names) / (time.perf_counter() - start)
 
 
 def _hops(sock: Path | None) -> int | None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -37,57 +36,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.core.epochs import epoch, make_tree
-from bench.core.system import drop_caches, qosfs_mount, unmount
+from bench.core.fuse_trace import FuseTrace
+from bench.core.system import cpu_seconds, drop_caches, qosfs_mount, unmount
 
-TRACING = Path("/sys/kernel/tracing")
 WORKERS = 4
-_SEND = re.compile(r"opcode \d+ \((FUSE_\w+)\)")
-
-
-class RequestCounter:
-    """FUSE requests the kernel sends on one connection, by opcode, from a tracing
-    instance of our own (the global trace buffer and other instances are left alone)."""
-
-    def __init__(self, mountpoint: Path) -> None:
-        self.dev = os.stat(mountpoint).st_dev
-        self.inst: Path | None = None
-        if not (TRACING / "instances").is_dir():
-            subprocess.run(["mount", "-t", "tracefs", "nodev", str(TRACING)], check=False,
-                           capture_output=True)
-        inst = TRACING / "instances" / f"opcost-{os.getpid()}-{self.dev}"
-        try:
-            inst.mkdir()
-        except OSError:
-            return
-        self.inst = inst
-        (inst / "buffer_size_kb").write_text("65536\n")
-        event = inst / "events" / "fuse" / "fuse_request_send"
-        (event / "filter").write_text(f"connection == {self.dev}\n")
-        (event / "enable").write_text("1\n")
-
-    def take(self) -> collections.Counter[str]:
-        """The requests sent since the last call."""
-        counts: collections.Counter[str] = collections.Counter()
-        if self.inst is None:
-            return counts
-        text = (self.inst / "trace").read_text()
-        (self.inst / "trace").write_text("")
-        for m in _SEND.finditer(text):
-            counts[m.group(1).removeprefix("FUSE_")] += 1
-        return counts
-
-    def close(self) -> None:
-        if self.inst is not None:
-            (self.inst / "events" / "fuse" / "fuse_request_send" / "enable").write_text("0\n")
-            self.inst.rmdir()
-
-
-def cpu_seconds(pid: int | None) -> float:
-    """User+system CPU time of a daemon (all its threads), 0 for no daemon."""
-    if pid is None:
-        return 0.0
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextmanager
@@ -137,25 +89,22 @@ def main() -> None:
                     ctx = _native(src)
                 else:
                     ctx = qosfs_mount(src, mnt, work, paths[side], opts.qosfs_arg)
-                with ctx as (root, pid):
-                    counter = RequestCounter(root) if side != "native" else None
-                    try:
-                        per: dict[str, collections.Counter[str]] = {}
-                        for kind, seed in (("cold", rnd), ("warm", rnd + 1000)):
-                            if kind == "cold":
-                                drop_caches()
-                                if counter:
-                                    counter.take()
-                            cpu = cpu_seconds(pid)
-                            got = epoch(root, names, seed, opts.workers)
-                            figures[side][kind].append(got["samples_per_s"])
-                            figures[side][kind + "_cpu"].append(
-                                (cpu_seconds(pid) - cpu) / opts.files * 1e6)
-                            per[kind] = counter.take() if counter else collections.Counter()
-                        requests[side] = per
-                    finally:
-                        if counter:
-                            counter.close()
+                with ctx as (root, pid), FuseTrace(root, pid) as counter:
+                    if counter.unavailable and rnd == 0:
+                        print(f"{side}: requests {counter.unavailable}", file=sys.stderr)
+                    per: dict[str, collections.Counter[str]] = {}
+                    for kind, seed in (("cold", rnd), ("warm", rnd + 1000)):
+                        if kind == "cold":
+                            drop_caches()
+                            counter.take()
+                        cpu = cpu_seconds(pid) if pid else 0.0
+                        got = epoch(root, names, seed, opts.workers)
+                        figures[side][kind].append(got["samples_per_s"])
+                        figures[side][kind + "_cpu"].append(
+                            ((cpu_seconds(pid) or 0.0) - cpu if pid else 0.0)
+                            / opts.files * 1e6)
+                        per[kind] = collections.Counter(counter.take())
+                    requests[side] = per
                 print(f"round {rnd} {side}: cold {figures[side]['cold'][-1]:,.0f} "
                       f"warm {figures[side]['warm'][-1]:,.0f} files/s", file=sys.stderr)
         print(f"{opts.files} x {opts.kib} KiB, {opts.workers} readers, {opts.rounds} rounds "

@@ -1,6 +1,7 @@
 """Epochs of a small-file data loader: every file opened, read whole and closed once, in
 a shuffled order split among processes, as a PyTorch-style loader reads samples. The
-loader and peer suites measure with it, and so do the coldscale and opcost commands.
+loader, peer and smallfiles suites measure with it, and so do the coldscale and opcost
+commands (:func:`read_files`: the same pass on threads of one process).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import multiprocessing
 import os
 import random
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -81,3 +83,28 @@ def make_tree(top: Path, count: int, size: int) -> list[str]:
         path.write_bytes(block)
         names.append(rel)
     return names
+
+
+def read_files(root: Path, names: list[str], threads: int, seed: int) -> float:
+    """Open, read whole and close every file under *root* once, shuffled and split among
+    *threads* threads; files/s."""
+    order = list(names)
+    random.Random(seed).shuffle(order)
+
+    def work(part: list[str]) -> None:
+        for name in part:
+            fd = os.open(root / name, os.O_RDONLY)
+            try:
+                while os.read(fd, 1 << 20):
+                    pass
+            finally:
+                os.close(fd)
+
+    workers = [threading.Thread(target=work, args=(order[i::threads],))
+               for i in range(threads)]
+    start = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return len(names) / (time.perf_counter() - start)

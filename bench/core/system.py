@@ -275,6 +275,16 @@ def wait_quiet(max_wait: float, threshold: float = 15.0) -> tuple[float, float]:
     return time.monotonic() - t0, busy
 
 
+def describe_disk(path: Path) -> str:
+    """What *path* is on, for a report: "ext4 on /dev/vda1, mounted at /"."""
+    proc = subprocess.run(["findmnt", "-no", "SOURCE,FSTYPE,TARGET", "--target", str(path)],
+                          capture_output=True, text=True)
+    fields = proc.stdout.split()
+    if proc.returncode != 0 or len(fields) < 3:
+        return str(path)
+    return f"{fields[1]} on {fields[0]}, mounted at {fields[2]}"
+
+
 def _first(path: str, key: str) -> str:
     try:
         with open(path) as f:

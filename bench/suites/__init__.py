@@ -13,6 +13,8 @@ them.
 - ``overhead``: native against qosfs ``--no-qos`` against a policy far above demand
 - ``peer``: libfuse's passthrough_hp beside native and qosfs
 - ``priorities``: a declared backend shared by priority and minimums
+- ``smallfiles``: small files through bare, passthrough_hp and qosfs, with FUSE requests
+  per file
 - ``storage``: the demo's reader and storm on a disk
 - ``training/``: MLPerf Storage's AU under a PyTorch checkpoint storm (DLIO)
 """

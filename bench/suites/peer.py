@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,7 +47,15 @@ from typing import Any
 from bench.core.context import Run
 from bench.core.epochs import epoch, make_samples
 from bench.core.fio import FioError, FioMetrics, parse_fio_json
-from bench.core.system import REPO, BenchError, cpu_seconds, drop_caches, unmount, wait_quiet
+from bench.core.libfuse_peer import PEER_OPTIONS, build_peer, peer_mount, refused_passthrough
+from bench.core.system import (
+    REPO,
+    BenchError,
+    cpu_seconds,
+    describe_disk,
+    drop_caches,
+    wait_quiet,
+)
 from bench.core.tables import Plots, Rows, pct, ratio, table, verdict
 from bench.core.typed import Json, Record
 from qosfs.control.ctl import Client, checked
@@ -56,10 +63,6 @@ from qosfs.control.ctl import Client, checked
 MiB = 1 << 20
 TMPFS_FILES, TMPFS_KIB, TMPFS_WORKERS = 4000, 128, 4
 DISK_FILES, DISK_KIB, DISK_WORKERS = 6000, 112, 2
-BUILD_DIR = REPO / "build" / "libfuse"
-PEER_OPTIONS = {"hp-single": ("--single", "--nopassthrough"),
-                "hp-multi": ("--nopassthrough",),
-                "hp-passthrough": ("--single",)}
 # The daemon used less CPU than this share of the QD1 job's time: its reads did not reach it.
 PASSED_THROUGH_CPU = 0.05
 FIO_JOB = "randread_4k_qd1_iops"
@@ -106,52 +109,6 @@ class PeerResult(Record):
     qosfs_passthrough: Json = None  # `ctl status`'s "passthrough" entry, when it has one
 
 
-def build_peer() -> tuple[str | None, str | None]:
-    """(passthrough_hp's path, None), or (None, why not) in one line. deploy/libfuse/build.sh
-    builds it from the libfuse source the venv's library came from; it does nothing when
-    the binary is up to date."""
-    script = REPO / "deploy" / "libfuse" / "build.sh"
-    try:
-        proc = subprocess.run([str(script), sys.prefix, str(BUILD_DIR), "passthrough_hp"],
-                              capture_output=True, text=True, timeout=1800, cwd=str(REPO))
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return None, f"deploy/libfuse/build.sh passthrough_hp: {exc}"
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode == 0 and lines and os.access(lines[-1], os.X_OK):
-        binary = Path(lines[-1]).resolve()
-        # the report names it relative to the checkout, as the Makefile builds it
-        return str(binary.relative_to(REPO) if binary.is_relative_to(REPO) else binary), None
-    why = (proc.stderr or proc.stdout).strip().splitlines()
-    return None, why[-1] if why else f"deploy/libfuse/build.sh exited {proc.returncode}"
-
-
-@contextmanager
-def peer_mount(binary: str, source: Path, mnt: Path, options: tuple[str, ...],
-               log: Path) -> Iterator[int]:
-    """passthrough_hp serving *source* on *mnt* (in the foreground, so its pid is ours);
-    yields its pid, unmounts and waits for it on the way out."""
-    mnt.mkdir(exist_ok=True)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([binary, "--foreground", *options, str(source), str(mnt)],
-                                stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 15
-        while not os.path.ismount(mnt):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                last = log.read_text(errors="replace").strip().splitlines()
-                raise BenchError(f"passthrough_hp did not mount: "
-                                 f"{last[-1] if last else 'no message'}")
-            time.sleep(0.05)
-        yield proc.pid
-    finally:
-        unmount(mnt)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def fio_read(fio: str, path: Path, rw: str, bs: str, jobs: int, seconds: int) -> FioMetrics:
     """One fio psync O_DIRECT read job on *path*, time based."""
     cmd = [fio, "--name=peer", f"--filename={path}", f"--rw={rw}", f"--bs={bs}",
@@ -195,15 +152,6 @@ def _passthrough_entry(sock: str) -> Any:
         return checked(client.request({"cmd": "status"})).get("passthrough")
 
 
-def _disk_description(path: Path) -> str:
-    proc = subprocess.run(["findmnt", "-no", "SOURCE,FSTYPE,TARGET", "--target", str(path)],
-                          capture_output=True, text=True)
-    fields = proc.stdout.split()
-    if proc.returncode != 0 or len(fields) < 3:
-        return str(path)
-    return f"{fields[1]} on {fields[0]}, mounted at {fields[2]}"
-
-
 class _Columns:
     """Mounts one column at a time over a source and measures it (see the module
     docstring); records what each column gave or why it did not."""
@@ -232,7 +180,7 @@ class _Columns:
                                 log) as pid:
                     yield mnt, pid, None
             finally:
-                if log.exists() and "passthrough_open failed" in log.read_text(errors="replace"):
+                if refused_passthrough(log):
                     self.peer_refused = True
             return
         with self.run.mount(source, no_qos=column == "no-qos") as mounted:
@@ -287,7 +235,7 @@ def run(run: Run) -> PeerResult:
         columns.errors["disk"] = "no disk area in this run (--disk-dir '')"
     else:
         dsrc = run.scratch("peer", "disk")
-        disk = _disk_description(dsrc)
+        disk = describe_disk(dsrc)
         dnames = make_samples(dsrc, DISK_FILES, kib=DISK_KIB)
         os.sync()
         disk_figures = {c: columns.measure("disk", c, dsrc, dnames, DISK_WORKERS, None)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from bench.core.epochs import make_samples
+from bench.core.libfuse_peer import peer_mount
 from bench.core.system import BenchError
-from bench.suites.peer import PeerResult, peer_mount
+from bench.suites.peer import PeerResult
 from bench.suites.peer import headline as peer_headline
 from bench.suites.peer import section as section_peer
 from tests.bench.test_registry import sample
