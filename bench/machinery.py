@@ -125,9 +125,9 @@ def io_handlers(scratch: Path, policy_text: str) -> dict[str, dict[str, float]]:
         top = scratch / f"io-{side}"
         top.mkdir()
         fd = os.open(top, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        fs = build_filesystem(fd, IoMode.INLINE, engine, FsOptions())
+        whole = build_filesystem(fd, IoMode.INLINE, engine, FsOptions())
 
-        async def main(fs: PassthroughOperations = fs, side: str = side) -> None:
+        async def main(fs: PassthroughOperations = whole.ops, side: str = side) -> None:
             info, entry = await fs.create(pyfuse3.ROOT_INODE, b"f", 0o644,
                                           os.O_RDWR | os.O_CREAT, ctx)
             await fs.write(info.fh, 0, block)
@@ -146,7 +146,7 @@ def io_handlers(scratch: Path, policy_text: str) -> dict[str, dict[str, float]]:
         try:
             trio.run(main)
         finally:
-            fs.close_all()
+            whole.close_all()
             os.close(fd)
             shutil.rmtree(top, ignore_errors=True)
     return out

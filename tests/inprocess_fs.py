@@ -102,7 +102,8 @@ def open_fds() -> int:
 
 
 class InProcessFs:
-    """A :class:`PassthroughOperations` over *root*, and what tests ask of it.
+    """A :class:`~qosfs.passthrough.whole.Filesystem` over *root* (``fs``, its operations
+    ``ops``), and what tests ask of it.
 
     Built as ``qosfs.daemon.start.run_mount`` builds it: the backing root opened as a
     directory, a :class:`BackingIO` in *mode*, the engine, the mount's options.
@@ -112,7 +113,8 @@ class InProcessFs:
                  mode: IoMode = IoMode.INLINE) -> None:
         self.root = root
         self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        self.ops = build_filesystem(self.root_fd, mode, qos, options or FsOptions())
+        self.fs = build_filesystem(self.root_fd, mode, qos, options or FsOptions())
+        self.ops = self.fs.ops
         self.ctx = Caller()
 
     def run(self, main: Callable[[], Awaitable[Any]]) -> None:
@@ -133,5 +135,5 @@ class InProcessFs:
 
     def close(self) -> None:
         """Close every descriptor, as the daemon does after the unmount."""
-        self.ops.close_all()
+        self.fs.close_all()
         os.close(self.root_fd)

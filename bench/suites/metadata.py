@@ -206,7 +206,7 @@ def measure(scratch: Path, policy_text: str) -> HandlerCosts:
         top.mkdir()
         fd = os.open(top, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         fds.append(fd)
-        sides[side] = build_filesystem(fd, IoMode.INLINE, engine, FsOptions())
+        sides[side] = build_filesystem(fd, IoMode.INLINE, engine, FsOptions()).ops
     samples: dict[str, dict[str, list[float]]] = {s: {op: [] for op in OPERATIONS}
                                                   for s in sides}
 

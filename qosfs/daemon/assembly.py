@@ -43,7 +43,7 @@ from qosfs.daemon.takeover.offer import FAILURES, HandoverOffer, daemon_version
 from qosfs.passthrough import interrupts
 from qosfs.passthrough.backing_io import IoMode, backing_mount, choose_io_mode
 from qosfs.passthrough.kernel import stack_depth
-from qosfs.passthrough.operations import PassthroughOperations
+from qosfs.passthrough.whole import Filesystem
 from qosfs.policy.model import ClassRule, Policy, PolicyError, passthrough_blocker
 from qosfs.qos.cluster import ClusterCoordinator
 from qosfs.qos.engine import PolicyQos
@@ -68,7 +68,7 @@ class Daemon:
     root_fd: int
     engine: QosEngine
     policy_engine: PolicyQos | None
-    ops: PassthroughOperations
+    fs: Filesystem  # pyfuse3 serves fs.ops
     latency: LatencyLoop | None
     cluster: ClusterCoordinator | None
     failures: Failures
@@ -164,16 +164,16 @@ def build_daemon(cfg: MountConfig, policy: Policy | None, root_fd: int,
         interrupts.install()
     # Unexpected failures of handlers and services, answered and counted, not fatal.
     failures = Failures()
-    ops = build_filesystem(root_fd, mode, engine, cfg.fs_options, write_as_caller, failures)
+    fs = build_filesystem(root_fd, mode, engine, cfg.fs_options, write_as_caller, failures)
     # Kernel passthrough is negotiated at INIT, once per mount: asked for only if the
     # policy in force now wants it (a later policy cannot add it; ctl status says so).
-    _request_passthrough(cfg, ops, engine, fstype)
+    _request_passthrough(cfg, fs, engine, fstype)
     latency = (LatencyLoop(policy_engine, LatencyProbe(mountpoint, policy_engine.probe_tids),
-                           reads_bypass=_reads_bypass(ops, policy_engine),
-                           backing_file=ops.kernel_opens.recent_file)
+                           reads_bypass=_reads_bypass(fs, policy_engine),
+                           backing_file=fs.kernel_opens.recent_file)
                if policy_engine is not None else None)
     guard = CrashGuard(cfg.keeper, control_socket_path(cfg, mountpoint), cfg.recover_within)
-    return Daemon(cfg, mountpoint, root_fd, engine, policy_engine, ops, latency, cluster,
+    return Daemon(cfg, mountpoint, root_fd, engine, policy_engine, fs, latency, cluster,
                   failures, backing_options, guard=guard)
 
 
@@ -200,7 +200,7 @@ def _fuse_options(cfg: MountConfig, backing_options: frozenset[str]) -> set[str]
     return opts
 
 
-def _reads_bypass(ops: PassthroughOperations,
+def _reads_bypass(fs: Filesystem,
                   engine: PolicyQos) -> Callable[[ClassRule], bool]:
     """Whether a class's reads bypass the daemon on this mount: kernel passthrough is
     active and nothing in the policy keeps the class's read-only opens in the daemon. The
@@ -208,27 +208,27 @@ def _reads_bypass(ops: PassthroughOperations,
     opens and metadata (qosfs.qos.latency.loop)."""
 
     def bypass(rule: ClassRule) -> bool:
-        return (rule.passthrough == "reads" and ops.kernel_opens.active()
+        return (rule.passthrough == "reads" and fs.kernel_opens.active()
                 and passthrough_blocker(engine.policy, rule) is None)
 
     return bypass
 
 
-def _request_passthrough(cfg: MountConfig, ops: PassthroughOperations, engine: QosEngine,
+def _request_passthrough(cfg: MountConfig, fs: Filesystem, engine: QosEngine,
                          fstype: str | None) -> None:
     """Ask for kernel passthrough at INIT when some class of the policy wants it, for
     backing files as deep as the source's filesystem stacks them (qosfs.passthrough.kernel)."""
     policy = engine.policy
     if not cfg.kernel_passthrough:
-        ops.kernel_opens.off("turned off (--no-passthrough)")
+        fs.kernel_opens.off("turned off (--no-passthrough)")
     elif policy is None:
-        ops.kernel_opens.off("no policy (--no-qos)")
+        fs.kernel_opens.off("no policy (--no-qos)")
     elif not any(c.passthrough == "reads" for c in policy.classes):
-        ops.kernel_opens.off('no class of the policy at mount set passthrough = "reads" '
+        fs.kernel_opens.off('no class of the policy at mount set passthrough = "reads" '
                              "(it is negotiated with the kernel at mount: a later policy "
                              "needs a remount to use it)")
     else:
-        ops.kernel_opens.request(ops, stack_depth(fstype))
+        fs.kernel_opens.request(fs.ops, stack_depth(fstype))
 
 
 def bind_services(daemon: Daemon,
@@ -267,7 +267,7 @@ def open_services(daemon: Daemon) -> list[tuple[str, Service]]:
     and the daemon's own."""
     assert daemon.listeners is not None
     return _open_services(daemon.cfg, daemon.mountpoint, daemon.engine, daemon.listeners,
-                          daemon.latency, daemon.ops.resources, daemon.cluster,
+                          daemon.latency, daemon.fs.resources, daemon.cluster,
                           _daemon_info(daemon))
 
 

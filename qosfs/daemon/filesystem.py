@@ -1,5 +1,6 @@
 """The assembly of a mount's filesystem: :func:`build_filesystem` makes the parts the
-FUSE operations (:class:`qosfs.passthrough.operations.PassthroughOperations`) are handed.
+FUSE operations (:class:`qosfs.passthrough.operations.PassthroughOperations`) are handed,
+and returns them together as a :class:`qosfs.passthrough.whole.Filesystem`.
 
 Kept apart from the operations so that they only answer FUSE: which inode table, which
 descriptor budget and open quota, which I/O mode, ownership emulation and failure
@@ -26,14 +27,16 @@ from qosfs.passthrough.namespace import Namespace
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.passthrough.ownership import Ownership
 from qosfs.passthrough.paths import PathBook
+from qosfs.passthrough.whole import Filesystem
 from qosfs.qos.interface import FilesystemQos
 
 
 def build_filesystem(root_fd: int, io: IoMode | BackingIO, qos: FilesystemQos,
                      options: FsOptions, write_as_caller: bool = False,
-                     failures: Failures | None = None) -> PassthroughOperations:
-    """The FUSE operations over the backing root *root_fd*, with the syscalls of *io* (a
-    mode, or a BackingIO made already) and the QoS engine *qos*.
+                     failures: Failures | None = None) -> Filesystem:
+    """The filesystem (its FUSE operations and their parts) over the backing root
+    *root_fd*, with the syscalls of *io* (a mode, or a BackingIO made already) and the QoS
+    engine *qos*.
 
     *write_as_caller*: non-root openers' writes run with their fsuid (root's reserve:
     :mod:`qosfs.daemon.privileges`). *failures*: where unexpected exceptions answered EIO
@@ -68,6 +71,7 @@ def build_filesystem(root_fd: int, io: IoMode | BackingIO, qos: FilesystemQos,
     entries = Entries(inodes, paths, qos, calls, options.entry_timeout, options.attr_timeout)
     owners = Ownership(os.geteuid() == 0, write_as_caller)
     names = Namespace(inodes, paths, handles, qos, calls, entries, owners, once)
-    return PassthroughOperations(inodes, handles, paths, backing, qos, options, kernel_opens,
-                                 once, calls, entries, names, owners,
-                                 failures if failures is not None else Failures())
+    failures = failures if failures is not None else Failures()
+    ops = PassthroughOperations(inodes, handles, paths, backing, qos, options, kernel_opens,
+                                calls, entries, names, owners, failures)
+    return Filesystem(ops, inodes, handles, kernel_opens, once, backing, failures)

@@ -79,7 +79,7 @@ def serve_mount(daemon: Daemon, start: Callable[[], None],
     predecessor that did not pass them, are bound after it: a failure to bind them is
     then logged, not fatal (nobody else serves the mount by then).
     """
-    cfg, mountpoint, ops = daemon.cfg, daemon.mountpoint, daemon.ops
+    cfg, mountpoint, fs = daemon.cfg, daemon.mountpoint, daemon.fs
     handed_over = False
     # Whether the control socket's path is this process's to remove at the end: not
     # while a successor that failed to start hands it back to its predecessor.
@@ -98,7 +98,7 @@ def serve_mount(daemon: Daemon, start: Callable[[], None],
                 start()
 
             def after_init() -> None:
-                ops.kernel_opens.log()
+                fs.kernel_opens.log()
                 if guard is not None:
                     guard.keep(daemon)  # the keeper's copy: a crash from here on loses nothing
 
@@ -134,7 +134,7 @@ def serve_mount(daemon: Daemon, start: Callable[[], None],
                 pyfuse3.close(unmount=still_mounted)
                 if guard is not None:
                     guard.end(unmounted=not handed_over)
-                ops.close_all()
+                fs.close_all()
                 if handed_over:
                     log.info("%s handed over; this process exits", mountpoint)
                 else:

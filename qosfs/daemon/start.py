@@ -112,7 +112,7 @@ def run_mount(cfg: MountConfig, on_ready: Callable[[], None] | None = None) -> i
 
     def start() -> None:
         try:
-            pyfuse3.init(daemon.ops, daemon.mountpoint, daemon.fuse_options)
+            pyfuse3.init(daemon.fs.ops, daemon.mountpoint, daemon.fuse_options)
         except RuntimeError as exc:
             raise QosfsError(f"mounting {daemon.mountpoint} failed: {exc}", EXIT_FUSE) from None
 

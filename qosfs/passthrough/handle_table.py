@@ -15,7 +15,8 @@ the process: the crash journal writes it at every open, the handover
 (``marshal`` and JSON both take it); the journal's on-disk layout of it is unchanged.
 
 A successor fills the table through :class:`Tables`, the parts of a filesystem that a
-takeover sets up, never through the operations' other attributes.
+takeover sets up (a :class:`~qosfs.passthrough.whole.Filesystem`), never through the
+FUSE operations.
 """
 
 from __future__ import annotations
@@ -252,8 +253,8 @@ class HandleTable:
 
 class Tables(Protocol):
     """What a takeover fills in a new, idle filesystem (the handover's import, crash
-    recovery) and what a handover exports: :class:`~qosfs.passthrough.operations.
-    PassthroughOperations` is one."""
+    recovery) and what a handover exports: :class:`~qosfs.passthrough.whole.Filesystem`
+    is one."""
 
     @property
     def inodes(self) -> InodeTable: ...

@@ -51,15 +51,13 @@ import trio
 from pyfuse3 import FUSEError
 
 from qosfs.core.failures import Failures
-from qosfs.passthrough import interrupts, odirect
+from qosfs.passthrough import odirect
 from qosfs.passthrough.attributes import apply_setattr
 from qosfs.passthrough.backing_io import BackingIO, IoMode
 from qosfs.passthrough.entries import Entries
 from qosfs.passthrough.handle_table import OPEN_DROP, HandleTable
 from qosfs.passthrough.handles import DirHandle
 from qosfs.passthrough.inodes import Inode, InodeTable
-from qosfs.passthrough.intents import ExactlyOnce
-from qosfs.passthrough.journal import SessionJournal
 from qosfs.passthrough.kernel_opens import KernelOpens
 from qosfs.passthrough.meta_calls import FD_SHORTAGE, MetaCalls
 from qosfs.passthrough.namespace import Namespace
@@ -115,14 +113,13 @@ class PassthroughOperations(pyfuse3.Operations):
 
     def __init__(self, inodes: InodeTable, handles: HandleTable, paths: PathBook,
                  io: BackingIO, qos: FilesystemQos, options: FsOptions, kernel_opens: KernelOpens,
-                 once: ExactlyOnce, calls: MetaCalls, entries: Entries, names: Namespace,
+                 calls: MetaCalls, entries: Entries, names: Namespace,
                  owners: Ownership, failures: Failures) -> None:
         """Made by :func:`qosfs.daemon.filesystem.build_filesystem`, which builds the
         parts: *inodes* (held by O_PATH descriptors), *handles* (open files and
         directories by fh), *paths* (for the engine's classification by path), *io* (the
         data path's syscalls), *qos*, *kernel_opens* (which opens the kernel serves
-        itself), *once* (non-idempotent requests done exactly once across a crash),
-        *calls* (metadata syscalls), *entries* (what the kernel is told of an inode),
+        itself), *calls* (metadata syscalls), *entries* (what the kernel is told of an inode),
         *names* (name changes), *owners* (ownership emulation) and *failures*
         (unexpected exceptions answered EIO instead of ending the mount, counted)."""
         super().__init__()
@@ -137,7 +134,6 @@ class PassthroughOperations(pyfuse3.Operations):
         self.options = options
         self.paths = paths
         self.kernel_opens = kernel_opens
-        self.once = once
         self._owners = owners
         self._meta_limiter = qos.meta_limiter
         # Bound methods looked up once: the handlers call them per request.
@@ -300,14 +296,6 @@ class PassthroughOperations(pyfuse3.Operations):
             return passed
         return file_info(handle.fh, fd, node, accmode, direct, charge.flow,
                          self.options.cache, self.io)
-
-    def attach_journal(self, journal: SessionJournal) -> None:
-        """Write the filesystem's state down in *journal* and keep it written: the inode
-        table, every open file and directory, the exactly-once ring (a new mount's, a
-        successor's, a recovered one's: each process writes a journal of its own)."""
-        self.once.attach(journal.intents)
-        self.inodes.attach_journal(journal, self.handles.inodes_held())
-        self.handles.attach_journal(journal)
 
     @fuse_handler
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
@@ -570,34 +558,6 @@ class PassthroughOperations(pyfuse3.Operations):
         node = self.inodes.get(inode)
         await self._admit_meta(node, ctx)
         await self._meta(os.removexattr, node.proc_path, name)
-
-    # ----------------------------------------------------------------- observation
-
-    def resources(self) -> dict[str, Any]:
-        """What the filesystem holds now, for ``ctl status`` (inodes, descriptors, handles,
-        the open quota, failures). The engine's figures come from the engine itself
-        (:meth:`qosfs.qos.interface.QosControl.counters`)."""
-        inodes = self.inodes
-        return {
-            "inodes": len(inodes), "inode_fds": inodes.fds_held,
-            "inode_fd_budget": inodes.cache.capacity, "inode_fd_reopens": inodes.reopens,
-            "file_handles": len(self.files), "dir_handles": len(self.dirs),
-            "open_per_uid_limit": self.handles.quota.per_uid,
-            "open_refused": self.handles.quota.refused,
-            "killed_callers": interrupts.killed_callers,
-            "backing_thread_hops": self.io.thread_hops,
-            "backing_prefetches": self.io.prefetches,
-            "internal_errors": self.failures.counts(),
-            "passthrough": self.kernel_opens.status(),
-        }
-
-    # ----------------------------------------------------------------- shutdown
-
-    def close_all(self) -> None:
-        """Close every backing descriptor once the kernel connection is gone."""
-        self.handles.close_all()
-        self.inodes.close_all()
-        self.io.fd_guard.close_all()
 
 
 def _close_dup(fd: int) -> None:

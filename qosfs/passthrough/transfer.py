@@ -17,8 +17,8 @@ backing object, the same open and the same QoS charge:
 - every open directory, with the snapshot its offsets refer to.
 
 ``export_state`` changes nothing (a refused handover leaves the old process serving as it
-was); ``import_state`` is called on a new, idle filesystem (its :class:`~qosfs.passthrough.
-handle_table.Tables`). The descriptors travel
+was); ``import_state`` is called on a new, idle filesystem (a :class:`~qosfs.passthrough.whole.
+Filesystem`, as its :class:`~qosfs.passthrough.handle_table.Tables`). The descriptors travel
 by SCM_RIGHTS in the order of the returned list, which the payload refers to by index.
 What does not travel: the QoS engine's memo of each inode's classification (made again at
 the next request) and the bytes a watched open wrote under a temporary name (a rename

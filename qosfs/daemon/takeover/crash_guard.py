@@ -19,13 +19,13 @@ from qosfs.core.errors import QosfsError
 from qosfs.daemon import notify
 from qosfs.daemon.takeover import fuse_session, keeper
 from qosfs.passthrough.journal import SessionJournal
-from qosfs.passthrough.operations import PassthroughOperations
+from qosfs.passthrough.whole import Filesystem
 
 
 class Daemon(Protocol):
     """What the guard needs of the daemon it serves (qosfs.daemon.assembly.Daemon)."""
 
-    ops: PassthroughOperations
+    fs: Filesystem
     root_fd: int
     mountpoint: str
 
@@ -68,7 +68,7 @@ class CrashGuard:
                 log.warning("crash protection off: %s", fuse_session.unavailable_reason())
             return
         self.journal = SessionJournal(self.journal_path)
-        daemon.ops.attach_journal(self.journal)
+        daemon.fs.attach_journal(self.journal)
         if state is not None:
             self._describe(daemon, state)
 

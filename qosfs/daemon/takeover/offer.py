@@ -35,8 +35,8 @@ from qosfs import __version__
 from qosfs.control.address import beside_socket
 from qosfs.daemon.takeover import fuse_session
 from qosfs.daemon.takeover.listeners import Listeners
-from qosfs.passthrough.operations import PassthroughOperations
 from qosfs.passthrough.transfer import export_state
+from qosfs.passthrough.whole import Filesystem
 from qosfs.qos.interface import QosEngine
 from qosfs.qos.latency.loop import LatencyLoop
 
@@ -136,7 +136,7 @@ class Served(Protocol):
     mountpoint: str
     root_fd: int
     engine: QosEngine
-    ops: PassthroughOperations
+    fs: Filesystem
     latency: LatencyLoop | None
     handovers: int
     handover_failures: dict[str, int]  # FAILURES -> how many, over the mount's processes
@@ -306,7 +306,7 @@ class HandoverOffer:
         daemon = self.daemon
         timeout = COMMIT_TIMEOUT
         try:
-            tables, fds = export_state(daemon.ops)
+            tables, fds = export_state(daemon.fs)
             timeout = commit_timeout(
                 len(tables["inodes"]["records"]) + len(tables["files"]) + len(tables["dirs"]))
             sock.settimeout(timeout)
@@ -352,7 +352,7 @@ class HandoverOffer:
         session = fuse_session.export_session()
         fd = os.dup(session.fuse_fd)
         pyfuse3.close(unmount=False)  # pyfuse3's session and its copy of the descriptor
-        fuse_session.adopt(self.daemon.ops, fuse_session.Session(fd, self._state),
+        fuse_session.adopt(self.daemon.fs.ops, fuse_session.Session(fd, self._state),
                        self.daemon.mountpoint, self.daemon.fuse_options)
         self.successor = None
         if self._state.get("proto_minor", 0) >= fuse_session.RESEND_MINOR:

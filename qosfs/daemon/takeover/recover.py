@@ -105,7 +105,7 @@ def recover_mount(cfg: MountConfig, fds: tuple[int, int], control_path: str,
                             f"({exc}); its callers got ENOTCONN", EXIT_MOUNTPOINT) from None
     policy = load_policy(cfg.policy_path) if cfg.policy_path else default_policy()
     daemon = build_daemon(cfg, policy if cfg.qos else None, root_fd, mountpoint)
-    rebuilt = rebuild(daemon.ops, journal)
+    rebuilt = rebuild(daemon.fs, journal)
     log.warning("%s: recovering after the death of pid %s: %d inodes, %d open files "
                 "(%d lost), %d open directories", mountpoint, journal.session.get("pid"),
                 rebuilt.inodes, rebuilt.open_files, rebuilt.lost_files, rebuilt.open_dirs)
@@ -120,7 +120,7 @@ def recover_mount(cfg: MountConfig, fds: tuple[int, int], control_path: str,
 
     def start() -> None:
         guard.attach(daemon, state)
-        fuse_session.adopt(daemon.ops, fuse_session.Session(fuse_fd, state), daemon.mountpoint,
+        fuse_session.adopt(daemon.fs.ops, fuse_session.Session(fuse_fd, state), daemon.mountpoint,
                        daemon.fuse_options)
         fuse_session.resend()  # what the dead process read and never answered comes again
 

@@ -276,7 +276,7 @@ def _commit(sock: socket.socket, daemon: Daemon, session: fuse_session.Session,
     if len(fds) != payload["fd_count"]:
         raise QosfsError(f"handover failed: {len(fds)} descriptors of "
                          f"{payload['fd_count']}", EXIT_DAEMON)
-    import_state(daemon.ops, payload["filesystem"], fds, protocol)
+    import_state(daemon.fs, payload["filesystem"], fds, protocol)
     # The traffic counters go on (absent from older daemons): no reset in /metrics.
     daemon.engine.accounts.import_totals(payload.get("accounts", []))
     if daemon.guard is not None:
@@ -285,7 +285,7 @@ def _commit(sock: socket.socket, daemon: Daemon, session: fuse_session.Session,
     if policy is not None and daemon.engine.policy is not None and not chosen_policy \
             and policy.render() != daemon.engine.policy.render():
         daemon.policy_to_apply = policy  # changed (ctl set) while we prepared
-    fuse_session.adopt(daemon.ops, session, daemon.mountpoint, daemon.fuse_options)
+    fuse_session.adopt(daemon.fs.ops, session, daemon.mountpoint, daemon.fuse_options)
     chosen = daemon.policy_to_apply
     if chosen_policy and daemon.listeners is not None and chosen is not None:
         daemon.listeners.control.set_admin_group(chosen.control.admin_gid)

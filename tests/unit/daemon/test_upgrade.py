@@ -100,7 +100,7 @@ class _Daemon:
     mountpoint = "/mnt"
     root_fd = -1
     engine = SimpleNamespace(policy=None)
-    ops = None
+    fs = None
     latency = None
     handovers = 0
     listeners = None

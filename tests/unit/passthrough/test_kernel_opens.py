@@ -49,8 +49,8 @@ def ops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Passthrough
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     fs = build_filesystem(fd, IoMode.INLINE, PolicyQos(parse_policy(POLICY)), FsOptions())
     fs.kernel_opens.kernel = KernelPassthrough(FakeBinding())
-    fs.kernel_opens.request(fs, 0)
-    yield fs
+    fs.kernel_opens.request(fs.ops, 0)
+    yield fs.ops
     fs.close_all()
 
 

@@ -22,6 +22,7 @@ from qosfs.passthrough import odirect
 from qosfs.passthrough.backing_io import BackingIO, IoMode
 from qosfs.passthrough.kernel import KernelPassthrough
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
+from qosfs.passthrough.whole import Filesystem
 from qosfs.policy.loading import parse_policy
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.interface import PassThroughQos
@@ -34,9 +35,13 @@ class _Ctx:
     umask = 0o022
 
 
-def _ops(root: Path) -> PassthroughOperations:
+def _fs(root: Path) -> Filesystem:
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     return build_filesystem(fd, IoMode.INLINE, PassThroughQos(), FsOptions())
+
+
+def _ops(root: Path) -> PassthroughOperations:
+    return _fs(root).ops
 
 
 def test_backing_errors_become_their_own_errno(tmp_path: Path) -> None:
@@ -57,7 +62,8 @@ def test_backing_errors_become_their_own_errno(tmp_path: Path) -> None:
 
 def test_unexpected_exception_is_logged_and_answered_eio(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    ops = _ops(tmp_path)
+    fs = _fs(tmp_path)
+    ops = fs.ops
     (tmp_path / "f").write_text("x")
 
     def broken(*args: object) -> None:
@@ -77,7 +83,7 @@ def test_unexpected_exception_is_logged_and_answered_eio(
     assert len(records) == 1  # once per kind; the rest are counted
     for r in records:
         r.expected = True  # type: ignore[attr-defined]
-    assert ops.resources()["internal_errors"] == {"lookup": {"ValueError": 3}}
+    assert fs.resources()["internal_errors"] == {"lookup": {"ValueError": 3}}
 
 
 class _Broken:
@@ -307,7 +313,7 @@ def test_writes_and_renames_are_reported_to_the_opens_charge(tmp_path: Path) -> 
     (tmp_path / "ckpt").mkdir()
     engine = PolicyQos(parse_policy(CHARGED_POLICY))
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
-    ops = build_filesystem(fd, IoMode.INLINE, engine, FsOptions())
+    ops = build_filesystem(fd, IoMode.INLINE, engine, FsOptions()).ops
     tail = mmap.PAGESIZE * 256
 
     async def main() -> None:
@@ -329,11 +335,12 @@ def test_writes_and_renames_are_reported_to_the_opens_charge(tmp_path: Path) -> 
 
 
 def test_passthrough_that_cannot_work_is_not_negotiated_and_says_why(tmp_path: Path) -> None:
-    ops = _ops(tmp_path)
+    fs = _fs(tmp_path)
+    ops = fs.ops
     ops.kernel_opens.kernel = KernelPassthrough(SimpleNamespace())  # pyfuse3 without the patch
     ops.kernel_opens.request(ops, 0)
     assert not vars(ops).get("enable_passthrough")  # INIT will not ask the kernel
-    status = ops.resources()["passthrough"]
+    status = fs.resources()["passthrough"]
     assert status["state"] == "unavailable" and "patch" in status["reason"]
     assert status["registered"] == status["live_backing_ids"] == 0
     off = _ops(tmp_path)
@@ -370,7 +377,8 @@ def test_an_open_reads_a_small_file_ahead_only_for_reads_no_cap_holds_back(
     engine = PassThroughQos() if qos == "none" else PolicyQos(parse_policy(PREFETCH_POLICY))
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     io = BackingIO(IoMode.NOWAIT)
-    ops = build_filesystem(fd, io, engine, FsOptions())
+    fs = build_filesystem(fd, io, engine, FsOptions())
+    ops = fs.ops
 
     async def main() -> None:
         parent = pyfuse3.ROOT_INODE
@@ -384,4 +392,4 @@ def test_an_open_reads_a_small_file_ahead_only_for_reads_no_cap_holds_back(
 
     trio.run(main)
     assert io.prefetches == (1 if reads_ahead else 0)
-    assert ops.resources()["backing_prefetches"] == io.prefetches
+    assert fs.resources()["backing_prefetches"] == io.prefetches

@@ -16,8 +16,9 @@ import trio
 from qosfs.daemon.filesystem import build_filesystem
 from qosfs.passthrough.backing_io import IoMode
 from qosfs.passthrough.journal import SessionJournal, read_journal
-from qosfs.passthrough.operations import FsOptions, PassthroughOperations
+from qosfs.passthrough.operations import FsOptions
 from qosfs.passthrough.recovery import rebuild
+from qosfs.passthrough.whole import Filesystem
 from qosfs.policy.loading import parse_policy
 from qosfs.qos.engine import PolicyQos
 from tests.inprocess_fs import Caller, open_fds
@@ -29,7 +30,7 @@ write_bandwidth = "1GiB/s"
 """
 
 
-def _ops(root_fd: int) -> PassthroughOperations:
+def _fs(root_fd: int) -> Filesystem:
     return build_filesystem(root_fd, IoMode.INLINE, PolicyQos(parse_policy(POLICY)),
                             FsOptions(fd_budget=0))
 
@@ -44,10 +45,11 @@ def test_a_successor_rebuilt_from_the_journal_serves_the_same_ids_and_handles(
     before = open_fds()
     a_root = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     b_root = os.dup(a_root)
-    a = _ops(a_root)
+    fs_a = _fs(a_root)
+    a = fs_a.ops
     journal = SessionJournal(str(tmp_path / "session.journal"))
     journal.session({"pid": 1})
-    a.attach_journal(journal)
+    fs_a.attach_journal(journal)
     ctx = Caller()
     owner = Caller(uid=4243)
 
@@ -67,11 +69,12 @@ def test_a_successor_rebuilt_from_the_journal_serves_the_same_ids_and_handles(
         os.unlink(src / "ckpt" / "doomed")  # unlinked while open, underneath
         dir_owner = a.dirs[listing].owner
         left = read_journal(journal.path)  # what a kill -9 leaves, then its death:
-        a.close_all()  # every descriptor the dead process had is closed
+        fs_a.close_all()  # every descriptor the dead process had is closed
         journal.close(remove=True)
 
-        b = _ops(b_root)
-        rebuilt = rebuild(b, left)
+        fs_b = _fs(b_root)
+        b = fs_b.ops
+        rebuilt = rebuild(fs_b, left)
         assert (rebuilt.open_files, rebuilt.lost_files, rebuilt.open_dirs) == (3, 1, 1)
         assert set(b.files) == {reader.fh, writer.fh} and set(b.handles.lost) == {gone.fh}
         assert b.handles.next_fh > max(reader.fh, writer.fh, gone.fh, listing, released.fh)
@@ -95,7 +98,7 @@ def test_a_successor_rebuilt_from_the_journal_serves_the_same_ids_and_handles(
             await b.release(fh)
         await b.releasedir(listing)
         assert flow.open_files == 0 and node.opens == 0
-        b.close_all()
+        fs_b.close_all()
 
     try:
         trio.run(main)

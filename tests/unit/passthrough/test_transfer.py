@@ -22,8 +22,9 @@ from qosfs.passthrough.backing_io import IoMode
 from qosfs.passthrough.handle_table import OpenRecord
 from qosfs.passthrough.handles import PASSED_THROUGH, SERVED
 from qosfs.passthrough.odirect import dio_mask_of
-from qosfs.passthrough.operations import FsOptions, PassthroughOperations
+from qosfs.passthrough.operations import FsOptions
 from qosfs.passthrough.transfer import export_state, import_state, open_record_v1
+from qosfs.passthrough.whole import Filesystem
 from qosfs.policy.loading import parse_policy
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.interface import PassThroughQos, QosEngine
@@ -43,14 +44,14 @@ class _Ctx:
     umask = 0o022
 
 
-def _ops(root_fd: int, engine: QosEngine, budget: int = 0) -> PassthroughOperations:
+def _fs(root_fd: int, engine: QosEngine, budget: int = 0) -> Filesystem:
     return build_filesystem(root_fd, IoMode.INLINE, engine, FsOptions(fd_budget=budget))
 
 
-def _hand_over(a: PassthroughOperations, engine: QosEngine) -> PassthroughOperations:
+def _hand_over(a: Filesystem, engine: QosEngine) -> Filesystem:
     payload, fds = export_state(a)
     received = [os.dup(fd) for fd in fds]  # other numbers, as a successor gets them
-    b = _ops(os.dup(a.inodes.root.fd), engine)
+    b = _fs(os.dup(a.inodes.root.fd), engine)
     import_state(b, payload, received, PROTOCOL)
     return b
 
@@ -66,7 +67,8 @@ def test_a_successor_answers_the_same_node_ids_and_file_handles(
     def engine() -> QosEngine:
         return PolicyQos(parse_policy(POLICY)) if with_policy else PassThroughQos()
 
-    a = _ops(os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY), engine())
+    fs_a = _fs(os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY), engine())
+    a = fs_a.ops
     ctx = _Ctx()
 
     async def main() -> None:
@@ -78,7 +80,8 @@ def test_a_successor_answers_the_same_node_ids_and_file_handles(
         d = await a.lookup(pyfuse3.ROOT_INODE, b"d", ctx)
         listing = await a.opendir(d.st_ino, ctx)
         b_engine = engine()
-        b = _hand_over(a, b_engine)
+        fs_b = _hand_over(fs_a, b_engine)
+        b = fs_b.ops
 
         # The same fh reads and writes the same file, through other descriptors.
         assert b.files[reader.fh].fd != a.files[reader.fh].fd
@@ -108,9 +111,9 @@ def test_a_successor_answers_the_same_node_ids_and_file_handles(
         await b.forget([(entry.st_ino, 2)])
         with pytest.raises(KeyError):
             b.inodes.get(entry.st_ino)
-        a.close_all()  # the predecessor's own descriptors; B's stay open
+        fs_a.close_all()  # the predecessor's own descriptors; B's stay open
         assert (await b.lookup(ckpt.st_ino, b"a", ctx)).st_ino == entry.st_ino
-        b.close_all()
+        fs_b.close_all()
 
     trio.run(main)
 
@@ -120,20 +123,22 @@ def test_evicted_and_forgotten_inodes_travel_with_what_reopens_them(tmp_path: Pa
     (or a name); the successor reopens them the same way."""
     for i in range(40):
         (tmp_path / f"f{i}").write_bytes(b"%d" % i)
-    a = _ops(os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY), PassThroughQos(), budget=8)
+    fs_a = _fs(os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY), PassThroughQos(), budget=8)
+    a = fs_a.ops
     ctx = _Ctx()
 
     async def main() -> None:
         ids = [(await a.lookup(pyfuse3.ROOT_INODE, b"f%d" % i, ctx)).st_ino for i in range(40)]
         a.inodes.trim()
         assert a.inodes.fds_held < 40
-        b = _hand_over(a, PassThroughQos())
-        a.close_all()
+        fs_b = _hand_over(fs_a, PassThroughQos())
+        b = fs_b.ops
+        fs_a.close_all()
         for i, nodeid in enumerate(ids):
             info = await b.open(nodeid, os.O_RDONLY, ctx)
             assert bytes(await b.read(info.fh, 0, 8)) == b"%d" % i
             await b.release(info.fh)
-        b.close_all()
+        fs_b.close_all()
 
     trio.run(main)
 
@@ -201,8 +206,9 @@ def test_a_protocol_1_payload_of_the_build_before_is_taken_over(tmp_path: Path) 
     received = [os.dup(fd) for fd in sent]  # other numbers, as SCM_RIGHTS gives them
     for fd in sent:
         os.close(fd)
-    b = _ops(os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY), PolicyQos(parse_policy(POLICY)))
-    import_state(b, payload, received, 1)
+    fs_b = _fs(os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY), PolicyQos(parse_policy(POLICY)))
+    import_state(fs_b, payload, received, 1)
+    b = fs_b.ops
 
     files = b.files
     assert sorted(files) == [3, 4, 6] and b.handles.lost == {}
@@ -235,7 +241,7 @@ def test_a_protocol_1_payload_of_the_build_before_is_taken_over(tmp_path: Path) 
         assert record.flags & os.O_ACCMODE == (os.O_RDWR if rec["direct"] else os.O_RDONLY)
     # The 1-record reader takes the backing id from the payload's passthrough state.
     assert [OpenRecord.load(f["open"]).backing_id
-            for f in export_state(b)[0]["files"]] == [None, None, 17]
+            for f in export_state(fs_b)[0]["files"]] == [None, None, 17]
 
     async def main() -> None:
         assert bytes(await b.read(3, 4096, 8)) == data[4096:4104]
@@ -245,4 +251,4 @@ def test_a_protocol_1_payload_of_the_build_before_is_taken_over(tmp_path: Path) 
         assert (tmp_path / "ckpt" / "a.bin").read_bytes()[:4] == b"new!"
 
     trio.run(main)
-    b.close_all()
+    fs_b.close_all()
