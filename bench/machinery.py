@@ -24,7 +24,7 @@ import trio
 
 from bench.core.sides import GENEROUS_POLICY
 from bench.suites.metadata import FILES, ROUNDS, measure
-from qosfs.daemon.filesystem import build_filesystem
+from qosfs.daemon.fs_assembly import build_filesystem
 from qosfs.passthrough.backing_io import IoMode
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import parse_policy

@@ -18,7 +18,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from qosfs.daemon.filesystem import build_filesystem
+from qosfs.daemon.fs_assembly import build_filesystem
 from qosfs.passthrough.backing_io import IoMode
 from qosfs.passthrough.operations import FsOptions
 from qosfs.policy.loading import parse_policy
@@ -102,7 +102,7 @@ def open_fds() -> int:
 
 
 class InProcessFs:
-    """A :class:`~qosfs.passthrough.whole.Filesystem` over *root* (``fs``, its operations
+    """A :class:`~qosfs.passthrough.filesystem.Filesystem` over *root* (``fs``, its operations
     ``ops``), and what tests ask of it.
 
     Built as ``qosfs.daemon.start.run_mount`` builds it: the backing root opened as a

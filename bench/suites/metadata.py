@@ -50,7 +50,7 @@ from bench.core.tables import (
     verdict,
 )
 from bench.core.typed import Json, Record
-from qosfs.daemon.filesystem import build_filesystem
+from qosfs.daemon.fs_assembly import build_filesystem
 from qosfs.passthrough.backing_io import IoMode
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import parse_policy

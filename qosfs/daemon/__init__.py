@@ -7,7 +7,7 @@ import every other. Its modules, in the order a mount meets them:
   by a live daemon; and the fresh path.
 - ``daemonize``: the fork, and the parent waiting until the child serves.
 - ``preflight``: the checks before anything is mounted, and a stale mount removed.
-- ``filesystem``: a mount's filesystem assembled from its parts (``build_filesystem``).
+- ``fs_assembly``: a mount's filesystem assembled from its parts (``build_filesystem``).
 - ``topology``: the source and mountpoint layouts that cannot work, refused.
 - ``assembly``: the ``Daemon`` built from the configuration, and its services wired.
 - ``serve``: the trio loop, signals, the drain, a handover's commit or take-back, unmount.

@@ -32,7 +32,7 @@ from qosfs.control.service import ControlService
 from qosfs.core.errors import QosfsError
 from qosfs.core.failures import Failures
 from qosfs.daemon.config import MountConfig, control_socket_path
-from qosfs.daemon.filesystem import build_filesystem
+from qosfs.daemon.fs_assembly import build_filesystem
 from qosfs.daemon.notify import notify, reloading
 from qosfs.daemon.pointer import pointer_path
 from qosfs.daemon.privileges import shed_resource_privileges
@@ -42,8 +42,8 @@ from qosfs.daemon.takeover.listeners import Listeners
 from qosfs.daemon.takeover.offer import FAILURES, HandoverOffer, daemon_version
 from qosfs.passthrough import interrupts
 from qosfs.passthrough.backing_io import IoMode, backing_mount, choose_io_mode
+from qosfs.passthrough.filesystem import Filesystem
 from qosfs.passthrough.kernel import stack_depth
-from qosfs.passthrough.whole import Filesystem
 from qosfs.policy.model import ClassRule, Policy, PolicyError, passthrough_blocker
 from qosfs.qos.cluster import ClusterCoordinator
 from qosfs.qos.engine import PolicyQos

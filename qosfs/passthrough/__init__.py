@@ -3,7 +3,8 @@
 ``plan``, which it does not import.
 
 - ``operations``: the pyfuse3 ``Operations``, a faithful pass-through that answers FUSE.
-- ``whole``: the filesystem as a whole, the operations and their parts: status, journal, close.
+- ``filesystem``: the filesystem as a whole (``Filesystem``): the operations and their
+  parts, its status, its journal, its close.
 - ``inodes``, ``fdcache``: the inode table, held by ``O_PATH`` descriptors, a bounded set.
 - ``inode_takeover``: the inode table handed to a successor, or rebuilt after a crash.
 - ``handles``: open files and directories, what a FUSE file handle stands for.

@@ -219,7 +219,7 @@ class BackingIO:
         self.prefetches = 0  # how many opens started reading their file (prefetch)
         # Inode descriptors evicted while a metadata call runs in a thread are closed only
         # once it returns (qosfs.passthrough.fdcache): the inode table closes through
-        # the same guard (qosfs.daemon.filesystem builds both with it).
+        # the same guard (qosfs.daemon.fs_assembly builds both with it).
         self.fd_guard = fd_guard if fd_guard is not None else DeferredClose()
 
     def __repr__(self) -> str:

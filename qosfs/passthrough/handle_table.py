@@ -15,7 +15,7 @@ the process: the crash journal writes it at every open, the handover
 (``marshal`` and JSON both take it); the journal's on-disk layout of it is unchanged.
 
 A successor fills the table through :class:`Tables`, the parts of a filesystem that a
-takeover sets up (a :class:`~qosfs.passthrough.whole.Filesystem`), never through the
+takeover sets up (a :class:`~qosfs.passthrough.filesystem.Filesystem`), never through the
 FUSE operations.
 """
 
@@ -253,7 +253,7 @@ class HandleTable:
 
 class Tables(Protocol):
     """What a takeover fills in a new, idle filesystem (the handover's import, crash
-    recovery) and what a handover exports: :class:`~qosfs.passthrough.whole.Filesystem`
+    recovery) and what a handover exports: :class:`~qosfs.passthrough.filesystem.Filesystem`
     is one."""
 
     @property

@@ -1,7 +1,7 @@
 """The FUSE operations: a faithful pass-through of a backing directory tree.
 
 This module only answers FUSE requests, with syscalls on the backing store relative to
-descriptors (:mod:`qosfs.passthrough.inodes`); :func:`qosfs.daemon.filesystem.
+descriptors (:mod:`qosfs.passthrough.inodes`); :func:`qosfs.daemon.fs_assembly.
 build_filesystem` hands it its parts. What a request is charged to and when it may
 proceed is asked of the QoS layer: at open the handle gets an
 :class:`~qosfs.qos.charge.OpenCharge` from the engine (``self.qos``); every read and write
@@ -115,7 +115,7 @@ class PassthroughOperations(pyfuse3.Operations):
                  io: BackingIO, qos: FilesystemQos, options: FsOptions, kernel_opens: KernelOpens,
                  calls: MetaCalls, entries: Entries, names: Namespace,
                  owners: Ownership, failures: Failures) -> None:
-        """Made by :func:`qosfs.daemon.filesystem.build_filesystem`, which builds the
+        """Made by :func:`qosfs.daemon.fs_assembly.build_filesystem`, which builds the
         parts: *inodes* (held by O_PATH descriptors), *handles* (open files and
         directories by fh), *paths* (for the engine's classification by path), *io* (the
         data path's syscalls), *qos*, *kernel_opens* (which opens the kernel serves

@@ -2,7 +2,7 @@
 
 The kernel connection outlived the daemon (:mod:`qosfs.daemon.takeover.keeper`); its node ids and
 file handles are still in the kernel and in use. :func:`rebuild` gives a new, idle
-filesystem (a :class:`~qosfs.passthrough.whole.Filesystem`, as its
+filesystem (a :class:`~qosfs.passthrough.filesystem.Filesystem`, as its
 :class:`~qosfs.passthrough.handle_table.Tables`) the same meaning for
 each of them, from the dead process's session journal (:mod:`qosfs.passthrough.journal`):
 

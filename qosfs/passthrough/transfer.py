@@ -17,7 +17,7 @@ backing object, the same open and the same QoS charge:
 - every open directory, with the snapshot its offsets refer to.
 
 ``export_state`` changes nothing (a refused handover leaves the old process serving as it
-was); ``import_state`` is called on a new, idle filesystem (a :class:`~qosfs.passthrough.whole.
+was); ``import_state`` is called on a new, idle filesystem (a :class:`~qosfs.passthrough.filesystem.
 Filesystem`, as its :class:`~qosfs.passthrough.handle_table.Tables`). The descriptors travel
 by SCM_RIGHTS in the order of the returned list, which the payload refers to by index.
 What does not travel: the QoS engine's memo of each inode's classification (made again at

@@ -18,8 +18,8 @@ from typing import Any, Protocol
 from qosfs.core.errors import QosfsError
 from qosfs.daemon import notify
 from qosfs.daemon.takeover import fuse_session, keeper
+from qosfs.passthrough.filesystem import Filesystem
 from qosfs.passthrough.journal import SessionJournal
-from qosfs.passthrough.whole import Filesystem
 
 
 class Daemon(Protocol):

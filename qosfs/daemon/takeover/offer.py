@@ -35,8 +35,8 @@ from qosfs import __version__
 from qosfs.control.address import beside_socket
 from qosfs.daemon.takeover import fuse_session
 from qosfs.daemon.takeover.listeners import Listeners
+from qosfs.passthrough.filesystem import Filesystem
 from qosfs.passthrough.transfer import export_state
-from qosfs.passthrough.whole import Filesystem
 from qosfs.qos.interface import QosEngine
 from qosfs.qos.latency.loop import LatencyLoop
 

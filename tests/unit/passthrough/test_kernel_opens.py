@@ -12,7 +12,7 @@ import pyfuse3
 import pytest
 import trio
 
-from qosfs.daemon.filesystem import build_filesystem
+from qosfs.daemon.fs_assembly import build_filesystem
 from qosfs.passthrough import kernel
 from qosfs.passthrough.backing_io import IoMode
 from qosfs.passthrough.kernel import KernelPassthrough

@@ -17,12 +17,12 @@ import pytest
 import trio
 
 from qosfs.core import syscalls
-from qosfs.daemon.filesystem import build_filesystem
+from qosfs.daemon.fs_assembly import build_filesystem
 from qosfs.passthrough import odirect
 from qosfs.passthrough.backing_io import BackingIO, IoMode
+from qosfs.passthrough.filesystem import Filesystem
 from qosfs.passthrough.kernel import KernelPassthrough
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
-from qosfs.passthrough.whole import Filesystem
 from qosfs.policy.loading import parse_policy
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.interface import PassThroughQos

@@ -13,12 +13,12 @@ import pyfuse3
 import pytest
 import trio
 
-from qosfs.daemon.filesystem import build_filesystem
+from qosfs.daemon.fs_assembly import build_filesystem
 from qosfs.passthrough.backing_io import IoMode
+from qosfs.passthrough.filesystem import Filesystem
 from qosfs.passthrough.journal import SessionJournal, read_journal
 from qosfs.passthrough.operations import FsOptions
 from qosfs.passthrough.recovery import rebuild
-from qosfs.passthrough.whole import Filesystem
 from qosfs.policy.loading import parse_policy
 from qosfs.qos.engine import PolicyQos
 from tests.inprocess_fs import Caller, open_fds

@@ -16,15 +16,15 @@ import pyfuse3
 import pytest
 import trio
 
-from qosfs.daemon.filesystem import build_filesystem
+from qosfs.daemon.fs_assembly import build_filesystem
 from qosfs.daemon.takeover.offer import PROTOCOL
 from qosfs.passthrough.backing_io import IoMode
+from qosfs.passthrough.filesystem import Filesystem
 from qosfs.passthrough.handle_table import OpenRecord
 from qosfs.passthrough.handles import PASSED_THROUGH, SERVED
 from qosfs.passthrough.odirect import dio_mask_of
 from qosfs.passthrough.operations import FsOptions
 from qosfs.passthrough.transfer import export_state, import_state, open_record_v1
-from qosfs.passthrough.whole import Filesystem
 from qosfs.policy.loading import parse_policy
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.interface import PassThroughQos, QosEngine

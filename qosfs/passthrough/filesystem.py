@@ -1,7 +1,7 @@
 """The filesystem as a whole: the FUSE operations and the parts they were handed, held
 together for what concerns all of them at once and no FUSE request.
 
-:func:`qosfs.daemon.filesystem.build_filesystem` makes one :class:`Filesystem` per mount
+:func:`qosfs.daemon.fs_assembly.build_filesystem` makes one :class:`Filesystem` per mount
 (and per in-process test or benchmark); the daemon holds it and gives ``pyfuse3`` its
 ``ops``. Here, not on the operations: what the filesystem holds for ``ctl status``
 (`Filesystem.resources`), writing its tables down in a crash journal

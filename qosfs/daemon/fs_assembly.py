@@ -1,6 +1,6 @@
 """The assembly of a mount's filesystem: :func:`build_filesystem` makes the parts the
 FUSE operations (:class:`qosfs.passthrough.operations.PassthroughOperations`) are handed,
-and returns them together as a :class:`qosfs.passthrough.whole.Filesystem`.
+and returns them together as a :class:`qosfs.passthrough.filesystem.Filesystem`.
 
 Kept apart from the operations so that they only answer FUSE: which inode table, which
 descriptor budget and open quota, which I/O mode, ownership emulation and failure
@@ -17,6 +17,7 @@ from qosfs.core.failures import Failures
 from qosfs.passthrough.backing_io import BackingIO, IoMode
 from qosfs.passthrough.entries import Entries
 from qosfs.passthrough.fdcache import DeferredClose
+from qosfs.passthrough.filesystem import Filesystem
 from qosfs.passthrough.handle_table import HandleTable
 from qosfs.passthrough.handles import FileHandle, OpenQuota
 from qosfs.passthrough.inodes import InodeTable, default_fd_budget
@@ -27,7 +28,6 @@ from qosfs.passthrough.namespace import Namespace
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.passthrough.ownership import Ownership
 from qosfs.passthrough.paths import PathBook
-from qosfs.passthrough.whole import Filesystem
 from qosfs.qos.interface import FilesystemQos
 
 
