@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.architecture.cycles import first_cycle
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 
@@ -102,25 +104,8 @@ def test_no_two_bench_modules_import_each_other_even_through_a_chain() -> None:
     graph = {name: {m for m in _imports(path, "bench") if m in MODULES and m != name
                     and MODULES[m].name != "__init__.py"}
              for name, path in MODULES.items()}
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    trail: list[str] = []
-
-    def visit(name: str) -> list[str] | None:
-        state[name] = 1
-        trail.append(name)
-        for nxt in sorted(graph[name]):
-            if state.get(nxt) == 1:
-                return [*trail[trail.index(nxt):], nxt]
-            if nxt not in state and (cycle := visit(nxt)) is not None:
-                return cycle
-        trail.pop()
-        state[name] = 2
-        return None
-
-    for name in sorted(graph):
-        if name not in state:
-            cycle = visit(name)
-            assert cycle is None, " -> ".join(cycle)
+    cycle = first_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
 
 
 def test_qosfs_never_imports_bench() -> None:
