@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.architecture.cycles import first_cycle
+from tests.architecture.module_graph import first_cycle, imports_under
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
@@ -36,23 +36,8 @@ def _module_name(path: Path) -> str:
 
 
 def _imports(path: Path, top: str) -> set[str]:
-    """The modules under *top* (``bench``, ``qosfs``) *path* imports, absolute names; a
-    ``from X import name`` counts as X and as X.name (name may be a module)."""
-    tree = ast.parse(path.read_text(), str(path))
-    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                name = f"{base}.{node.module}" if node.module else base
-            else:
-                name = node.module or ""
-            found.add(name)
-            found.update(f"{name}.{alias.name}" for alias in node.names)
-    return {name for name in found if name == top or name.startswith(top + ".")}
+    """The modules under *top* (``bench``, ``qosfs``) *path* imports, absolute names."""
+    return imports_under(path, ROOT, top)
 
 
 def _place(module: str) -> tuple[int, str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.architecture.cycles import first_cycle
+from tests.architecture.module_graph import first_cycle, imports_under
 
 PACKAGE = Path(__file__).resolve().parents[2] / "qosfs"
 
@@ -34,21 +34,7 @@ def _layer(module: str) -> str | None:
 
 def _imports(path: Path) -> set[str]:
     """The qosfs modules *path* imports (absolute names)."""
-    tree = ast.parse(path.read_text(), str(path))
-    package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                name = f"{base}.{node.module}" if node.module else base
-            else:
-                name = node.module or ""
-            found.add(name)
-            found.update(f"{name}.{alias.name}" for alias in node.names)
-    return {name for name in found if name.startswith("qosfs")}
+    return imports_under(path, PACKAGE.parent, "qosfs")
 
 
 def _modules() -> list[Path]:
