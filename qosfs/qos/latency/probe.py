@@ -68,6 +68,13 @@ INTERVAL = 0.002  # seconds between the end of one canary request and the next
 QUIET_INTERVAL = 0.01  # ... while no class below a protected one is moving
 REPORT_EVERY = 50_000_000  # ns between flushes of the canary's reports (a tenth of a window)
 BACKING_READ = 4096  # bytes per timed read of a class's backing file (a data loader's small read)
+# A canary that ends within QUICK_END s of its start (it cannot run: its module missing
+# after an install, the mountpoint gone) is started again only after a pause that doubles
+# from FIRST_PAUSE to LAST_PAUSE: the latency loop asks for it every 50 ms, and a Python
+# process started 20 times a second would take a core from the daemon it measures.
+QUICK_END = 1.0
+FIRST_PAUSE = 0.5
+LAST_PAUSE = 30.0
 
 
 class LatencyProbe:
@@ -93,6 +100,10 @@ class LatencyProbe:
         self.sent = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._reader: threading.Thread | None = None
+        self.starts = 0  # canary processes started
+        self._started_at = 0.0
+        self._pause = 0.0  # after a canary that ended at once (QUICK_END)
+        self._next_start = 0.0
 
     def __repr__(self) -> str:
         return f"<LatencyProbe {self.path} running={self.running} sent={self.sent}>"
@@ -128,8 +139,12 @@ class LatencyProbe:
         self._send(f"f\t{class_name}\t/proc/{os.getpid()}/fd/{fd}\t{st.st_dev}\t{st.st_ino}")
 
     def start(self) -> None:
-        if self.running:
+        """Start the canary, unless it runs, or ended at once and its pause is not over."""
+        if self.running or time.monotonic() < self._next_start:
             return
+        ended = self._proc
+        if ended is not None and ended.stdin is not None:
+            ended.stdin.close()  # a canary that ended on its own: its pipe is still ours
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         proc = subprocess.Popen(
             [sys.executable, "-m", "qosfs.qos.latency.probe", self.path, repr(self.interval)],
@@ -139,6 +154,8 @@ class LatencyProbe:
         os.set_blocking(proc.stdin.fileno(), False)  # a stuck canary never blocks us
         self.tids.add(proc.pid)  # before its first request can arrive
         self._proc = proc
+        self.starts += 1
+        self._started_at = time.monotonic()
         self._watched.clear()  # a new canary reads nothing until told again
         self._reader = threading.Thread(target=self._read_reports, args=(proc,),
                                         name="qosfs-latency-probe", daemon=True)
@@ -191,8 +208,21 @@ class LatencyProbe:
                 self.sent += 1
         finally:
             proc.stdout.close()
-            proc.wait()
+            code = proc.wait()
             self.tids.discard(proc.pid)
+            self._ended(proc, code)
+
+    def _ended(self, proc: subprocess.Popen[bytes], code: int) -> None:
+        """After the canary *proc* ended: one that ended on its own within QUICK_END of
+        its start pauses the next start (see QUICK_END); any other clears the pause."""
+        lived = time.monotonic() - self._started_at
+        if self._proc is not proc or lived >= QUICK_END:  # stopped by us, or it ran
+            self._pause = 0.0
+            return
+        self._pause = min(LAST_PAUSE, max(FIRST_PAUSE, 2 * self._pause))
+        self._next_start = time.monotonic() + self._pause
+        log.warning("latency probe %d ended after %.2f s (exit %s): started again in %.1f s",
+                    proc.pid, lived, code, self._pause)
 
 
 class _Backing:

@@ -4,9 +4,13 @@ its timed reads of a backing file named by the daemon's descriptor."""
 from __future__ import annotations
 
 import os
+import sys
+import time
 from pathlib import Path
 
-from qosfs.qos.latency.probe import LatencyProbe, _commands, _open_backing
+import pytest
+
+from qosfs.qos.latency.probe import FIRST_PAUSE, LatencyProbe, _commands, _open_backing
 from tests.waiting import wait_for
 
 
@@ -68,3 +72,49 @@ def test_the_canary_times_reads_of_the_file_it_is_given_and_lets_it_go(tmp_path:
     finally:
         probe.stop()
         os.close(fd)
+
+
+def test_a_canary_that_cannot_run_is_started_again_after_a_growing_pause(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        ) -> None:
+    """A canary that ends at once (here: a Python that exits before running it, as after
+    an install that moved its module) is not started again at every 50 ms check of the
+    latency loop, but after a pause that doubles; each end is said once, as a warning."""
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    probe = LatencyProbe(str(tmp_path), set())
+    try:
+        _pauses_after_quick_ends(probe, caplog)
+    finally:
+        probe.stop()  # closes the last canary's pipe
+
+
+def _pauses_after_quick_ends(probe: LatencyProbe, caplog: pytest.LogCaptureFixture) -> None:
+    probe.start()
+    assert probe.starts == 1
+    wait_for("the canary to end", lambda: not probe.running)
+    ended = time.monotonic()
+    for _ in range(5):  # the loop's checks during the pause start nothing
+        probe.start()
+    assert probe.starts == 1 and not probe.running
+    wait_for("the second start", lambda: (probe.start(), probe.starts)[1], until=lambda n: n == 2)
+    assert time.monotonic() - ended >= FIRST_PAUSE * 0.9
+    wait_for("the second canary to end", lambda: not probe.running)
+    assert probe._pause == 2 * FIRST_PAUSE  # doubled
+    assert probe.start() is None and probe.starts == 2
+    ends = [r for r in caplog.records if "started again in" in r.getMessage()]
+    assert [r.levelname for r in ends] == ["WARNING", "WARNING"]
+    for record in ends:
+        record.expected = True  # what this test checks (tests/conftest.py)
+
+
+def test_a_canary_stopped_by_the_daemon_is_started_again_at_once(tmp_path: Path) -> None:
+    probe = LatencyProbe(str(tmp_path), set(), interval=0.01)
+    probe.start()
+    try:
+        wait_for("the canary to run", lambda: probe.running)
+        probe.stop()
+        wait_for("the canary to end", lambda: not probe.running)
+        probe.start()  # no pause: it was stopped, it did not fail
+        assert probe.starts == 2
+    finally:
+        probe.stop()
