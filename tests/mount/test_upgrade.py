@@ -559,16 +559,18 @@ def previous_build(tmp_path: Path) -> Path:
     return tree
 
 
+@BOTH_LAYOUTS
 def test_an_upgrade_from_the_previous_build_carries_the_opens_on_and_no_rollback(
-        tmp_path: Path, previous_build: Path) -> None:
+        tmp_path: Path, previous_build: Path, in_place: bool) -> None:
     """``qosfs upgrade`` from the build before protocol 2 works (this build's successor
     takes protocol 1 over): a reader and a writer go on through the same descriptors, the
     data intact. The way back, that build's ``qosfs upgrade`` on this build's daemon, is
     refused at the hello with the reason: this daemon serves on, the refusal counted."""
-    src, mnt, run = tmp_path / "src", tmp_path / "mnt", tmp_path / "run"
+    src, run = tmp_path / "src", tmp_path / "run"
+    mnt = src if in_place else tmp_path / "mnt"
     (src / "plain").mkdir(parents=True)
     for made in (mnt, run):
-        made.mkdir()
+        made.mkdir(exist_ok=True)
     data = os.urandom(4 * MiB)
     (src / "plain" / "big.bin").write_bytes(data)
     (src / "plain" / "log.bin").write_bytes(b"")
