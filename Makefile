@@ -23,8 +23,9 @@ PY     := $(VENV)/bin/python
 # build-essential, dpkg-dev: kernel passthrough needs libfuse >= 3.17, which deploy/libfuse/
 # builds from Debian's source package where the system's is older (dpkg-source unpacks it,
 # cc compiles it and pyfuse3; g++ the bench's passthrough_hp).
+# xfsprogs: mkfs.xfs, for the tests that count passed-through reads on XFS as on ext4.
 SYSTEM_PACKAGES := fuse3 libfuse3-dev pkg-config fio systemd e2fsprogs redis-server openssl \
-	prometheus tmux build-essential dpkg-dev
+	prometheus tmux build-essential dpkg-dev xfsprogs
 
 # make install: where things go. DESTDIR stages them (packaging, tests) without touching
 # the real system; the installed files refer to PREFIX paths only.

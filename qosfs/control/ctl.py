@@ -32,6 +32,7 @@ from typing import Any
 from qosfs.control.address import socket_dirs, socket_name
 from qosfs.core.errors import EXIT_CONTROL, EXIT_POLICY, EXIT_USAGE, QosfsError
 from qosfs.core.limit_kinds import BY_KEY
+from qosfs.core.units import format_size
 from qosfs.policy.keys import CLASS_SETTINGS, MATCH_KEYS
 
 MAX_REPLY_BYTES = 64 << 20
@@ -348,8 +349,8 @@ def format_passthrough(kp: dict[str, Any] | None) -> list[str]:
         return []
     opens = sum(kp["opens"].values())
     line = (f"kernel passthrough {kp['state']}: {kp['reason']}; {kp['live_backing_ids']} "
-            f"inodes passed through now, {opens} opens since mount (their bytes are not "
-            f"counted), {kp['registered']} registered, {kp['refused']} refused, "
+            f"inodes passed through now, {opens} opens since mount, "
+            f"{kp['registered']} registered, {kp['refused']} refused, "
             f"{kp['declined']} declined")
     if kp.get("last_refusal"):
         line += f" (last refusal {kp['last_refusal']})"
@@ -359,6 +360,27 @@ def format_passthrough(kp: dict[str, Any] | None) -> list[str]:
         if joined:
             lines.append(f"  {access} opens that joined a passed-through inode uncapped: " +
                          ", ".join(f"{cls} {n}" for cls, n in sorted(joined.items())))
+    return lines + format_read_counting(kp.get("read_counting"))
+
+
+def format_read_counting(rc: dict[str, Any] | None) -> list[str]:
+    """Whether the reads the kernel served are counted (into the classes' read bytes and
+    ops), how much so far, and which classes' opens could not be, and why."""
+    if not rc:
+        return []
+    if rc["state"] != "on":
+        lines = [f"  reads served by the kernel: NOT COUNTED ({rc['reason']})"]
+    else:
+        total = sum(rc["read_bytes"].values())
+        lines = [f"  reads served by the kernel: counted, {format_size(total)} in "
+                 f"{sum(rc['reads'].values())} reads since mount, {rc['watched']} files "
+                 f"watched now; {rc['reason']}"]
+        if rc.get("lost_bytes"):
+            lines.append(f"    {format_size(rc['lost_bytes'])} in {rc['lost_reads']} reads "
+                         "lost: the kernel's table of counts was full")
+    for cls, reasons in sorted(rc["uncounted_opens"].items()):
+        for reason, n in sorted(reasons.items()):
+            lines.append(f"    class {cls}: {n} opens passed through NOT COUNTED: {reason}")
     return lines
 
 

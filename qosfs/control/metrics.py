@@ -410,7 +410,8 @@ def _handovers(completed: int, failures: dict[str, int]) -> Metric:
 def _passthrough(kp: dict[str, Any]) -> Iterator[Metric]:
     """Kernel passthrough (``ctl status`` ``passthrough``). A passed-through open's reads
     never reach the daemon: its class's opens are counted here (and in its open files),
-    its metadata requests as before, its bytes nowhere."""
+    its metadata requests as before, its reads and bytes by the kernel's counting
+    (:func:`_read_counting`), in the class's read counters."""
     yield GaugeMetricFamily("qosfs_passthrough_active", "1 if read-only opens of "
                             "passthrough classes may be passed through to the kernel on this "
                             "mount, 0 if not (ctl status says why).",
@@ -427,11 +428,13 @@ def _passthrough(kp: dict[str, Any]) -> Iterator[Metric]:
     yield registrations
     opens = CounterMetricFamily(
         "qosfs_passthrough_opens", "Opens passed through to the kernel, by class: their "
-        "reads (and bytes) never reach the daemon, so qosfs_read_bytes_total does not "
-        "count them; opens and metadata requests are still counted.", labels=["class"])
+        "reads never reach the daemon; where they are counted (qosfs_passthrough_read_"
+        "counting) qosfs_read_bytes_total includes them.", labels=["class"])
     for cls, n in sorted(kp["opens"].items()):
         opens.add_metric([cls], n)
     yield opens
+    if "read_counting" in kp:
+        yield from _read_counting(kp["read_counting"])
     uncapped = CounterMetricFamily(
         "qosfs_passthrough_uncapped_opens", "Opens of a class that is not passed through "
         "which joined an inode passed through now (the kernel serves an inode's opens all "
@@ -441,6 +444,41 @@ def _passthrough(kp: dict[str, Any]) -> Iterator[Metric]:
         for cls, n in sorted(kp[key].items()):
             uncapped.add_metric([cls, access], n)
     yield uncapped
+
+
+def _read_counting(rc: dict[str, Any]) -> Iterator[Metric]:
+    """The counting of passed-through reads (qosfs.passthrough.read_counting): whether it
+    runs, what it added to the read counters per class, and the opens it could not count
+    per class and reason (an alert's input: reads that no counter shows)."""
+    yield GaugeMetricFamily("qosfs_passthrough_read_counting", "1 if the reads the kernel "
+                            "serves for passed-through opens are counted into "
+                            "qosfs_read_bytes_total and qosfs_read_ops_total, 0 if not "
+                            "(ctl status says why).", value=1.0 if rc["state"] == "on" else 0.0)
+    served = CounterMetricFamily(
+        "qosfs_passthrough_read_bytes", "Bytes the kernel read for passed-through opens, "
+        "by class: already included in qosfs_read_bytes_total (this is their share).",
+        labels=["class"])
+    for cls, n in sorted(rc["read_bytes"].items()):
+        served.add_metric([cls], n)
+    yield served
+    reads = CounterMetricFamily(
+        "qosfs_passthrough_reads", "Read calls the kernel served for passed-through opens, "
+        "by class (included in the class's read ops).", labels=["class"])
+    for cls, n in sorted(rc["reads"].items()):
+        reads.add_metric([cls], n)
+    yield reads
+    uncounted = CounterMetricFamily(
+        "qosfs_passthrough_uncounted_opens", "Opens passed through whose reads cannot be "
+        "counted, by class and reason (no BPF, a backing filesystem the tracepoints do not "
+        "see, the table of watched files full): their bytes are in no counter.",
+        labels=["class", "reason"])
+    for cls, reasons in sorted(rc["uncounted_opens"].items()):
+        for reason, n in sorted(reasons.items()):
+            uncounted.add_metric([cls, reason], n)
+    yield uncounted
+    yield CounterMetricFamily("qosfs_passthrough_lost_read_bytes", "Bytes read by the "
+                              "kernel that found its table of counts full: in no class.",
+                              value=rc["lost_bytes"])
 
 
 # ctl status key -> metric: descriptors held for inodes (qosfs.passthrough.inodes), requests

@@ -44,6 +44,7 @@ from qosfs.passthrough import interrupts
 from qosfs.passthrough.backing_io import IoMode, backing_mount, choose_io_mode
 from qosfs.passthrough.filesystem import Filesystem
 from qosfs.passthrough.kernel import stack_depth
+from qosfs.passthrough.read_counting import KernelReadCounting
 from qosfs.policy.model import ClassRule, Policy, PolicyError, passthrough_blocker
 from qosfs.qos.cluster import ClusterCoordinator
 from qosfs.qos.engine import PolicyQos
@@ -229,6 +230,9 @@ def _request_passthrough(cfg: MountConfig, fs: Filesystem, engine: QosEngine,
                              "needs a remount to use it)")
     else:
         fs.kernel_opens.request(fs.ops, stack_depth(fstype))
+        if fs.kernel_opens.on:
+            # This process is the daemon (after the fork): the programs skip its reads.
+            fs.kernel_opens.counting = KernelReadCounting.start(os.getpid())
 
 
 def bind_services(daemon: Daemon,
@@ -266,9 +270,13 @@ def open_services(daemon: Daemon) -> list[tuple[str, Service]]:
     """The services of the control socket and metrics port (``daemon.listeners``, bound)
     and the daemon's own."""
     assert daemon.listeners is not None
-    return _open_services(daemon.cfg, daemon.mountpoint, daemon.engine, daemon.listeners,
-                          daemon.latency, daemon.fs.resources, daemon.cluster,
-                          _daemon_info(daemon))
+    services = _open_services(daemon.cfg, daemon.mountpoint, daemon.engine,
+                              daemon.listeners, daemon.latency, daemon.fs.resources,
+                              daemon.cluster, _daemon_info(daemon))
+    counting = daemon.fs.kernel_opens.counting
+    if counting.on:
+        services.append(("read_counting", counting.run))
+    return services
 
 
 def _daemon_info(daemon: Daemon) -> Callable[[], dict[str, Any]]:

@@ -70,6 +70,7 @@ class Filesystem:
 
     def close_all(self) -> None:
         """Close every backing descriptor once the kernel connection is gone."""
+        self.kernel_opens.counting.close()
         self.handles.close_all()
         self.inodes.close_all()
         self.io.fd_guard.close_all()

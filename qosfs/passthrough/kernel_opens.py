@@ -24,6 +24,7 @@ from pyfuse3 import FUSEError
 from qosfs.passthrough import kernel as binding
 from qosfs.passthrough.handles import NOT_COUNTED, PASSED_THROUGH, SERVED, FileHandle
 from qosfs.passthrough.kernel import KernelPassthrough
+from qosfs.passthrough.read_counting import OFF, KernelReadCounting
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class KernelOpens:
     """
 
     __slots__ = ("_files", "_off_reason", "_opens", "_recent", "_stack_depth",
-                 "_uncapped_reads", "_uncapped_writes", "kernel", "on")
+                 "_uncapped_reads", "_uncapped_writes", "counting", "kernel", "on")
 
     def __init__(self, files: dict[int, FileHandle],
                  kernel: KernelPassthrough | None = None) -> None:
@@ -51,6 +52,9 @@ class KernelOpens:
         self._uncapped_reads: dict[str, int] = {}  # joined uncapped, by class
         self._uncapped_writes: dict[str, int] = {}
         self._recent: dict[str, FileHandle] = {}  # the last open passed through, by class
+        # What the kernel reads for passed-through opens, counted (the daemon starts it:
+        # qosfs.passthrough.read_counting); off until then.
+        self.counting = KernelReadCounting(None, OFF)
 
     def __repr__(self) -> str:
         state = "on" if self.on else f"off ({self._off_reason})"
@@ -108,7 +112,8 @@ class KernelOpens:
                 "last_refusal": s.last_refusal, "declined": s.declined,
                 "live_backing_ids": s.live, "opens": dict(self._opens),
                 "uncapped_read_opens": dict(self._uncapped_reads),
-                "uncapped_write_opens": dict(self._uncapped_writes)}
+                "uncapped_write_opens": dict(self._uncapped_writes),
+                "read_counting": self.counting.status()}
 
     # ----------------------------------------------------------------- handover
 
@@ -135,6 +140,14 @@ class KernelOpens:
         self._recent = {str(name): self._files[int(fh)] for name, fh in state["recent"].items()
                         if int(fh) in self._files}
         self.kernel.import_state(state["kernel"])
+        self.count_inherited()
+
+    def count_inherited(self) -> None:
+        """Count the reads of the passed-through opens a predecessor left (a handover's,
+        or a crash's rebuilt from the journal): they are read by the kernel still."""
+        for handle in self._files.values():
+            if handle.kernel == PASSED_THROUGH:
+                self.counting.watch(handle)
 
     # ----------------------------------------------------------------- opens
 
@@ -170,6 +183,7 @@ class KernelOpens:
             if not read_only:  # writes the daemon will not see: the next open drops pages
                 handle.inode.cache_stamp = None
         handle.kernel = PASSED_THROUGH
+        self.counting.watch(handle)
         name = flow.class_name
         self._opens[name] = self._opens.get(name, 0) + 1
         self._recent[name] = handle  # one dict store per open, for recent_file
@@ -188,6 +202,7 @@ class KernelOpens:
             return
         if handle.kernel == PASSED_THROUGH:
             self.kernel.unregister(handle.inode.nodeid)
+            self.counting.release(handle)
         else:
             self.kernel.plain_release(handle.inode.nodeid)
 

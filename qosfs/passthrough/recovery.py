@@ -80,6 +80,7 @@ def rebuild(fs: Tables, journal: Journal) -> Rebuilt:
         elif record.kernel == SERVED:
             kernel.plain_open(node.nodeid)
         files += 1
+    fs.kernel_opens.count_inherited()
     for rec in journal.of_kind(DIR):
         node = root if rec.entry_slot == -2 else nodes.get(rec.entry_slot)
         if node is None:

@@ -90,6 +90,11 @@ class Flow(Protocol):
     @property
     def class_name(self) -> str: ...  # the class it is charged to (logs, per-class counts)
 
+    @property
+    def uid(self) -> int | None:
+        """The uid whose opens it charges; None for a flow every user shares (whose
+        reads the kernel served are then all its own: qosfs.passthrough.read_counting)."""
+
     def passes_reads_through(self) -> bool:
         """Whether a read-only open made now may be passed through to the kernel."""
         ...
@@ -271,6 +276,7 @@ class CountingFlow:
     __slots__ = ("limited", "name", "open_files", "stats", "threads")
 
     throttled_writes = False  # nothing is ever capped without a policy
+    uid = None  # every user's
 
     def __init__(self, name: str, stats: FlowStats | None = None) -> None:
         self.name = name

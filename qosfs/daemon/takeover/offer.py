@@ -306,6 +306,7 @@ class HandoverOffer:
         daemon = self.daemon
         timeout = COMMIT_TIMEOUT
         try:
+            daemon.fs.kernel_opens.counting.drain()  # the kernel's reads, into the totals
             tables, fds = export_state(daemon.fs)
             timeout = commit_timeout(
                 len(tables["inodes"]["records"]) + len(tables["files"]) + len(tables["dirs"]))

@@ -1,0 +1,225 @@
+"""Reads the kernel served from passed-through files, counted per class, tenant and uid.
+
+A passed-through open's reads never reach the daemon. The BPF programs of
+:mod:`qosfs.passthrough.read_probes` count them in the kernel, per watched backing file
+(a *slot*) and reader uid; this module decides which files are watched and adds what was
+counted, every :data:`DRAIN_EVERY` seconds (and before a handover hands the totals on),
+to the very counters the daemon's own reads go to: the ``FlowStats`` of the opens'
+flows (``qosfs_read_bytes_total`` and friends, ``ctl stats``, ``top``), never twice (the
+programs skip the daemon's own reads). Those reads have no latency the daemon could
+measure: their bytes and reads are counted, their latency histograms are not.
+
+A file is watched from its first passed-through open to its last release, so an open's
+reads are counted whichever of its inode's opens made them; a read by a uid that has no
+open of the file (a descriptor passed to another user) goes to the flow of the first
+open. Per class, what cannot be counted is counted as such and said, with the reason
+(``ctl status``, ``qosfs_passthrough_uncounted_opens_total``), never a silent 0:
+
+- no programs (not root, no BPF, no BTF: :class:`~qosfs.passthrough.read_probes.ProbeError`);
+- a backing filesystem whose reads the tracepoints do not see with the file's own device
+  and inode (tmpfs reads through shmem, overlayfs and FUSE through another file, btrfs
+  reports a subvolume's device): only :data:`COUNTED_FILESYSTEMS` are watched;
+- the watched table full (:data:`MAX_WATCHED` files passed through at once).
+
+Readers of a file mapped with mmap fault its pages in without a read call: those are
+not counted (``ctl status`` says so).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import trio
+
+from qosfs.core.mountinfo import mounts
+from qosfs.passthrough.handles import FileHandle
+from qosfs.passthrough.read_probes import ProbeError, ReadProbes
+from qosfs.qos.interface import Flow
+
+log = logging.getLogger(__name__)
+
+DRAIN_EVERY = 0.5  # seconds between two reads of the programs' counts
+MAX_WATCHED = 65536
+#: Filesystems whose buffered reads pass mm_filemap_get_pages (and O_DIRECT reads, for
+#: the iomap ones, iomap_dio_rw_begin) with the device and inode stat() reports.
+COUNTED_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "nfs", "nfs4", "f2fs"})
+MMAP_NOT_COUNTED = "pages of a file mapped with mmap are not counted"
+
+
+class _Watch:
+    """One passed-through file: its slot in the programs' tables (None: not counted),
+    its open flows by uid, and what was already added per uid."""
+
+    __slots__ = ("dev", "first", "flows", "ino", "opens", "seen", "slot")
+
+    def __init__(self, slot: int | None, dev: int, ino: int, first: Flow) -> None:
+        self.slot, self.dev, self.ino, self.first = slot, dev, ino, first
+        self.flows: dict[int, Flow] = {}
+        self.seen: dict[int, tuple[int, int]] = {}
+        self.opens = 0
+
+
+class KernelReadCounting:
+    """The counting of one mount; :meth:`start` loads the programs or says why not."""
+
+    def __init__(self, probes: ReadProbes | None, off_reason: str = "") -> None:
+        self._probes = probes
+        self.off_reason = off_reason
+        self._watches: dict[int, _Watch] = {}  # by nodeid
+        self._by_slot: dict[int, _Watch] = {}
+        self._retired: list[_Watch] = []
+        self._free: list[int] = []
+        self._next_slot = 1
+        self._filesystems: dict[int, str | None] = {}  # st_dev -> why not counted, or None
+        self.read_bytes: dict[str, int] = {}  # by class, what the kernel read
+        self.reads: dict[str, int] = {}
+        self.uncounted: dict[str, dict[str, int]] = {}  # by class and reason, opens
+
+    @classmethod
+    def start(cls, tgid: int) -> KernelReadCounting:
+        """Load the programs, counting reads of every process but *tgid* (the daemon)."""
+        try:
+            probes = ReadProbes.load(tgid, max_watched=MAX_WATCHED)
+        except ProbeError as exc:
+            log.warning("reads passed through to the kernel are not counted: %s", exc)
+            return cls(None, str(exc))
+        log.info("counting reads passed through to the kernel (BPF %s)", probes.mode)
+        return cls(probes)
+
+    @property
+    def on(self) -> bool:
+        return self._probes is not None
+
+    # ------------------------------------------------------------- opens
+
+    def watch(self, handle: FileHandle) -> None:
+        """A passed-through open *handle*: count its file's reads (once per open)."""
+        nodeid = handle.inode.nodeid
+        flow = handle.charge.flow
+        w = self._watches.get(nodeid)
+        if w is None:
+            w = self._watches[nodeid] = self._new_watch(handle, flow)
+        w.opens += 1
+        uid = flow.uid
+        if uid is not None and uid not in w.flows:
+            w.flows[uid] = flow
+        if w.slot is None:
+            reason = self.off_reason if self._probes is None else self._why_not(w.dev)
+            per_class = self.uncounted.setdefault(flow.class_name, {})
+            key = reason or "the table of watched files is full"
+            per_class[key] = per_class.get(key, 0) + 1
+
+    def _new_watch(self, handle: FileHandle, flow: Flow) -> _Watch:
+        """Watch *handle*'s file in a free slot, if its reads can be counted (one fstat
+        and one map update per file, at its first passed-through open)."""
+        probes = self._probes
+        if probes is None:
+            return _Watch(None, 0, 0, flow)
+        try:
+            st = os.fstat(handle.fd)
+        except OSError:
+            return _Watch(None, 0, 0, flow)
+        w = _Watch(None, st.st_dev, st.st_ino, flow)
+        if self._why_not(st.st_dev) is not None:
+            return w
+        slot = self._free.pop() if self._free else self._next_slot
+        if probes.watch(st.st_dev, st.st_ino, slot):
+            w.slot = slot
+            self._by_slot[slot] = w
+            if slot == self._next_slot:
+                self._next_slot += 1
+        elif slot != self._next_slot:
+            self._free.append(slot)
+        return w
+
+    def _why_not(self, st_dev: int) -> str | None:
+        """Why reads of files on device *st_dev* cannot be counted, or None if they can."""
+        if st_dev in self._filesystems:
+            return self._filesystems[st_dev]
+        dev = f"{os.major(st_dev)}:{os.minor(st_dev)}"
+        fstype = next((m.fstype for m in mounts() if m.dev == dev), None)
+        reason = None
+        if fstype not in COUNTED_FILESYSTEMS:
+            reason = (f"{fstype or 'an unknown filesystem'} (device {dev}): its reads are "
+                      "not seen by the tracepoints that count them")
+        self._filesystems[st_dev] = reason
+        return reason
+
+    def release(self, handle: FileHandle) -> None:
+        """A passed-through open *handle* is released; at its file's last, the file is
+        no longer watched (what it read is added at the next drain)."""
+        nodeid = handle.inode.nodeid
+        w = self._watches.get(nodeid)
+        if w is None:
+            return
+        w.opens -= 1
+        if w.opens > 0:
+            return
+        del self._watches[nodeid]
+        if w.slot is not None and self._probes is not None:
+            self._probes.unwatch(w.dev, w.ino)
+            self._retired.append(w)
+
+    # ------------------------------------------------------------- counts
+
+    def drain(self) -> None:
+        """Add what the programs counted since the last drain to the flows' counters,
+        and free the slots of files no longer watched. Runs on the trio thread, like
+        every reader and writer of the flows' counters."""
+        probes = self._probes
+        if probes is None:
+            return
+        for (slot, uid), (nbytes, nreads) in probes.totals().items():
+            w = self._by_slot.get(slot)
+            if w is None:  # left by a slot freed between two walks of the map
+                probes.forget(slot, uid)
+                continue
+            before = w.seen.get(uid, (0, 0))
+            if (nbytes, nreads) == before:
+                continue
+            w.seen[uid] = (nbytes, nreads)
+            flow = w.flows.get(uid, w.first)
+            added_bytes, added_reads = nbytes - before[0], nreads - before[1]
+            stats = flow.stats
+            stats.read_bytes += added_bytes
+            stats.read_ops += added_reads
+            name = flow.class_name
+            self.read_bytes[name] = self.read_bytes.get(name, 0) + added_bytes
+            self.reads[name] = self.reads.get(name, 0) + added_reads
+        for w in self._retired:
+            assert w.slot is not None
+            for uid in w.seen:
+                probes.forget(w.slot, uid)
+            del self._by_slot[w.slot]
+            self._free.append(w.slot)
+        self._retired.clear()
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The daemon's service: drain every :data:`DRAIN_EVERY` seconds."""
+        task_status.started()
+        while True:
+            await trio.sleep(DRAIN_EVERY)
+            self.drain()
+
+    def status(self) -> dict[str, Any]:
+        """The ``read_counting`` entry of ``ctl status``'s ``passthrough``."""
+        lost = self._probes.lost_totals() if self._probes is not None else (0, 0)
+        return {"state": "on" if self.on else "off",
+                "reason": (f"BPF ({self._probes.mode}); {MMAP_NOT_COUNTED}"
+                           if self._probes is not None else self.off_reason),
+                "watched": len(self._by_slot), "read_bytes": dict(self.read_bytes),
+                "reads": dict(self.reads),
+                "uncounted_opens": {c: dict(r) for c, r in self.uncounted.items()},
+                "lost_bytes": lost[0], "lost_reads": lost[1]}
+
+    def close(self) -> None:
+        if self._probes is not None:
+            self.drain()
+            self._probes.close()
+            self._probes = None
+            self.off_reason = "closed"
+
+
+OFF = "not started (no daemon: counting is loaded when a mount asks for passthrough)"

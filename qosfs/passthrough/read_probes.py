@@ -1,0 +1,458 @@
+"""Two BPF programs that count what the kernel reads from passed-through backing files.
+
+A passed-through read never reaches the daemon: the kernel reads the backing file in the
+reader's own context (fs/fuse/passthrough.c keeps no count). Two raw tracepoints on the
+read path see it there:
+
+- ``mm_filemap_get_pages`` (mm/filemap.c), for buffered reads of a filesystem that reads
+  through the page cache (ext4, XFS, NFS...). Its arguments are the file's mapping and
+  the range of pages the read asks for, from the read position to the end of the *whole*
+  request, and ``filemap_read`` calls it again for each batch of pages of a large read.
+  So a read is counted at its first call, clamped to the file's size (a 1 MiB read of a
+  112 KiB file moves 112 KiB), and a later call by the same thread on the same file with
+  the same end and a further start is the same read, counted nothing (the ``recent``
+  map, per thread). Bytes are exact for reads that start on a page boundary (any read of
+  fio, of a loader reading whole files); an unaligned read is counted from the start of
+  its first page.
+- ``iomap_dio_rw_begin`` (fs/iomap/direct-io.c), for O_DIRECT reads (ext4, XFS): the
+  request's size, clamped to the file's size; a resumed request (``done_before``) is not
+  counted twice; writes are skipped (the iterator is a source).
+
+Both look up the backing file's (device, inode) in ``watched``, which the daemon fills
+with the inodes it passes through (:mod:`qosfs.passthrough.read_counting`), and add
+(bytes, reads) to ``counts`` under (slot, real uid of the reader). The daemon's own reads
+(its threads share its tgid) are skipped: it counts those itself. A read whose count
+finds ``counts`` full is added to ``lost`` instead, which ``ctl status`` shows.
+
+Field offsets come from the running kernel's BTF (:mod:`qosfs.core.bpf.btf`), so the
+programs need no compiler and no headers; raw tracepoints need no tracefs either.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from qosfs.core.bpf import syscall as bpf
+from qosfs.core.bpf.asm import (
+    GET_CURRENT_PID_TGID,
+    GET_CURRENT_TASK,
+    GET_CURRENT_TASK_BTF,
+    MAP_LOOKUP_ELEM,
+    MAP_UPDATE_ELEM,
+    PROBE_READ_KERNEL,
+    Program,
+)
+from qosfs.core.bpf.btf import VMLINUX, BtfError, KernelTypes
+
+FILEMAP_TRACEPOINT = "mm_filemap_get_pages"
+DIRECT_TRACEPOINT = "iomap_dio_rw_begin"
+
+_PAGE_SHIFT = (os.sysconf("SC_PAGESIZE")).bit_length() - 1
+LAYOUT_CACHE = Path("/run/qosfs/kernel-layout.json")
+_RECENT_THREADS = 4096  # readers whose last read is remembered (LRU)
+
+# Stack slots below the frame pointer (r10), shared by both programs.
+_TMP = -8        # u64 scratch for probe reads
+_INO = -16       # u64 \ the watched key: (u32 dev, u32 pad, u64 ino)
+_DEV = -24       # u32 /
+_ISIZE = -32
+_BYTES = -40
+_INDEX = -48     # filemap: first page; direct: the read position
+_LAST = -56      # filemap: last page;  direct: the request's size
+_TID = -64       # u32, the recent map's key
+_STATE = -96     # recent's value: u64 ino, u64 last, u64 index, u32 dev, u32 pad
+_COUNT_KEY = -104  # u32 slot, u32 uid
+_COUNT_VALUE = -120  # u64 bytes, u64 reads
+_ZERO = -124     # u32 0, the lost map's key
+
+
+class ProbeError(Exception):
+    """The programs cannot be loaded here; the message says why, for ``ctl status``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Offsets:
+    """The kernel struct fields the programs follow."""
+
+    host: int
+    i_ino: int
+    i_sb: int
+    i_size: int
+    s_dev: int
+    ki_filp: int
+    ki_pos: int
+    f_inode: int
+    iter_count: int
+    iter_source: int
+    real_cred: int
+    cred_uid: int
+
+    @classmethod
+    def of(cls, types: KernelTypes) -> Offsets:
+        return cls(types.offset("address_space", "host"), types.offset("inode", "i_ino"),
+                   types.offset("inode", "i_sb"), types.offset("inode", "i_size"),
+                   types.offset("super_block", "s_dev"), types.offset("kiocb", "ki_filp"),
+                   types.offset("kiocb", "ki_pos"), types.offset("file", "f_inode"),
+                   types.offset("iov_iter", "count"), types.offset("iov_iter", "data_source"),
+                   types.offset("task_struct", "real_cred"), types.offset("cred", "uid"))
+
+
+class _Fields:
+    """How a program follows a kernel pointer: with a plain load where the program is
+    BTF-typed (``tp_btf``: the verifier knows each pointer's type and turns the load into
+    one that cannot fault, a few ns), else with ``bpf_probe_read_kernel`` through the
+    stack (a plain raw tracepoint; a helper call each, ~30 ns)."""
+
+    def __init__(self, p: Program, typed: bool) -> None:
+        self.p, self.typed = p, typed
+
+    def read(self, dst: int, base: int, off: int, size: int = 8) -> None:
+        """``dst = *(size *)(base + off)``; on a fault, go to ``out``. Clobbers r1-r5
+        (and r0) when untyped, so *base* must then be r6-r9 and *dst* r0 or r6-r9."""
+        p = self.p
+        if self.typed:
+            p.load(size, dst, base, off)
+            return
+        p.store_imm(8, 10, _TMP, 0)
+        p.alu_reg("mov", 1, 10)
+        p.alu("add", 1, _TMP)
+        p.alu("mov", 2, size)
+        p.alu_reg("mov", 3, base)
+        p.alu("add", 3, off)
+        p.call(PROBE_READ_KERNEL)
+        p.jump("jne", 0, 0, "out")
+        p.load(size, dst, 10, _TMP)
+
+
+def _skip_own_reads(p: Program, tgid: int) -> None:
+    """Go to ``out`` for a read of the daemon's own threads; r7 = the thread id."""
+    p.call(GET_CURRENT_PID_TGID)
+    p.alu_reg("mov", 7, 0)
+    p.alu("rsh", 0, 32)
+    p.jump("jeq", 0, tgid, "out")
+
+
+def _watched_slot(f: _Fields, o: Offsets, watched: int) -> None:
+    """With r8 = the inode: fill the key (dev, ino) and _ISIZE; r9 = the watched slot, or
+    go to ``out`` if the inode is not watched (the common case: every buffered read on
+    the machine comes here, so the lookup comes first)."""
+    p = f.p
+    f.read(6, 8, o.i_ino)
+    p.store(8, 10, _INO, 6)
+    f.read(6, 8, o.i_sb)
+    f.read(6, 6, o.s_dev, 4)
+    p.store_imm(8, 10, _DEV, 0)  # the key's padding must be zero
+    p.store(4, 10, _DEV, 6)
+    p.map_fd(1, watched)
+    p.alu_reg("mov", 2, 10)
+    p.alu("add", 2, _DEV)
+    p.call(MAP_LOOKUP_ELEM)
+    p.jump("jeq", 0, 0, "out")
+    p.load(4, 9, 0, 0)
+    f.read(6, 8, o.i_size)
+    p.store(8, 10, _ISIZE, 6)
+
+
+def _count(f: _Fields, o: Offsets, counts: int, lost: int) -> None:
+    """Add (the bytes at _BYTES, one read) to counts[(r9, reader's uid)], or to lost[0].
+
+    The reader's uid is its *real* one (``current->real_cred``): a passed-through read
+    runs with the daemon's credentials in force (fs/backing-file.c overrides them with
+    those the backing file was opened with), so ``bpf_get_current_uid_gid`` would say
+    root for every reader."""
+    p = f.p
+    p.store(4, 10, _COUNT_KEY, 9)
+    p.call(GET_CURRENT_TASK_BTF if f.typed else GET_CURRENT_TASK)
+    p.alu_reg("mov", 6, 0)
+    f.read(6, 6, o.real_cred)
+    f.read(6, 6, o.cred_uid, 4)
+    p.store(4, 10, _COUNT_KEY + 4, 6)
+    p.map_fd(1, counts)
+    p.alu_reg("mov", 2, 10)
+    p.alu("add", 2, _COUNT_KEY)
+    p.call(MAP_LOOKUP_ELEM)
+    p.jump("jne", 0, 0, "add")
+    p.load(8, 1, 10, _BYTES)
+    p.store(8, 10, _COUNT_VALUE, 1)
+    p.store_imm(8, 10, _COUNT_VALUE + 8, 1)
+    p.map_fd(1, counts)
+    p.alu_reg("mov", 2, 10)
+    p.alu("add", 2, _COUNT_KEY)
+    p.alu_reg("mov", 3, 10)
+    p.alu("add", 3, _COUNT_VALUE)
+    p.alu("mov", 4, bpf.NOEXIST)
+    p.call(MAP_UPDATE_ELEM)
+    p.jump("jeq", 0, 0, "out")
+    # Another CPU added the key meanwhile (add to it), or the map is full (count as lost).
+    p.map_fd(1, counts)
+    p.alu_reg("mov", 2, 10)
+    p.alu("add", 2, _COUNT_KEY)
+    p.call(MAP_LOOKUP_ELEM)
+    p.jump("jne", 0, 0, "add")
+    p.store_imm(4, 10, _ZERO, 0)
+    p.map_fd(1, lost)
+    p.alu_reg("mov", 2, 10)
+    p.alu("add", 2, _ZERO)
+    p.call(MAP_LOOKUP_ELEM)
+    p.jump("jeq", 0, 0, "out")
+    p.label("add")
+    p.load(8, 1, 10, _BYTES)
+    p.atomic_add(0, 0, 1)
+    p.alu("mov", 1, 1)
+    p.atomic_add(0, 8, 1)
+    p.label("out")
+    p.alu("mov", 0, 0)
+    p.exit()
+
+
+def filemap_program(o: Offsets, typed: bool, tgid: int, watched: int, recent: int,
+                    counts: int, lost: int) -> bytes:
+    """The buffered-read counter; its context is (mapping, first page, last page)."""
+    p = Program()
+    f = _Fields(p, typed)
+    p.alu_reg("mov", 6, 1)
+    p.load(8, 1, 6, 8)
+    p.store(8, 10, _INDEX, 1)
+    p.load(8, 1, 6, 16)
+    p.store(8, 10, _LAST, 1)
+    p.load(8, 8, 6, 0)  # the mapping
+    f.read(8, 8, o.host)  # r8 = the inode
+    _skip_own_reads(p, tgid)
+    _watched_slot(f, o, watched)
+    # bytes = min((last + 1) << PAGE_SHIFT, size) - (first << PAGE_SHIFT), if positive
+    p.load(8, 3, 10, _ISIZE)
+    p.jump("jsle", 3, 0, "out")
+    p.load(8, 4, 10, _LAST)
+    p.alu("add", 4, 1)
+    p.alu("lsh", 4, _PAGE_SHIFT)
+    p.jump_reg("jle", 4, 3, "clamped")
+    p.alu_reg("mov", 4, 3)
+    p.label("clamped")
+    p.load(8, 5, 10, _INDEX)
+    p.alu("lsh", 5, _PAGE_SHIFT)
+    p.jump_reg("jge", 5, 4, "out")
+    p.alu_reg("sub", 4, 5)
+    p.store(8, 10, _BYTES, 4)
+    # The same read's next batch: same thread, same file and end, a further start. The
+    # thread's entry is changed in place; only a thread's first read inserts one.
+    p.store(4, 10, _TID, 7)
+    p.map_fd(1, recent)
+    p.alu_reg("mov", 2, 10)
+    p.alu("add", 2, _TID)
+    p.call(MAP_LOOKUP_ELEM)
+    p.jump("jeq", 0, 0, "insert")
+    p.load(8, 2, 10, _INDEX)
+    for state_off, slot, size in ((0, _INO, 8), (24, _DEV, 4), (8, _LAST, 8)):
+        p.load(size, 1, 0, state_off)
+        p.load(size, 3, 10, slot)
+        p.jump_reg("jne", 1, 3, "new_read")
+    p.load(8, 1, 0, 16)
+    p.jump_reg("jle", 2, 1, "new_read")
+    p.store(8, 0, 16, 2)  # remember how far it got; counted already
+    p.goto("out")
+    p.label("new_read")
+    for state_off, slot in ((0, _INO), (8, _LAST), (16, _INDEX)):
+        p.load(8, 1, 10, slot)
+        p.store(8, 0, state_off, 1)
+    p.load(4, 1, 10, _DEV)
+    p.store(4, 0, 24, 1)
+    p.goto("count")
+    p.label("insert")
+    for state_off, slot in ((0, _INO), (8, _LAST), (16, _INDEX)):
+        p.load(8, 1, 10, slot)
+        p.store(8, 10, _STATE + state_off, 1)
+    p.store_imm(8, 10, _STATE + 24, 0)
+    p.load(4, 1, 10, _DEV)
+    p.store(4, 10, _STATE + 24, 1)
+    p.map_fd(1, recent)
+    p.alu_reg("mov", 2, 10)
+    p.alu("add", 2, _TID)
+    p.alu_reg("mov", 3, 10)
+    p.alu("add", 3, _STATE)
+    p.alu("mov", 4, bpf.ANY)
+    p.call(MAP_UPDATE_ELEM)
+    p.label("count")
+    _count(f, o, counts, lost)
+    return p.assemble()
+
+
+def direct_program(o: Offsets, typed: bool, tgid: int, watched: int, counts: int,
+                   lost: int) -> bytes:
+    """The O_DIRECT read counter; its context is (iocb, iter, dio_flags, done_before)."""
+    p = Program()
+    f = _Fields(p, typed)
+    p.alu_reg("mov", 6, 1)
+    p.load(8, 1, 6, 24)
+    p.jump("jne", 1, 0, "out")  # a resumed request: its bytes were counted at its start
+    p.load(8, 8, 6, 8)  # the iterator
+    p.load(8, 9, 6, 0)  # the kiocb
+    f.read(6, 8, o.iter_source, 1)
+    p.jump("jne", 6, 0, "out")  # a source: a write
+    f.read(6, 8, o.iter_count)
+    p.store(8, 10, _LAST, 6)
+    f.read(6, 9, o.ki_pos)
+    p.store(8, 10, _INDEX, 6)
+    f.read(8, 9, o.ki_filp)
+    f.read(8, 8, o.f_inode)  # r8 = the inode
+    _skip_own_reads(p, tgid)
+    _watched_slot(f, o, watched)
+    # bytes = min(position + size, file size) - position, if positive
+    p.load(8, 3, 10, _ISIZE)
+    p.load(8, 5, 10, _INDEX)
+    p.jump_reg("jge", 5, 3, "out")
+    p.load(8, 4, 10, _LAST)
+    p.alu_reg("add", 4, 5)
+    p.jump_reg("jle", 4, 3, "clamped")
+    p.alu_reg("mov", 4, 3)
+    p.label("clamped")
+    p.alu_reg("sub", 4, 5)
+    p.store(8, 10, _BYTES, 4)
+    _count(f, o, counts, lost)
+    return p.assemble()
+
+
+def kernel_layout(cache: Path = LAYOUT_CACHE) -> tuple[Offsets, list[int]]:
+    """The field offsets and the two tracepoints' BTF ids of the running kernel.
+
+    Reading them from the BTF takes ~0.3 s of Python (every kernel type is walked), and
+    each mount's daemon needs them at start: they are kept in *cache* (on /run, so a
+    reboot, the only way to another kernel, empties it), under the kernel's release,
+    build and BTF size."""
+    key = f"{os.uname().release} {os.uname().version} {_btf_size()}"
+    try:
+        saved = json.loads(cache.read_text())
+        if saved["kernel"] == key:
+            return Offsets(**saved["offsets"]), [int(i) for i in saved["btf_ids"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        types = KernelTypes.of_running_kernel()
+        offsets = Offsets.of(types)
+        ids = [types.typedef_id(f"btf_trace_{name}")
+               for name in (FILEMAP_TRACEPOINT, DIRECT_TRACEPOINT)]
+    except BtfError as exc:
+        raise ProbeError(f"kernel BTF: {exc}") from None
+    try:
+        cache.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}")
+        tmp.write_text(json.dumps({"kernel": key, "offsets": asdict(offsets), "btf_ids": ids}))
+        tmp.replace(cache)
+    except OSError:
+        pass  # read again at the next start
+    return offsets, ids
+
+
+def _btf_size() -> int:
+    try:
+        return VMLINUX.stat().st_size
+    except OSError:
+        return 0
+
+
+def kernel_dev(st_dev: int) -> int:
+    """A stat() device number as the kernel's ``s_dev`` holds it (MKDEV: 12-bit major
+    above a 20-bit minor), which is what the programs see."""
+    return (os.major(st_dev) << 20) | os.minor(st_dev)
+
+
+class ReadProbes:
+    """The loaded programs and their maps; :meth:`load` or :class:`ProbeError`."""
+
+    def __init__(self, max_watched: int, max_counts: int) -> None:
+        self.watched = bpf.Map(bpf.MAP_HASH, 16, 8, max_watched)
+        self.recent = bpf.Map(bpf.MAP_LRU_HASH, 4, 32, _RECENT_THREADS)
+        self.counts = bpf.Map(bpf.MAP_HASH, 8, 16, max_counts)
+        self.lost = bpf.Map(bpf.MAP_ARRAY, 4, 16, 1)
+        self._fds: list[int] = []
+        self.mode = ""  # "tp_btf" or "raw_tp", once loaded
+
+    @classmethod
+    def load(cls, tgid: int, max_watched: int = 65536, max_counts: int = 131072) -> ReadProbes:
+        """Load and attach both programs, counting reads by anyone but *tgid*: BTF-typed
+        where the kernel allows (``tp_btf``), else as plain raw tracepoints."""
+        offsets, ids = kernel_layout()
+        try:
+            probes = cls(max_watched, max_counts)
+        except OSError as exc:
+            raise ProbeError(f"BPF maps refused: {exc.strerror}") from None
+        try:
+            try:
+                probes._attach_all(offsets, tgid, ids)
+                probes.mode = "tp_btf"
+            except ProbeError:
+                probes._detach()
+                probes._attach_all(offsets, tgid, None)
+                probes.mode = "raw_tp"
+        except ProbeError:
+            probes.close()
+            raise
+        return probes
+
+    def _attach_all(self, o: Offsets, tgid: int, btf_ids: list[int] | None) -> None:
+        typed = btf_ids is not None
+        programs = (filemap_program(o, typed, tgid, self.watched.fd, self.recent.fd,
+                                    self.counts.fd, self.lost.fd),
+                    direct_program(o, typed, tgid, self.watched.fd, self.counts.fd,
+                                   self.lost.fd))
+        for i, (name, program) in enumerate(zip((FILEMAP_TRACEPOINT, DIRECT_TRACEPOINT),
+                                                programs, strict=True)):
+            self._attach(name, program, None if btf_ids is None else btf_ids[i])
+
+    def _attach(self, tracepoint: str, program: bytes, btf_id: int | None) -> None:
+        try:
+            if btf_id is None:
+                prog = bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, program)
+            else:
+                prog = bpf.prog_load(bpf.PROG_TRACING, program, btf_id)
+        except OSError as exc:
+            raise ProbeError(f"BPF program for {tracepoint} refused: {exc.strerror}") from None
+        self._fds.append(prog)
+        try:
+            self._fds.append(bpf.raw_tracepoint_open(None if btf_id else tracepoint, prog))
+        except OSError as exc:
+            raise ProbeError(f"raw tracepoint {tracepoint}: {exc.strerror}") from None
+
+    def _detach(self) -> None:
+        for fd in reversed(self._fds):
+            os.close(fd)
+        self._fds.clear()
+
+    def watch(self, st_dev: int, ino: int, slot: int) -> bool:
+        """Count reads of the file (*st_dev*, *ino*) under *slot*; False if ``watched``
+        is full."""
+        try:
+            self.watched.update(struct.pack("<IIQ", kernel_dev(st_dev), 0, ino),
+                                struct.pack("<II", slot, 0))
+        except OSError:
+            return False
+        return True
+
+    def unwatch(self, st_dev: int, ino: int) -> None:
+        self.watched.delete(struct.pack("<IIQ", kernel_dev(st_dev), 0, ino))
+
+    def totals(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """{(slot, uid): (bytes, reads)} counted since each key appeared."""
+        out = {}
+        for key in self.counts.all_keys():
+            value = self.counts.lookup(key)
+            if value is not None:
+                out[struct.unpack("<II", key)] = struct.unpack("<QQ", value)
+        return out
+
+    def forget(self, slot: int, uid: int) -> None:
+        """Drop a key of ``counts`` (its slot's file is no longer watched)."""
+        self.counts.delete(struct.pack("<II", slot, uid))
+
+    def lost_totals(self) -> tuple[int, int]:
+        """(bytes, reads) that found ``counts`` full."""
+        value = self.lost.lookup(struct.pack("<I", 0))
+        return struct.unpack("<QQ", value) if value else (0, 0)
+
+    def close(self) -> None:
+        self._detach()
+        for m in (self.watched, self.recent, self.counts, self.lost):
+            m.close()

@@ -1,0 +1,153 @@
+"""Which passed-through files are watched, and what the kernel read is added to whom:
+with stand-in programs (the real ones: test_read_probes.py, and through mounts:
+tests/mount/test_passthrough_counting.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from qosfs.passthrough import read_counting
+from qosfs.passthrough.handles import FileHandle
+from qosfs.passthrough.read_counting import KernelReadCounting
+from qosfs.passthrough.read_probes import ReadProbes
+from qosfs.qos.accounting import FlowStats
+
+
+class FakeProbes:
+    """The programs' tables: ``counts`` is what the kernel would have counted."""
+
+    mode = "fake"
+
+    def __init__(self, room: int = 100) -> None:
+        self.watched: dict[tuple[int, int], int] = {}
+        self.counts: dict[tuple[int, int], tuple[int, int]] = {}
+        self.room = room
+
+    def watch(self, st_dev: int, ino: int, slot: int) -> bool:
+        if len(self.watched) >= self.room:
+            return False
+        self.watched[st_dev, ino] = slot
+        return True
+
+    def unwatch(self, st_dev: int, ino: int) -> None:
+        del self.watched[st_dev, ino]
+
+    def read(self, path: Path, uid: int, nbytes: int) -> None:
+        """A read the kernel served, as the programs count it."""
+        st = os.stat(path)
+        slot = self.watched.get((st.st_dev, st.st_ino))
+        if slot is not None:
+            b, n = self.counts.get((slot, uid), (0, 0))
+            self.counts[slot, uid] = (b + nbytes, n + 1)
+
+    def totals(self) -> dict[tuple[int, int], tuple[int, int]]:
+        return dict(self.counts)
+
+    def forget(self, slot: int, uid: int) -> None:
+        self.counts.pop((slot, uid), None)
+
+    def lost_totals(self) -> tuple[int, int]:
+        return (0, 0)
+
+    def close(self) -> None:
+        pass
+
+
+def flow(cls: str, uid: int | None) -> Any:
+    return SimpleNamespace(class_name=cls, uid=uid, stats=FlowStats())
+
+
+def handle(path: Path, nodeid: int, f: Any) -> FileHandle:
+    fd = os.open(path, os.O_RDONLY)
+    return cast(FileHandle, SimpleNamespace(fd=fd, inode=SimpleNamespace(nodeid=nodeid),
+                                            charge=SimpleNamespace(flow=f)))
+
+
+@pytest.fixture(autouse=True)
+def every_filesystem_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stand-in programs see any filesystem the test's files are on."""
+    monkeypatch.setattr(KernelReadCounting, "_why_not", lambda self, dev: None)
+
+
+def test_the_kernels_reads_go_to_the_readers_own_open_and_only_once(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"x")
+    probes = FakeProbes()
+    counting = KernelReadCounting(cast(ReadProbes, probes))
+    alice, bob = flow("data", 1000), flow("data", 1001)
+    h1, h2 = handle(path, 5, alice), handle(path, 5, bob)
+    counting.watch(h1)
+    counting.watch(h2)
+    assert len(probes.watched) == 1  # one slot per file, whoever opened it
+    probes.read(path, 1000, 4096)
+    probes.read(path, 1001, 8192)
+    probes.read(path, 0, 100)  # a uid without an open of it: the first open's flow
+    counting.drain()
+    counting.drain()  # nothing new: nothing added twice
+    assert (alice.stats.read_bytes, alice.stats.read_ops) == (4096 + 100, 2)
+    assert (bob.stats.read_bytes, bob.stats.read_ops) == (8192, 1)
+    assert counting.status()["read_bytes"] == {"data": 4096 + 8192 + 100}
+    for h in (h1, h2):
+        os.close(h.fd)
+
+
+def test_a_file_is_watched_until_its_last_release_and_its_slot_reused_after(
+        tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(b"a")
+    b.write_bytes(b"b")
+    probes = FakeProbes()
+    counting = KernelReadCounting(cast(ReadProbes, probes))
+    f = flow("data", 0)
+    h1, h2 = handle(a, 5, f), handle(a, 5, f)
+    counting.watch(h1)
+    counting.watch(h2)
+    counting.release(h1)
+    assert probes.watched  # one open left
+    probes.read(a, 0, 10)
+    counting.release(h2)
+    assert not probes.watched
+    counting.drain()  # what it read before its last release still counts
+    assert f.stats.read_bytes == 10
+    assert not probes.counts  # its slot's counts are gone, the slot free again
+    hb = handle(b, 6, f)
+    counting.watch(hb)
+    assert list(probes.watched.values()) == [1]
+    probes.read(b, 0, 20)
+    counting.drain()
+    assert f.stats.read_bytes == 30
+    for h in (h1, h2, hb):
+        os.close(h.fd)
+
+
+def test_what_cannot_be_counted_is_counted_as_such_per_class_and_reason(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"x")
+    off = KernelReadCounting(None, "no BPF here")
+    h = handle(path, 5, flow("data", 0))
+    off.watch(h)
+    assert off.status()["uncounted_opens"] == {"data": {"no BPF here": 1}}
+    assert off.status()["state"] == "off"
+
+    full = KernelReadCounting(cast(ReadProbes, FakeProbes(room=0)))
+    full.watch(h)
+    assert full.status()["uncounted_opens"] == {
+        "data": {"the table of watched files is full": 1}}
+
+    monkeypatch.setattr(KernelReadCounting, "_why_not", lambda self, dev: "tmpfs: unseen")
+    unseen = KernelReadCounting(cast(ReadProbes, FakeProbes()))
+    unseen.watch(h)
+    unseen.watch(h)
+    assert unseen.status()["uncounted_opens"] == {"data": {"tmpfs: unseen": 2}}
+    os.close(h.fd)
+
+
+def test_tmpfs_is_not_a_filesystem_whose_reads_are_counted() -> None:
+    assert "tmpfs" not in read_counting.COUNTED_FILESYSTEMS
+    assert {"ext4", "xfs"} <= read_counting.COUNTED_FILESYSTEMS

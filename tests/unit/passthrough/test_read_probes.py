@@ -1,0 +1,158 @@
+"""The BPF programs that count what the kernel reads from passed-through backing files,
+loaded for real (root, BPF, BTF) and made to count this test's own reads of a file it
+watches: buffered reads of every size, reads past the end, O_DIRECT reads, a file that is
+not watched, both ways of loading (BTF-typed and plain raw tracepoints)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from qosfs.core.bpf.btf import KernelTypes
+from qosfs.core.mountinfo import mounts
+from qosfs.passthrough.read_counting import COUNTED_FILESYSTEMS
+from qosfs.passthrough.read_probes import Offsets, ProbeError, ReadProbes, kernel_layout
+
+pytestmark = pytest.mark.root
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZE = 9 * MiB + 12_345  # not a whole number of pages
+SLOT = 7
+
+
+def _fstype(path: Path) -> str | None:
+    dev = os.stat(path).st_dev
+    return next((m.fstype for m in mounts() if m.dev == f"{os.major(dev)}:{os.minor(dev)}"),
+                None)
+
+
+@pytest.fixture
+def backing(tmp_path: Path) -> Path:
+    if _fstype(tmp_path) not in COUNTED_FILESYSTEMS:
+        pytest.skip(f"{tmp_path} is on {_fstype(tmp_path)}, whose reads are not counted")
+    path = tmp_path / "file.bin"
+    path.write_bytes(os.urandom(SIZE))
+    return path
+
+
+def _load(typed: bool) -> ReadProbes:
+    """Programs that count this process's reads too (tgid 1 is init, which reads none
+    of the test's files)."""
+    if os.geteuid() != 0:
+        pytest.skip("loading BPF programs needs root")
+    try:
+        if typed:
+            return ReadProbes.load(tgid=1, max_watched=16, max_counts=16)
+        offsets, _ = kernel_layout()
+        probes = ReadProbes(16, 16)
+        probes._attach_all(offsets, 1, None)
+        probes.mode = "raw_tp"
+        return probes
+    except ProbeError as exc:
+        pytest.skip(f"BPF programs cannot be loaded here: {exc}")
+
+
+@pytest.fixture(params=[True, False], ids=["tp_btf", "raw_tp"])
+def probes(request: pytest.FixtureRequest) -> Iterator[ReadProbes]:
+    p = _load(request.param)
+    yield p
+    p.close()
+
+
+def _counted(probes: ReadProbes) -> tuple[int, int]:
+    totals = probes.totals()
+    assert set(totals) <= {(SLOT, os.getuid())}
+    return totals.get((SLOT, os.getuid()), (0, 0))
+
+
+def _drop_cache(fd: int) -> None:
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def test_buffered_reads_are_counted_once_each_with_their_bytes(
+        probes: ReadProbes, backing: Path) -> None:
+    st = os.stat(backing)
+    assert probes.watch(st.st_dev, st.st_ino, SLOT)
+    fd = os.open(backing, os.O_RDONLY)
+    try:
+        # 4 KiB reads: one batch each; the last one is cut at the end of the file.
+        n = sum(len(os.pread(fd, 4 * KiB, off)) for off in range(0, SIZE, 4 * KiB))
+        assert n == SIZE
+        assert _counted(probes) == (SIZE, -(-SIZE // (4 * KiB)))
+        # 1 MiB reads of a cold file: the kernel asks for their pages batch by batch
+        # (each batch a tracepoint hit); each read is counted once, the last cut at EOF.
+        _drop_cache(fd)
+        reads = 0
+        while os.pread(fd, MiB, reads * MiB):
+            reads += 1
+        assert _counted(probes) == (2 * SIZE, -(-SIZE // (4 * KiB)) + reads)
+        # A read far larger than the file moves the file once; a read at EOF moves nothing.
+        before = _counted(probes)
+        assert len(os.pread(fd, 64 * MiB, 0)) == SIZE
+        assert os.pread(fd, MiB, SIZE) == b""
+        assert _counted(probes) == (before[0] + SIZE, before[1] + 1)
+    finally:
+        os.close(fd)
+
+
+def test_o_direct_reads_are_counted_with_their_bytes_and_writes_are_not(
+        probes: ReadProbes, backing: Path) -> None:
+    st = os.stat(backing)
+    assert probes.watch(st.st_dev, st.st_ino, SLOT)
+    fd = os.open(backing, os.O_RDWR | os.O_DIRECT)
+    buf = mmap.mmap(-1, MiB)  # page-aligned, as O_DIRECT wants
+    try:
+        done = reads = 0
+        while (n := os.preadv(fd, [buf], done)) > 0:
+            done += n
+            reads += 1
+        assert done == SIZE
+        assert _counted(probes) == (SIZE, reads)
+        os.pwritev(fd, [buf], 0)  # an O_DIRECT write: not a read
+        assert _counted(probes) == (SIZE, reads)
+    finally:
+        os.close(fd)
+        buf.close()
+
+
+def test_a_file_that_is_not_watched_is_not_counted(probes: ReadProbes, backing: Path,
+                                                   tmp_path: Path) -> None:
+    other = tmp_path / "other.bin"
+    other.write_bytes(os.urandom(MiB))
+    st = os.stat(backing)
+    assert probes.watch(st.st_dev, st.st_ino, SLOT)
+    assert other.read_bytes()
+    assert _counted(probes) == (0, 0)
+    probes.unwatch(st.st_dev, st.st_ino)
+    assert backing.read_bytes()
+    assert _counted(probes) == (0, 0)
+
+
+def test_the_daemons_own_reads_are_skipped(backing: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("loading BPF programs needs root")
+    try:
+        probes = ReadProbes.load(tgid=os.getpid(), max_watched=16, max_counts=16)
+    except ProbeError as exc:
+        pytest.skip(f"BPF programs cannot be loaded here: {exc}")
+    try:
+        st = os.stat(backing)
+        assert probes.watch(st.st_dev, st.st_ino, SLOT)
+        assert len(backing.read_bytes()) == SIZE
+        assert probes.totals() == {}
+    finally:
+        probes.close()
+
+
+def test_the_layout_cache_answers_what_the_btf_says(tmp_path: Path) -> None:
+    try:
+        offsets, ids = kernel_layout(tmp_path / "layout.json")
+    except ProbeError as exc:
+        pytest.skip(str(exc))
+    assert (tmp_path / "layout.json").exists()
+    assert kernel_layout(tmp_path / "layout.json") == (offsets, ids)
+    assert offsets == Offsets.of(KernelTypes.of_running_kernel())
