@@ -230,7 +230,9 @@ def _request_passthrough(cfg: MountConfig, fs: Filesystem, engine: QosEngine,
                              "needs a remount to use it)")
     else:
         fs.kernel_opens.request(fs.ops, stack_depth(fstype))
-        if fs.kernel_opens.on:
+        if fs.kernel_opens.on and not cfg.read_counting:
+            fs.kernel_opens.counting = KernelReadCounting(None, "turned off (--no-read-counting)")
+        elif fs.kernel_opens.on:
             # This process is the daemon (after the fork): the programs skip its reads.
             fs.kernel_opens.counting = KernelReadCounting.start(os.getpid())
 

@@ -92,6 +92,10 @@ def _add_mount_parser(sub: Any) -> None:
     m.add_argument("--no-passthrough", action="store_true",
                    help="never pass reads through to the kernel, whatever the policy says "
                         "(passthrough = \"reads\"): every read is served by the daemon")
+    m.add_argument("--no-read-counting", action="store_true",
+                   help="do not count the reads the kernel serves for passed-through opens "
+                        "(BPF programs on the read path, ~60 ns per read): their bytes are "
+                        "then in no counter, and ctl status says so")
     m.add_argument("--socket", metavar="PATH",
                    help="control socket (default: derived from the mountpoint in /run/qosfs)")
     m.add_argument("--metrics", metavar="[HOST:]PORT",
@@ -250,6 +254,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         policy_path=args.policy,
         qos=not args.no_qos,
         kernel_passthrough=not args.no_passthrough,
+        read_counting=not args.no_read_counting,
         socket_path=socket_path,
         metrics=args.metrics,
         allow_stacked=args.allow_stacked,

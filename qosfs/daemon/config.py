@@ -31,6 +31,9 @@ class MountConfig:
     allow_stacked: bool = False  # a source in a qosfs mount (qosfs.daemon.topology)
     # False (--no-passthrough): never ask the kernel for passthrough, whatever the policy.
     kernel_passthrough: bool = True
+    # False (--no-read-counting): the kernel's reads of passed-through opens are not counted
+    # (qosfs.passthrough.read_counting), saving its BPF programs' cost on every read.
+    read_counting: bool = True
     # Who keeps the FUSE connection across a crash (qosfs.daemon.takeover.keeper): "holder",
     # "systemd" (its descriptor store) or "none"; and how long a holder waits for a new
     # daemon before letting the connection end (callers then get ENOTCONN).
