@@ -21,12 +21,13 @@ The kernel's rules this follows:
   FOPEN_DIRECT_IO, fs/fuse/passthrough.c's FOPEN_PASSTHROUGH_MASK, since 6.9): its reads
   and writes come to the daemon, its mmap maps the backing file (`attach`'s *served*,
   `KernelPassthrough.served_joins` says whether this build and kernel allow it);
-- an inode's opens are all passed through or none (observed on 6.18): while one open is
-  passed through, the kernel fails any other open of the inode that is not (cached or
-  direct_io) with EIO, and while a cached open exists it fails a passed-through one.
-  So the daemon's own opens are counted too (`plain_open`, `plain_release`): `register`
-  declines while an inode has them, and `plain_open` tells when the inode is passed
-  through, where the caller must share its id (`register`) or refuse the open.
+- an inode's opens all carry its backing id or none do (observed on 6.18): while one open
+  is passed through, the kernel fails any other open of the inode that does not carry the
+  id (cached or direct_io alike) with EIO, and while a cached open exists it fails a
+  passed-through one. So the daemon's own opens are counted too (`plain_open`,
+  `plain_release`): `register` declines while an inode has them, and `plain_open` tells
+  when the inode is passed through, where the caller must share its id (`register`, with
+  direct_io if the daemon must still serve the open) or refuse the open.
 """
 
 from __future__ import annotations
