@@ -17,6 +17,9 @@ Faults (repeat ``--fault``):
 * ``register=ERRNO``: the kernel refuses every backing file registered for passthrough
   (``pyfuse3.passthrough_open`` raises ``OSError(ERRNO)``, e.g. ``ELOOP``, as for a
   backing file stacked deeper than negotiated);
+* ``joins=RELEASE``: the kernel's release as the check of served joins reads it
+  (``qosfs.passthrough.kernel.served_join_support``), e.g. ``6.8.0``: a kernel that does
+  not take direct_io beside a backing id, where joins go uncapped;
 * ``sampler=PATH``: the control service's rate sampler (a service on the daemon's event
   loop, once a second) raises ``RuntimeError`` while PATH exists;
 * ``handover=hang``: a successor (``-- upgrade ...``) that took everything over and
@@ -47,6 +50,7 @@ import pyfuse3
 from qosfs.control.snapshot import RateSampler
 from qosfs.daemon.cli import main
 from qosfs.daemon.takeover import fuse_session
+from qosfs.passthrough import kernel
 from qosfs.qos.charge import OpenCharge
 from qosfs.qos.flow import PolicyFlow
 
@@ -100,6 +104,15 @@ def _refuse_registration(name: str) -> None:
     pyfuse3.passthrough_open = refused  # what qosfs.passthrough.kernel calls
 
 
+def _kernel_release(release: str) -> None:
+    original = kernel.served_join_support
+
+    def as_if(_release: str | None = None) -> kernel.Capability:
+        return original(release)
+
+    kernel.served_join_support = as_if  # what KernelPassthrough.served_joins calls
+
+
 def _stall_before(message: str, seconds: float | None) -> None:
     """The successor waits *seconds* (None: for ever) before it sends *message*."""
     original = fuse_session.send_message
@@ -126,6 +139,8 @@ def run(argv: Sequence[str]) -> int:
             _break_release(what)
         elif kind == "register":
             _refuse_registration(what)
+        elif kind == "joins":
+            _kernel_release(what)
         elif kind == "sampler":
             _break_sampler(what)
         elif fault == "handover=hang":

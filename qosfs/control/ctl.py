@@ -355,11 +355,23 @@ def format_passthrough(kp: dict[str, Any] | None) -> list[str]:
     if kp.get("last_refusal"):
         line += f" (last refusal {kp['last_refusal']})"
     lines = [line]
+    if kp["state"] == "active" and "joins" in kp:
+        lines.append("  opens that join a passed-through inode (writers, capped readers): " +
+                     ("served by the daemon with direct_io, caps hold"
+                      if kp["joins"] == "served" else f"uncapped: {kp['joins_reason']}"))
     for access in ("read", "write"):
+        served = kp.get(f"served_{access}_joins") or {}
+        if served:
+            lines.append(f"  {access} opens that joined a passed-through inode, served by "
+                         "the daemon: " + _by_class(served))
         joined = kp.get(f"uncapped_{access}_opens") or {}
         if joined:
             lines.append(f"  {access} opens that joined a passed-through inode uncapped: " +
-                         ", ".join(f"{cls} {n}" for cls, n in sorted(joined.items())))
+                         _by_class(joined))
+    escaped = kp.get("capped_uncapped_opens") or {}
+    if escaped:
+        lines.append("  of those, opens a cap bounded that went uncapped: " +
+                     _by_class(escaped))
     return lines + format_read_counting(kp.get("read_counting"))
 
 
@@ -382,6 +394,10 @@ def format_read_counting(rc: dict[str, Any] | None) -> list[str]:
         for reason, n in sorted(reasons.items()):
             lines.append(f"    class {cls}: {n} opens passed through NOT COUNTED: {reason}")
     return lines
+
+
+def _by_class(counts: dict[str, int]) -> str:
+    return ", ".join(f"{cls} {n}" for cls, n in sorted(counts.items()))
 
 
 def format_status(reply: dict[str, Any]) -> str:

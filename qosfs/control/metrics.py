@@ -63,9 +63,11 @@ Handovers (``qosfs upgrade``, :mod:`qosfs.daemon.takeover.offer`): ``qosfs_hando
 
 Kernel passthrough (:mod:`qosfs.passthrough.kernel`): ``qosfs_passthrough_active``,
 ``qosfs_passthrough_backing_ids``, ``qosfs_passthrough_registrations_total{result}``,
-``qosfs_passthrough_opens_total{class}`` and
-``qosfs_passthrough_uncapped_opens_total{class, access}``. A passed-through open's bytes
-are in no figure: the daemon never sees them.
+``qosfs_passthrough_opens_total{class}``,
+``qosfs_passthrough_uncapped_opens_total{class, access}``,
+``qosfs_passthrough_joins_served``, ``qosfs_passthrough_served_joins_total{class, access}``
+and ``qosfs_passthrough_capped_uncapped_opens_total{class, reason}``. A passed-through
+open's bytes are in no figure: the daemon never sees them.
 
 Per-uid series are bounded by the policy's ``[metrics]`` table (see
 :mod:`qosfs.qos.accounting`): at most ``user_series`` uids per class, idle ones folded away.
@@ -444,6 +446,30 @@ def _passthrough(kp: dict[str, Any]) -> Iterator[Metric]:
         for cls, n in sorted(kp[key].items()):
             uncapped.add_metric([cls, access], n)
     yield uncapped
+    if "joins" not in kp:  # a snapshot of a build that served no joins (tests, bench)
+        return
+    yield GaugeMetricFamily(
+        "qosfs_passthrough_joins_served", "1 if an open that must join an inode passed "
+        "through now (a writer, a capped reader) is served by the daemon with direct_io, "
+        "its caps holding; 0 if it joins uncapped (ctl status says why).",
+        value=1.0 if kp["joins"] == "served" else 0.0)
+    served = CounterMetricFamily(
+        "qosfs_passthrough_served_joins", "Opens that joined an inode passed through now "
+        "with direct_io, by class: their reads and writes were served by the daemon, "
+        "admitted and counted as any.", labels=["class", "access"])
+    for access in ("read", "write"):
+        for cls, n in sorted(kp[f"served_{access}_joins"].items()):
+            served.add_metric([cls, access], n)
+    yield served
+    escaped = CounterMetricFamily(
+        "qosfs_passthrough_capped_uncapped_opens", "Of the uncapped joins "
+        "(qosfs_passthrough_uncapped_opens_total), the opens a cap of their class, tenant "
+        "or user bounded at open, by class; reason: why joins could not be served by the "
+        "daemon on this mount: kernel (older than 6.9) or pyfuse3 (no passthrough "
+        "patch).", labels=["class", "reason"])
+    for cls, n in sorted(kp["capped_uncapped_opens"].items()):
+        escaped.add_metric([cls, kp["joins_blocked_by"] or ""], n)
+    yield escaped
 
 
 def _read_counting(rc: dict[str, Any]) -> Iterator[Metric]:

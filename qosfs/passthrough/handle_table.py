@@ -26,7 +26,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
-from qosfs.passthrough.handles import PASSED_THROUGH, DirHandle, FileHandle, OpenQuota
+from qosfs.passthrough.handles import SHARES_BACKING_ID, DirHandle, FileHandle, OpenQuota
 from qosfs.passthrough.inodes import Inode, InodeTable
 from qosfs.passthrough.intents import ExactlyOnce
 from qosfs.passthrough.journal import SessionJournal
@@ -57,7 +57,8 @@ class OpenRecord(NamedTuple):
     fsuid: int
     kill_priv: bool
     kernel: int  # FileHandle.kernel
-    backing_id: int | None  # the kernel passthrough id it shares, if PASSED_THROUGH
+    backing_id: int | None  # the kernel passthrough id it shares, if PASSED_THROUGH or
+    #                         JOINED (SHARES_BACKING_ID)
 
     def save(self) -> tuple[Any, ...]:
         """The record as written: a plain tuple."""
@@ -184,7 +185,7 @@ class HandleTable:
             handle.fh, inode, reopen, self._qos.flow_key(charge.flow), charge.state_values(),
             handle.owner, handle.fsuid, handle.kill_priv, kernel,
             self._kernel_opens.kernel.backing_id(handle.inode.nodeid)
-            if kernel == PASSED_THROUGH else None)
+            if kernel in SHARES_BACKING_ID else None)
 
     def write_down(self, handle: FileHandle, flags: int) -> None:
         """Journal a new open *handle* made with *flags* (nothing without a journal). A few

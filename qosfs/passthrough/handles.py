@@ -43,16 +43,21 @@ class FileHandle:
     dio_mask: int = 0
     buffered: int = -1
     # Kernel passthrough (qosfs.passthrough.kernel): NOT_COUNTED (not asked for on this
-    # mount), SERVED (the daemon serves it; counted as a plain open of the inode) or
+    # mount), SERVED (the daemon serves it; counted as a plain open of the inode),
     # PASSED_THROUGH (the kernel reads and writes the backing file itself: no READ or
-    # WRITE of this handle ever reaches the daemon; its release gives the backing id back).
+    # WRITE of this handle ever reaches the daemon; its release gives the backing id back)
+    # or JOINED (it shares the backing id of an inode passed through now, as the kernel
+    # wants, but with direct_io: its READs and WRITEs reach the daemon, admitted and
+    # capped as a SERVED one's; its release gives its share of the id back).
     kernel: int = 0
     fh: int = -1  # the kernel's file handle (the handle table's files key)
     jslot: int = -1  # its record in the session journal (qosfs.passthrough.journal)
 
 
 # FileHandle.kernel
-NOT_COUNTED, SERVED, PASSED_THROUGH = 0, 1, 2
+NOT_COUNTED, SERVED, PASSED_THROUGH, JOINED = 0, 1, 2, 3
+#: The FileHandle.kernel values whose open holds a share of its inode's backing id.
+SHARES_BACKING_ID = (PASSED_THROUGH, JOINED)
 
 
 @dataclass(slots=True, eq=False)

@@ -17,18 +17,24 @@ The kernel's rules this follows:
 - a passthrough open must not keep the page cache (FOPEN_KEEP_CACHE: the kernel fails
   the open with EIO), so `attach` clears keep_cache;
 - one backing id per inode: opens of one inode share it (counted here);
-- an inode's opens are all passed through or none (observed on 6.18): while one open is
-  passed through, the kernel fails any other open of the inode that is not (cached or
-  direct_io) with EIO, and while a cached open exists it fails a passed-through one.
-  So the daemon's own opens are counted too (`plain_open`, `plain_release`): `register`
-  declines while an inode has them, and `plain_open` tells when the inode is passed
-  through, where the caller must share its id (`register`) or refuse the open.
+- an open may carry the backing id and direct_io together (FOPEN_PASSTHROUGH |
+  FOPEN_DIRECT_IO, fs/fuse/passthrough.c's FOPEN_PASSTHROUGH_MASK, since 6.9): its reads
+  and writes come to the daemon, its mmap maps the backing file (`attach`'s *served*,
+  `KernelPassthrough.served_joins` says whether this build and kernel allow it);
+- an inode's opens all carry its backing id or none do (observed on 6.18): while one open
+  is passed through, the kernel fails any other open of the inode that does not carry the
+  id (cached or direct_io alike) with EIO, and while a cached open exists it fails a
+  passed-through one. So the daemon's own opens are counted too (`plain_open`,
+  `plain_release`): `register` declines while an inode has them, and `plain_open` tells
+  when the inode is passed through, where the caller must share its id (`register`, with
+  direct_io if the daemon must still serve the open) or refuse the open.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol, cast
@@ -46,6 +52,7 @@ class Capability:
 
     available: bool
     reason: str
+    by: str = ""  # what stands in the way, as a metric label ("kernel", "pyfuse3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +99,30 @@ def stack_depth(fstype: str | None) -> int:
     return 1 if base in STACKED_FSTYPES or base == "fuseblk" else 0
 
 
+#: The first Linux with FUSE passthrough; it took FOPEN_DIRECT_IO beside FOPEN_PASSTHROUGH
+#: from the start (FOPEN_PASSTHROUGH_MASK).
+SERVED_JOINS_SINCE = (6, 9)
+
+
+def served_join_support(release: str | None = None) -> Capability:
+    """Whether an open that must join a passed-through inode cannot be answered with its
+    backing id and direct_io (its reads and writes served, and capped, by the daemon),
+    and if not, why not: pyfuse3's FileInfo must carry a backing id (the patch puts it and
+    direct_io into the same reply, and libfuse's fill_open sets both flags), and the
+    kernel (*release*: ``uname -r``, this one's by default) must be 6.9 or later. Asked
+    once per mount, at the first such open (`KernelPassthrough.served_joins`)."""
+    if "backing_id" not in dir(pyfuse3.FileInfo):
+        return Capability(False, "pyfuse3's FileInfo carries no backing id (the "
+                          "passthrough patch is missing)", "pyfuse3")
+    release = os.uname().release if release is None else release
+    found = re.match(r"(\d+)\.(\d+)", release)
+    if found is None or (int(found[1]), int(found[2])) < SERVED_JOINS_SINCE:
+        return Capability(False, f"Linux {release} does not take direct_io beside a "
+                          f"backing id (needs {SERVED_JOINS_SINCE[0]}."
+                          f"{SERVED_JOINS_SINCE[1]} or later)", "kernel")
+    return Capability(True, "joins get direct_io: served by the daemon")
+
+
 def has_cap_sys_admin() -> bool:
     """Whether this process may register backing files (CAP_SYS_ADMIN, effective)."""
     try:
@@ -116,12 +147,19 @@ def request(operations: pyfuse3.Operations, stack_depth: int = 0) -> None:
     vars(operations).update(enable_passthrough=True, max_backing_stack_depth=stack_depth)
 
 
-def attach(info: pyfuse3.FileInfo, backing_id: int) -> None:
+def attach(info: pyfuse3.FileInfo, backing_id: int, served: bool = False) -> None:
     """Put *backing_id* (from `KernelPassthrough.register`) into an open/create reply.
     The page cache is the backing file's then: keep_cache would make the kernel fail the
-    open (EIO), direct_io is the backing file's business."""
+    open (EIO).
+
+    *served*: the open joins the inode's backing id only because the kernel wants every
+    open of a passed-through inode to carry it, and its reads and writes must still come
+    to the daemon (a writer, a capped reader): the reply says direct_io too
+    (FOPEN_PASSTHROUGH | FOPEN_DIRECT_IO, which the kernel accepts since passthrough
+    came, Linux 6.9: "direct_io overrides passthrough" for read and write, mmap maps the
+    backing file). Otherwise direct_io is the backing file's business: cleared."""
     info.keep_cache = False
-    info.direct_io = False
+    info.direct_io = served
     cast(_WithBackingId, info).backing_id = backing_id
 
 
@@ -138,6 +176,7 @@ class KernelPassthrough:
         self._plain: dict[int, int] = {}  # inode -> opens the daemon serves
         self._declined = 0
         self._capability: Capability | None = None
+        self._served_joins: Capability | None = None
         self._registered = 0
         self._refused = 0
         self._last_refusal: str | None = None
@@ -158,6 +197,15 @@ class KernelPassthrough:
             return Capability(False, "the kernel did not accept passthrough (Linux >= 6.9 "
                               "with CONFIG_FUSE_PASSTHROUGH), or it was not requested")
         return self._remember(Capability(True, "kernel passthrough negotiated"))
+
+    def served_joins(self) -> Capability:
+        """Whether an open that must share an inode's backing id without being passed
+        through (a writer, a capped reader) can be served by the daemon all the same
+        (`attach` with *served*), or why not: then it joins uncapped. Found out at the
+        first call (`served_join_support`) and remembered for the mount."""
+        if self._served_joins is None:
+            self._served_joins = served_join_support()
+        return self._served_joins
 
     def negotiation_pending(self) -> bool:
         """Whether only the kernel's answer at INIT is missing: the build and the daemon's

@@ -5,7 +5,8 @@ decided per open, counted per class, and said in ``ctl status``.
 per inode); this module is the mount's use of it, held by the operations as
 ``kernel_opens``: whether passthrough was asked for at INIT and why not (``request``,
 ``off``, ``log``), what one open gets (``open``) and gives back (``release``), and the
-counts of opens passed through and joined uncapped, by class (``status``).
+counts of opens passed through, joined and served by the daemon, and joined uncapped, by
+class (``status``).
 
 Everything here runs once per open or release, never per read or write: a passed-through
 open's requests never reach the daemon, and a daemon-served one pays nothing for
@@ -22,7 +23,14 @@ import pyfuse3
 from pyfuse3 import FUSEError
 
 from qosfs.passthrough import kernel as binding
-from qosfs.passthrough.handles import NOT_COUNTED, PASSED_THROUGH, SERVED, FileHandle
+from qosfs.passthrough.handles import (
+    JOINED,
+    NOT_COUNTED,
+    PASSED_THROUGH,
+    SERVED,
+    SHARES_BACKING_ID,
+    FileHandle,
+)
 from qosfs.passthrough.kernel import KernelPassthrough
 from qosfs.passthrough.read_counting import OFF, KernelReadCounting
 
@@ -38,8 +46,9 @@ class KernelOpens:
     checks a remembered handle against.
     """
 
-    __slots__ = ("_files", "_off_reason", "_opens", "_recent", "_stack_depth",
-                 "_uncapped_reads", "_uncapped_writes", "counting", "kernel", "on")
+    __slots__ = ("_capped_uncapped", "_files", "_off_reason", "_opens", "_recent",
+                 "_served_reads", "_served_writes", "_stack_depth", "_uncapped_reads",
+                 "_uncapped_writes", "counting", "kernel", "on")
 
     def __init__(self, files: dict[int, FileHandle],
                  kernel: KernelPassthrough | None = None) -> None:
@@ -48,9 +57,12 @@ class KernelOpens:
         self._files = files
         self._off_reason = "not requested"
         self._stack_depth = 0
-        self._opens: dict[str, int] = {}  # opens passed through (joined ones too), by class
+        self._opens: dict[str, int] = {}  # opens passed through (joined uncapped too), by class
+        self._served_reads: dict[str, int] = {}  # joined with direct_io (JOINED), by class
+        self._served_writes: dict[str, int] = {}
         self._uncapped_reads: dict[str, int] = {}  # joined uncapped, by class
         self._uncapped_writes: dict[str, int] = {}
+        self._capped_uncapped: dict[str, int] = {}  # of those, a cap bounded their flow
         self._recent: dict[str, FileHandle] = {}  # the last open passed through, by class
         # What the kernel reads for passed-through opens, counted (the daemon starts it:
         # qosfs.passthrough.read_counting); off until then.
@@ -107,12 +119,18 @@ class KernelOpens:
         s = self.kernel.statistics()
         state = "active" if self.active() else "unavailable"
         reason = self.kernel.capability().reason if self.on else self._off_reason
+        joins = self.kernel.served_joins()
         return {"state": state, "reason": reason, "stack_depth": self._stack_depth,
                 "registered": s.registered, "refused": s.refused,
                 "last_refusal": s.last_refusal, "declined": s.declined,
                 "live_backing_ids": s.live, "opens": dict(self._opens),
+                "joins": "served" if joins.available else "uncapped",
+                "joins_reason": joins.reason, "joins_blocked_by": joins.by or None,
+                "served_read_joins": dict(self._served_reads),
+                "served_write_joins": dict(self._served_writes),
                 "uncapped_read_opens": dict(self._uncapped_reads),
                 "uncapped_write_opens": dict(self._uncapped_writes),
+                "capped_uncapped_opens": dict(self._capped_uncapped),
                 "read_counting": self.counting.status()}
 
     # ----------------------------------------------------------------- handover
@@ -123,20 +141,31 @@ class KernelOpens:
         its fh (:mod:`qosfs.passthrough.transfer`)."""
         return {"on": self.on, "off_reason": self._off_reason,
                 "stack_depth": self._stack_depth, "opens": dict(self._opens),
+                "served_reads": dict(self._served_reads),
+                "served_writes": dict(self._served_writes),
                 "uncapped_reads": dict(self._uncapped_reads),
                 "uncapped_writes": dict(self._uncapped_writes),
+                "capped_uncapped": dict(self._capped_uncapped),
                 "recent": {name: handle.fh for name, handle in self._recent.items()},
                 "kernel": self.kernel.export_state()}
 
     def import_state(self, state: dict[str, Any]) -> None:
         """Take over a predecessor's state (`export_state`), once the handle table's files
-        table holds the handles it refers to by fh."""
+        table holds the handles it refers to by fh. A predecessor of the build before
+        served no joins: it sent no counts of them (nor of capped uncapped opens)."""
         self.on = bool(state["on"])
         self._off_reason = str(state["off_reason"])
         self._stack_depth = int(state["stack_depth"])
-        self._opens = {str(k): int(v) for k, v in state["opens"].items()}
-        self._uncapped_reads = {str(k): int(v) for k, v in state["uncapped_reads"].items()}
-        self._uncapped_writes = {str(k): int(v) for k, v in state["uncapped_writes"].items()}
+
+        def counts(key: str) -> dict[str, int]:
+            return {str(k): int(v) for k, v in state.get(key, {}).items()}
+
+        self._opens = counts("opens")
+        self._served_reads = counts("served_reads")
+        self._served_writes = counts("served_writes")
+        self._uncapped_reads = counts("uncapped_reads")
+        self._uncapped_writes = counts("uncapped_writes")
+        self._capped_uncapped = counts("capped_uncapped")
         self._recent = {str(name): self._files[int(fh)] for name, fh in state["recent"].items()
                         if int(fh) in self._files}
         self.kernel.import_state(state["kernel"])
@@ -157,60 +186,73 @@ class KernelOpens:
         (called only while ``on``).
 
         A read-only open of a flow whose reads nothing caps now registers its descriptor
-        (or shares the inode's backing id). Any other open is served by the daemon unless
-        the inode is passed through now: the kernel fails a daemon-served open of such an
-        inode (EIO), so it joins the backing id instead. A read-only one of a capped
-        class then reads uncapped, a write one writes uncapped: counted per class, the
-        first of each class logged. POSIX lets anyone with the permission write a file
-        others read; refusing the writer to keep a cap would break that, and an open
-        that joins is one of a file already read at native speed.
+        (or shares the inode's backing id). Any other open is served by the daemon, plain
+        (None) unless the inode is passed through now: the kernel fails an open of such an
+        inode that does not carry its backing id (EIO), so it joins the id, with direct_io
+        (JOINED): its reads and writes still come to the daemon, admitted and capped as
+        any. Where this build or kernel cannot say direct_io beside a backing id
+        (`KernelPassthrough.served_joins`), it joins uncapped as a passed-through open:
+        counted per class (and apart, if a cap bounded its flow), the first of each class
+        logged. POSIX lets anyone with the permission write a file others read; refusing
+        the writer to keep a cap would break that.
         """
         kernel = self.kernel
         nodeid = handle.inode.nodeid
         flow = handle.charge.flow
-        backing_id = None
+        name = flow.class_name
         if read_only and flow.passes_reads_through():
             backing_id = kernel.register(nodeid, handle.fd)
-        joined = False
-        if backing_id is None:
-            if kernel.plain_open(nodeid):
-                handle.kernel = SERVED
-                return None
-            backing_id = kernel.register(nodeid, handle.fd)  # shares the inode's id
-            if backing_id is None:  # cannot happen: plain_open said it is passed through
-                raise FUSEError(errno.EIO)
-            joined = True
-            if not read_only:  # writes the daemon will not see: the next open drops pages
-                handle.inode.cache_stamp = None
+            if backing_id is not None:
+                return self._passed(handle, name, backing_id)
+        if kernel.plain_open(nodeid):
+            handle.kernel = SERVED
+            return None
+        backing_id = kernel.register(nodeid, handle.fd)  # shares the inode's id
+        if backing_id is None:  # cannot happen: plain_open said it is passed through
+            raise FUSEError(errno.EIO)
+        if not read_only:  # its writes (by mmap at least) may miss the daemon: drop pages
+            handle.inode.cache_stamp = None
+        if kernel.served_joins().available:
+            handle.kernel = JOINED
+            served = self._served_reads if read_only else self._served_writes
+            served[name] = served.get(name, 0) + 1
+            info = pyfuse3.FileInfo(fh=handle.fh)
+            binding.attach(info, backing_id, served=True)
+            return info
+        self._joined_uncapped(name, read_only,
+                              flow.reads_capped() or (not read_only and flow.throttled_writes))
+        return self._passed(handle, name, backing_id)
+
+    def _passed(self, handle: FileHandle, name: str, backing_id: int) -> pyfuse3.FileInfo:
+        """The reply to an open *handle* of class *name* passed through with *backing_id*."""
         handle.kernel = PASSED_THROUGH
         self.counting.watch(handle)
-        name = flow.class_name
         self._opens[name] = self._opens.get(name, 0) + 1
         self._recent[name] = handle  # one dict store per open, for recent_file
-        if joined:
-            self._joined(name, read_only)
         info = pyfuse3.FileInfo(fh=handle.fh)
         binding.attach(info, backing_id)
         return info
 
     def release(self, handle: FileHandle) -> None:
-        """Give back what the open *handle* held: its share of the inode's backing id, or
-        its count as a daemon-served open (nothing for an open made while passthrough was
-        not asked for). Must run at every release, whatever else failed: a backing id
-        must not leak."""
+        """Give back what the open *handle* held: its share of the inode's backing id
+        (passed through or joined), or its count as a daemon-served open (nothing for an
+        open made while passthrough was not asked for). Must run at every release,
+        whatever else failed: a backing id must not leak."""
         if handle.kernel == NOT_COUNTED:
             return
-        if handle.kernel == PASSED_THROUGH:
+        if handle.kernel in SHARES_BACKING_ID:
             self.kernel.unregister(handle.inode.nodeid)
-            self.counting.release(handle)
+            if handle.kernel == PASSED_THROUGH:  # a JOINED open's reads are the daemon's
+                self.counting.release(handle)
         else:
             self.kernel.plain_release(handle.inode.nodeid)
 
     def recent_file(self, class_name: str) -> int | None:
         """The backing descriptor of the last open of class *class_name* (its class at
-        open) that was passed through to the kernel, joined ones included, if it is still
-        open; None if there is none or it was released since (an older open of the class
-        still open is not looked for). A daemon-served open is never the answer.
+        open) that was passed through to the kernel, joined uncapped ones included, if it
+        is still open; None if there is none or it was released since (an older open of
+        the class still open is not looked for). A daemon-served open (a JOINED one too)
+        is never the answer.
 
         Still open means the operations' table still holds this very handle under its
         fh: the release takes it out before the descriptor is closed. O(1), and nothing
@@ -223,14 +265,17 @@ class KernelOpens:
             return None
         return handle.fd
 
-    def _joined(self, name: str, read_only: bool) -> None:
-        """Count an open of class *name* that joined a passed-through inode uncapped."""
+    def _joined_uncapped(self, name: str, read_only: bool, capped: bool) -> None:
+        """Count an open of class *name* that joined a passed-through inode uncapped
+        (*capped*: a cap bounded its flow at open, which is alerted on)."""
         counts = self._uncapped_reads if read_only else self._uncapped_writes
         first = name not in counts
         counts[name] = counts.get(name, 0) + 1
+        if capped:
+            self._capped_uncapped[name] = self._capped_uncapped.get(name, 0) + 1
         if first:
             log.warning("class %s: %s open of a file passed through to the kernel joins it, "
-                        "%s uncapped (the kernel serves an inode's opens all through "
-                        "passthrough or none; counted in ctl status)", name,
+                        "%s uncapped, because %s (counted in ctl status)", name,
                         "a read-only" if read_only else "a write",
-                        "reading" if read_only else "writing")
+                        "reading" if read_only else "writing",
+                        self.kernel.served_joins().reason)

@@ -22,11 +22,12 @@ Choices made here, each for a reason:
   to a buffered descriptor of the same file (:mod:`qosfs.passthrough.odirect`).
 * A read-only open of a class with ``passthrough = "reads"`` whose reads nothing caps now
   is passed through to the kernel (:mod:`qosfs.passthrough.kernel_opens`, over
-  :mod:`qosfs.passthrough.kernel`): its reads never reach the daemon. The kernel passes
-  an inode's opens through all or none, so while one is, every other open of that inode
-  joins its backing id, a write open too: uncapped, counted and logged once per class,
-  because refusing it would break a writer of a file someone reads, and serving it in
-  the daemon the kernel forbids.
+  :mod:`qosfs.passthrough.kernel`): its reads never reach the daemon. The kernel wants
+  every open of an inode passed through to carry its backing id, so while one is, every
+  other open of that inode (a writer, a capped reader) joins the id with direct_io: its
+  reads and writes still come here, admitted and capped as any. Where the kernel or
+  pyfuse3 cannot say both, it joins uncapped, counted and logged once per class
+  (refusing it would break a writer of a file someone reads).
 * Only ``FUSEError`` may leave a handler (anything else ends pyfuse3's main loop, and
   every caller then gets ENOTCONN): a backing-store ``OSError`` becomes its own errno;
   anything unexpected (a bug here or in the QoS layer) is answered with EIO, counted and

@@ -11,9 +11,11 @@ each of them, from the dead process's session journal (:mod:`qosfs.passthrough.j
 - open files: the same ``fh``, a new backing descriptor opened with the open's flags (less
   those that made or emptied the file), the same class, tenant and owner, and an open the
   kernel passes through keeps its backing id (it belongs to the connection, which lived
-  on). An open that cannot be reopened (its file was unlinked while open: its blocks went
-  with the dead process's descriptor) stays in the table with no descriptor, and every
-  request on it answers ESTALE, never a hang and never another file's data;
+  on), as does one that joined a passed-through inode with direct_io (``JOINED``: still
+  served by the new daemon, and capped). An open that cannot be reopened (its file was
+  unlinked while open: its blocks went with the dead process's descriptor) stays in the
+  table with no descriptor, and every request on it answers ESTALE, never a hang and
+  never another file's data;
 - open directories: the same ``fh``; the listing is taken again at the next READDIR;
 - the outcomes of its non-idempotent requests by request id, so that those the kernel
   sends again are answered with them instead of being done twice, and its intent ring,
@@ -30,7 +32,7 @@ import os
 from dataclasses import dataclass
 
 from qosfs.passthrough.handle_table import OpenRecord, Tables
-from qosfs.passthrough.handles import PASSED_THROUGH, SERVED
+from qosfs.passthrough.handles import SERVED, SHARES_BACKING_ID
 from qosfs.passthrough.inode_takeover import rebuild_inodes
 from qosfs.passthrough.journal import DIR, FILE, INODE, Journal
 
@@ -75,7 +77,7 @@ def rebuild(fs: Tables, journal: Journal) -> Rebuilt:
             fd = -1
             lost += 1
         handles.restore_file(record, node, fd)
-        if record.kernel == PASSED_THROUGH and record.backing_id is not None:
+        if record.kernel in SHARES_BACKING_ID and record.backing_id is not None:
             kernel.restore_open(node.nodeid, record.backing_id)
         elif record.kernel == SERVED:
             kernel.plain_open(node.nodeid)

@@ -12,8 +12,9 @@ backing object, the same open and the same QoS charge:
   OpenRecord`: its ``fh`` as the kernel knows it, flags, owner, and its charge: the flow
   by the engine's ``flow_key`` (class, tenant, uid) and where its streaming detection
   stands), with its backing descriptor (and its buffered twin, if an O_DIRECT open has
-  one); an open passed through to the kernel keeps its backing id, which belongs to the
-  connection (:meth:`qosfs.passthrough.kernel_opens.KernelOpens.export_state`);
+  one); an open passed through to the kernel (or that joined one with direct_io) keeps
+  its backing id, which belongs to the connection
+  (:meth:`qosfs.passthrough.kernel_opens.KernelOpens.export_state`);
 - every open directory, with the snapshot its offsets refer to.
 
 ``export_state`` changes nothing (a refused handover leaves the old process serving as it
@@ -38,7 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from qosfs.passthrough.handle_table import OPEN_DROP, OpenRecord, Tables
-from qosfs.passthrough.handles import PASSED_THROUGH
+from qosfs.passthrough.handles import SHARES_BACKING_ID
 from qosfs.passthrough.inode_takeover import export_inodes, import_inodes
 from qosfs.qos.charge import OpenCharge
 
@@ -126,4 +127,4 @@ def open_record_v1(rec: dict[str, Any], fd: int, backing_id: int | None) -> Open
     return OpenRecord(
         int(rec["fh"]), int(rec["inode"]), flags, list(rec["flow"]),
         OpenCharge.values_from_state(rec["charge"]), int(rec["owner"]), int(rec["fsuid"]),
-        bool(rec["kill_priv"]), kernel, backing_id if kernel == PASSED_THROUGH else None)
+        bool(rec["kill_priv"]), kernel, backing_id if kernel in SHARES_BACKING_ID else None)

@@ -6,12 +6,14 @@ the daemon saw through a virtual file, `.stats` (JSON: read requests served by t
 daemon, the interface's counters, the capability).
 
     python -m tests.mount.passthrough_fs mount --foreground SOURCE MOUNTPOINT
-        [--no-passthrough] [--unpatched] [--stack-depth N]
+        [--no-passthrough] [--unpatched] [--stack-depth N] [--served-joins]
 
 --no-passthrough: passthrough is not requested at INIT (an old kernel or libfuse looks the
 same to the caller); --unpatched: the interface sees a pyfuse3 without the patch. An open
 with O_NONBLOCK stands for one the daemon must serve itself (as a capped or writing open
 will): it is passed through only if the inode already is, since the kernel would fail it.
+--served-joins: such an open that joins a passed-through inode is answered with direct_io
+too (`attach(..., served=True)`): its reads still reach the daemon.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ FIRST_FILE_INODE = 3
 
 
 class TinyPassthrough(pyfuse3.Operations):
-    def __init__(self, source: str, passthrough: KernelPassthrough) -> None:
+    def __init__(self, source: str, passthrough: KernelPassthrough,
+                 served_joins: bool = False) -> None:
         super().__init__()
+        self.served_joins = served_joins
         self.source = source
         self.kernel = passthrough
         self.names = sorted(os.fsencode(n) for n in os.listdir(source)
@@ -109,12 +113,13 @@ class TinyPassthrough(pyfuse3.Operations):
             raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
         info = pyfuse3.FileInfo(fh=fd)
         backing_id = None
-        if not flags & os.O_NONBLOCK or not self.kernel.plain_open(inode):
+        served = bool(flags & os.O_NONBLOCK)  # the daemon must see its reads
+        if not served or not self.kernel.plain_open(inode):
             backing_id = self.kernel.register(inode, fd)
             if backing_id is None:  # refused or declined: the daemon serves it
                 self.kernel.plain_open(inode)
         if backing_id is not None:
-            attach(info, backing_id)
+            attach(info, backing_id, served=served and self.served_joins)
         self.opens[fd] = (inode, backing_id is not None)
         return info
 
@@ -144,9 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-passthrough", action="store_true")
     parser.add_argument("--unpatched", action="store_true")
     parser.add_argument("--stack-depth", type=int, default=0)
+    parser.add_argument("--served-joins", action="store_true")
     args = parser.parse_args(argv)
     binding: Any = types.SimpleNamespace() if args.unpatched else pyfuse3
-    fs = TinyPassthrough(args.source, KernelPassthrough(binding))
+    fs = TinyPassthrough(args.source, KernelPassthrough(binding), args.served_joins)
     if not args.no_passthrough:
         request(fs, args.stack_depth)
     pyfuse3.init(fs, args.mountpoint, {"fsname=kpass", "default_permissions"})

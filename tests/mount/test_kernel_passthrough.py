@@ -190,3 +190,31 @@ def test_an_inode_the_daemon_serves_is_not_passed_through_meanwhile(
     os.close(shared)
     s = stats(m.mountpoint)
     assert s["live"] == 0 and s["open_files"] == 0 and s["registered"] == 1
+
+
+def test_an_open_that_joins_with_direct_io_is_served_by_the_daemon(
+        mount: Callable[..., QosfsMount], source: Path) -> None:
+    # FOPEN_PASSTHROUGH | FOPEN_DIRECT_IO: the kernel accepts the open beside a passed-
+    # through one, sends its reads to the daemon, and maps the backing file for mmap.
+    m = passthrough_mount(mount, source, "mnt", "--served-joins")
+    path = m.mountpoint / "data.bin"
+    expected = (source / "data.bin").read_bytes()
+
+    passed = os.open(path, os.O_RDONLY)
+    joined = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert stats(m.mountpoint)["live"] == 1  # one id, shared
+        assert digest(os.pread(passed, MiB, 0)) == digest(expected[:MiB])
+        assert stats(m.mountpoint)["reads"] == 0  # the passed-through open: the kernel
+        assert digest(os.pread(joined, MiB, MiB)) == digest(expected[MiB:2 * MiB])
+        assert stats(m.mountpoint)["reads"] > 0  # the joined one: the daemon
+        with mmap.mmap(joined, 0, prot=mmap.PROT_READ) as mapped:  # the backing file's
+            assert digest(mapped[:]) == digest(expected)
+        reads = stats(m.mountpoint)["reads"]
+        assert digest(os.pread(passed, MiB, 3 * MiB)) == digest(expected[3 * MiB:4 * MiB])
+        assert stats(m.mountpoint)["reads"] == reads
+    finally:
+        os.close(joined)
+        os.close(passed)
+    s = stats(m.mountpoint)
+    assert s["live"] == 0 and s["open_files"] == 0 and s["registered"] == 1

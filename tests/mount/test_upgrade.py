@@ -462,6 +462,59 @@ def test_a_passed_through_open_keeps_its_backing_id_across_upgrades(mount: Mount
              until=lambda p: p["live_backing_ids"] == 0)
 
 
+def _data_written(mount: Mount) -> int:
+    level = next(lv for lv in mount.status()["levels"]
+                 if lv["level"] == "class" and lv["name"] == "data")
+    return int(level["write_bytes"])
+
+
+@pytest.mark.parametrize("how", ["upgrade", "kill-9"])
+def test_a_joined_open_is_served_and_keeps_its_share_across_a_takeover(
+        mount: Mount, how: str) -> None:
+    """A writer that joined a passed-through inode with direct_io comes back the same
+    after a handover or a crash recovery: still served by the (new) daemon, still
+    holding its share of the backing id, which the last release gives back."""
+    if not getattr(pyfuse3, "PASSTHROUGH_SUPPORTED", False):
+        pytest.skip("pyfuse3 without kernel passthrough")
+    path = mount.mountpoint / "data" / "j.bin"
+    path.write_bytes(b"j" * MiB)
+    reader = os.open(path, os.O_RDONLY)
+    writer = os.open(path, os.O_WRONLY)
+    try:
+        entry = mount.status()["passthrough"]
+        if entry["state"] != "active":
+            pytest.skip(f"kernel passthrough unavailable: {entry['reason']}")
+        assert entry["served_write_joins"] == {"data": 1}
+        if how == "upgrade":
+            mount.upgrade()
+        else:
+            wait_for("the keeper to hold the connection", mount.status,
+                     until=lambda status: status["crash_protection"]["kept"])
+            dead = mount.current
+            dead.proc.send_signal(signal.SIGKILL)
+            dead.proc.wait(timeout=10)
+            where = [str(mount.source)] + ([str(mount.mountpoint)]
+                                           if mount.mountpoint != mount.source else [])
+            new = mount._start(f"G{len(mount.generations)}", [
+                sys.executable, "-m", "qosfs", "mount", "--foreground", *where,
+                "--socket", str(mount.socket), *mount.args])
+            assert f"recovering after the death of pid {dead.proc.pid}" in new.log()
+        assert mount.status()["passthrough"]["live_backing_ids"] == 1
+        written = _data_written(mount)
+        assert os.pwrite(writer, b"y" * 4096, 0) == 4096  # reaches the new daemon
+        assert _data_written(mount) == written + 4096
+        assert os.pread(reader, 8, 4092) == b"yyyyjjjj"  # the kernel reads on
+        os.close(reader)
+        reader = -1
+        assert mount.status()["passthrough"]["live_backing_ids"] == 1  # the writer's share
+    finally:
+        for fd in (reader, writer):
+            if fd >= 0:
+                os.close(fd)
+    wait_for("the backing id to be released", lambda: mount.status()["passthrough"],
+             until=lambda p: p["live_backing_ids"] == 0)
+
+
 # The balances travel the same way whatever the topology: one of them suffices.
 @pytest.mark.parametrize("mount", ["in-place"], indirect=True)
 def test_a_cap_goes_on_from_where_it_stood_across_upgrades(mount: Mount) -> None:

@@ -15,7 +15,8 @@ import trio
 from qosfs.daemon.fs_assembly import build_filesystem
 from qosfs.passthrough import kernel
 from qosfs.passthrough.backing_io import IoMode
-from qosfs.passthrough.kernel import KernelPassthrough
+from qosfs.passthrough.handles import JOINED, PASSED_THROUGH
+from qosfs.passthrough.kernel import Capability, KernelPassthrough, served_join_support
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import parse_policy
 from qosfs.qos.engine import PolicyQos
@@ -29,6 +30,8 @@ passthrough = "reads"
 [classes.plain]
 paths = ["plain/**"]
 """
+# The same, with a read cap on data: what `ctl set` or a reload may do while it is open.
+CAPPED = POLICY.replace('passthrough = "reads"', 'passthrough = "reads"\nread_bandwidth = "1GiB/s"')
 
 
 class _Ctx:
@@ -133,3 +136,93 @@ def test_release_gives_the_backing_id_back(ops: PassthroughOperations) -> None:
         assert ops.kernel_opens.status()["live_backing_ids"] == 0
 
     trio.run(main)
+
+
+def test_a_writer_joining_a_passed_through_inode_gets_direct_io_and_is_served(
+        ops: PassthroughOperations) -> None:
+    """The decision: a write open of an inode passed through now carries its backing id
+    (or the kernel fails it) and direct_io (so its writes come to the daemon, capped);
+    its release gives its share of the id back."""
+    binding = FakeBinding()
+    ops.kernel_opens.kernel = KernelPassthrough(binding)
+    kernel_opens = ops.kernel_opens
+
+    async def main() -> None:
+        reader = await _open(ops, "data/a", os.O_RDONLY)
+        writer = await _open(ops, "data/a", os.O_WRONLY)
+        assert (reader.backing_id, reader.direct_io) == (writer.backing_id, False)
+        assert writer.direct_io and not writer.keep_cache
+        assert ops.files[reader.fh].kernel == PASSED_THROUGH
+        assert ops.files[writer.fh].kernel == JOINED
+        assert kernel_opens.recent_file("data") == ops.files[reader.fh].fd
+        status = kernel_opens.status()
+        assert status["joins"] == "served"
+        assert status["served_write_joins"] == {"data": 1}
+        assert status["opens"] == {"data": 1}  # the joined one is not passed through
+        assert status["uncapped_write_opens"] == {} and status["capped_uncapped_opens"] == {}
+        ops.qos.swap(parse_policy(CAPPED))  # data's reads are capped from now on
+        capped = await _open(ops, "data/a", os.O_RDONLY)
+        assert capped.backing_id == reader.backing_id and capped.direct_io
+        assert ops.files[capped.fh].kernel == JOINED
+        assert kernel_opens.status()["served_read_joins"] == {"data": 1}
+        await ops.release(reader.fh)
+        await ops.release(capped.fh)
+        assert binding.open_ids == {writer.backing_id}  # the writer still holds it
+        await ops.release(writer.fh)
+        assert binding.open_ids == set() and kernel_opens.status()["live_backing_ids"] == 0
+
+    trio.run(main)
+
+
+def test_a_writer_alone_is_served_plain(ops: PassthroughOperations) -> None:
+    async def main() -> None:
+        writer = await _open(ops, "data/a", os.O_WRONLY)
+        assert getattr(writer, "backing_id", 0) == 0
+        assert ops.kernel_opens.status()["served_write_joins"] == {}
+        await ops.release(writer.fh)
+
+    trio.run(main)
+
+
+def test_without_served_joins_a_capped_join_goes_uncapped_and_is_counted(
+        ops: PassthroughOperations, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Where the kernel does not take direct_io beside a backing id, today's behaviour:
+    the join is passed through, uncapped, counted per class, and apart if a cap bounded
+    it (a reader of a class whose reads a cap bounds since the file was passed
+    through)."""
+    monkeypatch.setattr(kernel, "served_join_support",
+                        lambda: Capability(False, "Linux 6.8 does not ...", "kernel"))
+    ops.kernel_opens.kernel = KernelPassthrough(FakeBinding())
+    kernel_opens = ops.kernel_opens
+
+    async def main() -> None:
+        reader = await _open(ops, "data/a", os.O_RDONLY)
+        writer = await _open(ops, "data/a", os.O_WRONLY)
+        assert writer.backing_id == reader.backing_id and not writer.direct_io
+        assert ops.files[writer.fh].kernel == PASSED_THROUGH
+        status = kernel_opens.status()
+        assert (status["joins"], status["joins_blocked_by"]) == ("uncapped", "kernel")
+        assert status["uncapped_write_opens"] == {"data": 1}
+        assert status["capped_uncapped_opens"] == {}  # data caps nothing
+        ops.qos.swap(parse_policy(CAPPED))  # data's reads are capped from now on
+        capped = await _open(ops, "data/a", os.O_RDONLY)
+        assert capped.backing_id == reader.backing_id and not capped.direct_io
+        status = kernel_opens.status()
+        assert status["uncapped_read_opens"] == {"data": 1}
+        assert status["capped_uncapped_opens"] == {"data": 1}
+        for info in (reader, writer, capped):
+            await ops.release(info.fh)
+
+    trio.run(main)
+    logged = [r for r in caplog.records if "uncapped, because Linux 6.8" in r.getMessage()]
+    assert len(logged) == 2  # the first of each class and access
+    for record in logged:
+        record.expected = True  # type: ignore[attr-defined]
+
+
+def test_served_joins_need_linux_6_9() -> None:
+    assert served_join_support("6.18.44-fc-v657").available
+    assert served_join_support("6.9.0").available
+    old = served_join_support("6.8.12-generic")
+    assert not old.available and old.by == "kernel" and "6.8.12" in old.reason
