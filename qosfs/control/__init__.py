@@ -10,7 +10,8 @@
 - ``snapshot``: a frozen picture of a running engine, its rates and its JSON form.
 - ``metrics``, ``exporter``: Prometheus metrics, and ``/metrics`` served over HTTP.
 - ``ctl``, ``top``, ``explain``: the clients behind ``qosfs ctl``, ``qosfs top`` and
-  ``qosfs explain`` (``columns`` fits ``top``'s table to the terminal).
+  ``qosfs explain`` (``columns`` fits ``top``'s table to the terminal; ``kernel_status``
+  is ``ctl status``'s kernel passthrough part).
 
 This file only describes the layer: import names from the module that defines them.
 """

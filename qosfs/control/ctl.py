@@ -30,9 +30,9 @@ import time
 from typing import Any
 
 from qosfs.control.address import socket_dirs, socket_name
+from qosfs.control.kernel_status import format_passthrough
 from qosfs.core.errors import EXIT_CONTROL, EXIT_POLICY, EXIT_USAGE, QosfsError
 from qosfs.core.limit_kinds import BY_KEY
-from qosfs.core.units import format_size
 from qosfs.policy.keys import CLASS_SETTINGS, MATCH_KEYS
 
 MAX_REPLY_BYTES = 64 << 20
@@ -341,63 +341,6 @@ def format_settings(reply: dict[str, Any]) -> list[str]:
     if tenants:
         lines += ["", *table_lines(["TENANT", "MATCHES"], tenants)]
     return lines
-
-
-def format_passthrough(kp: dict[str, Any] | None) -> list[str]:
-    """Kernel passthrough, for ``status``: whether it works here, why not, and its counts."""
-    if not kp:
-        return []
-    opens = sum(kp["opens"].values())
-    line = (f"kernel passthrough {kp['state']}: {kp['reason']}; {kp['live_backing_ids']} "
-            f"inodes passed through now, {opens} opens since mount, "
-            f"{kp['registered']} registered, {kp['refused']} refused, "
-            f"{kp['declined']} declined")
-    if kp.get("last_refusal"):
-        line += f" (last refusal {kp['last_refusal']})"
-    lines = [line]
-    if kp["state"] == "active" and "joins" in kp:
-        lines.append("  opens that join a passed-through inode (writers, capped readers): " +
-                     ("served by the daemon with direct_io, caps hold"
-                      if kp["joins"] == "served" else f"uncapped: {kp['joins_reason']}"))
-    for access in ("read", "write"):
-        served = kp.get(f"served_{access}_joins") or {}
-        if served:
-            lines.append(f"  {access} opens that joined a passed-through inode, served by "
-                         "the daemon: " + _by_class(served))
-        joined = kp.get(f"uncapped_{access}_opens") or {}
-        if joined:
-            lines.append(f"  {access} opens that joined a passed-through inode uncapped: " +
-                         _by_class(joined))
-    escaped = kp.get("capped_uncapped_opens") or {}
-    if escaped:
-        lines.append("  of those, opens a cap bounded that went uncapped: " +
-                     _by_class(escaped))
-    return lines + format_read_counting(kp.get("read_counting"))
-
-
-def format_read_counting(rc: dict[str, Any] | None) -> list[str]:
-    """Whether the reads the kernel served are counted (into the classes' read bytes and
-    ops), how much so far, and which classes' opens could not be, and why."""
-    if not rc:
-        return []
-    if rc["state"] != "on":
-        lines = [f"  reads served by the kernel: NOT COUNTED ({rc['reason']})"]
-    else:
-        total = sum(rc["read_bytes"].values())
-        lines = [f"  reads served by the kernel: counted, {format_size(total)} in "
-                 f"{sum(rc['reads'].values())} reads since mount, {rc['watched']} files "
-                 f"watched now; {rc['reason']}"]
-        if rc.get("lost_bytes"):
-            lines.append(f"    {format_size(rc['lost_bytes'])} in {rc['lost_reads']} reads "
-                         "lost: the kernel's table of counts was full")
-    for cls, reasons in sorted(rc["uncounted_opens"].items()):
-        for reason, n in sorted(reasons.items()):
-            lines.append(f"    class {cls}: {n} opens passed through NOT COUNTED: {reason}")
-    return lines
-
-
-def _by_class(counts: dict[str, int]) -> str:
-    return ", ".join(f"{cls} {n}" for cls, n in sorted(counts.items()))
 
 
 def format_status(reply: dict[str, Any]) -> str:
