@@ -456,6 +456,13 @@ def test_a_passed_through_open_keeps_its_backing_id_across_upgrades(mount: Mount
             mount.upgrade()
             assert mount.status()["passthrough"]["live_backing_ids"] == 1
             assert os.pread(fd, 4, MiB - 4) == b"xxxx"
+            # The new daemon counts what the kernel reads for the open it inherited.
+            assert len(os.pread(fd, 256 * 1024, 0)) == 256 * 1024
+            counting = mount.status()["passthrough"]["read_counting"]
+            if counting["state"] == "on":
+                wait_for("the inherited open's reads counted", lambda: mount.status()[
+                    "passthrough"]["read_counting"]["read_bytes"].get("data", 0),
+                    until=lambda n: n >= 256 * 1024)
     finally:
         os.close(fd)
     wait_for("the backing id to be released", lambda: mount.status()["passthrough"],
