@@ -47,7 +47,7 @@ def test_rules_pass_promtool_check_and_their_unit_tests() -> None:
 ALERTS = {"QosfsDown", "QosfsReloadFailed", "QosfsLatencyTargetMissed",
           "QosfsLatencyTargetUnreachable", "QosfsThrottledHigh", "QosfsDescriptorsNearLimit",
           "QosfsPolicyDrift", "QosfsClusterFallback", "QosfsInternalError",
-          "QosfsHandoverFailed", "QosfsPassthroughUncappedJoin"}
+          "QosfsHandoverFailed", "QosfsPassthroughUncappedJoin", "QosfsPassthroughReadsUncounted"}
 
 
 # Labels an alert's series cannot carry: `up` has only the target's labels (no mount: a
