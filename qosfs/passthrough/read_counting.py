@@ -185,6 +185,7 @@ class KernelReadCounting:
             stats = flow.stats
             stats.read_bytes += added_bytes
             stats.read_ops += added_reads
+            stats.kernel_reads += added_reads
             name = flow.class_name
             self.read_bytes[name] = self.read_bytes.get(name, 0) + added_bytes
             self.reads[name] = self.reads.get(name, 0) + added_reads

@@ -269,9 +269,9 @@ def record_latency(backend: LatencyHistogram, whole: LatencyHistogram, ns: int,
 class FlowStats:
     """The traffic of one (class, tenant, uid): what moved, how long it waited and took."""
 
-    __slots__ = ("meta_ops", "opens", "read_backend", "read_bytes", "read_fine",
-                 "read_latency", "read_ops", "throttled_seconds", "write_backend",
-                 "write_bytes", "write_latency", "write_ops")
+    __slots__ = ("kernel_reads", "meta_ops", "opens", "read_backend", "read_bytes",
+                 "read_fine", "read_latency", "read_ops", "throttled_seconds",
+                 "write_backend", "write_bytes", "write_latency", "write_ops")
 
     def __init__(self) -> None:
         self.read_bytes = self.write_bytes = 0
@@ -280,6 +280,9 @@ class FlowStats:
         # sign of activity a class whose reads bypass the daemon (kernel passthrough)
         # still gives, with its metadata requests; the latency controller watches it.
         self.opens = 0
+        # Of read_ops, the reads the kernel served for passed-through opens (counted by
+        # qosfs.passthrough.read_counting): they never reached the daemon.
+        self.kernel_reads = 0
         self.throttled_seconds = 0.0
         self.read_latency = LatencyHistogram()  # the whole request, throttle wait included
         self.write_latency = LatencyHistogram()
@@ -342,6 +345,7 @@ def _add_totals(into: FlowStats, other: FlowStats) -> None:
     into.write_ops += other.write_ops
     into.meta_ops += other.meta_ops
     into.opens += other.opens
+    into.kernel_reads += other.kernel_reads
     into.throttled_seconds += other.throttled_seconds
     for name in HISTOGRAMS:
         _fold_histogram(getattr(into, name), getattr(other, name))
@@ -493,6 +497,13 @@ class Accounts:
         see a protected class become active, also when its reads bypass the daemon)."""
         return sum(s.opens + s.read_ops + s.meta_ops for key, s in self._stats.items()
                    if key[0] == cls)
+
+    def sent(self, cls: str) -> int:
+        """Like :meth:`activity`, without the reads the kernel served: a number that
+        changes whenever class ``cls`` sends the daemon a request (those wait in its
+        queues, which a passed-through read never enters)."""
+        return sum(s.opens + s.read_ops - s.kernel_reads + s.meta_ops
+                   for key, s in self._stats.items() if key[0] == cls)
 
     def retain(self, keep: Callable[[AccountKey], bool]) -> None:
         """Forget every key ``keep`` rejects (after a policy swap re-bound the flows)."""

@@ -31,7 +31,10 @@ file the class has open (``backing_file``;
 the canary's round trips in a window in which the class sent the daemon opens or
 metadata requests (those do queue behind the storm: a small-file loader pays them per
 file). Until the canary has read a file of the class, the round trips
-alone. Its activity comes from opens, metadata and the files it holds open. A relative
+alone. Its activity comes from opens, metadata, the files it holds open and the reads the
+kernel served it, where they are counted (:mod:`qosfs.passthrough.read_counting`); those
+reads never queue in the daemon, so they are not what makes a window one in which it
+*sent* requests (:meth:`qosfs.qos.accounting.Accounts.sent`). A relative
 target learns its baseline from the same estimate in quiet windows.
 
 Latencies come from :class:`qosfs.qos.accounting.FineHistogram` (8 buckets per octave, upper
@@ -126,6 +129,7 @@ class LatencyLoop:
         self._unobserved: set[str] = set()  # classes whose reads bypass the daemon
         # Per protected class: its activity count at the last tick (Accounts.activity).
         self._activity: dict[str, int] = {}
+        self._sent: dict[str, int] = {}  # Accounts.sent per class at the last window
         self.early_ticks = 0  # windows decided at once because a class became active
         self.on_window: list[Callable[[float, LatencyLoop], None]] = []  # for tests
 
@@ -154,6 +158,8 @@ class LatencyLoop:
         self._last = trio.current_time()
         self._sample_levels()
         self._activity = self._activity_counts()
+        self._sent = {c.name: self.engine.accounts.sent(c.name)
+                      for c in protected_classes(self.engine.policy)}
         task_status.started()
         try:
             next_tick = self._last + self.window
@@ -301,7 +307,11 @@ class LatencyLoop:
             active = self._active(rule.name, activity[rule.name], holding)
             q = rule.latency_percentile / 100.0
             if rule.name in self._unobserved:
-                sent = self._activity.get(rule.name, activity[rule.name]) != activity[rule.name]
+                # Sent: requests that queue in the daemon (not the kernel's reads, which
+                # the class's counters have too: qosfs.passthrough.read_counting).
+                sent_now = accounts.sent(rule.name)
+                sent = self._sent.get(rule.name, sent_now) != sent_now
+                self._sent[rule.name] = sent_now
                 samples.append(self._unobserved_sample(rule, q, queue_counts, sent, active))
                 continue
             backend = FineHistogram.quantile(window, q) if window is not None else None

@@ -14,7 +14,7 @@ import trio
 import trio.testing
 
 from qosfs.policy.loading import parse_policy, with_changes
-from qosfs.qos.accounting import FineHistogram, fine_index, fine_upper_bound
+from qosfs.qos.accounting import FineHistogram, FlowStats, fine_index, fine_upper_bound
 from qosfs.qos.charge import OpenCharge
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.flow import PolicyFlow
@@ -672,6 +672,43 @@ async def test_a_passthrough_class_is_judged_on_its_backing_reads_not_on_a_queue
         assert canary.watched == {"datasets": 7}
         held.clear()  # the file closed: the canary stops reading it
         await _until("the canary to let go", lambda: not canary.watched)
+        charge.release()
+        nursery.cancel_scope.cancel()
+
+
+@mock_clock
+async def test_reads_the_kernel_served_make_a_passthrough_class_active_not_queued() -> None:
+    """The kernel's reads of a passthrough class, counted into its read ops
+    (qosfs.passthrough.read_counting), show it active, and do not make a window one in
+    which it sent the daemon requests: it is still judged on its backing reads, and the
+    storm's cut is released as when nothing counted them."""
+    engine = PolicyQos(parse_policy(RELATIVE.format(ckpt=""), "t"))
+    device = Device(base=0.001)
+    canary = FakeCanary(device, backing=lambda now: 0.0001)
+    held: dict[str, int] = {}
+    control = LatencyLoop(engine, canary, backing_file=held.get)
+    control.reads_unobserved("datasets")
+
+    async def kernel_reads(stats: FlowStats) -> None:
+        while True:
+            stats.read_ops += 8
+            stats.kernel_reads += 8
+            await trio.sleep(0.01)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(control.run)
+        nursery.start_soon(canary.run)
+        nursery.start_soon(_storm, engine, device)
+        await trio.sleep(1.0)
+        charge = open_dataset(engine)
+        held["datasets"] = 7
+        nursery.start_soon(kernel_reads, charge.flow.stats)
+        await _until("the storm to be cut", lambda: engine.auto_caps.get("checkpoints"))
+        await _until("the cut to be released", lambda: "checkpoints" not in engine.auto_caps,
+                     timeout=60.0)
+        status = control.status()["protected"][0]
+        assert status["verdict"] == "met" and status["queue_seconds"] is None
+        assert engine.accounts.activity("datasets") > engine.accounts.sent("datasets")
         charge.release()
         nursery.cancel_scope.cancel()
 
