@@ -221,8 +221,8 @@ def filemap_program(o: Offsets, typed: bool, tgid: int, watched: int, recent: in
     p.store(8, 10, _LAST, 1)
     p.load(8, 8, 6, 0)  # the mapping
     f.read(8, 8, o.host)  # r8 = the inode
-    _skip_own_reads(p, tgid)
     _watched_slot(f, o, watched)
+    _skip_own_reads(p, tgid)  # after the lookup: most reads on a machine are not watched
     # bytes = min((last + 1) << PAGE_SHIFT, size) - (first << PAGE_SHIFT), if positive
     p.load(8, 3, 10, _ISIZE)
     p.jump("jsle", 3, 0, "out")
@@ -298,8 +298,8 @@ def direct_program(o: Offsets, typed: bool, tgid: int, watched: int, counts: int
     p.store(8, 10, _INDEX, 6)
     f.read(8, 9, o.ki_filp)
     f.read(8, 8, o.f_inode)  # r8 = the inode
-    _skip_own_reads(p, tgid)
     _watched_slot(f, o, watched)
+    _skip_own_reads(p, tgid)
     # bytes = min(position + size, file size) - position, if positive
     p.load(8, 3, 10, _ISIZE)
     p.load(8, 5, 10, _INDEX)
