@@ -34,6 +34,7 @@ from bench.suites import (
     priorities,
     smallfiles,
     storage,
+    uncapped,
 )
 from bench.suites.live_change import live_report, writes
 from bench.suites.training import au_report, workload
@@ -95,6 +96,11 @@ SUITES: tuple[Suite[Any], ...] = (
         "passthrough_hp (3 modes), --no-qos, default policy; ratios, FUSE requests and "
         "daemon CPU per file", smallfiles.run, smallfiles.SmallfilesResult,
         smallfiles.headline, smallfiles.section, (("smallfiles", smallfiles.chart),)),
+    Suite[uncapped.UncappedResult](
+        "uncapped", "reads no cap limits on tmpfs and disk: fio on a generic name and a "
+        "torch.load restore, bare vs qosfs; ctl stats' count of the kernel's reads; the "
+        "counting's cost", uncapped.run, uncapped.UncappedResult, uncapped.headline,
+        uncapped.section),
     Suite[au_report.TrainingResult](
         "training", "MLPerf Storage's AU: DLIO's emulated training under a PyTorch "
         "checkpoint storm (torch.save, dcp), bare / --no-qos / default policy / latency "
