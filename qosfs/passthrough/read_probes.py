@@ -128,6 +128,25 @@ class _Fields:
         p.load(size, dst, 10, _TMP)
 
 
+def _lookup(p: Program, map_fd: int, key: int) -> None:
+    """``r0 = bpf_map_lookup_elem(map, r10 + key)``: the value's address, or 0."""
+    p.map_fd(1, map_fd)
+    p.alu_reg("mov", 2, 10)
+    p.alu("add", 2, key)
+    p.call(MAP_LOOKUP_ELEM)
+
+
+def _update(p: Program, map_fd: int, key: int, value: int, flags: int) -> None:
+    """``r0 = bpf_map_update_elem(map, r10 + key, r10 + value, flags)``: 0 or an error."""
+    p.map_fd(1, map_fd)
+    p.alu_reg("mov", 2, 10)
+    p.alu("add", 2, key)
+    p.alu_reg("mov", 3, 10)
+    p.alu("add", 3, value)
+    p.alu("mov", 4, flags)
+    p.call(MAP_UPDATE_ELEM)
+
+
 def _skip_own_reads(p: Program, tgid: int) -> None:
     """Go to ``out`` for a read of the daemon's own threads; r7 = the thread id."""
     p.call(GET_CURRENT_PID_TGID)
@@ -147,10 +166,7 @@ def _watched_slot(f: _Fields, o: Offsets, watched: int) -> None:
     f.read(6, 6, o.s_dev, 4)
     p.store_imm(8, 10, _DEV, 0)  # the key's padding must be zero
     p.store(4, 10, _DEV, 6)
-    p.map_fd(1, watched)
-    p.alu_reg("mov", 2, 10)
-    p.alu("add", 2, _DEV)
-    p.call(MAP_LOOKUP_ELEM)
+    _lookup(p, watched, _DEV)
     p.jump("jeq", 0, 0, "out")
     p.load(4, 9, 0, 0)
     f.read(6, 8, o.i_size)
@@ -171,33 +187,18 @@ def _count(f: _Fields, o: Offsets, counts: int, lost: int) -> None:
     f.read(6, 6, o.real_cred)
     f.read(6, 6, o.cred_uid, 4)
     p.store(4, 10, _COUNT_KEY + 4, 6)
-    p.map_fd(1, counts)
-    p.alu_reg("mov", 2, 10)
-    p.alu("add", 2, _COUNT_KEY)
-    p.call(MAP_LOOKUP_ELEM)
+    _lookup(p, counts, _COUNT_KEY)
     p.jump("jne", 0, 0, "add")
     p.load(8, 1, 10, _BYTES)
     p.store(8, 10, _COUNT_VALUE, 1)
     p.store_imm(8, 10, _COUNT_VALUE + 8, 1)
-    p.map_fd(1, counts)
-    p.alu_reg("mov", 2, 10)
-    p.alu("add", 2, _COUNT_KEY)
-    p.alu_reg("mov", 3, 10)
-    p.alu("add", 3, _COUNT_VALUE)
-    p.alu("mov", 4, bpf.NOEXIST)
-    p.call(MAP_UPDATE_ELEM)
+    _update(p, counts, _COUNT_KEY, _COUNT_VALUE, bpf.NOEXIST)
     p.jump("jeq", 0, 0, "out")
     # Another CPU added the key meanwhile (add to it), or the map is full (count as lost).
-    p.map_fd(1, counts)
-    p.alu_reg("mov", 2, 10)
-    p.alu("add", 2, _COUNT_KEY)
-    p.call(MAP_LOOKUP_ELEM)
+    _lookup(p, counts, _COUNT_KEY)
     p.jump("jne", 0, 0, "add")
     p.store_imm(4, 10, _ZERO, 0)
-    p.map_fd(1, lost)
-    p.alu_reg("mov", 2, 10)
-    p.alu("add", 2, _ZERO)
-    p.call(MAP_LOOKUP_ELEM)
+    _lookup(p, lost, _ZERO)
     p.jump("jeq", 0, 0, "out")
     p.label("add")
     p.load(8, 1, 10, _BYTES)
@@ -240,10 +241,7 @@ def filemap_program(o: Offsets, typed: bool, tgid: int, watched: int, recent: in
     # The same read's next batch: same thread, same file and end, a further start. The
     # thread's entry is changed in place; only a thread's first read inserts one.
     p.store(4, 10, _TID, 7)
-    p.map_fd(1, recent)
-    p.alu_reg("mov", 2, 10)
-    p.alu("add", 2, _TID)
-    p.call(MAP_LOOKUP_ELEM)
+    _lookup(p, recent, _TID)
     p.jump("jeq", 0, 0, "insert")
     p.load(8, 2, 10, _INDEX)
     for state_off, slot, size in ((0, _INO, 8), (24, _DEV, 4), (8, _LAST, 8)):
@@ -268,13 +266,7 @@ def filemap_program(o: Offsets, typed: bool, tgid: int, watched: int, recent: in
     p.store_imm(8, 10, _STATE + 24, 0)
     p.load(4, 1, 10, _DEV)
     p.store(4, 10, _STATE + 24, 1)
-    p.map_fd(1, recent)
-    p.alu_reg("mov", 2, 10)
-    p.alu("add", 2, _TID)
-    p.alu_reg("mov", 3, 10)
-    p.alu("add", 3, _STATE)
-    p.alu("mov", 4, bpf.ANY)
-    p.call(MAP_UPDATE_ELEM)
+    _update(p, recent, _TID, _STATE, bpf.ANY)
     p.label("count")
     _count(f, o, counts, lost)
     return p.assemble()
