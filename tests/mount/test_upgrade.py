@@ -469,6 +469,22 @@ def test_a_passed_through_open_keeps_its_backing_id_across_upgrades(mount: Mount
              until=lambda p: p["live_backing_ids"] == 0)
 
 
+def _kill_9_and_recover(mount: Mount, *extra: str) -> Generation:
+    """Kill the serving daemon once the keeper holds the connection, start a new one with
+    the mount's options (and *extra*), and check it recovered; the new generation."""
+    wait_for("the keeper to hold the connection", mount.status,
+             until=lambda status: status["crash_protection"]["kept"])
+    dead = mount.current
+    dead.proc.send_signal(signal.SIGKILL)
+    dead.proc.wait(timeout=10)
+    where = [str(mount.source)] + ([str(mount.mountpoint)]
+                                   if mount.mountpoint != mount.source else [])
+    new = mount._start(f"G{len(mount.generations)}", [
+        sys.executable, "-m", "qosfs", "mount", "--foreground", *where, *extra, *mount.args])
+    assert f"recovering after the death of pid {dead.proc.pid}" in new.log(), new.log()
+    return new
+
+
 def _data_written(mount: Mount) -> int:
     level = next(lv for lv in mount.status()["levels"]
                  if lv["level"] == "class" and lv["name"] == "data")
@@ -495,17 +511,7 @@ def test_a_joined_open_is_served_and_keeps_its_share_across_a_takeover(
         if how == "upgrade":
             mount.upgrade()
         else:
-            wait_for("the keeper to hold the connection", mount.status,
-                     until=lambda status: status["crash_protection"]["kept"])
-            dead = mount.current
-            dead.proc.send_signal(signal.SIGKILL)
-            dead.proc.wait(timeout=10)
-            where = [str(mount.source)] + ([str(mount.mountpoint)]
-                                           if mount.mountpoint != mount.source else [])
-            new = mount._start(f"G{len(mount.generations)}", [
-                sys.executable, "-m", "qosfs", "mount", "--foreground", *where,
-                "--socket", str(mount.socket), *mount.args])
-            assert f"recovering after the death of pid {dead.proc.pid}" in new.log()
+            _kill_9_and_recover(mount, "--socket", str(mount.socket))
         assert mount.status()["passthrough"]["live_backing_ids"] == 1
         written = _data_written(mount)
         assert os.pwrite(writer, b"y" * 4096, 0) == 4096  # reaches the new daemon
@@ -897,17 +903,8 @@ def test_a_mount_made_with_socket_is_taken_over_after_kill_9_from_its_mountpoint
     expected = xxhash.xxh3_128((mount.source / "plain" / "big.bin").read_bytes()).hexdigest()
     reader = HeldReader(mount.mountpoint / "plain" / "big.bin")
     try:
-        wait_for("the keeper to hold the connection", mount.status,
-                 until=lambda status: status["crash_protection"]["kept"])
-        dead = mount.current
-        dead.proc.send_signal(signal.SIGKILL)
-        dead.proc.wait(timeout=10)
-        where = [str(mount.source)] + ([str(mount.mountpoint)]
-                                       if mount.mountpoint != mount.source else [])
         # The first mount's options but --socket: `qosfs mount` as a supervisor runs it.
-        new = mount._start(f"G{len(mount.generations)}", [
-            sys.executable, "-m", "qosfs", "mount", "--foreground", *where, *mount.args])
-        assert f"recovering after the death of pid {dead.proc.pid}" in new.log(), new.log()
+        new = _kill_9_and_recover(mount)
         # --cache never: the second half is read by the new daemon, on the same descriptor.
         assert reader.finish() == {"digest": expected}
         assert mount.status()["pid"] == new.proc.pid  # it serves the mount's own socket
