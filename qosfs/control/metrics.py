@@ -412,8 +412,8 @@ def _passthrough(kp: dict[str, Any]) -> Iterator[Metric]:
     never reach the daemon: its class's opens are counted here (and in its open files),
     its metadata requests as before, its bytes nowhere."""
     yield GaugeMetricFamily("qosfs_passthrough_active", "1 if read-only opens of "
-                            "passthrough classes may be passed through to the kernel on this "
-                            "mount, 0 if not (ctl status says why).",
+                            "classes whose reads nothing caps may be passed through to the "
+                            "kernel on this mount, 0 if not (ctl status says why).",
                             value=1.0 if kp["state"] == "active" else 0.0)
     yield GaugeMetricFamily("qosfs_passthrough_backing_ids", "Inodes passed through to the "
                             "kernel now (one backing id each, shared by their opens).",
