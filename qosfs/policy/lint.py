@@ -49,7 +49,14 @@ from qosfs.core.limit_kinds import BY_KEY, CAP_KEYS
 from qosfs.core.units import format_iops
 from qosfs.policy.classify import compile_glob, compile_value_glob
 from qosfs.policy.keys import PRIORITY_WEIGHTS
-from qosfs.policy.model import ClassRule, IdRange, Limits, Policy, passthrough_blocker
+from qosfs.policy.model import (
+    MEASURED_IN_DAEMON,
+    ClassRule,
+    IdRange,
+    Limits,
+    Policy,
+    passthrough_blocker,
+)
 from qosfs.policy.text import locate_key, quote_key
 
 __all__ = ["DIRECTORY_NAMES", "PolicyWarning", "policy_warnings"]
@@ -254,7 +261,7 @@ def _passthrough(policy: Policy, rule: ClassRule) -> list[tuple[str, str, str, s
     blocker = passthrough_blocker(policy, rule)
     if blocker is None:
         return []
-    where = "" if "latency" in blocker else ", where the cap holds"
+    where = "" if blocker == MEASURED_IN_DAEMON else ", where the cap holds"
     return [("passthrough", key, f"{blocker}: those reads stay in the daemon{where}, and "
              "such opens are not passed through to the kernel", None)]
 

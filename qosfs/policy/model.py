@@ -193,6 +193,12 @@ def _caps_reads(limits: Limits) -> bool:
     return limits.read_bandwidth is not None or limits.read_iops is not None
 
 
+#: What :func:`passthrough_blocker` says of a class whose latency target is measured on
+#: its own reads (no cap is involved: nothing to "hold" there).
+MEASURED_IN_DAEMON = ("its read latency target is measured on its own reads' backing times "
+                      '(latency_measure = "backend"), which only the daemon sees')
+
+
 def passthrough_blocker(policy: Policy, rule: ClassRule,
                         tenants: tuple[Tenant, ...] | None = None) -> str | None:
     """Why the policy alone keeps a class's read-only opens in the daemon, or None if
@@ -243,8 +249,7 @@ def passthrough_blocker(policy: Policy, rule: ClassRule,
                 f"cap{'' if len(capped) > 1 else 's'} reads: opens charged to "
                 f"{'them' if len(capped) > 1 else 'it'} stay in the daemon")
     if rule.latency_needs_reads:
-        return ('its read latency target is measured on its own reads\' backing times '
-                '(latency_measure = "backend"), which only the daemon sees')
+        return MEASURED_IN_DAEMON
     return None
 
 

@@ -10,7 +10,9 @@ reads the daemon served move), the contents from the backing file's xxhash."""
 
 from __future__ import annotations
 
+import errno
 import json
+import mmap
 import os
 import random
 import shutil
@@ -218,3 +220,30 @@ def test_explain_says_why_a_class_stays_in_the_daemon(
                                            "in the daemon"}
     other, _ = explain(capsys, str(kept_mount.mnt / "other/f.bin"), "--socket", sock)
     assert other["served_by"]["by"] == "kernel"
+
+
+def _direct_reads(path: Path) -> tuple[str, bytes]:
+    """An O_DIRECT read into an unaligned buffer (os.pread's): its outcome, then one into
+    a page-aligned buffer."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        try:
+            unaligned = f"read {len(os.pread(fd, 4096, 4096))}"
+        except OSError as exc:
+            unaligned = errno.errorcode[exc.errno]
+        with mmap.mmap(-1, 4096) as buf:
+            assert os.preadv(fd, [buf], 4096) == 4096
+            return unaligned, bytes(buf)
+    finally:
+        os.close(fd)
+
+
+def test_an_o_direct_read_passed_through_follows_the_backing_filesystem(
+        default_mount: Live) -> None:
+    """Passed through, an O_DIRECT read is the backing filesystem's: an unaligned buffer
+    fails (EINVAL on ext4) or not exactly as it does on the file itself (docs/policy.md)."""
+    rel = FILES[0]
+    want = _direct_reads(default_mount.backing / rel)
+    assert _direct_reads(default_mount.mnt / rel) == want
+    assert want[1] == (default_mount.backing / rel).read_bytes()[4096:8192]
+    assert default_mount.kernel()["opens"] == {"default": 1}
