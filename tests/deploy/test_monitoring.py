@@ -240,8 +240,7 @@ def _rules_healthy(base: str) -> bool:
 
 def _traffic(mnt: Path, stop: threading.Event) -> None:
     """A protected reader (O_DIRECT and passthrough = "off", so it reaches the daemon), a
-    capped writer and a
-    writer under the cluster-wide cap."""
+    capped writer and a writer under the cluster-wide cap."""
     fd = os.open(mnt / "data" / "shard", os.O_RDONLY | os.O_DIRECT)
     buf = bytearray(1 << 16)
     view = memoryview(buf)
