@@ -291,8 +291,9 @@ def format_explanation(body: dict[str, Any], given_env: list[str] | None = None)
     served = body["served_by"]
     text = f"the {served['by']}"
     if served.get("passthrough"):
-        text += (" (kernel passthrough): read-only opens are passed through, their reads "
-                 "never reach the daemon, which counts the opens, not the bytes")
+        text += (" (kernel passthrough: no level caps the class's reads): read-only opens "
+                 "are passed through, their reads never reach the daemon, and are counted "
+                 "in the class's read counters where the kernel's counting runs")
     elif served.get("reason"):
         text += f" ({served['reason']})"
     cache = served.get("page_cache")

@@ -415,8 +415,8 @@ def _passthrough(kp: dict[str, Any]) -> Iterator[Metric]:
     its metadata requests as before, its reads and bytes by the kernel's counting
     (:func:`_read_counting`), in the class's read counters."""
     yield GaugeMetricFamily("qosfs_passthrough_active", "1 if read-only opens of "
-                            "passthrough classes may be passed through to the kernel on this "
-                            "mount, 0 if not (ctl status says why).",
+                            "classes whose reads nothing caps may be passed through to the "
+                            "kernel on this mount, 0 if not (ctl status says why).",
                             value=1.0 if kp["state"] == "active" else 0.0)
     yield GaugeMetricFamily("qosfs_passthrough_backing_ids", "Inodes passed through to the "
                             "kernel now (one backing id each, shared by their opens).",

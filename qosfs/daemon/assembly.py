@@ -209,23 +209,23 @@ def _reads_bypass(fs: Filesystem,
     opens and metadata (qosfs.qos.latency.loop)."""
 
     def bypass(rule: ClassRule) -> bool:
-        return (rule.passthrough == "reads" and fs.kernel_opens.active()
-                and passthrough_blocker(engine.policy, rule) is None)
+        return fs.kernel_opens.active() and passthrough_blocker(engine.policy, rule) is None
 
     return bypass
 
 
 def _request_passthrough(cfg: MountConfig, fs: Filesystem, engine: QosEngine,
                          fstype: str | None) -> None:
-    """Ask for kernel passthrough at INIT when some class of the policy wants it, for
-    backing files as deep as the source's filesystem stacks them (qosfs.passthrough.kernel)."""
+    """Ask for kernel passthrough at INIT unless every class of the policy turns it off
+    (by default every class passes the reads no level caps through), for backing files
+    as deep as the source's filesystem stacks them (qosfs.passthrough.kernel)."""
     policy = engine.policy
     if not cfg.kernel_passthrough:
         fs.kernel_opens.off("turned off (--no-passthrough)")
     elif policy is None:
         fs.kernel_opens.off("no policy (--no-qos)")
-    elif not any(c.passthrough == "reads" for c in policy.classes):
-        fs.kernel_opens.off('no class of the policy at mount set passthrough = "reads" '
+    elif all(c.passthrough == "off" for c in policy.classes):
+        fs.kernel_opens.off('every class of the policy at mount sets passthrough = "off" '
                              "(it is negotiated with the kernel at mount: a later policy "
                              "needs a remount to use it)")
     else:

@@ -91,7 +91,8 @@ def _add_mount_parser(sub: Any) -> None:
                    help="no policy at all: pure pass-through that only counts (a baseline)")
     m.add_argument("--no-passthrough", action="store_true",
                    help="never pass reads through to the kernel, whatever the policy says "
-                        "(passthrough = \"reads\"): every read is served by the daemon")
+                        "(every class whose reads nothing caps passes them through by "
+                        "default): every read is served by the daemon")
     m.add_argument("--no-read-counting", action="store_true",
                    help="do not count the reads the kernel serves for passed-through opens "
                         "(BPF programs on the read path, ~60 ns per read): their bytes are "

@@ -20,7 +20,7 @@ Choices made here, each for a reason:
   nodes become visible within a second.
 * An O_DIRECT open stays O_DIRECT underneath, but a request O_DIRECT would refuse goes
   to a buffered descriptor of the same file (:mod:`qosfs.passthrough.odirect`).
-* A read-only open of a class with ``passthrough = "reads"`` whose reads nothing caps now
+* A read-only open of a class whose reads nothing caps now (``passthrough``, by default on)
   is passed through to the kernel (:mod:`qosfs.passthrough.kernel_opens`, over
   :mod:`qosfs.passthrough.kernel`): its reads never reach the daemon. The kernel wants
   every open of an inode passed through to carry its backing id, so while one is, every

@@ -34,8 +34,10 @@ SETTABLE = {"backend": LIMIT_KEYS, "tenant": LIMIT_KEYS,
 PRIORITY_WEIGHTS = {"low": 1, "normal": 10, "high": 100}
 OPS = ("read", "write", "meta")
 CACHE_MODES = ("auto", "keep", "direct", "direct-writes")
-#: ``passthrough``: "reads" lets the kernel read the backing file itself for read-only
-#: opens of a class that caps no reads (docs/policy.md, "Kernel passthrough").
-PASSTHROUGH_MODES = ("off", "reads")
+#: ``passthrough``: "auto" (the default) lets the kernel read the backing file itself for
+#: read-only opens of a class whose reads nothing keeps in the daemon; "reads" is its older
+#: spelling and means the same; "off" keeps every read in the daemon (docs/policy.md,
+#: "Kernel passthrough, per class"; :func:`qosfs.policy.model.passthrough_blocker`).
+PASSTHROUGH_MODES = ("auto", "reads", "off")
 LATENCY_MEASURES = ("request", "backend")
 MAX_ID = 2**32 - 1

@@ -19,10 +19,14 @@ Each check warns only where it can show the problem from the policy alone:
   latency target may cap; with neither, a weight changes nothing. A ``min_*_bandwidth``
   on a class that takes no requests of that direction (``ops``). A minimum without
   ``[backend]`` is not a warning but an error.
-- **passthrough** -- ``passthrough = "reads"`` on a class whose reads the policy caps for
-  some caller (the class itself, ``per_user``, a tenant, the ``[backend]``): those opens
-  stay in the daemon, where the cap can hold (:func:`qosfs.policy.model.passthrough_blocker`).
-  A class whose ``ops`` leave out reads is not passed through either.
+- **passthrough** -- ``passthrough = "reads"`` (the older spelling of the default,
+  ``"auto"``) written on a class whose reads the policy keeps in the daemon for some
+  caller (a cap of the class itself, ``per_user``, a tenant, the ``[backend]``, a latency
+  target measured on the class's own reads): the line asks for what cannot happen
+  (:func:`qosfs.policy.model.passthrough_blocker`). Likewise on a class whose ``ops``
+  leave out reads. The default itself is never warned about: that a capped class stays
+  in the daemon is what its cap asks, and ``qosfs check`` says it as a note
+  (:func:`qosfs.policy.loading.policy_notes`).
 - **fractional-iops** -- an IOPS figure that is not a whole number (``write_iops = 2.5``):
   requests are whole operations, and such a figure is most often a thousand-fold slip
   (``"2.5k"``).
@@ -45,7 +49,14 @@ from qosfs.core.limit_kinds import BY_KEY, CAP_KEYS
 from qosfs.core.units import format_iops
 from qosfs.policy.classify import compile_glob, compile_value_glob
 from qosfs.policy.keys import PRIORITY_WEIGHTS
-from qosfs.policy.model import ClassRule, IdRange, Limits, Policy, passthrough_blocker
+from qosfs.policy.model import (
+    MEASURED_IN_DAEMON,
+    ClassRule,
+    IdRange,
+    Limits,
+    Policy,
+    passthrough_blocker,
+)
 from qosfs.policy.text import locate_key, quote_key
 
 __all__ = ["DIRECTORY_NAMES", "PolicyWarning", "policy_warnings"]
@@ -241,7 +252,7 @@ def _no_effect(policy: Policy, rule: ClassRule) -> list[tuple[str, str, str, str
 
 
 def _passthrough(policy: Policy, rule: ClassRule) -> list[tuple[str, str, str, str | None]]:
-    if rule.passthrough != "reads":
+    if rule.passthrough != "reads":  # "auto" is the default, "off" always holds
         return []
     key = f"classes.{quote_key(rule.name)}.passthrough"
     if not _takes(rule, "read"):
@@ -250,8 +261,9 @@ def _passthrough(policy: Policy, rule: ClassRule) -> list[tuple[str, str, str, s
     blocker = passthrough_blocker(policy, rule)
     if blocker is None:
         return []
-    return [("passthrough", key, f"{blocker}: those reads stay in the daemon, where the cap "
-             "holds, and such opens are not passed through to the kernel", None)]
+    where = "" if blocker == MEASURED_IN_DAEMON else ", where the cap holds"
+    return [("passthrough", key, f"{blocker}: those reads stay in the daemon{where}, and "
+             "such opens are not passed through to the kernel", None)]
 
 
 # ------------------------------------------------------------------ fractional IOPS

@@ -41,9 +41,11 @@ Schema (every key optional)::
                                   # writes through write-only opens do too; "keep";
                                   # "direct"; "direct-writes": every writable open (a
                                   # shared mmap of a writable open then fails, ENODEV)
-    passthrough = "off"           # "reads": read-only opens go to the kernel's passthrough
-                                  # while no cap (class, per_user, tenant, [backend])
-                                  # covers their reads; needs root (docs/policy.md)
+    passthrough = "auto"          # read-only opens go to the kernel's passthrough while
+                                  # no cap (class, per_user, tenant, [backend]) covers
+                                  # their reads and no latency_measure = "backend" target
+                                  # needs them seen; "reads" means the same; "off": every
+                                  # read is served by the daemon (docs/policy.md)
     entry_timeout = "60s"         # how long the kernel trusts names and attributes of
     attr_timeout = "60s"          # objects under this class's paths (by path alone;
                                   # needs paths; default: the mount's --attr-timeout)
@@ -75,7 +77,7 @@ from os import PathLike
 from qosfs.core.units import show_value
 from qosfs.policy.build import build_policy, unknown_key
 from qosfs.policy.keys import CLASS_KEYS, LIMIT_KEYS, SETTABLE, TENANT_KEYS
-from qosfs.policy.model import Policy, PolicyError, policy_to_raw
+from qosfs.policy.model import Policy, PolicyError, passthrough_blocker, policy_to_raw
 from qosfs.policy.text import DEFAULT_POLICY_TEXT, locate_key, quote_key
 
 __all__ = [
@@ -161,9 +163,15 @@ def _file_kind(mode: int) -> str:
 
 def policy_notes(policy: Policy) -> list[str]:
     """What an administrator should know about a valid policy: rules a caller can steer,
-    and where file order decides between tenants (``qosfs check`` prints these)."""
+    where file order decides between tenants, and which classes that take reads keep
+    their read-only opens in the daemon, and why (every other class passes them through
+    to the kernel where the mount can; ``qosfs check`` prints these)."""
     notes = []
     for c in policy.classes:
+        blocker = passthrough_blocker(policy, c)
+        if blocker is not None and c.passthrough != "off" and (not c.ops or "read" in c.ops):
+            notes.append(f"classes.{quote_key(c.name)}: its reads are served by the daemon, "
+                         f"not passed through to the kernel: {blocker}")
         if c.job_env is not None and c.jobs:
             notes.append(
                 f"classes.{quote_key(c.name)} matches jobs by the environment variable "

@@ -139,7 +139,7 @@ class ClassRule:
     per_user: bool = False
     scope: str = "node"  # "cluster": the caps (and a per_user split) span every mount
     cache: str = "auto"
-    passthrough: str = "off"  # "reads": see passthrough_blocker and docs/policy.md
+    passthrough: str = "auto"  # "reads" means the same; "off": see passthrough_blocker
     # How long the kernel may trust names (entry) and attributes (attr) of objects under
     # this class's paths; None: the mount's --attr-timeout. Decided by path alone: the
     # kernel caches an inode for every caller (qosfs.passthrough.operations,
@@ -170,6 +170,13 @@ class ClassRule:
         """Whether a latency target (absolute or relative) protects this class's reads."""
         return self.target_read_latency is not None or self.target_read_slowdown is not None
 
+    @property
+    def latency_needs_reads(self) -> bool:
+        """Whether a latency target of this class is judged on the class's own reads as
+        the daemon serves them (``latency_measure = "backend"``), so that its read-only
+        opens must stay in the daemon (:func:`passthrough_blocker` says why)."""
+        return self.latency_protected and self.latency_measure == "backend"
+
 
 def stream_threshold(rule: ClassRule, target: ClassRule | None) -> int:
     """Bytes of mostly sequential writes after which a writable open of class *rule* moves
@@ -186,21 +193,47 @@ def _caps_reads(limits: Limits) -> bool:
     return limits.read_bandwidth is not None or limits.read_iops is not None
 
 
+#: What :func:`passthrough_blocker` says of a class whose latency target is measured on
+#: its own reads (no cap is involved: nothing to "hold" there).
+MEASURED_IN_DAEMON = ("its read latency target is measured on its own reads' backing times "
+                      '(latency_measure = "backend"), which only the daemon sees')
+
+
 def passthrough_blocker(policy: Policy, rule: ClassRule,
                         tenants: tuple[Tenant, ...] | None = None) -> str | None:
-    """Why the policy alone keeps a ``passthrough = "reads"`` class's read-only opens in
-    the daemon (whose reads are capped, for whom), or None if nothing in it does.
+    """Why the policy alone keeps a class's read-only opens in the daemon, or None if
+    nothing in it does (then the kernel reads the backing file itself for them, where the
+    mount negotiated kernel passthrough).
 
-    Kernel passthrough takes the daemon off an open's read path: nothing could charge
-    those reads. So an open is passed through only while no level its reads pass caps
-    them: the class (a read cap, or ``per_user = "fair"``, which splits the class's
-    share per uid), the caller's tenant, the ``[backend]``'s read caps, which every
-    class's reads share by priority. The engine checks the same per open on the levels
-    themselves, automatic caps of the latency controller included
+    Every class passes reads through by default (``passthrough = "auto"``, or its older
+    spelling ``"reads"``); ``passthrough = "off"`` keeps a class in the daemon. Kernel
+    passthrough takes the daemon off an open's read path: nothing could charge those
+    reads. So an open is passed through only while no level its reads pass caps them: the
+    class (a read cap, or ``per_user = "fair"``, which splits the class's share per uid),
+    the caller's tenant, the ``[backend]``'s read caps, which every class's reads share by
+    priority. The engine checks the same per open on the levels themselves, automatic caps
+    of the latency controller included
     (:meth:`qosfs.qos.flow.PolicyFlow.passes_reads_through`); this is what ``qosfs
-    check`` and ``qosfs explain`` can tell from the file."""
-    if rule.passthrough != "reads":
-        return "passthrough is not set for this class"
+    check`` and ``qosfs explain`` can tell from the file.
+
+    A read latency target (``target_read_latency``, ``target_read_slowdown``) keeps the
+    reads in the daemon only where its measure needs them seen there:
+
+    * ``latency_measure = "backend"`` is the percentile of the backing syscall times of
+      the class's own reads, which the daemon takes around each ``pread`` it serves. A
+      passed-through read has none: the figure the administrator chose would not exist.
+    * ``latency_measure = "request"`` (the default) is what a caller waits for, and is
+      measured by the canary in any case (:mod:`qosfs.qos.latency.probe`): its round trip
+      through the mount stands for the queue a daemon-served read waits in. A
+      passed-through read waits in no queue of the daemon's; what it waits for is the
+      backing store, which the canary times itself by reading a file the class holds open
+      (``O_DIRECT``, :meth:`qosfs.qos.latency.probe.LatencyProbe.watch_backing`), and the
+      controller judges the class on that (:mod:`qosfs.qos.latency.loop`, "Reads not
+      seen"). So such a class passes through and stays protected: the embedded default
+      policy's ``datasets`` (``target_read_slowdown = 1.3``) is one.
+    """
+    if rule.passthrough == "off":
+        return 'passthrough = "off" keeps the class\'s reads in the daemon'
     if _caps_reads(rule.limits):
         return "the class caps its reads"
     if rule.per_user:
@@ -215,6 +248,8 @@ def passthrough_blocker(policy: Policy, rule: ClassRule,
         return (f"tenant{'s' if len(capped) > 1 else ''} {', '.join(capped)} "
                 f"cap{'' if len(capped) > 1 else 's'} reads: opens charged to "
                 f"{'them' if len(capped) > 1 else 'it'} stay in the daemon")
+    if rule.latency_needs_reads:
+        return MEASURED_IN_DAEMON
     return None
 
 
@@ -343,7 +378,7 @@ def _class_raw(c: ClassRule) -> dict[str, Any]:
         out[key] = None if getattr(c, key) is None else format_bandwidth(getattr(c, key))
     if c.scope != "node":
         out["scope"] = c.scope
-    if c.passthrough != "off":
+    if c.passthrough != "auto":
         out["passthrough"] = c.passthrough
     out.update(per_user="fair" if c.per_user else "none", cache=c.cache,
                latency_percentile=c.latency_percentile, latency_measure=c.latency_measure,

@@ -111,6 +111,15 @@ DEFAULT_POLICY_TEXT = """\
 # uids = ["1000-1999"]
 # write_bandwidth = "1GiB/s"
 
+# Kernel passthrough, in every class: where no cap covers a class's reads, the kernel
+# reads the backing file itself for read-only opens (kernel FUSE passthrough, where the
+# kernel and the daemon allow it): native speed for data loaders, for fio on any file
+# name, and for restoring a checkpoint (reads of *.pt fall through checkpoints, which
+# takes writes only). The daemon sees the opens; the kernel's reads are counted by BPF
+# programs where the backing filesystem allows (ctl status says). A read cap (the class's,
+# per_user, a tenant's, [backend]'s) or a latency target measured as "backend" keeps the
+# opens it covers in the daemon; passthrough = "off" in a class keeps its reads there.
+
 # Checkpoint dumps: hundreds of ranks writing at once starve the data loaders, so writes
 # are capped. Reading a checkpoint back is not capped (reads fall through to the classes
 # below: a .pt shard under data/ is a dataset). Temporary names of atomic saves
@@ -166,11 +175,6 @@ attr_timeout = "60s"
 # daemon's CPU): while dataset reads take more than 1.3x what they take when the classes
 # below are quiet, those classes are capped automatically, under their own caps.
 target_read_slowdown = 1.3
-# Nothing caps these reads, so the kernel reads the backing file itself for read-only
-# opens (kernel FUSE passthrough, where the kernel and the daemon allow it): native
-# speed, and the daemon sees the opens but not the bytes. A read cap here (or a
-# [backend] read cap, per_user, a tenant's) keeps the opens it covers in the daemon.
-passthrough = "reads"
 # min_read_bandwidth = "1GiB/s"   # a guaranteed share; needs [backend] read_bandwidth
 
 # Everything else: counted, not capped.

@@ -49,14 +49,14 @@ from qosfs.policy.text import locate_key, quote_key
 if TYPE_CHECKING:
     from qosfs.qos.stats import EngineStatistics
 
-__all__ = ["PASSTHROUGH_NOT_SET", "PASSTHROUGH_READS_ONLY", "Asked", "explain", "job_of",
+__all__ = ["PASSTHROUGH_READS_ONLY", "Asked", "explain", "job_of",
            "mount_relative"]
 
 #: Why a request is served by the daemon although kernel passthrough (the kernel reading
 #: the backing file itself) exists: only reads of read-only opens are passed through,
-#: and only for a class that asks (``passthrough = "reads"``) and whose reads nothing caps
+#: and only for a class whose reads nothing keeps in the daemon: ``passthrough = "off"``,
+#: a cap, a latency target measured on its own reads
 #: (:func:`qosfs.policy.model.passthrough_blocker`); :func:`_served_by` says which.
-PASSTHROUGH_NOT_SET = 'the class does not set passthrough = "reads"'
 PASSTHROUGH_READS_ONLY = "only read-only opens are passed through to the kernel"
 
 
@@ -218,9 +218,10 @@ def _levels(policy: Policy, rule: ClassRule, tenant: Tenant | None, caller: Call
 
 def _served_by(policy: Policy, rule: ClassRule, tenant: Tenant | None, op: str,
                levels: list[dict[str, Any]], mount_cache: str) -> dict[str, Any]:
-    """Who answers the request: the kernel for reads of a read-only open of a class with
-    ``passthrough = "reads"`` whose reads no level caps (configured or, on a mount, the
-    latency controller's automatic caps in force now), else the daemon, with the reason.
+    """Who answers the request: the kernel for reads of a read-only open of a class whose
+    reads nothing keeps in the daemon (:func:`qosfs.policy.model.passthrough_blocker`) and
+    no level caps (configured or, on a mount, the latency controller's automatic caps in
+    force now), else the daemon, with the reason.
     A mount that could not negotiate passthrough says so instead
     (:meth:`qosfs.control.service.ControlService.explain`). A read served by the daemon
     from a class that keeps the page cache may also be answered from it by the kernel,
@@ -228,8 +229,6 @@ def _served_by(policy: Policy, rule: ClassRule, tenant: Tenant | None, op: str,
     reason = None
     if op != "read":
         reason = PASSTHROUGH_READS_ONLY
-    elif rule.passthrough != "reads":
-        reason = PASSTHROUGH_NOT_SET
     else:
         reason = passthrough_blocker(policy, rule, () if tenant is None else (tenant,))
         if reason is None:
@@ -239,8 +238,10 @@ def _served_by(policy: Policy, rule: ClassRule, tenant: Tenant | None, op: str,
                 reason = f"the {capped['level']} level caps reads now"
     if reason is None:
         return {"by": "kernel", "passthrough": True,
-                "reason": "read-only opens are passed through to the kernel: their reads "
-                          "never reach the daemon (an open for writing is served by it)"}
+                "reason": "no level caps the class's reads and its passthrough is not "
+                          "off: read-only opens are passed through to the kernel, their "
+                          "reads never reach the daemon (an open for writing is served "
+                          "by it)"}
     served: dict[str, Any] = {"by": "daemon", "passthrough": False, "reason": reason}
     if op == "read":
         bypassed = rule.reads_bypass_cache or mount_cache == "never"

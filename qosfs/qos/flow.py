@@ -267,14 +267,15 @@ class PolicyFlow:
 
     def passes_reads_through(self) -> bool:
         """Whether a read-only open of this flow made now may be read by the kernel alone
-        (kernel FUSE passthrough): its class asks for it (``passthrough = "reads"``) and
-        no level its reads pass caps them now -- the class (configured caps and the
-        latency controller's automatic ones alike), a per-uid split, the tenant, the
-        backend's share. Asked once per open, never per request; an open passed through
-        stays so when a cap appears later (the kernel offers no way back), which
+        (kernel FUSE passthrough): its class does not keep its reads in the daemon
+        (``passthrough = "off"``, or a latency target measured on its own reads), and no
+        level its reads pass caps them now -- the class (configured caps and the latency
+        controller's automatic ones alike), a per-uid split, the tenant, the backend's
+        share. Asked once per open, never per request; an open passed through stays so
+        when a cap appears later (the kernel offers no way back), which
         :func:`qosfs.policy.model.passthrough_blocker` and docs/policy.md say."""
         rule = self.cls.rule
-        if rule.passthrough != "reads" or rule.per_user:
+        if rule.passthrough == "off" or rule.per_user or rule.latency_needs_reads:
             return False
         return not self.reads_capped()
 

@@ -293,7 +293,7 @@ class CountingFlow:
         return self.name
 
     def passes_reads_through(self) -> bool:
-        return False  # no policy, no passthrough = "reads"
+        return False  # no policy (--no-qos): every read is counted by the daemon
 
     def reads_capped(self) -> bool:
         return False

@@ -178,6 +178,7 @@ write_bandwidth = "64MiB/s"
 paths = ["data/**"]
 priority = "high"
 target_read_latency = "1us"   # never met: the controller caps checkpoints at once
+passthrough = "off"           # its reads reach the daemon: the read panels' series
 
 [classes.checkpoints]
 paths = ["ckpt/**"]
@@ -238,8 +239,8 @@ def _rules_healthy(base: str) -> bool:
 
 
 def _traffic(mnt: Path, stop: threading.Event) -> None:
-    """A protected reader (O_DIRECT, so it reaches the mount), a capped writer and a
-    writer under the cluster-wide cap."""
+    """A protected reader (O_DIRECT and passthrough = "off", so it reaches the daemon), a
+    capped writer and a writer under the cluster-wide cap."""
     fd = os.open(mnt / "data" / "shard", os.O_RDONLY | os.O_DIRECT)
     buf = bytearray(1 << 16)
     view = memoryview(buf)

@@ -29,6 +29,7 @@ ops = ["write"]
 write_bandwidth = "1GiB/s"
 [classes.data]
 paths = ["**"]
+passthrough = "off"   # the daemon's page cache is what is tested, not the kernel's reads
 """
 
 

@@ -45,6 +45,7 @@ uids = [4242]
 paths = ["capped/**"]
 write_bandwidth = "2MiB/s"
 burst = "1MiB"
+passthrough = "off"   # its reads reach the daemon, whose counts the metrics show
 [classes.default]
 """
 

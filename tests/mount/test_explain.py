@@ -47,6 +47,7 @@ paths = ["pathy/**"]
 [classes.by_op]
 paths = ["ops/**"]
 ops = ["read"]
+passthrough = "off"   # its reads are charged by the daemon, as explain says
 
 [classes.by_uid]
 uids = [4444]

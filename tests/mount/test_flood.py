@@ -36,6 +36,7 @@ POLICY = """
 [classes.datasets]
 paths = ["data/**"]
 priority = "high"
+passthrough = "off"   # the reader's reads must reach the daemon the flood fills
 
 [classes.slow]
 paths = ["slow/**"]

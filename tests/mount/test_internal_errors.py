@@ -25,13 +25,15 @@ from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.root]
 
-# Direct I/O: one read() or write() of the caller is one request to the daemon, so the
-# failures can be counted exactly. The meta_iops cap (far above demand) makes metadata
-# operations go through admission, where the "meta" fault sits.
+# Direct I/O, and passthrough off: one read() or write() of the caller is one request to
+# the daemon (not a read of the kernel's), so the failures can be counted exactly. The
+# meta_iops cap (far above demand) makes metadata operations go through admission, where
+# the "meta" fault sits.
 POLICY = """
 [classes.broken]
 paths = ["broken", "broken/**"]
 cache = "direct"
+passthrough = "off"
 meta_iops = 1000000
 
 [classes.closing]
@@ -40,6 +42,7 @@ paths = ["closing", "closing/**"]
 [classes.data]
 paths = ["data", "data/**"]
 cache = "direct"
+passthrough = "off"
 """
 
 

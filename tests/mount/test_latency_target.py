@@ -23,6 +23,7 @@ POLICY = """
 paths = ["data/**"]
 priority = "high"
 target_read_latency = "50ms"
+passthrough = "off"  # its reads reach the daemon (PASSTHROUGH_POLICY: the kernel's)
 
 [classes.ckpt]
 paths = ["ckpt/**"]
@@ -164,8 +165,10 @@ def test_a_reader_starting_into_a_running_storm_is_cut_for_at_its_first_open(
     assert "Traceback" not in m.log()
 
 
-PASSTHROUGH_POLICY = POLICY.replace('target_read_latency = "50ms"',
-                                    'target_read_latency = "50ms"\npassthrough = "reads"')
+# The default: reads nothing caps are passed through, a "request" target included.
+PASSTHROUGH_POLICY = POLICY.replace(
+    'passthrough = "off"  # its reads reach the daemon (PASSTHROUGH_POLICY: the kernel\'s)\n',
+    "")
 
 
 def _open_by(pid: int, target: tuple[int, int]) -> bool:

@@ -36,6 +36,7 @@ POLICY = """
 [classes.datasets]
 paths = ["data/**"]
 priority = "high"
+passthrough = "off"   # the reader's reads must reach the daemon the walk keeps busy
 
 [classes.checkpoints]
 paths = ["**/checkpoints/**"]
@@ -108,7 +109,10 @@ class Reader(threading.Thread):
                 try:
                     data = os.pread(fd, 4096, off)
                 except OSError as exc:
+                    # Paced like a read: a failing read must not spin (a read the kernel
+                    # refused every time filled 19 GB of error strings in minutes).
                     self.errors.append(str(exc))
+                    time.sleep(0.001)
                     continue
                 self.latencies.append(time.perf_counter() - start)
                 if len(data) != 4096:

@@ -115,6 +115,8 @@ passthrough = "reads"
 paths = ["capped/**"]
 write_bandwidth = "8MiB/s"
 burst = "8MiB"
+[classes.default]
+passthrough = "off"  # plain/: reads the daemon serves (and counts) across upgrades
 """
 
 

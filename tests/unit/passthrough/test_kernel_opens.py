@@ -29,6 +29,7 @@ passthrough = "reads"
 
 [classes.plain]
 paths = ["plain/**"]
+passthrough = "off"
 """
 # The same, with a read cap on data: what `ctl set` or a reload may do while it is open.
 CAPPED = POLICY.replace('passthrough = "reads"', 'passthrough = "reads"\nread_bandwidth = "1GiB/s"')
@@ -112,7 +113,7 @@ def test_a_daemon_served_open_is_never_the_recent_file(ops: PassthroughOperation
     kernel_opens = ops.kernel_opens
 
     async def main() -> None:
-        plain = await _open(ops, "plain/c", os.O_RDONLY)  # its class does not ask for it
+        plain = await _open(ops, "plain/c", os.O_RDONLY)  # its class opts out
         writer = await _open(ops, "data/b", os.O_WRONLY)  # a write open of the class
         assert not hasattr(plain, "backing_id") or plain.backing_id == 0
         assert kernel_opens.recent_file("plain") is None

@@ -85,6 +85,12 @@ CASES = {
         '[classes.data]\npaths = ["data/**"]\nper_user = "fair"\npassthrough = "reads"\n',
         4, "classes.data.passthrough", 'per_user = "fair" shares the class\'s reads out per '
         "uid"),
+    "passthrough-with-a-backend-measured-target": (
+        '[classes.data]\npaths = ["data/**"]\npassthrough = "reads"\n'
+        'target_read_latency = "5ms"\nlatency_measure = "backend"\n',
+        3, "classes.data.passthrough", "its read latency target is measured on its own "
+        'reads\' backing times (latency_measure = "backend"), which only the daemon sees: '
+        "those reads stay in the daemon, and such opens are not passed through"),
     "passthrough-without-reads": (
         '[classes.data]\npaths = ["data/**"]\nops = ["write"]\npassthrough = "reads"\n',
         4, "classes.data.passthrough", "passthrough has no effect: the class takes no reads "
@@ -153,9 +159,43 @@ def test_the_fractional_iops_case_warns_for_each_figure() -> None:
     '[classes.a]\npaths = ["data/**"]\ntarget_read_latency = "5ms"\npriority = "high"\n'
     '[classes.b]\npaths = ["**/*.pt"]\npriority = "low"\n',
     '[classes.a]\npaths = ["**", "data/**/x"]\n',
+    # Passthrough by default: a capped class simply stays in the daemon (a note says it),
+    # and so does one that opts out or whose ops take no reads.
+    '[classes.a]\npaths = ["a/**"]\nread_bandwidth = "1GiB/s"\n'
+    '[classes.b]\npaths = ["b/**"]\npassthrough = "auto"\nper_user = "fair"\n'
+    '[classes.c]\npaths = ["c/**"]\npassthrough = "off"\nread_iops = 10\n'
+    '[classes.d]\npaths = ["d/**"]\nops = ["write"]\n',
 ])
 def test_no_warning_where_none_can_be_proven(text: str) -> None:
     assert policy_warnings(parse_policy(text), text) == []
+
+
+def test_check_notes_the_classes_whose_reads_stay_in_the_daemon_and_why(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Passing reads through is the default: `qosfs check` names, as notes (not warnings),
+    each class that takes reads and keeps them in the daemon, with the reason; not a
+    class that opts out itself, nor one that takes no reads."""
+    path = tmp_path / "p.toml"
+    path.write_text('[classes.capped]\npaths = ["a/**"]\nread_bandwidth = "1GiB/s"\n'
+                    '[classes.seen]\npaths = ["s/**"]\ntarget_read_slowdown = 1.5\n'
+                    'latency_measure = "backend"\n'
+                    '[classes.canary]\npaths = ["c/**"]\ntarget_read_slowdown = 1.5\n'
+                    '[classes.off]\npaths = ["o/**"]\npassthrough = "off"\n'
+                    '[classes.ckpt]\npaths = ["**/*.pt"]\nops = ["write"]\n'
+                    '[classes.default]\nper_user = "fair"\n')
+    code, out, err = check(capsys, path, "--json")
+    body = json.loads(out)
+    assert code == 0 and body["warnings"] == [], err
+    assert body["notes"] == [
+        "classes.capped: its reads are served by the daemon, not passed through to the "
+        "kernel: the class caps its reads",
+        "classes.seen: its reads are served by the daemon, not passed through to the "
+        "kernel: its read latency target is measured on its own reads' backing times "
+        '(latency_measure = "backend"), which only the daemon sees',
+        "classes.default: its reads are served by the daemon, not passed through to the "
+        'kernel: per_user = "fair" shares the class\'s reads out per uid']
+    code, out, _ = check(capsys, path)
+    assert code == 0 and "# note: classes.capped: its reads are served by the daemon" in out
 
 
 def test_the_policies_qosfs_ships_give_no_warning(tmp_path: Path,

@@ -31,6 +31,7 @@ from qosfs.policy.model import (
     Policy,
     PolicyError,
     Tenant,
+    passthrough_blocker,
 )
 from qosfs.policy.text import DEFAULT_POLICY_TEXT
 
@@ -246,7 +247,7 @@ SEMANTIC_ERRORS = [
     ('[classes.x]\ncache = "off"\n',
      'mlfs.toml:2: classes.x.cache: expected one of "auto", "keep", "direct", "direct-writes", got "off"'),  # noqa: E501
     ('[classes.x]\npaths = ["a/**"]\npassthrough = "all"\n',
-     'mlfs.toml:3: classes.x.passthrough: expected one of "off", "reads", got "all"'),
+     'mlfs.toml:3: classes.x.passthrough: expected one of "auto", "reads", "off", got "all"'),
     ('[classes.x]\njobs = ["1"]\n',
      ('mlfs.toml:2: classes.x.jobs: jobs needs job_env, the variable holding the value (e.g. '
       '"SLURM_JOB_ID")')),
@@ -647,8 +648,15 @@ def test_cache_timeouts_need_paths_and_render_back() -> None:
     assert parse_policy(p.render()) == p
 
 
-def test_passthrough_is_off_unless_set_and_on_for_datasets_by_default() -> None:
+def test_passthrough_is_auto_unless_set_and_the_older_reads_still_loads() -> None:
+    """Every class passes reads through by default ("auto"), the embedded policy's too;
+    "reads", the spelling of policies written before it was the default, loads and means
+    the same; "off" opts out; each renders back to itself."""
     policy = parse_policy('[classes.a]\npaths = ["a/**"]\n[classes.b]\npaths = ["b/**"]\n'
-                          'passthrough = "reads"\n')
-    assert [c.passthrough for c in policy.classes] == ["off", "reads", "off"]
-    assert {c.name: c.passthrough for c in default_policy().classes}["datasets"] == "reads"
+                          'passthrough = "reads"\n[classes.c]\npaths = ["c/**"]\n'
+                          'passthrough = "off"\n')
+    assert [c.passthrough for c in policy.classes] == ["auto", "reads", "off", "auto"]
+    assert [passthrough_blocker(policy, c) for c in policy.classes] == [
+        None, None, 'passthrough = "off" keeps the class\'s reads in the daemon', None]
+    assert parse_policy(policy.render()) == policy
+    assert {c.passthrough for c in default_policy().classes} == {"auto"}

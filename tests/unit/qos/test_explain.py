@@ -19,7 +19,6 @@ from qosfs.policy.loading import default_policy, parse_policy, with_changes
 from qosfs.qos.backend import ClassPort
 from qosfs.qos.engine import PolicyQos
 from qosfs.qos.explanation import (
-    PASSTHROUGH_NOT_SET,
     PASSTHROUGH_READS_ONLY,
     Asked,
     explain,
@@ -224,7 +223,8 @@ def test_notes_say_what_can_still_move_or_skip_a_request() -> None:
 def test_served_by_the_daemon_and_where_the_page_cache_answers() -> None:
     body = ask("x")
     assert body["served_by"] == {"by": "daemon", "passthrough": False,
-                                 "reason": PASSTHROUGH_NOT_SET, "page_cache": "used"}
+                                 "reason": "[backend] caps reads, which every class shares "
+                                           "by priority", "page_cache": "used"}
     assert ask("ops/r")["served_by"]["page_cache"] == "bypassed"  # a read cap
     assert "page_cache" not in ask("x", op="write")["served_by"]
 
@@ -263,6 +263,46 @@ def test_reads_of_a_passthrough_class_nothing_caps_are_served_by_the_kernel() ->
     own = parse_policy(PASSING + 'read_bandwidth = "1MiB/s"\n')  # in [classes.data]
     served = ask("data/x", policy=own, uid=1)["served_by"]
     assert served["reason"] == "the class caps its reads" and served["page_cache"] == "bypassed"
+
+
+DEFAULTS = """\
+[classes.off]
+paths = ["off/**"]
+passthrough = "off"
+
+[classes.measured]
+paths = ["measured/**"]
+target_read_latency = "5ms"
+latency_measure = "backend"
+
+[classes.canary]
+paths = ["canary/**"]
+target_read_slowdown = 1.5
+
+[classes.writes]
+paths = ["writes/**"]
+ops = ["write"]
+write_bandwidth = "100MiB/s"
+"""
+
+
+def test_every_class_nothing_caps_passes_reads_through_unless_it_opts_out() -> None:
+    """No passthrough key: the default class, a class with a canary-measured latency
+    target and a checkpoint file whose class caps only writes are read by the kernel; a
+    class with passthrough = "off" or a "backend"-measured target is read by the daemon,
+    each with its reason."""
+    policy = parse_policy(DEFAULTS)
+    for path in ("x", "canary/x", "writes/model.pt"):
+        served = ask(path, policy=policy)["served_by"]
+        assert served["by"] == "kernel" and "no level caps" in served["reason"], path
+    assert ask("off/x", policy=policy)["served_by"] == {
+        "by": "daemon", "passthrough": False, "page_cache": "used",
+        "reason": 'passthrough = "off" keeps the class\'s reads in the daemon'}
+    measured = ask("measured/x", policy=policy)["served_by"]
+    assert measured["by"] == "daemon" and 'latency_measure = "backend"' in measured["reason"]
+    assert ask("writes/model.pt", op="write", policy=policy)["served_by"]["by"] == "daemon"
+    for path in ("checkpoints/model.pt", "run/misc/fio-test.bin"):  # the embedded policy
+        assert ask(path, policy=default_policy())["served_by"]["by"] == "kernel", path
 
 
 def test_levels_from_a_file_are_its_caps_in_charging_order() -> None:

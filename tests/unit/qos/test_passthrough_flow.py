@@ -1,7 +1,7 @@
 """Which opens a flow lets the kernel read alone (``PolicyFlow.passes_reads_through``):
-a class that sets ``passthrough = "reads"`` and whose reads no level caps at the time of
-the open -- configured caps, the latency controller's automatic ones, a per-uid split,
-the tenant, the backend."""
+any class that does not opt out (``passthrough = "off"``, a latency target measured on its
+own reads) and whose reads no level caps at the time of the open -- configured caps, the
+latency controller's automatic ones, a per-uid split, the tenant, the backend."""
 
 from __future__ import annotations
 
@@ -37,6 +37,19 @@ passthrough = "reads"
 
 [classes.plain]
 paths = ["plain/**"]
+
+[classes.off]
+paths = ["off/**"]
+passthrough = "off"
+
+[classes.measured]
+paths = ["measured/**"]
+target_read_latency = "5ms"
+latency_measure = "backend"
+
+[classes.canary]
+paths = ["canary/**"]
+target_read_latency = "5ms"
 """
 
 
@@ -49,10 +62,14 @@ def passes(engine: QosEngine, path: str, uid: int = 501) -> bool:
         charge.release()
 
 
-def test_only_an_uncapped_passthrough_class_passes_reads_through() -> None:
+def test_every_uncapped_class_passes_reads_through_unless_it_opts_out() -> None:
     engine = PolicyQos(parse_policy(POLICY))
-    assert passes(engine, "data/x")
-    assert not passes(engine, "plain/x")  # does not ask
+    assert passes(engine, "data/x")  # passthrough = "reads": the older spelling
+    assert passes(engine, "plain/x")  # the default
+    assert passes(engine, "x")  # the default class
+    assert passes(engine, "canary/x")  # a target the canary measures
+    assert not passes(engine, "off/x")  # opts out
+    assert not passes(engine, "measured/x")  # a target measured on its own reads
     assert not passes(engine, "capped/x")  # caps its reads
     assert not passes(engine, "fair/x")  # a per-uid share
     assert not passes(engine, "data/x", uid=7)  # the caller's tenant caps reads
