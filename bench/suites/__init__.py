@@ -17,4 +17,5 @@ them.
   per file
 - ``storage``: the demo's reader and storm on a disk
 - ``training/``: MLPerf Storage's AU under a PyTorch checkpoint storm (DLIO)
+- ``uncapped``: reads no cap limits (fio, a torch.load restore) passed through and counted
 """

@@ -53,7 +53,8 @@ per_user = "fair"
 #: light vocabulary it shows replies with.
 LIGHT = frozenset({
     "qosfs", "qosfs.daemon", "qosfs.daemon.cli", "qosfs.control", "qosfs.control.ctl",
-    "qosfs.control.address", "qosfs.core", "qosfs.core.errors", "qosfs.core.units",
+    "qosfs.control.address", "qosfs.control.kernel_status", "qosfs.core", "qosfs.core.errors",
+    "qosfs.core.units",
     "qosfs.core.limit_kinds", "qosfs.policy", "qosfs.policy.keys",
 })
 #: Never on a ctl command's path: the daemon's libraries, and the standard modules that
