@@ -17,7 +17,8 @@ the run (the scratch tmpfs, and the disk area: ext4 on the VM's disk here), page
 * ``cost``: 4 KiB random reads at queue depth 1 through a mount with the counting and
   one with ``--no-read-counting``, alternating, the median of each;
 * ``restore``: ``torch.load`` of a checkpoint (2 GiB of tensors; quick: 256 MiB) named
-  ``checkpoints/model.pt``, cold (caches dropped) and warm, bare and through qosfs.
+  ``checkpoints/model.pt``, cold (caches dropped) and warm, bare and through qosfs
+  alternating, the median of the repetitions.
 """
 
 from __future__ import annotations
@@ -111,12 +112,17 @@ def _counting(socket: str) -> dict[str, Any]:
 
 
 def _counted_after(socket: str, before: int, expected: int) -> float:
-    """The class's read bytes since *before* over *expected*, once the daemon's drain
-    (every 0.5 s) has added the kernel's counts, or after 3 s if they never get there."""
-    deadline = time.monotonic() + 3.0
+    """The class's read bytes since *before* over *expected*, once the daemon's drains
+    (every 0.5 s) have added all the kernel counted: when the figure has not moved for
+    a second, or after 5 s."""
+    deadline = time.monotonic() + 5.0
+    last, since = -1, time.monotonic()
     while True:
         got = _class_read_bytes(socket) - before
-        if abs(got - expected) <= COUNT_WITHIN * expected or time.monotonic() > deadline:
+        now = time.monotonic()
+        if got != last:
+            last, since = got, now
+        elif now - since >= 1.0 or now > deadline:
             return got / expected if expected else 0.0
         time.sleep(0.1)
 
@@ -191,25 +197,28 @@ def _torch(script: str, *args: str) -> str:
     return done.stdout.strip()
 
 
-def _restores(run: Run, area: str, source: Path, mib: int) -> list[Restore]:
+def _restores(run: Run, area: str, source: Path, mib: int, reps: int) -> list[Restore]:
+    """Cold and warm restores, bare and through qosfs alternating, the median of *reps*."""
     (source / "checkpoints").mkdir(exist_ok=True)
     _torch(_SAVE, str(source / CHECKPOINT), str(mib << 20))
     os.sync()
     out = []
     with run.mount(source) as mounted:
         for phase in ("cold", "warm"):
-            times: dict[str, float] = {}
-            for side, root in (("bare", source), ("qosfs", mounted.path)):
-                wait_quiet(run.quiet_wait)
-                if phase == "cold":
-                    drop_caches()
-                else:
-                    _torch(_LOAD, str(root / CHECKPOINT))  # the warm-up read
-                times[side] = float(_torch(_LOAD, str(root / CHECKPOINT)))
-            out.append(Restore(area=area, phase=phase, bare_s=times["bare"],
-                               qosfs_s=times["qosfs"]))
-            run.log(f"  uncapped restore {area} {phase}: bare {times['bare']:.2f} s, "
-                    f"qosfs {times['qosfs']:.2f} s")
+            times: dict[str, list[float]] = {"bare": [], "qosfs": []}
+            for _ in range(reps):
+                for side, root in (("bare", source), ("qosfs", mounted.path)):
+                    wait_quiet(run.quiet_wait)
+                    if phase == "cold":
+                        drop_caches()
+                    else:
+                        _torch(_LOAD, str(root / CHECKPOINT))  # the warm-up read
+                    times[side].append(float(_torch(_LOAD, str(root / CHECKPOINT))))
+            got = Restore(area=area, phase=phase, bare_s=statistics.median(times["bare"]),
+                          qosfs_s=statistics.median(times["qosfs"]))
+            out.append(got)
+            run.log(f"  uncapped restore {area} {phase}: bare {got.bare_s:.2f} s, "
+                    f"qosfs {got.qosfs_s:.2f} s")
     return out
 
 
@@ -242,7 +251,7 @@ def run(run: Run) -> UncappedResult:
             except (BenchError, FioError, OSError) as exc:
                 errors["cost"] = str(exc).strip().splitlines()[0]
         try:
-            restores += _restores(run, area, source, ckpt_mib)
+            restores += _restores(run, area, source, ckpt_mib, reps)
         except (BenchError, OSError, subprocess.TimeoutExpired) as exc:
             errors[f"{area} restore"] = str(exc).strip().splitlines()[0]
     disk = describe_disk(areas[-1][1]) if run.disk is not None else None
@@ -310,7 +319,7 @@ def section(plots: Plots, r: UncappedResult) -> list[str]:
                   f"`--no-read-counting`: {cost * 100:+.1f}%."]
     if r.restores:
         lines += ["", f"`torch.load` of `{CHECKPOINT}` ({r.checkpoint_mib} MiB of "
-                  "tensors), cold (caches dropped) and warm:", ""]
+                  f"tensors), cold (caches dropped) and warm, median of {r.reps}:", ""]
         lines += table(["area", "phase", "bare s", "qosfs s", "qosfs / bare speed"],
                        [[x.area, x.phase, f"{x.bare_s:.2f}", f"{x.qosfs_s:.2f}",
                          ratio(x.bare_s / x.qosfs_s if x.qosfs_s else None)]

@@ -11,9 +11,9 @@ read path see it there:
   So a read is counted at its first call, clamped to the file's size (a 1 MiB read of a
   112 KiB file moves 112 KiB), and a later call by the same thread on the same file with
   the same end and a further start is the same read, counted nothing (the ``recent``
-  map, per thread). Bytes are exact for reads that start on a page boundary (any read of
-  fio, of a loader reading whole files); an unaligned read is counted from the start of
-  its first page.
+  map: each CPU's last counted read). Bytes are exact for reads that start on a page
+  boundary (any read of fio, of a loader reading whole files); an unaligned read is
+  counted from the start of its first page.
 - ``iomap_dio_rw_begin`` (fs/iomap/direct-io.c), for O_DIRECT reads (ext4, XFS): the
   request's size, clamped to the file's size; a resumed request (``done_before``) is not
   counted twice; writes are skipped (the iterator is a source).
@@ -53,7 +53,6 @@ DIRECT_TRACEPOINT = "iomap_dio_rw_begin"
 
 _PAGE_SHIFT = (os.sysconf("SC_PAGESIZE")).bit_length() - 1
 LAYOUT_CACHE = Path("/run/qosfs/kernel-layout.json")
-_RECENT_THREADS = 4096  # readers whose last read is remembered (LRU)
 
 # Stack slots below the frame pointer (r10), shared by both programs.
 _TMP = -8        # u64 scratch for probe reads
@@ -63,8 +62,8 @@ _ISIZE = -32
 _BYTES = -40
 _INDEX = -48     # filemap: first page; direct: the read position
 _LAST = -56      # filemap: last page;  direct: the request's size
-_TID = -64       # u32, the recent map's key
-_STATE = -96     # recent's value: u64 ino, u64 last, u64 index, u32 dev, u32 pad
+_TID = -64       # u32 0, the recent map's key
+# recent's value, per CPU: u64 ino, u64 last, u64 index, u32 dev, u32 thread id
 _COUNT_KEY = -104  # u32 slot, u32 uid
 _COUNT_VALUE = -120  # u64 bytes, u64 reads
 _ZERO = -124     # u32 0, the lost map's key
@@ -238,16 +237,23 @@ def filemap_program(o: Offsets, typed: bool, tgid: int, watched: int, recent: in
     p.jump_reg("jge", 5, 4, "out")
     p.alu_reg("sub", 4, 5)
     p.store(8, 10, _BYTES, 4)
-    # The same read's next batch: same thread, same file and end, a further start. The
-    # thread's entry is changed in place; only a thread's first read inserts one.
-    p.store(4, 10, _TID, 7)
+    # The same read's next batch: same thread, same file and end, a further start. Each
+    # CPU remembers the last read it counted (a per-CPU array: no hashing, no insert); a
+    # thread that moves to another CPU between two batches of one read has that read's
+    # rest counted again, which is rare and at most the rest of one read.
+    p.store_imm(4, 10, _TID, 0)
     _lookup(p, recent, _TID)
-    p.jump("jeq", 0, 0, "insert")
-    p.load(8, 2, 10, _INDEX)
+    p.jump("jeq", 0, 0, "count")  # an array's element is always there; the verifier asks
+    p.alu_reg("mov", 3, 7)
+    p.alu("lsh", 3, 32)
+    p.alu("rsh", 3, 32)  # r3 = the thread id
+    p.load(4, 1, 0, 28)
+    p.jump_reg("jne", 1, 3, "new_read")
     for state_off, slot, size in ((0, _INO, 8), (24, _DEV, 4), (8, _LAST, 8)):
         p.load(size, 1, 0, state_off)
-        p.load(size, 3, 10, slot)
-        p.jump_reg("jne", 1, 3, "new_read")
+        p.load(size, 2, 10, slot)
+        p.jump_reg("jne", 1, 2, "new_read")
+    p.load(8, 2, 10, _INDEX)
     p.load(8, 1, 0, 16)
     p.jump_reg("jle", 2, 1, "new_read")
     p.store(8, 0, 16, 2)  # remember how far it got; counted already
@@ -258,15 +264,7 @@ def filemap_program(o: Offsets, typed: bool, tgid: int, watched: int, recent: in
         p.store(8, 0, state_off, 1)
     p.load(4, 1, 10, _DEV)
     p.store(4, 0, 24, 1)
-    p.goto("count")
-    p.label("insert")
-    for state_off, slot in ((0, _INO), (8, _LAST), (16, _INDEX)):
-        p.load(8, 1, 10, slot)
-        p.store(8, 10, _STATE + state_off, 1)
-    p.store_imm(8, 10, _STATE + 24, 0)
-    p.load(4, 1, 10, _DEV)
-    p.store(4, 10, _STATE + 24, 1)
-    _update(p, recent, _TID, _STATE, bpf.ANY)
+    p.store(4, 0, 28, 3)
     p.label("count")
     _count(f, o, counts, lost)
     return p.assemble()
@@ -356,8 +354,9 @@ class ReadProbes:
 
     def __init__(self, max_watched: int, max_counts: int) -> None:
         self.watched = bpf.Map(bpf.MAP_HASH, 16, 8, max_watched)
-        self.recent = bpf.Map(bpf.MAP_LRU_HASH, 4, 32, _RECENT_THREADS)
-        self.counts = bpf.Map(bpf.MAP_HASH, 8, 16, max_counts)
+        self.recent = bpf.Map(bpf.MAP_PERCPU_ARRAY, 4, 32, 1)
+        # Per CPU: a reader's adds touch its own CPU's cache line only.
+        self.counts = bpf.Map(bpf.MAP_PERCPU_HASH, 8, 16, max_counts)
         self.lost = bpf.Map(bpf.MAP_ARRAY, 4, 16, 1)
         self._fds: list[int] = []
         self.mode = ""  # "tp_btf" or "raw_tp", once loaded
@@ -432,7 +431,10 @@ class ReadProbes:
         for key in self.counts.all_keys():
             value = self.counts.lookup(key)
             if value is not None:
-                out[struct.unpack("<II", key)] = struct.unpack("<QQ", value)
+                per_cpu = [struct.unpack_from("<QQ", value, at)
+                           for at in range(0, len(value), 16)]
+                out[struct.unpack("<II", key)] = (sum(b for b, _ in per_cpu),
+                                                  sum(n for _, n in per_cpu))
         return out
 
     def forget(self, slot: int, uid: int) -> None:

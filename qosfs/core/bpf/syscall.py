@@ -26,7 +26,8 @@ _MAP_CREATE, _MAP_LOOKUP_ELEM, _MAP_UPDATE_ELEM, _MAP_DELETE_ELEM = 0, 1, 2, 3
 _MAP_GET_NEXT_KEY, _PROG_LOAD, _RAW_TRACEPOINT_OPEN = 4, 5, 17
 
 # enum bpf_map_type
-MAP_HASH, MAP_ARRAY, MAP_LRU_HASH = 1, 2, 9
+MAP_HASH, MAP_ARRAY, MAP_PERCPU_HASH, MAP_PERCPU_ARRAY, MAP_LRU_HASH = 1, 2, 5, 6, 9
+_PER_CPU = (MAP_PERCPU_HASH, MAP_PERCPU_ARRAY)
 # enum bpf_prog_type
 PROG_RAW_TRACEPOINT = 17
 PROG_TRACING = 26
@@ -52,14 +53,24 @@ def map_create(map_type: int, key_size: int, value_size: int, max_entries: int) 
     return _call(_MAP_CREATE, struct.pack("<IIII", map_type, key_size, value_size, max_entries))
 
 
+def possible_cpus() -> int:
+    """How many CPUs the kernel may run (a per-CPU map holds a value for each)."""
+    with open("/sys/devices/system/cpu/possible") as f:
+        return max(int(part.split("-")[-1]) for part in f.read().strip().split(",")) + 1
+
+
 class Map:
-    """A map's descriptor and its key and value sizes, with the element commands."""
+    """A map's descriptor and its key and value sizes, with the element commands. A
+    per-CPU map's lookup gives every CPU's value, one after the other (each padded to 8
+    bytes); an update from here sets every CPU's."""
 
     __slots__ = ("fd", "key_size", "max_entries", "value_size")
 
     def __init__(self, map_type: int, key_size: int, value_size: int, max_entries: int) -> None:
         self.fd = map_create(map_type, key_size, value_size, max_entries)
-        self.key_size, self.value_size, self.max_entries = key_size, value_size, max_entries
+        self.key_size, self.max_entries = key_size, max_entries
+        self.value_size = value_size if map_type not in _PER_CPU \
+            else (value_size + 7) // 8 * 8 * possible_cpus()
 
     def _elem(self, cmd: int, key: bytes, value: ctypes.Array[ctypes.c_char] | None,
               flags: int = 0) -> int:
