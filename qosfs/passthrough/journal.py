@@ -94,6 +94,7 @@ _LOOKUPS = struct.Struct("<Q")
 _CHECK = struct.Struct("<I")
 _BODY = struct.Struct("<BBHHHiiQQQQ")
 _BODY_AT = 12
+_LENGTHS = struct.Struct("<BBHH")  # the body's first fields: kind, flags, name, handle
 _VAR_AT = _BODY_AT + _BODY.size
 _VAR_ROOM = MAX_RECORD - _VAR_AT
 
@@ -308,6 +309,15 @@ class SessionJournal:
                 _CHECK.pack_into(self._map, HEADER_SIZE + rest * SLOT_SIZE + 8, 0)
         _CHECK.pack_into(self._map, scratch + 8, 0)
         return slot
+
+    def name_and_handle(self, slot: int) -> tuple[bytes, bytes]:
+        """The name and file handle the inode record of *slot* holds (a cold inode keeps
+        them only here: :mod:`qosfs.passthrough.cold_inodes`)."""
+        at = HEADER_SIZE + self._home.get(slot, slot) * SLOT_SIZE
+        _, _, name_len, handle_len = _LENGTHS.unpack_from(self._map, at + _BODY_AT)
+        var = at + _VAR_AT
+        return (self._map[var:var + name_len],
+                self._map[var + name_len:var + name_len + handle_len])
 
     def count(self, slot: int, lookups: int) -> None:
         """The kernel's lookup count of the inode in *slot* (one aligned 8-byte store)."""
