@@ -293,6 +293,7 @@ class InodeTable(Protocol):
     by_key: dict[tuple[int, int], Any]
     cold: ColdInodes
     hot_limit: int
+    hot_peak: int
     fold_at: int
     root: Any
     cache: FdCache
@@ -313,6 +314,7 @@ def fold(table: InodeTable) -> None:
     (its file handle taken, as at any eviction) and its path memo dropped, as is
     the QoS layer's memo when it is only a memo."""
     excess = len(table.by_id) - table.hot_limit
+    table.hot_peak = max(table.hot_peak, len(table.by_id))
     keyed = table.by_key
     for inode in list(table.by_id.values()):  # oldest first
         if excess <= 0:

@@ -22,6 +22,7 @@ recently. This module holds those descriptors:
 
 from __future__ import annotations
 
+import array
 import os
 import resource
 from collections import deque
@@ -124,7 +125,10 @@ class FdCache:
         # when dropped): the inode table takes a file's handle only then (inodes.py).
         self._evicting = evicting
         self._ring: list[CachedFd | None] = []
-        self._free: list[int] = []  # ring slots emptied by drop()
+        # Ring slots emptied by drop(), as raw integers: a list would keep an int object
+        # per slot alive, scattered over the allocator's pools, which then cannot be
+        # given back when the kernel forgets (a walk's inodes come and go by thousands).
+        self._free = array.array("i")
         self._hand = 0
         self.evictions = 0
 
@@ -204,5 +208,5 @@ class FdCache:
                 entry.cached_fd = -1
                 entry.slot = -1
         self._ring.clear()
-        self._free.clear()
+        del self._free[:]
         self._hand = 0

@@ -195,6 +195,7 @@ class InodeTable(InodeJournaling):
         self.cold = ColdInodes()
         self.hot_limit = hot_limit
         self.fold_at = 2 * hot_limit  # objects beyond which some are folded
+        self.hot_peak = 0  # the most objects since by_id was last made anew (fold)
         self.next_synthetic = _SYNTHETIC_BASE
         close = deferred_close.retire if deferred_close is not None else os.close
         self._close = close
@@ -523,6 +524,9 @@ class InodeTable(InodeJournaling):
             del self.by_key[inode.key]
         inode.stale = True
         self._let_go(inode)
+        if len(self.by_id) < self.hot_peak >> 3:  # dicts never shrink by deletions
+            self.by_id, self.by_key = dict(self.by_id), dict(self.by_key)
+            self.hot_peak = len(self.by_id)
 
     def close_all(self) -> None:
         """Close every descriptor (after unmount, when the kernel will send no more forgets)."""

@@ -237,9 +237,6 @@ class SessionJournal:
         while high > FIRST_SLOT and not spans[high - 1]:
             high -= 1
         self._high = high
-        if high == FIRST_SLOT:
-            self._free_one = array.array("i")
-            self._free.clear()
         self._give_back()
 
     def _give_back(self) -> None:
@@ -251,6 +248,12 @@ class SessionJournal:
         if end > start:
             self._map.madvise(mmap.MADV_REMOVE, start, -(-(end - start) // _PAGE) * _PAGE)
         self._touched = self._high
+        # Slots past the end are listed free no longer (they would be skipped anyway).
+        high, spans = self._high, self._spans
+        self._free_one = array.array("i", (s for s in self._free_one
+                                           if s < high and not spans[s]))
+        for span, stack in self._free.items():
+            stack[:] = [s for s in stack if s + span <= high and not spans[s]]
 
     def _write(self, slot: int, kind: int, flags: int, entry_slot: int, parent_slot: int,
                nodeid: int, dev: int, ino: int, aux: int, name: bytes, handle: bytes,
