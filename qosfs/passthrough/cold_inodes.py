@@ -147,17 +147,12 @@ class ColdInodes:
             self._by_key[at] = row
 
     def _unindex(self, row: int) -> None:
-        ids, inos, devs = self._nodeid, self._ino, self._dev
-        self._remove(self._by_id, row, self._id_home(ids[row]),
-                     lambda r: self._id_home(ids[r]))
-        if self._flags[row] & KEYED:
-            self._remove(self._by_key, row, self._key_home(devs[row], inos[row]),
-                         lambda r: self._key_home(devs[r], inos[r]))
-
-    @staticmethod
-    def _remove(table: array.array[int], row: int, at: int, home: Any) -> None:
-        """Delete *row* from a linear-probing *table* (backward shift: no tombstones)."""
-        mask = len(table) - 1
+        """Delete *row* from the indexes (linear probing with backward shift: no
+        tombstones). Written out for each index: this runs at every thaw."""
+        shift = 64 - self._bits
+        mask = (1 << self._bits) - 1
+        ids, table = self._nodeid, self._by_id
+        at = ((ids[row] * _MIX) & _M64) >> shift
         while table[at] != row:
             at = (at + 1) & mask
         hole = at
@@ -166,7 +161,24 @@ class ColdInodes:
             moved = table[at]
             if moved < 0:
                 break
-            if ((at - home(moved)) & mask) >= ((at - hole) & mask):
+            if ((at - (((ids[moved] * _MIX) & _M64) >> shift)) & mask) >= ((at - hole) & mask):
+                table[hole] = moved
+                hole = at
+        table[hole] = -1
+        if not self._flags[row] & KEYED:
+            return
+        devs, inos, table = self._dev, self._ino, self._by_key
+        at = (((inos[row] ^ (devs[row] << 40)) * _MIX) & _M64) >> shift
+        while table[at] != row:
+            at = (at + 1) & mask
+        hole = at
+        while True:
+            at = (at + 1) & mask
+            moved = table[at]
+            if moved < 0:
+                break
+            home = (((inos[moved] ^ (devs[moved] << 40)) * _MIX) & _M64) >> shift
+            if ((at - home) & mask) >= ((at - hole) & mask):
                 table[hole] = moved
                 hole = at
         table[hole] = -1

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from qosfs.passthrough.cold_inodes import DUE, HANDLE, KEYED, ColdInodes
-from qosfs.passthrough.inode_takeover import rebuild_inodes
+from qosfs.passthrough.inode_takeover import export_inodes, import_inodes, rebuild_inodes
 from qosfs.passthrough.inodes import Inode, InodeTable
 from qosfs.passthrough.journal import INODE, SessionJournal, read_journal
 from tests.inprocess_fs import open_fds
@@ -252,3 +252,27 @@ def test_a_cold_inode_renamed_through_the_mount_is_reopened_by_its_new_name(
         assert content(node) == b"f0002"
     finally:
         table.close_all()
+
+
+def test_a_table_with_cold_inodes_is_handed_over_whole(src: tuple[Path, int]) -> None:
+    """A planned handover exports every inode the kernel knows, cold ones included, and
+    the successor answers each node id with the same file and count."""
+    root, fd = src
+    names = files(root, 60)
+    table = InodeTable(fd, 8, hot_limit=HOT)
+    successor = InodeTable(fd, 8, hot_limit=HOT)
+    try:
+        ids = walk(table, root, names)
+        walk(table, root, names[:10])
+        assert len(table.cold) > 40
+        fds: list[int] = []
+        payload, _ = export_inodes(table, fds)
+        import_inodes(successor, payload, [os.dup(f) for f in fds])
+        for i, name in enumerate(names):
+            node = successor.get(ids[name])
+            assert node.lookups == (2 if i < 10 else 1) and content(node) == name.encode()
+            successor.trim()
+        assert len(successor.cold) > 40 and len(successor) == 61
+    finally:
+        table.close_all()
+        successor.close_all()
