@@ -195,7 +195,7 @@ class ColdInodes:
     def add(self, nodeid: int, dev: int, ino: int, lookups: int, jslot: int, flags: int,
             ref: Any, blob: bytes | None, stamp: tuple[int, int, int] | None) -> None:
         """Fold an inode in (*flags*: HANDLE, DUE, KEYED). Its handle or name, *blob*, is
-        kept only if it has no journal slot (*jslot* < 0): else the record has it."""
+        None where its journal record (*jslot*) holds it."""
         flags |= 8  # a row in use has a flag set, whatever the inode's are
         if self._free:
             row = self._free.pop()
@@ -213,7 +213,7 @@ class ColdInodes:
             self._ref.append(ref)
         if stamp is not None:
             self._stamps[row] = stamp
-        if jslot < 0 and blob is not None:
+        if blob is not None:
             self._blobs[row] = blob
         self._count += 1
         if 2 * self._count > (1 << self._bits):
@@ -348,7 +348,9 @@ def fold(table: InodeTable) -> None:
         handle = inode.handle
         # Its record holds its handle or name (every change of them rewrites it), so
         # the row keeps neither: thaw reads them back.
-        blob = (handle if entry is None else entry[1]) if inode.jslot < 0 else None
+        journal = table.journal
+        journaled = inode.jslot >= 0 and journal is not None and not journal.closed
+        blob = None if journaled else handle if entry is None else entry[1]
         table.cold.add(inode.nodeid, inode.key[0], inode.key[1], inode.lookups,
                       inode.jslot, (HANDLE if handle is not None else 0)
                       | (DUE if inode.handle_due else 0) | (KEYED if is_keyed else 0),

@@ -58,8 +58,17 @@ class InodeJournaling:
             if inode.parent is not None:
                 todo.append(inode.parent)
         self.journal = journal
+        journal.ending = self._journal_ending
         for inode in list(self.by_id.values()):
             self.write_down(inode)
+
+    def _journal_ending(self, removed: bool) -> None:
+        """The journal is closed: a handover ended this process's session (and may be
+        taken back, when a new journal is attached): cold inodes, which keep their names
+        and handles only in it, become objects first. *removed*: unmounted, nothing
+        more is asked of the table."""
+        if not removed:
+            self.thaw_all()
 
     def write_down(self, inode: Inode) -> None:
         """(Re)write *inode*'s record, and first those of the inodes it names."""

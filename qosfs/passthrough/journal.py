@@ -59,7 +59,7 @@ import marshal
 import mmap
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,6 +182,7 @@ class SessionJournal:
         self._touched = FIRST_SLOT  # slots below this may hold pages (given back: _high)
         self.intents = IntentRing(self._map, _RING_AT)
         self.used = 0
+        self.ending: Callable[[bool], None] | None = None  # told at close (its reader)
         os.rename(tmp, path)  # whole or not at all: a reader never sees a half header
 
     # ------------------------------------------------------------------ slots
@@ -358,8 +359,17 @@ class SessionJournal:
         self._map[_STATE_AT:_STATE_AT + len(data)] = data
         struct.pack_into("<I", self._map, 24, len(data))
 
+    @property
+    def closed(self) -> bool:
+        return self._map.closed
+
     def close(self, remove: bool) -> None:
-        """Unmap; *remove* the file too (the mount is gone: nothing to recover)."""
+        """Unmap; *remove* the file too (the mount is gone: nothing to recover). Tells
+        ``ending`` first, with *remove*, while the records can still be read (cold inodes
+        keep their names and handles only here: :mod:`qosfs.passthrough.cold_inodes`)."""
+        if self.ending is not None and not self._map.closed:
+            self.ending(remove)
+            self.ending = None
         if not self._map.closed:
             self._map.close()
         if remove:

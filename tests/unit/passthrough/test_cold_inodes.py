@@ -91,7 +91,7 @@ def test_freed_rows_are_reused_then_compacted_and_all_given_back_when_empty() ->
     assert repr(cold) == "<ColdInodes 0 in 0 rows>"
 
 
-def test_the_blob_is_kept_only_for_a_row_without_a_journal_record() -> None:
+def test_a_row_keeps_the_handle_or_name_only_where_its_record_does_not() -> None:
     cold = ColdInodes()
     cold.add(7, 1, 7, 1, 3, HANDLE | KEYED, None, None, None)  # the journal has it
     cold.add(8, 1, 8, 1, -1, HANDLE | KEYED, None, b"handle", None)
@@ -276,3 +276,33 @@ def test_a_table_with_cold_inodes_is_handed_over_whole(src: tuple[Path, int]) ->
     finally:
         table.close_all()
         successor.close_all()
+
+
+def test_cold_inodes_outlive_their_journal_ending_and_go_to_the_next_one(
+        src: tuple[Path, int], tmp_path: Path) -> None:
+    """A handover ends this process's journal (a successor replaced the file); taken
+    back, the process attaches a new one: its cold inodes, whose names and handles only
+    the old journal held, are all written down in the new one."""
+    root, fd = src
+    names = files(root, 50)
+    path = str(tmp_path / "j")
+    table = InodeTable(fd, 8, hot_limit=HOT)
+    first = SessionJournal(path)
+    first.session({"source": str(root)})
+    table.attach_journal(first)
+    try:
+        ids = walk(table, root, names)
+        assert len(table.cold) > 30
+        first.close(remove=False)
+        SessionJournal(path).close(remove=False)  # the successor's, renamed over it
+        second = SessionJournal(path)
+        second.session({"source": str(root)})
+        table.attach_journal(second)
+        records = {r.nodeid: r for r in read_journal(path).of_kind(INODE)}
+        assert set(records) == set(ids.values())
+        for name, nodeid in ids.items():
+            assert content(table.get(nodeid)) == name.encode()
+            table.trim()
+        second.close(remove=True)
+    finally:
+        table.close_all()
