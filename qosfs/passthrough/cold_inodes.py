@@ -16,8 +16,10 @@ The inode table (:mod:`qosfs.passthrough.inodes`) folds an inode in here once no
 but the table holds it (no open file, no request in progress, no descriptor cached) and
 takes it out as an object again (thaws it) when a request names it; FORGET of a cold
 inode changes its count here, and its last one frees the row. Rows are reused, the
-indexes shrink as they empty and the arrays are compacted when mostly free (the C heap
-trimmed then), so the memory goes back when the kernel forgets.
+indexes shrink as they empty, the arrays from their end, and all of it goes (the C heap
+trimmed) when the last cold inode does, so the memory goes back when the kernel
+forgets. Nothing here takes time in proportion to the number of cold inodes (an index
+grows by 1/256th at a time): the event loop never stalls on a million of them.
 
 Example:
     >>> cold = ColdInodes()
@@ -30,9 +32,10 @@ Example:
 from __future__ import annotations
 
 import array
+import itertools
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from qosfs.core.syscalls import trim_heap
@@ -48,8 +51,10 @@ KEYED = 4  # the table's entry for its (device, inode number)
 
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: node ids are often consecutive
 _M64 = (1 << 64) - 1
-_MIN_BITS = 10
-_COMPACT_MIN = 4096  # rows below which free ones are simply reused
+FOLD_BATCH = 64  # objects past hot_limit that start a fold (~0.5 ms of work)
+_SHARDS = 256  # of an index: a hash's low byte picks one
+_SHARD_MASK = _SHARDS - 1
+_MIN_BITS = 3  # of a shard's table
 
 # One cold inode, as take() and record() return it.
 Row = tuple[int, int, int, int, int, int, Any, "bytes | None",
@@ -73,10 +78,74 @@ def _empty(bits: int) -> array.array[int]:
     return array.array("i", [-1]) * (1 << bits)
 
 
+class _Index:
+    """Row numbers by a 64-bit hash: 256 linear-probing tables (the hash's low byte picks
+    one, its top bits the place, as Fibonacci hashing wants), each grown and shrunk on
+    its own, so that a resize moves 1/256 of the rows (a million cold inodes: a pause
+    of ~4,000 row moves, never of a million). Deletion shifts back (no tombstones)."""
+
+    __slots__ = ("bits", "counts", "tables")
+
+    def __init__(self) -> None:
+        self.tables = [_empty(_MIN_BITS) for _ in range(_SHARDS)]
+        self.bits = array.array("B", [_MIN_BITS]) * _SHARDS
+        self.counts = array.array("i", [0]) * _SHARDS
+
+    def table(self, h: int) -> tuple[array.array[int], int, int]:
+        """The table for hash *h*, its mask, and *h*'s home place in it."""
+        shard = h & _SHARD_MASK
+        bits = self.bits[shard]
+        return self.tables[shard], (1 << bits) - 1, h >> (64 - bits)
+
+    def insert(self, h: int, row: int, hash_of: Callable[[int], int]) -> None:
+        shard = h & _SHARD_MASK
+        count = self.counts[shard] + 1
+        self.counts[shard] = count
+        if 2 * count > (1 << self.bits[shard]):
+            self._resize(shard, self.bits[shard] + 1, hash_of)
+        table, mask, at = self.table(h)
+        while table[at] >= 0:
+            at = (at + 1) & mask
+        table[at] = row
+
+    def remove(self, h: int, row: int, hash_of: Callable[[int], int]) -> None:
+        shard = h & _SHARD_MASK
+        table, mask, at = self.table(h)
+        shift = 64 - self.bits[shard]
+        while table[at] != row:
+            at = (at + 1) & mask
+        hole = at
+        while True:
+            at = (at + 1) & mask
+            moved = table[at]
+            if moved < 0:
+                break
+            if ((at - (hash_of(moved) >> shift)) & mask) >= ((at - hole) & mask):
+                table[hole] = moved
+                hole = at
+        table[hole] = -1
+        count = self.counts[shard] - 1
+        self.counts[shard] = count
+        if self.bits[shard] > _MIN_BITS and 8 * count < (1 << self.bits[shard]):
+            self._resize(shard, self.bits[shard] - 1, hash_of)
+
+    def _resize(self, shard: int, bits: int, hash_of: Callable[[int], int]) -> None:
+        table = _empty(bits)
+        mask, shift = len(table) - 1, 64 - bits
+        for row in self.tables[shard]:
+            if row >= 0:
+                at = hash_of(row) >> shift
+                while table[at] >= 0:
+                    at = (at + 1) & mask
+                table[at] = row
+        self.tables[shard] = table
+        self.bits[shard] = bits
+
+
 class ColdInodes:
     """Cold inodes by node id and by (device, inode number); see the module docstring."""
 
-    __slots__ = ("_bits", "_blobs", "_by_id", "_by_key", "_count", "_dev", "_flags",
+    __slots__ = ("_blobs", "_by_id", "_by_key", "_count", "_dev", "_flags",
                  "_free", "_ino", "_jslot", "_lookups", "_nodeid", "_ref", "_stamps")
 
     def __init__(self) -> None:
@@ -94,9 +163,8 @@ class ColdInodes:
         self._stamps: dict[int, tuple[int, int, int]] = {}  # Inode.cache_stamp, if any
         self._free = array.array("i")
         self._count = 0
-        self._bits = _MIN_BITS
-        self._by_id = _empty(_MIN_BITS)
-        self._by_key = _empty(_MIN_BITS)
+        self._by_id = _Index()
+        self._by_key = _Index()
 
     def __len__(self) -> int:
         return self._count
@@ -106,17 +174,16 @@ class ColdInodes:
 
     # ------------------------------------------------------------------ hashing
 
-    def _id_home(self, nodeid: int) -> int:
-        return ((nodeid * _MIX) & _M64) >> (64 - self._bits)
+    def _id_hash(self, row: int) -> int:
+        return (self._nodeid[row] * _MIX) & _M64
 
-    def _key_home(self, dev: int, ino: int) -> int:
-        return (((ino ^ (dev << 40)) * _MIX) & _M64) >> (64 - self._bits)
+    def _key_hash(self, row: int) -> int:
+        return ((self._ino[row] ^ (self._dev[row] << 40)) * _MIX) & _M64
 
     def find_id(self, nodeid: int) -> int:
         """The row of *nodeid*, or -1."""
-        table, ids = self._by_id, self._nodeid
-        mask = len(table) - 1
-        at = self._id_home(nodeid)
+        table, mask, at = self._by_id.table((nodeid * _MIX) & _M64)
+        ids = self._nodeid
         while True:
             row = table[at]
             if row < 0 or ids[row] == nodeid:
@@ -125,70 +192,13 @@ class ColdInodes:
 
     def find_key(self, dev: int, ino: int) -> int:
         """The row keyed by (*dev*, *ino*), or -1."""
-        table, inos, devs = self._by_key, self._ino, self._dev
-        mask = len(table) - 1
-        at = self._key_home(dev, ino)
+        table, mask, at = self._by_key.table(((ino ^ (dev << 40)) * _MIX) & _M64)
+        inos, devs = self._ino, self._dev
         while True:
             row = table[at]
             if row < 0 or (inos[row] == ino and devs[row] == dev):
                 return row
             at = (at + 1) & mask
-
-    def _index(self, row: int) -> None:
-        mask = (1 << self._bits) - 1
-        at = self._id_home(self._nodeid[row])
-        while self._by_id[at] >= 0:
-            at = (at + 1) & mask
-        self._by_id[at] = row
-        if self._flags[row] & KEYED:
-            at = self._key_home(self._dev[row], self._ino[row])
-            while self._by_key[at] >= 0:
-                at = (at + 1) & mask
-            self._by_key[at] = row
-
-    def _unindex(self, row: int) -> None:
-        """Delete *row* from the indexes (linear probing with backward shift: no
-        tombstones). Written out for each index: this runs at every thaw."""
-        shift = 64 - self._bits
-        mask = (1 << self._bits) - 1
-        ids, table = self._nodeid, self._by_id
-        at = ((ids[row] * _MIX) & _M64) >> shift
-        while table[at] != row:
-            at = (at + 1) & mask
-        hole = at
-        while True:
-            at = (at + 1) & mask
-            moved = table[at]
-            if moved < 0:
-                break
-            if ((at - (((ids[moved] * _MIX) & _M64) >> shift)) & mask) >= ((at - hole) & mask):
-                table[hole] = moved
-                hole = at
-        table[hole] = -1
-        if not self._flags[row] & KEYED:
-            return
-        devs, inos, table = self._dev, self._ino, self._by_key
-        at = (((inos[row] ^ (devs[row] << 40)) * _MIX) & _M64) >> shift
-        while table[at] != row:
-            at = (at + 1) & mask
-        hole = at
-        while True:
-            at = (at + 1) & mask
-            moved = table[at]
-            if moved < 0:
-                break
-            home = (((inos[moved] ^ (devs[moved] << 40)) * _MIX) & _M64) >> shift
-            if ((at - home) & mask) >= ((at - hole) & mask):
-                table[hole] = moved
-                hole = at
-        table[hole] = -1
-
-    def _reindex(self, bits: int) -> None:
-        self._bits = bits
-        self._by_id = _empty(bits)
-        self._by_key = _empty(bits)
-        for row in self.rows():
-            self._index(row)
 
     # ------------------------------------------------------------------ rows
 
@@ -197,13 +207,19 @@ class ColdInodes:
         """Fold an inode in (*flags*: HANDLE, DUE, KEYED). Its handle or name, *blob*, is
         None where its journal record (*jslot*) holds it."""
         flags |= 8  # a row in use has a flag set, whatever the inode's are
-        if self._free:
-            row = self._free.pop()
+        free, rows = self._free, len(self._flags)
+        while free:  # an entry past the end (cut off by take) is stale
+            row = free.pop()
+            if row < rows and not self._flags[row]:
+                break
+        else:
+            row = -1
+        if row >= 0:
             self._nodeid[row], self._dev[row], self._ino[row] = nodeid, dev, ino
             self._lookups[row], self._jslot[row], self._flags[row] = lookups, jslot, flags
             self._ref[row] = ref
         else:
-            row = len(self._flags)
+            row = rows
             self._nodeid.append(nodeid)
             self._dev.append(dev)
             self._ino.append(ino)
@@ -216,10 +232,9 @@ class ColdInodes:
         if blob is not None:
             self._blobs[row] = blob
         self._count += 1
-        if 2 * self._count > (1 << self._bits):
-            self._reindex(self._bits + 1)  # indexes this row too
-        else:
-            self._index(row)
+        self._by_id.insert(self._id_hash(row), row, self._id_hash)
+        if flags & KEYED:
+            self._by_key.insert(self._key_hash(row), row, self._key_hash)
 
     def lookups(self, row: int) -> int:
         return self._lookups[row]
@@ -242,14 +257,18 @@ class ColdInodes:
     def take(self, row: int) -> Row:
         """Remove *row* and return what :meth:`record` does (to thaw it, or forget it)."""
         record = self.record(row)
-        self._unindex(row)
+        self._by_id.remove(self._id_hash(row), row, self._id_hash)
+        if self._flags[row] & KEYED:
+            self._by_key.remove(self._key_hash(row), row, self._key_hash)
         self._flags[row] = 0
         self._ref[row] = None
         self._stamps.pop(row, None)
         self._blobs.pop(row, None)
-        self._free.append(row)
         self._count -= 1
-        self._shrink()
+        if row == len(self._flags) - 1:
+            self._cut()
+        else:
+            self._free.append(row)
         return record
 
     def rows(self) -> Iterator[int]:
@@ -257,40 +276,20 @@ class ColdInodes:
         flags = self._flags
         return (row for row in range(len(flags)) if flags[row])
 
-    def _shrink(self) -> None:
-        """Give memory back: smaller indexes as they empty, arrays compacted when three
-        quarters of their rows are free."""
-        count = self._count
-        if not count:
-            if len(self._flags):
-                self._reset()  # all forgotten: start afresh
-                trim_heap()
+    def _cut(self) -> None:
+        """Free rows at the end go (the arrays shrink); none left: all given back."""
+        if not self._count:
+            self._reset()
+            trim_heap()  # the arrays were large: the C heap keeps their pages otherwise
             return
-        rows = len(self._flags)
-        if rows > _COMPACT_MIN and 4 * count < rows:
-            self._compact()
-        elif self._bits > _MIN_BITS and 8 * count < (1 << self._bits):
-            self._reindex(self._bits - 1)
-
-    def _compact(self) -> None:
-        live = list(self.rows())
-        self._nodeid = array.array("Q", (self._nodeid[r] for r in live))
-        self._dev = array.array("Q", (self._dev[r] for r in live))
-        self._ino = array.array("Q", (self._ino[r] for r in live))
-        self._lookups = array.array("q", (self._lookups[r] for r in live))
-        self._jslot = array.array("i", (self._jslot[r] for r in live))
-        self._flags = array.array("B", (self._flags[r] for r in live))
-        self._ref = [self._ref[r] for r in live]
-        self._stamps = {new: self._stamps[old] for new, old in enumerate(live)
-                        if old in self._stamps}
-        self._blobs = {new: self._blobs[old] for new, old in enumerate(live)
-                       if old in self._blobs}
-        self._free = array.array("i")
-        bits = _MIN_BITS
-        while (1 << bits) < 2 * len(live):
-            bits += 1
-        self._reindex(bits)
-        trim_heap()
+        flags = self._flags
+        while not flags[-1]:
+            for column in (self._nodeid, self._dev, self._ino, self._lookups, self._jslot,
+                           flags, self._ref):
+                column.pop()
+        if len(self._free) > 2 * len(flags):  # mostly stale entries: keep the valid ones
+            rows = len(flags)
+            self._free = array.array("i", (r for r in self._free if r < rows and not flags[r]))
 
 
 # ---------------------------------------------------------------- the inode table's use
@@ -319,7 +318,8 @@ class InodeTable(Protocol):
 
 def fold(table: InodeTable) -> None:
     """Fold *table*'s oldest inodes nothing uses into its ``cold``, down to ``hot_limit``
-    objects. An inode is folded only if no other object refers to it: no open file
+    objects (called every FOLD_BATCH past it: a short pause each time). An inode is
+    folded only if no other object refers to it: no open file
     or listing, no request handler (a local variable), no inode naming it as parent
     or entry (counted exactly by its reference count), and if it needs no descriptor
     of its own (a pinned one) and is not stale; its descriptor is evicted first
@@ -327,19 +327,19 @@ def fold(table: InodeTable) -> None:
     the QoS layer's memo when it is only a memo."""
     excess = len(table.by_id) - table.hot_limit
     table.hot_peak = max(table.hot_peak, len(table.by_id))
-    keyed = table.by_key
-    for inode in list(table.by_id.values()):  # oldest first
+    keyed, by_id = table.by_key, table.by_id
+    for inode in list(itertools.islice(by_id.values(), 4 * excess)):  # oldest first
         if excess <= 0:
             break
         memo: InodeCharge | None = inode.qos_memo
-        if (inode.opens or inode.stale or inode.parent is not None
-                or inode is table.root or (memo is not None and not memo.settled)
-                or (inode.handle is None and inode.entry is None)):
-            continue
         # References: by_id, the list, this loop (_UNUSED), by_key, the descriptor
         # cache. Any other is a user: it must keep seeing this very object.
         is_keyed = keyed.get(inode.key) is inode
-        if sys.getrefcount(inode) != _UNUSED + is_keyed + (inode.slot >= 0):
+        if (inode.opens or inode.stale or inode.parent is not None
+                or inode is table.root or (memo is not None and not memo.settled)
+                or (inode.handle is None and inode.entry is None)
+                or sys.getrefcount(inode) != _UNUSED + is_keyed + (inode.slot >= 0)):
+            by_id[inode.nodeid] = by_id.pop(inode.nodeid)  # kept: the next pass starts past it
             continue
         if inode.slot >= 0:
             table.evicting(inode, inode.cached_fd)
@@ -360,7 +360,7 @@ def fold(table: InodeTable) -> None:
         if is_keyed:
             del keyed[inode.key]
         excess -= 1
-    table.fold_at = max(2 * table.hot_limit, len(table.by_id) + table.hot_limit)
+    table.fold_at = max(table.hot_limit, len(by_id)) + min(FOLD_BATCH, table.hot_limit)
 
 
 def thaw(table: InodeTable, row: int, nodeid: int) -> Any:

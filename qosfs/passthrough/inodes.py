@@ -61,7 +61,7 @@ from typing import Any
 import pyfuse3
 
 from qosfs.core import syscalls
-from qosfs.passthrough.cold_inodes import ColdInodes, fold, forget_cold, thaw
+from qosfs.passthrough.cold_inodes import FOLD_BATCH, ColdInodes, fold, forget_cold, thaw
 from qosfs.passthrough.fdcache import CachedFd, DeferredClose, FdCache
 from qosfs.passthrough.inode_journal import InodeJournaling
 from qosfs.passthrough.journal import SessionJournal
@@ -194,7 +194,7 @@ class InodeTable(InodeJournaling):
         self.by_key: dict[tuple[int, int], Inode] = {self.root.key: self.root}
         self.cold = ColdInodes()
         self.hot_limit = hot_limit
-        self.fold_at = 2 * hot_limit  # objects beyond which some are folded
+        self.fold_at = hot_limit + min(FOLD_BATCH, hot_limit)  # objects that start a fold
         self.hot_peak = 0  # the most objects since by_id was last made anew (fold)
         self.next_synthetic = _SYNTHETIC_BASE
         close = deferred_close.retire if deferred_close is not None else os.close
