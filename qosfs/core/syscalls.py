@@ -165,3 +165,11 @@ def dio_offset_align(fd: int) -> int:
     if not int.from_bytes(buf.raw[:4], "little") & _STATX_DIOALIGN:
         return 0
     return int.from_bytes(buf.raw[_DIO_OFFSET_ALIGN:_DIO_OFFSET_ALIGN + 4], "little")
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system (``malloc_trim``): after a large
+    table was freed, glibc otherwise keeps them for the process."""
+    trim = getattr(_libc, "malloc_trim", None)  # glibc only
+    if trim is not None:
+        trim(0)

@@ -16,11 +16,11 @@ import resource
 from qosfs.core.failures import Failures
 from qosfs.passthrough.backing_io import BackingIO, IoMode
 from qosfs.passthrough.entries import Entries
-from qosfs.passthrough.fdcache import DeferredClose
+from qosfs.passthrough.fdcache import DeferredClose, default_fd_budget
 from qosfs.passthrough.filesystem import Filesystem
 from qosfs.passthrough.handle_table import HandleTable
 from qosfs.passthrough.handles import FileHandle, OpenQuota
-from qosfs.passthrough.inodes import InodeTable, default_fd_budget
+from qosfs.passthrough.inodes import InodeTable
 from qosfs.passthrough.intents import ExactlyOnce
 from qosfs.passthrough.kernel_opens import KernelOpens
 from qosfs.passthrough.meta_calls import MetaCalls

@@ -6,6 +6,8 @@
 - ``filesystem``: the filesystem as a whole (``Filesystem``): the operations and their
   parts, its status, its journal, its close.
 - ``inodes``, ``fdcache``: the inode table, held by ``O_PATH`` descriptors, a bounded set.
+- ``cold_inodes``: the inodes nothing uses now, folded into compact arrays.
+- ``inode_journal``: the inode table written down in the session journal as it changes.
 - ``inode_takeover``: the inode table handed to a successor, or rebuilt after a crash.
 - ``handles``: open files and directories, what a FUSE file handle stands for.
 - ``handle_table``: the open files and directories by fh, and the one record of an open.

@@ -22,10 +22,26 @@ recently. This module holds those descriptors:
 
 from __future__ import annotations
 
+import array
 import os
+import resource
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol
+
+# Bounds of the automatic inode descriptor budget (default_fd_budget): beyond 64k cached
+# descriptors the hit rate no longer pays for the kernel memory each one pins.
+MIN_FD_BUDGET = 64
+MAX_FD_BUDGET = 65536
+
+
+def default_fd_budget() -> int:
+    """How many inode descriptors to cache: a quarter of the descriptor limit, so that
+    open files, directory listings and sockets keep the other three quarters."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_FD_BUDGET
+    return max(MIN_FD_BUDGET, min(MAX_FD_BUDGET, soft // 4))
 
 
 class CachedFd(Protocol):
@@ -109,7 +125,10 @@ class FdCache:
         # when dropped): the inode table takes a file's handle only then (inodes.py).
         self._evicting = evicting
         self._ring: list[CachedFd | None] = []
-        self._free: list[int] = []  # ring slots emptied by drop()
+        # Ring slots emptied by drop(), as raw integers: a list would keep an int object
+        # per slot alive, scattered over the allocator's pools, which then cannot be
+        # given back when the kernel forgets (a walk's inodes come and go by thousands).
+        self._free = array.array("i")
         self._hand = 0
         self.evictions = 0
 
@@ -189,5 +208,5 @@ class FdCache:
                 entry.cached_fd = -1
                 entry.slot = -1
         self._ring.clear()
-        self._free.clear()
+        del self._free[:]
         self._hand = 0

@@ -24,6 +24,7 @@ def export_inodes(table: InodeTable, fds: list[int],
     record names its index. Returns the payload and, by ``id(inode)``, each inode's
     record index. Nothing is closed or changed here: refused, the handover leaves the
     table serving as it was."""
+    table.thaw_all()  # cold inodes travel as objects (the successor folds them again)
     index: dict[int, int] = {}
     order: list[Inode] = []
 

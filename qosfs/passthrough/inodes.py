@@ -35,7 +35,7 @@ the mount. Objects on other devices (submounts inside the source) or whose numbe
 collide get a synthetic id from a high range.
 
 A file's handle is taken only when its descriptor is first evicted (:meth:`InodeTable.
-_evicting`), not when it is looked up: ``name_to_handle_at`` cost 3 us on ext4 and 6 us
+evicting`), not when it is looked up: ``name_to_handle_at`` cost 3 us on ext4 and 6 us
 on tmpfs, a third of a lookup's handler time, and most files are looked up, opened and
 forgotten without their descriptor ever being evicted. Until then the descriptor itself
 pins the object (its inode number cannot be reused while it is open), and should taking
@@ -44,7 +44,10 @@ directory's handle is still taken at once: :meth:`InodeTable.lookup_parent` revi
 forgotten directory by it, without a descriptor.
 
 The table only holds inodes the kernel has looked up and not yet forgotten: memory is
-bounded by the kernel's inode cache, not by the size of the tree (about 300 bytes each).
+bounded by the kernel's inode cache, not by the size of the tree. Only the inodes in use
+lately are :class:`Inode` objects (at most ``hot_limit`` past the ones in use); the rest
+are folded into compact rows (:mod:`qosfs.passthrough.cold_inodes`, ~110 bytes each)
+and thawed into an object again when a request names them.
 """
 
 from __future__ import annotations
@@ -52,31 +55,23 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import resource
 import stat
-from collections.abc import Iterable
 from typing import Any
 
 import pyfuse3
 
 from qosfs.core import syscalls
+from qosfs.passthrough.cold_inodes import FOLD_BATCH, ColdInodes, fold, forget_cold, thaw
 from qosfs.passthrough.fdcache import CachedFd, DeferredClose, FdCache
-from qosfs.passthrough.journal import (
-    NO_SLOT,
-    ROOT_SLOT,
-    JournalFull,
-    SessionJournal,
-)
+from qosfs.passthrough.inode_journal import InodeJournaling
+from qosfs.passthrough.journal import SessionJournal
 
 log = logging.getLogger(__name__)
 
 _SYNTHETIC_BASE = 1 << 62  # above any real st_ino we expect; collisions are checked anyway
 _LOOKUP_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
 _REOPEN_FLAGS = os.O_PATH | os.O_CLOEXEC  # a handle names the object itself: no following
-# Bounds of the automatic inode descriptor budget (default_fd_budget): beyond 64k cached
-# descriptors the hit rate no longer pays for the kernel memory each one pins.
-MIN_FD_BUDGET = 64
-MAX_FD_BUDGET = 65536
+HOT_LIMIT = 2048  # Inode objects kept past those in use (the rest are folded: cold_inodes)
 
 
 def _stale() -> OSError:
@@ -170,7 +165,7 @@ class Inode:
                 f"fd={self.cached_fd}{' stale' if self.stale else ''}>")
 
 
-class InodeTable:
+class InodeTable(InodeJournaling):
     """Maps node ids to backing objects and counts the kernel's references.
 
     Args:
@@ -179,10 +174,13 @@ class InodeTable:
         deferred_close: Given when worker threads run syscalls on inode descriptors
             (see :class:`qosfs.passthrough.fdcache.DeferredClose`); evicted descriptors
             close through it.
+        hot_limit: How many inodes not in use stay objects (the latest used) before the
+            rest are folded into :attr:`cold`.
     """
 
     def __init__(self, root_fd: int, fd_budget: int = 4096,
-                 deferred_close: DeferredClose | None = None) -> None:
+                 deferred_close: DeferredClose | None = None,
+                 hot_limit: int = HOT_LIMIT) -> None:
         st = os.fstat(root_fd)
         self.root_dev = st.st_dev
         # open_by_handle_at wants a real (not O_PATH) descriptor on the filesystem.
@@ -190,13 +188,18 @@ class InodeTable:
                                  os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.root = Inode(self, pyfuse3.ROOT_INODE, (st.st_dev, st.st_ino), 1, None, root_fd)
         # By node id, the inodes the kernel holds; by (device, inode number), the live
-        # object's. A takeover fills them (qosfs.passthrough.inode_takeover).
+        # object's. A takeover fills them (qosfs.passthrough.inode_takeover). Those
+        # nothing uses now may be folded into ``cold`` instead (cold_inodes.fold).
         self.by_id: dict[int, Inode] = {pyfuse3.ROOT_INODE: self.root}
         self.by_key: dict[tuple[int, int], Inode] = {self.root.key: self.root}
+        self.cold = ColdInodes()
+        self.hot_limit = hot_limit
+        self.fold_at = hot_limit + min(FOLD_BATCH, hot_limit)  # objects that start a fold
+        self.hot_peak = 0  # the most objects since by_id was last made anew (fold)
         self.next_synthetic = _SYNTHETIC_BASE
         close = deferred_close.retire if deferred_close is not None else os.close
         self._close = close
-        self.cache = FdCache(fd_budget, close, self._evicting)
+        self.cache = FdCache(fd_budget, close, self.evicting)
         self.pinned = 0  # descriptors held for inodes without a handle
         self.reopens = 0  # descriptors reopened from a handle (cache misses)
         # Where the table is written down for a successor after a crash (attach_journal).
@@ -207,7 +210,7 @@ class InodeTable:
                         "the kernel knows (a large tree may exhaust the descriptor limit)")
 
     def __len__(self) -> int:
-        return len(self.by_id)
+        return len(self.by_id) + len(self.cold)
 
     @property
     def fds_held(self) -> int:
@@ -220,11 +223,15 @@ class InodeTable:
         Every request handler starts here, so this is where the descriptor cache is
         trimmed (:meth:`trim`).
         """
-        inode = self.by_id[nodeid]
+        inode = self.by_id.get(nodeid)
+        if inode is None:
+            inode = thaw(self, self.cold.find_id(nodeid), nodeid)
         if inode.stale:
             raise _stale()
         if self.cache.over:
             self.cache.trim()
+        if len(self.by_id) > self.fold_at:
+            fold(self)
         return inode
 
     def trim(self) -> None:
@@ -232,6 +239,24 @@ class InodeTable:
         before it has taken any inode descriptor (:meth:`get` does, for its caller)."""
         if self.cache.over:
             self.cache.trim()
+        if len(self.by_id) > self.fold_at:
+            fold(self)
+
+    # ----------------------------------------------------------------- cold inodes
+
+    def known(self, key: tuple[int, int]) -> Inode | None:
+        """The live inode for a (device, inode number), thawed if it was cold."""
+        inode = self.by_key.get(key)
+        if inode is None:
+            row = self.cold.find_key(*key)
+            if row >= 0:
+                inode = thaw(self, row, self.cold.nodeid(row))
+        return inode
+
+    def thaw_all(self) -> None:
+        """Every cold inode as an object again (a handover exports objects)."""
+        for row in list(self.cold.rows()):
+            thaw(self, row, self.cold.nodeid(row))
 
     @staticmethod
     def resolve(parent_fd: int, name: bytes) -> tuple[int, os.stat_result]:
@@ -247,6 +272,11 @@ class InodeTable:
             os.close(fd)
             raise
 
+    def make(self, nodeid: int, key: tuple[int, int], lookups: int,
+             handle: bytes | None) -> Inode:
+        """A new inode object of this table, without a descriptor (known to no table yet)."""
+        return Inode(self, nodeid, key, lookups, handle, -1)
+
     def adopt(self, fd: int, st: os.stat_result,
               entry: tuple[Inode, bytes] | None = None) -> Inode:
         """Count one kernel reference to the object behind *fd*, taking ownership of *fd*.
@@ -256,7 +286,7 @@ class InodeTable:
         descriptor or is closed. *entry* is the (parent, name) it was looked up as.
         """
         key = (st.st_dev, st.st_ino)
-        inode = self.by_key.get(key)
+        inode = self.known(key)
         handle = None
         due = False
         if inode is not None and not inode.stale:
@@ -292,7 +322,8 @@ class InodeTable:
             else:
                 handle = self._handle_of(fd, st)
         nodeid = st.st_ino if st.st_dev == self.root_dev else 0
-        if nodeid <= pyfuse3.ROOT_INODE or nodeid in self.by_id:
+        if (nodeid <= pyfuse3.ROOT_INODE or nodeid in self.by_id
+                or self.cold.find_id(nodeid) >= 0):
             nodeid = self.next_synthetic
             self.next_synthetic += 1
         inode = Inode(self, nodeid, key, 1, handle, -1)
@@ -311,77 +342,7 @@ class InodeTable:
             self.write_down(inode)
         return inode
 
-    # ----------------------------------------------------------------- journal
-
-    def attach_journal(self, journal: SessionJournal, also: Iterable[Inode] = ()) -> None:
-        """Write the table down in *journal* and keep it written from now on (a new
-        mount's empty table, a successor's imported one, a recovered one, or this one
-        again after a successor that failed replaced the file). *also*: inodes open
-        files and directories hold."""
-        seen: set[int] = set()
-        todo = [*self.by_id.values(), *self.by_key.values(), *also]
-        while todo:  # slots of a previous journal mean nothing in this one
-            inode = todo.pop()
-            if id(inode) in seen:
-                continue
-            seen.add(id(inode))
-            inode.jslot = -1
-            if inode.entry is not None:
-                todo.append(inode.entry[0])
-            if inode.parent is not None:
-                todo.append(inode.parent)
-        self.journal = journal
-        for inode in list(self.by_id.values()):
-            self.write_down(inode)
-
-    def write_down(self, inode: Inode) -> None:
-        """(Re)write *inode*'s record, and first those of the inodes it names."""
-        journal = self.journal
-        if journal is None or inode is self.root:
-            return
-        entry = inode.entry
-        parent = inode.parent
-        try:
-            entry_slot = NO_SLOT if entry is None else self.slot_of(entry[0])
-            parent_slot = NO_SLOT if parent is None else self.slot_of(parent)
-            inode.jslot = journal.put_inode(
-                inode.jslot, inode.nodeid, inode.key[0], inode.key[1], inode.lookups,
-                parent is not None, inode.handle, entry_slot,
-                b"" if entry is None else entry[1], parent_slot, inode.stale)
-        except JournalFull as exc:  # cannot happen with names <= 255 and handles <= 128
-            log.error("inode %d not journaled: %s", inode.nodeid, exc)
-
-    def slot_of(self, inode: Inode) -> int:
-        """*inode*'s journal slot (written down first if need be); ROOT_SLOT for the root."""
-        if inode is self.root:
-            return ROOT_SLOT
-        if inode.jslot < 0:
-            self.write_down(inode)
-        return inode.jslot
-
-    def _journal_known(self, inode: Inode, moved: bool) -> None:
-        """A known inode was looked up again: its count (and where it is, if it moved)."""
-        if inode.jslot >= 0:
-            if moved:
-                self.write_down(inode)
-            else:
-                self.counted(inode)
-
-    def _journal_stale(self, inode: Inode) -> None:
-        """*inode* was let go while the kernel still holds its node id: a successor must
-        answer ESTALE for it too, and never take it for the object now at its (device,
-        inode number) or its name (a number the backing store reused)."""
-        if inode.jslot >= 0:
-            self.write_down(inode)
-
-    def counted(self, inode: Inode) -> None:
-        """*inode*'s lookup count changed: one store into its record."""
-        if inode.jslot >= 0:
-            journal = self.journal
-            if journal is not None:
-                journal.count(inode.jslot, inode.lookups)
-
-    def _evicting(self, entry: CachedFd, fd: int) -> None:
+    def evicting(self, entry: CachedFd, fd: int) -> None:
         """The fd cache is about to close *entry*'s descriptor *fd*: take the file handle
         that was put off at lookup (see the module docstring). If it cannot be taken, the
         inode is reopened by its name, as on a source without handles."""
@@ -449,7 +410,7 @@ class InodeTable:
             st = os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
         except OSError:
             return
-        inode = self.by_key.get((st.st_dev, st.st_ino))
+        inode = self.known((st.st_dev, st.st_ino))
         if inode is None:
             return
         if stat.S_ISDIR(st.st_mode):
@@ -468,7 +429,7 @@ class InodeTable:
         without one (or if it is gone) the answer is ESTALE.
         """
         parent = inode.parent
-        known = self.root if parent is None else self.by_key.get(parent.key)
+        known = self.root if parent is None else self.known(parent.key)
         if known is not None and not known.stale:
             known.lookups += 1
             self.counted(known)
@@ -499,7 +460,7 @@ class InodeTable:
         parent = inode.parent
         if parent is None:
             return self.root.nodeid if inode is self.root else inode.nodeid
-        known = self.by_key.get(parent.key)
+        known = self.known(parent.key)
         return known.nodeid if known is not None else parent.nodeid
 
     def relieve(self) -> bool:
@@ -516,7 +477,7 @@ class InodeTable:
 
     def find(self, st: os.stat_result) -> Inode | None:
         """The known inode for a backing object, if the kernel knows it."""
-        return self.by_key.get((st.st_dev, st.st_ino))
+        return self.known((st.st_dev, st.st_ino))
 
     def release_unlinked(self, inode: Inode) -> None:
         """Let go of a file whose last name is gone and that nobody has open.
@@ -552,7 +513,7 @@ class InodeTable:
         """Drop *count* kernel references; close the descriptor when none remain."""
         inode = self.by_id.get(nodeid)
         if inode is None:
-            log.warning("forget for unknown inode %d", nodeid)
+            forget_cold(self, nodeid, count)
             return
         inode.lookups -= count
         self.counted(inode)
@@ -563,6 +524,9 @@ class InodeTable:
             del self.by_key[inode.key]
         inode.stale = True
         self._let_go(inode)
+        if len(self.by_id) < self.hot_peak >> 3:  # dicts never shrink by deletions
+            self.by_id, self.by_key = dict(self.by_id), dict(self.by_key)
+            self.hot_peak = len(self.by_id)
 
     def close_all(self) -> None:
         """Close every descriptor (after unmount, when the kernel will send no more forgets)."""
@@ -577,15 +541,7 @@ class InodeTable:
             self._mount_fd = -1
         self.by_id = {pyfuse3.ROOT_INODE: self.root}
         self.by_key = {self.root.key: self.root}
-
-
-def default_fd_budget() -> int:
-    """How many inode descriptors to cache: a quarter of the descriptor limit, so that
-    open files, directory listings and sockets keep the other three quarters."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return MAX_FD_BUDGET
-    return max(MIN_FD_BUDGET, min(MAX_FD_BUDGET, soft // 4))
+        self.cold = ColdInodes()  # no descriptors; their journal ends with the mount
 
 
 def _handles_usable(mount_fd: int) -> tuple[int, bool]:

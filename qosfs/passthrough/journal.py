@@ -18,9 +18,15 @@ written down as they change, here:
 The journal is a file in ``/run/qosfs`` (memory: it must outlive the process, not the
 machine, whose reboot ends the mount anyway) mapped shared into the daemon: a record is a
 fixed-size slot written with one ``struct.pack_into`` into the mapping, no system call,
-and a kill loses nothing written (the page is the file's). Slots are reused through a free
-list, so the file never needs compacting; its size follows the largest number of inodes
-known at once (512 bytes each).
+and a kill loses nothing written (the page is the file's). A slot is 96 bytes, which holds
+an inode's record with a file handle or a name of up to 36 bytes; a longer record takes
+as many slots in a row as it needs (a span: at most 512 bytes, as before), and a reader
+skips the rest of a span once its first slot is valid. A record rewritten longer than
+its span moves to a new one and names the slot it stands for (other records name that
+slot, which stays reserved for its lookup count). Slots are reused through free lists,
+so the file never needs compacting; when the last slots in use are
+freed (the kernel forgot its inodes), the pages past them are given back to ``/run``
+(``MADV_REMOVE``). The file costs ~100 bytes per inode known at once (512 before 04).
 
 Torn records: a slot is valid only if its checksum (xxh32 of its body) matches, and the
 checksum is written after the body; a record torn by a kill is ignored, and the request
@@ -47,12 +53,13 @@ charge restarts from where it stood at open).
 
 from __future__ import annotations
 
+import array
 import json
 import marshal
 import mmap
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,12 +67,19 @@ import xxhash
 
 from qosfs.passthrough.intents import RING_SIZE, IntentRing, read_ring
 
-MAGIC = b"QOSFSJ03"  # 03: the intent ring follows the scratch slot
-_MAGIC_BEFORE_RING = b"QOSFSJ02"  # read too (a crash of the versions before this one):
-_MAGIC_BEFORE_SCRATCH = b"QOSFSJ01"  # no intents, records from slot 1 (02) or 0 (01)
+MAGIC = b"QOSFSJ04"  # 04: 96-byte slots, a longer record spans several
+# Read too (a crash of the versions before this one), with 512-byte slots: the intent
+# ring after the scratch slot (03); no intents, records from slot 1 (02) or 0 (01).
+_MAGIC_512 = b"QOSFSJ03"
+_MAGIC_BEFORE_RING = b"QOSFSJ02"
+_MAGIC_BEFORE_SCRATCH = b"QOSFSJ01"
 HEADER_SIZE = 4096
-SLOT_SIZE = 512
-_INITIAL_SLOTS = 8192  # 4 MiB of address space; the file is sparse until used
+SLOT_SIZE = 96
+_OLD_SLOT_SIZE = 512
+MAX_RECORD = 512  # the longest record, its span included (a name of 255, a handle of 128)
+_INITIAL_SLOTS = 16384  # 1.5 MiB of address space; the file is sparse until used
+_PAGE = mmap.PAGESIZE
+_GIVE_BACK = 64 * _PAGE  # pages freed at the end of the slots in use, given back at once
 
 # Header: magic, slot size, next fh (an aligned 8-byte store per open), then the session
 # state as JSON (written once, after INIT).
@@ -80,17 +94,28 @@ _LOOKUPS = struct.Struct("<Q")
 _CHECK = struct.Struct("<I")
 _BODY = struct.Struct("<BBHHHiiQQQQ")
 _BODY_AT = 12
+_LENGTHS = struct.Struct("<BBHH")  # the body's first fields: kind, flags, name, handle
 _VAR_AT = _BODY_AT + _BODY.size
-_VAR_ROOM = SLOT_SIZE - _VAR_AT
+_VAR_ROOM = MAX_RECORD - _VAR_AT
 
 INODE, FILE, DIR = 1, 2, 3
 IS_DIR = 1
 STALE = 2  # let go of (unlinked, or replaced underneath): its node id answers ESTALE
 ROOT_SLOT = -2  # a reference to the mount's root (never journaled: it is the source)
 NO_SLOT = -1
-_SCRATCH = 0  # the slot a rewrite goes to first (its lookups field names the target)
-_RING_AT = HEADER_SIZE + (_SCRATCH + 1) * SLOT_SIZE  # the intent ring, in place of slots
-FIRST_SLOT = _SCRATCH + 1 + RING_SIZE // SLOT_SIZE  # the first record's
+_SCRATCH = 0  # the span a rewrite goes to first (its lookups field names the target)
+_SCRATCH_SLOTS = -(-MAX_RECORD // SLOT_SIZE)  # room for the longest record
+_RING_AT = HEADER_SIZE + _SCRATCH_SLOTS * SLOT_SIZE  # the intent ring, in place of slots
+FIRST_SLOT = _SCRATCH_SLOTS + -(-RING_SIZE // SLOT_SIZE)  # the first record's
+# Where the versions with 512-byte slots (03, 02, 01) put their ring and first record.
+_OLD_RING_AT = HEADER_SIZE + _OLD_SLOT_SIZE
+_OLD_FIRST = {_MAGIC_512: 1 + RING_SIZE // _OLD_SLOT_SIZE, _MAGIC_BEFORE_RING: 1,
+              _MAGIC_BEFORE_SCRATCH: 0}
+
+
+def span_of(room: int) -> int:
+    """How many slots a record with *room* bytes of name, handle and extra takes."""
+    return -(-(_VAR_AT + room) // SLOT_SIZE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +142,14 @@ class Record:
 
 
 class JournalFull(Exception):
-    """A record does not fit a slot (a name and handle longer than any seen in practice)."""
+    """A record does not fit a span (a name and handle longer than any seen in practice)."""
+
+
+def _fits(room: int) -> int:
+    """The span of a record with *room* variable bytes; JournalFull past MAX_RECORD."""
+    if room > _VAR_ROOM:
+        raise JournalFull(f"a record of {room} bytes (at most {_VAR_ROOM})")
+    return span_of(room)
 
 
 class SessionJournal:
@@ -139,22 +171,38 @@ class SessionJournal:
         finally:
             os.close(fd)
         _HEAD.pack_into(self._map, 0, MAGIC, SLOT_SIZE, 1, 0)
-        self._free: list[int] = []
+        # Per slot: its span if a record starts there, 255 if a span covers it, 0 free.
+        self._spans = bytearray(self._capacity)
+        # Freed slots by span (1: most), lowest last; an entry is checked against _spans
+        # when taken (a slot the end gave back and handed out again is still listed).
+        self._free: dict[int, list[int]] = {}
+        self._free_one = array.array("i")
+        self._home: dict[int, int] = {}  # a slot whose record moved -> where it is now
         self._high = FIRST_SLOT  # slots below this have been handed out at least once
+        self._touched = FIRST_SLOT  # slots below this may hold pages (given back: _high)
         self.intents = IntentRing(self._map, _RING_AT)
         self.used = 0
+        self.ending: Callable[[bool], None] | None = None  # told at close (its reader)
         os.rename(tmp, path)  # whole or not at all: a reader never sees a half header
 
     # ------------------------------------------------------------------ slots
 
-    def _take(self) -> int:
-        if self._free:
-            slot = self._free.pop()
+    def _take(self, span: int = 1) -> int:
+        spans = self._spans
+        stack = self._free_one if span == 1 else self._free.get(span)
+        while stack:
+            slot = stack.pop()
+            if slot + span <= self._high and not any(spans[slot:slot + span]):
+                break
         else:
             slot = self._high
-            if slot == self._capacity:
+            while slot + span > self._capacity:
                 self._grow()
-            self._high = slot + 1
+            self._high = slot + span
+            self._touched = max(self._touched, self._high)
+        spans[slot] = span
+        if span > 1:
+            spans[slot + 1:slot + span] = b"\xff" * (span - 1)
         self.used += 1
         return slot
 
@@ -162,21 +210,56 @@ class SessionJournal:
         """Double the file (mremap: the mapping keeps its contents)."""
         self._capacity *= 2
         self._map.resize(HEADER_SIZE + self._capacity * SLOT_SIZE)
+        self._spans.extend(bytes(len(self._spans)))
 
     def free(self, slot: int) -> None:
         """The record in *slot* is gone (its checksum is cleared: never valid again)."""
         if self._map.closed:
             return
-        _CHECK.pack_into(self._map, HEADER_SIZE + slot * SLOT_SIZE + 8, 0)
-        self._free.append(slot)
+        moved = self._home.pop(slot, None)
+        if moved is not None:
+            self._release(moved)
+        self._release(slot)
         self.used -= 1
+
+    def _release(self, slot: int) -> None:
+        m, spans = self._map, self._spans
+        span = spans[slot]
+        for at in range(slot, slot + span):  # no piece of it may pass for a record
+            _CHECK.pack_into(m, HEADER_SIZE + at * SLOT_SIZE + 8, 0)
+        spans[slot:slot + span] = bytes(span)
+        if slot + span < self._high:
+            if span == 1:
+                self._free_one.append(slot)
+            else:
+                self._free.setdefault(span, []).append(slot)
+            return
+        high = slot  # the last slots in use: the end comes down
+        while high > FIRST_SLOT and not spans[high - 1]:
+            high -= 1
+        self._high = high
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """Return the pages past the slots in use to the file system (``/run``'s memory)."""
+        start = -(-(HEADER_SIZE + self._high * SLOT_SIZE) // _PAGE) * _PAGE
+        end = HEADER_SIZE + self._touched * SLOT_SIZE
+        if end - start < _GIVE_BACK and self._high > FIRST_SLOT:
+            return
+        if end > start:
+            self._map.madvise(mmap.MADV_REMOVE, start, -(-(end - start) // _PAGE) * _PAGE)
+        self._touched = self._high
+        # Slots past the end are listed free no longer (they would be skipped anyway).
+        high, spans = self._high, self._spans
+        self._free_one = array.array("i", (s for s in self._free_one
+                                           if s < high and not spans[s]))
+        for span, stack in self._free.items():
+            stack[:] = [s for s in stack if s + span <= high and not spans[s]]
 
     def _write(self, slot: int, kind: int, flags: int, entry_slot: int, parent_slot: int,
                nodeid: int, dev: int, ino: int, aux: int, name: bytes, handle: bytes,
                extra: bytes) -> None:
         room = len(name) + len(handle) + len(extra)
-        if room > _VAR_ROOM:
-            raise JournalFull(f"a record of {room} bytes (at most {_VAR_ROOM})")
         at = HEADER_SIZE + slot * SLOT_SIZE
         m = self._map
         _CHECK.pack_into(m, at + 8, 0)  # invalid while the body changes
@@ -194,8 +277,9 @@ class SessionJournal:
         """Write an inode's record (in *slot*, or a new one if it is -1); returns the slot."""
         flags = (IS_DIR if is_dir else 0) | (STALE if stale else 0)
         handle = handle or b""
+        span = _fits(len(name) + len(handle))
         if slot < 0:
-            slot = self._take()
+            slot = self._take(span)
             self.count(slot, lookups)
             self._write(slot, INODE, flags, entry_slot, parent_slot, nodeid, dev, ino, 0,
                         name, handle, b"")
@@ -207,10 +291,37 @@ class SessionJournal:
         self._write(_SCRATCH, INODE, flags, entry_slot, parent_slot, nodeid, dev, ino, 0,
                     name, handle, b"")
         self.count(slot, lookups)
-        self._write(slot, INODE, flags, entry_slot, parent_slot, nodeid, dev, ino, 0, name,
-                    handle, b"")
+        at = self._home.get(slot, slot)  # where its bytes are (moved: elsewhere)
+        room = self._spans[at]
+        if span > room:
+            # Longer than its span (renamed to a longer name): the record moves to a new
+            # span and says which slot it stands for (aux), as other records name that
+            # slot, and the slot itself stays reserved for its lookup count.
+            moved = self._take(span)
+            self.used -= 1
+            self._write(moved, INODE, flags, entry_slot, parent_slot, nodeid, dev, ino,
+                        slot + 1, name, handle, b"")
+            if at != slot:
+                self._release(at)
+            else:
+                _CHECK.pack_into(self._map, HEADER_SIZE + at * SLOT_SIZE + 8, 0)
+            self._home[slot] = moved
+        else:
+            self._write(at, INODE, flags, entry_slot, parent_slot, nodeid, dev, ino,
+                        0 if at == slot else slot + 1, name, handle, b"")
+            for rest in range(at + span, at + room):  # what the longer one left
+                _CHECK.pack_into(self._map, HEADER_SIZE + rest * SLOT_SIZE + 8, 0)
         _CHECK.pack_into(self._map, scratch + 8, 0)
         return slot
+
+    def name_and_handle(self, slot: int) -> tuple[bytes, bytes]:
+        """The name and file handle the inode record of *slot* holds (a cold inode keeps
+        them only here: :mod:`qosfs.passthrough.cold_inodes`)."""
+        at = HEADER_SIZE + self._home.get(slot, slot) * SLOT_SIZE
+        _, _, name_len, handle_len = _LENGTHS.unpack_from(self._map, at + _BODY_AT)
+        var = at + _VAR_AT
+        return (self._map[var:var + name_len],
+                self._map[var + name_len:var + name_len + handle_len])
 
     def count(self, slot: int, lookups: int) -> None:
         """The kernel's lookup count of the inode in *slot* (one aligned 8-byte store)."""
@@ -220,12 +331,13 @@ class SessionJournal:
         """Write an open file's record (:meth:`qosfs.passthrough.handle_table.OpenRecord.
         save`'s tuple: its fh, inode slot and flags go to the slot's own fields, the rest
         after them); returns its slot (free it at release)."""
-        slot = self._take()
+        extra = marshal.dumps(saved[3:])
+        slot = self._take(_fits(len(extra)))
         # marshal, not JSON: 10x cheaper per open (json.dumps with separators builds an
         # encoder per call), and the reader is this same Python (a journal another one
         # cannot read is refused whole: the connection is let go, never misread).
         self._write(slot, FILE, 0, saved[1], NO_SLOT, saved[0], 0, 0, saved[2], b"", b"",
-                    marshal.dumps(saved[3:]))
+                    extra)
         return slot
 
     def put_dir(self, fh: int, inode_slot: int, owner: int) -> int:
@@ -247,8 +359,17 @@ class SessionJournal:
         self._map[_STATE_AT:_STATE_AT + len(data)] = data
         struct.pack_into("<I", self._map, 24, len(data))
 
+    @property
+    def closed(self) -> bool:
+        return self._map.closed
+
     def close(self, remove: bool) -> None:
-        """Unmap; *remove* the file too (the mount is gone: nothing to recover)."""
+        """Unmap; *remove* the file too (the mount is gone: nothing to recover). Tells
+        ``ending`` first, with *remove*, while the records can still be read (cold inodes
+        keep their names and handles only here: :mod:`qosfs.passthrough.cold_inodes`)."""
+        if self.ending is not None and not self._map.closed:
+            self.ending(remove)
+            self.ending = None
         if not self._map.closed:
             self._map.close()
         if remove:
@@ -276,26 +397,30 @@ class JournalError(Exception):
     """The file is not a journal this version reads."""
 
 
-def _record_at(path: str, data: memoryview, at_slot: int, slot: int) -> Record | None:
+def _record_at(path: str, data: memoryview, at_slot: int, slot: int,
+               slot_size: int) -> Record | None:
     """The record in slot *at_slot*, as the record of *slot* (its lookup count is that
-    slot's), or None if the slot holds no valid one."""
-    at = HEADER_SIZE + at_slot * SLOT_SIZE
+    slot's; -1: of the slot it says it stands for, if it moved, else *at_slot*), or None
+    if the slot holds no valid one."""
+    at = HEADER_SIZE + at_slot * slot_size
     (check,) = _CHECK.unpack_from(data, at + 8)
     if not check:
         return None
     (kind, flags, name_len, handle_len, extra_len, entry_slot, parent_slot, nodeid, dev,
      ino, aux) = _BODY.unpack_from(data, at + _BODY_AT)
     room = name_len + handle_len + extra_len
-    if not kind or room > _VAR_ROOM:
-        return None
     end = at + _VAR_AT + room
+    if not kind or room > _VAR_ROOM or end > len(data):
+        return None
     if (xxhash.xxh32_intdigest(data[at + _BODY_AT:end]) or 1) != check:
         return None  # torn by the kill: its request was never answered
+    if slot < 0:
+        slot, aux = (aux - 1, 0) if kind == INODE and aux else (at_slot, aux)
     var = at + _VAR_AT
     name = bytes(data[var:var + name_len])
     handle = bytes(data[var + name_len:var + name_len + handle_len])
     extra_raw = bytes(data[var + name_len + handle_len:end])
-    (lookups,) = _LOOKUPS.unpack_from(data, HEADER_SIZE + slot * SLOT_SIZE)
+    (lookups,) = _LOOKUPS.unpack_from(data, HEADER_SIZE + slot * slot_size)
     try:
         extra = marshal.loads(extra_raw) if extra_raw else ()
     except (EOFError, ValueError, TypeError):
@@ -305,6 +430,11 @@ def _record_at(path: str, data: memoryview, at_slot: int, slot: int) -> Record |
                   aux, name, handle, extra)
 
 
+def _extra_len(data: memoryview, slot: int) -> int:
+    (length,) = struct.unpack_from("<H", data, HEADER_SIZE + slot * SLOT_SIZE + _BODY_AT + 6)
+    return int(length)
+
+
 def read_journal(path: str) -> Journal:
     """Read the journal at *path* (a dead daemon's); JournalError if it is none."""
     with open(path, "rb") as f:
@@ -312,26 +442,33 @@ def read_journal(path: str) -> Journal:
     if len(data) < HEADER_SIZE:
         raise JournalError(f"{path}: {len(data)} bytes, no journal")
     magic, slot_size, next_fh, state_len = _HEAD.unpack_from(data, 0)
-    if magic not in (MAGIC, _MAGIC_BEFORE_RING, _MAGIC_BEFORE_SCRATCH) \
-            or slot_size != SLOT_SIZE:
+    if (magic, slot_size) != (MAGIC, SLOT_SIZE) and (
+            magic not in _OLD_FIRST or slot_size != _OLD_SLOT_SIZE):
         raise JournalError(f"{path}: not a qosfs session journal of this version")
     scratch = None if magic == _MAGIC_BEFORE_SCRATCH else _SCRATCH
-    first = {MAGIC: FIRST_SLOT, _MAGIC_BEFORE_RING: _SCRATCH + 1}.get(magic, 0)
-    ring = data[_RING_AT:_RING_AT + RING_SIZE] if magic == MAGIC else b""
+    first = FIRST_SLOT if magic == MAGIC else _OLD_FIRST[magic]
+    ring_at = {MAGIC: _RING_AT, _MAGIC_512: _OLD_RING_AT}.get(magic)
+    ring = data[ring_at:ring_at + RING_SIZE] if ring_at is not None else b""
     if not state_len:
         raise JournalError(f"{path}: the session was never initialised")
     session = json.loads(data[_STATE_AT:_STATE_AT + state_len])
     records: dict[int, Record] = {}
     view = memoryview(data)
-    slots = (len(data) - HEADER_SIZE) // SLOT_SIZE
-    for slot in range(first, slots):
-        record = _record_at(path, view, slot, slot)
-        if record is not None:
-            records[slot] = record
+    slots = (len(data) - HEADER_SIZE) // slot_size
+    slot = first
+    while slot < slots:
+        record = _record_at(path, view, slot, -1 if magic == MAGIC else slot, slot_size)
+        if record is None:
+            slot += 1
+            continue
+        records[record.slot] = record
+        # The rest of its span holds its bytes, not records (one slot of 512 before 04).
+        slot += 1 if magic != MAGIC else span_of(
+            len(record.name) + len(record.handle) + _extra_len(view, slot))
     if scratch is not None:
-        (target,) = _LOOKUPS.unpack_from(data, HEADER_SIZE + scratch * SLOT_SIZE)
+        (target,) = _LOOKUPS.unpack_from(data, HEADER_SIZE + scratch * slot_size)
         if first <= target < slots:  # a rewrite the kill interrupted: the new one wins
-            rewritten = _record_at(path, view, scratch, target)
+            rewritten = _record_at(path, view, scratch, target, slot_size)
             if rewritten is not None:
                 records[target] = rewritten
     return Journal(session, next_fh, records, ring, read_ring(ring))

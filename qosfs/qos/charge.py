@@ -70,6 +70,11 @@ class InodeCharge:
         self.unnamed_bytes = 0
         self.unnamed_flow: Flow | None = None
 
+    @property
+    def settled(self) -> bool:
+        """Nothing but the memo is kept: the inode may drop it (a cold inode does)."""
+        return self.unnamed_flow is None and not self.unnamed_bytes
+
 
 def inode_charge(node: Classified) -> InodeCharge:
     """*node*'s :class:`InodeCharge`, made at first use."""

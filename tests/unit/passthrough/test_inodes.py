@@ -14,8 +14,10 @@ from pathlib import Path
 import pyfuse3
 import pytest
 
+from qosfs.passthrough import fdcache as fdcache_module
 from qosfs.passthrough import inodes as inodes_module
-from qosfs.passthrough.inodes import Inode, InodeTable, default_fd_budget
+from qosfs.passthrough.fdcache import default_fd_budget
+from qosfs.passthrough.inodes import Inode, InodeTable
 from tests.inprocess_fs import open_fds
 
 BUDGET = 8  # the cache's smallest capacity
@@ -272,8 +274,8 @@ def test_an_unlinked_file_nobody_has_open_is_let_go_at_once(tree: Tree) -> None:
 
 
 @pytest.mark.parametrize(("soft", "budget"), [
-    (1024, 256), (100, inodes_module.MIN_FD_BUDGET), (10**7, inodes_module.MAX_FD_BUDGET),
-    (resource.RLIM_INFINITY, inodes_module.MAX_FD_BUDGET),
+    (1024, 256), (100, fdcache_module.MIN_FD_BUDGET), (10**7, fdcache_module.MAX_FD_BUDGET),
+    (resource.RLIM_INFINITY, fdcache_module.MAX_FD_BUDGET),
 ])
 def test_the_default_budget_is_a_quarter_of_the_descriptor_limit_within_bounds(
         monkeypatch: pytest.MonkeyPatch, soft: int, budget: int) -> None:

@@ -6,6 +6,7 @@ a resent request. The last test prints what recording costs per operation."""
 from __future__ import annotations
 
 import errno
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,15 +177,15 @@ def test_a_journal_of_the_version_before_the_ring_is_read(tmp_path: Path) -> Non
     j.session(SESSION)
     slot = j.put_inode(-1, 5, 1, 5, 1, False, None, -2, b"x", -1)
     j.close(remove=False)
-    with open(j.path, "r+b") as f:
-        data = bytearray(f.read())
-        record = data[HEADER_SIZE + slot * SLOT_SIZE:HEADER_SIZE + (slot + 1) * SLOT_SIZE]
-        data[HEADER_SIZE + SLOT_SIZE:HEADER_SIZE + 2 * SLOT_SIZE] = record
-        data[HEADER_SIZE + slot * SLOT_SIZE:HEADER_SIZE + (slot + 1) * SLOT_SIZE] = \
-            bytes(SLOT_SIZE)
-        data[:8] = b"QOSFSJ02"
-        f.seek(0)
-        f.write(data)
+    old = 512  # that version's slot size
+    with open(j.path, "rb") as f:
+        data = f.read()
+    record = data[HEADER_SIZE + slot * SLOT_SIZE:HEADER_SIZE + (slot + 1) * SLOT_SIZE]
+    forged = bytearray(data[:HEADER_SIZE] + bytes(2 * old))
+    forged[HEADER_SIZE + old:HEADER_SIZE + old + SLOT_SIZE] = record
+    forged[:8] = b"QOSFSJ02"
+    forged[8:12] = struct.pack("<I", old)
+    Path(j.path).write_bytes(forged)
     back = read_journal(j.path)
     assert set(back.records) == {1} and back.records[1].name == b"x"
     assert back.outcomes == {} and back.ring == b""

@@ -160,19 +160,88 @@ def test_a_record_rewritten_in_place_is_never_lost_to_a_kill(
             back[node].entry_slot) == (expected, 11, 5, parent)
 
 
-def test_a_journal_of_the_version_before_the_scratch_slot_is_read(
-        journal: SessionJournal) -> None:
-    """A daemon of the previous version that crashed left records from slot 0 up and no
-    scratch: its successor of this version takes its mount over all the same."""
-    first = put_node(journal, 10, lookups=7, name=b"a", entry=ROOT_SLOT)
-    poke(journal.path, 0, b"QOSFSJ01")
-    # As that version wrote it: this record in slot 0, whose lookup count is no target.
+def as_version(journal: SessionJournal, magic: bytes, slots: list[int]) -> list[int]:
+    """Rewrite *journal*'s file as a daemon of a version with 512-byte slots wrote it:
+    the records of *slots* one to a slot from that version's first one (the intent ring
+    after the scratch slot for 03). Returns their slots there."""
+    old = 512
+    first = {b"QOSFSJ03": 1 + journal_module.RING_SIZE // old, b"QOSFSJ02": 1,
+             b"QOSFSJ01": 0}[magic]
     with open(journal.path, "rb") as f:
-        record = f.read()[slot_at(first):slot_at(first) + SLOT_SIZE]
-    poke(journal.path, slot_at(0), record)
-    poke(journal.path, slot_at(first), b"\0" * SLOT_SIZE)
+        data = f.read()
+    out = bytearray(data[:HEADER_SIZE] + bytes((first + len(slots)) * old))
+    out[0:8] = magic
+    out[8:12] = struct.pack("<I", old)
+    for i, slot in enumerate(slots):
+        at = HEADER_SIZE + (first + i) * old
+        out[at:at + old] = data[slot_at(slot):slot_at(slot) + old]
+    Path(journal.path).write_bytes(out)
+    return [first + i for i in range(len(slots))]
+
+
+@pytest.mark.parametrize("magic", [b"QOSFSJ01", b"QOSFSJ02", b"QOSFSJ03"])
+def test_a_journal_of_a_version_with_512_byte_slots_is_read(
+        journal: SessionJournal, magic: bytes) -> None:
+    """A daemon of a previous version that crashed left its records one to a 512-byte
+    slot: its successor of this version takes its mount over all the same."""
+    d = put_node(journal, 10, lookups=7, handle=b"h" * 16, parent=ROOT_SLOT, is_dir=True)
+    f = put_node(journal, 11, lookups=2, name=b"n" * 200, entry=d)  # a span of 3 here
+    journal.next_fh(9)
+    new_d, new_f = as_version(journal, magic, [d, f])
+    back = read_journal(journal.path)
+    assert set(back.records) == {new_d, new_f} and back.next_fh == 9
+    assert (back.records[new_d].handle, back.records[new_d].lookups) == (b"h" * 16, 7)
+    assert (back.records[new_f].name, back.records[new_f].lookups) == (b"n" * 200, 2)
+
+
+def test_records_longer_than_a_slot_span_several_and_read_back(
+        journal: SessionJournal) -> None:
+    short = put_node(journal, 10, name=b"a", entry=ROOT_SLOT)
+    long = put_node(journal, 11, name=b"b" * 255, handle=b"h" * 128, entry=ROOT_SLOT)
+    after = put_node(journal, 12, name=b"c", entry=ROOT_SLOT)
+    assert after - long == journal_module.span_of(255 + 128) > 1
     back = read_journal(journal.path).records
-    assert set(back) == {0} and (back[0].name, back[0].lookups) == (b"a", 7)
+    assert set(back) == {short, long, after}
+    assert (back[long].name, back[long].handle) == (b"b" * 255, b"h" * 128)
+    journal.free(long)
+    assert set(read_journal(journal.path).records) == {short, after}
+    reused = put_node(journal, 13, name=b"d" * 255, handle=b"g" * 128, entry=ROOT_SLOT)
+    assert reused == long  # a freed span of the same length is taken again
+    assert read_journal(journal.path).records[reused].name == b"d" * 255
+
+
+def test_a_record_renamed_longer_than_its_span_moves_and_keeps_its_slot(
+        journal: SessionJournal) -> None:
+    """Other records (children, open files) name an inode's slot: a rename that no
+    longer fits moves the bytes, never the slot, and the lookup count stays there."""
+    node = put_node(journal, 11, lookups=3, name=b"short", entry=ROOT_SLOT)
+    blocker = put_node(journal, 12, name=b"next", entry=ROOT_SLOT)
+    opened = journal.put_file((5, node, os.O_RDONLY))
+    assert put_node(journal, 11, lookups=3, name=b"x" * 250, entry=ROOT_SLOT,
+                    slot=node) == node
+    journal.count(node, 4)
+    back = read_journal(journal.path).records
+    assert set(back) == {node, blocker, opened}
+    assert (back[node].name, back[node].lookups, back[node].nodeid) == (b"x" * 250, 4, 11)
+    assert back[opened].entry_slot == node
+    put_node(journal, 11, lookups=4, name=b"y", entry=ROOT_SLOT, slot=node)  # shorter again
+    back = read_journal(journal.path).records
+    assert set(back) == {node, blocker, opened} and back[node].name == b"y"
+    journal.free(node)
+    assert set(read_journal(journal.path).records) == {blocker, opened}
+    assert journal.used == 2
+
+
+def test_freeing_the_last_records_gives_their_pages_back(journal: SessionJournal) -> None:
+    slots = [put_node(journal, 1000 + i, name=b"n%d" % i, entry=ROOT_SLOT)
+             for i in range(20000)]
+    grown = os.stat(journal.path).st_blocks
+    for slot in slots:
+        journal.free(slot)
+    assert journal.used == 0
+    assert os.stat(journal.path).st_blocks * 512 < (grown * 512) // 10
+    assert put_node(journal, 7, name=b"again", entry=ROOT_SLOT) == slots[0]
+    assert read_journal(journal.path).records[slots[0]].name == b"again"
 
 
 def test_the_lookup_count_changes_without_invalidating_the_record(
@@ -207,7 +276,7 @@ def test_an_oversize_record_is_refused_and_writes_nothing(journal: SessionJourna
     with pytest.raises(JournalFull):
         put_node(journal, 10, handle=b"h" * 128, name=b"n" * 400, entry=ROOT_SLOT)
     with pytest.raises(JournalFull):
-        journal.put_file((3, ROOT_SLOT, 0, "x" * SLOT_SIZE))
+        journal.put_file((3, ROOT_SLOT, 0, "x" * journal_module.MAX_RECORD))
     with pytest.raises(JournalFull):
         journal.session({"source": "s" * HEADER_SIZE})
     longest = put_node(journal, 11, handle=b"h" * 128, name=b"n" * 255, entry=ROOT_SLOT)

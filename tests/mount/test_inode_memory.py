@@ -1,0 +1,140 @@
+"""Memory per inode the kernel holds: a stat of every file of a big tree through the mount
+costs the daemon at most 300 bytes per inode (its RSS plus its crash journal in the
+socket's directory, /run for a real mount), and the kernel forgetting them gives the
+memory back. Before the compact tables it was ~1,170 bytes, and none came back."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from qosfs.control.ctl import Client
+from qosfs.daemon.takeover.keeper import journal_path
+from tests.mounting import QosfsMount
+from tests.waiting import wait_for
+
+pytestmark = [pytest.mark.mount, pytest.mark.root]
+
+POLICY = """
+[classes.datasets]
+paths = ["data/**"]
+priority = "high"
+"""
+PER_INODE = 300  # bytes: the issue's bound (the tables before it: ~1,170)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The daemon's resident memory, its journal's share of it, and the journal's size."""
+
+    rss: int
+    journal_rss: int  # the journal's pages mapped in the daemon (also counted in /run)
+    journal_size: int  # what the journal holds of /run (its blocks)
+
+    @property
+    def total(self) -> int:
+        """RSS plus /run, the journal's pages counted once (they are the same pages)."""
+        return self.rss - self.journal_rss + self.journal_size
+
+
+def memory(pid: int, journal: str) -> Memory:
+    rss = journal_rss = 0
+    mapping = ""
+    with open(f"/proc/{pid}/smaps", encoding="utf-8") as f:
+        for line in f:
+            field = line.split()
+            if not field[0].endswith(":"):
+                mapping = field[5] if len(field) > 5 else ""
+            elif field[0] == "Rss:":
+                rss += int(field[1]) * 1024
+                if mapping == journal:
+                    journal_rss += int(field[1]) * 1024
+    return Memory(rss, journal_rss, os.stat(journal).st_blocks * 512)
+
+
+def make_files(data: Path, dirs: int, per_dir: int) -> list[str]:
+    """Empty files, made on the backing tree directly (fast); their names."""
+    names = []
+    for d in range(dirs):
+        sub = data / f"d{d:04d}"
+        sub.mkdir(parents=True)
+        fd = os.open(sub, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for i in range(per_dir):
+                os.mknod(f"f{i:06d}", 0o644, dir_fd=fd)
+        finally:
+            os.close(fd)
+        names += [f"d{d:04d}/f{i:06d}" for i in range(per_dir)]
+    return names
+
+
+def inodes_known(sock: Path) -> int:
+    with Client(str(sock)) as client:
+        return int(client.request({"cmd": "status"})["inodes"])
+
+
+def settled(pid: int, journal: str) -> Memory:
+    """The daemon's memory once it stops changing (a forget batch may be in flight)."""
+    last = memory(pid, journal)
+    for _ in range(20):
+        time.sleep(0.25)
+        now = memory(pid, journal)
+        if abs(now.rss - last.rss) < 64 * 1024:
+            return now
+        last = now
+    return last
+
+
+def stat_and_forget(tmp_tree: Path, dirs: int, per_dir: int) -> dict[str, float]:
+    src, mnt, run = tmp_tree / "src", tmp_tree / "mnt", tmp_tree / "run"
+    for d in (src, mnt, run):
+        d.mkdir(mode=0o755)
+    names = make_files(src / "data", dirs, per_dir)
+    policy = tmp_tree / "policy.toml"
+    policy.write_text(POLICY)
+    sock = run / "ctl.sock"
+    with QosfsMount(src, mnt, "--policy", str(policy), "--socket", str(sock)) as m:
+        assert m.proc is not None
+        pid, journal = m.proc.pid, journal_path(str(sock))
+        data = mnt / "data"
+        os.stat(data / names[0])  # the daemon's one-time costs come before the start
+        start = settled(pid, journal)
+        for name in names:
+            os.stat(data / name)
+        assert inodes_known(sock) >= len(names)  # the kernel holds them all
+        held = settled(pid, journal)
+        subprocess.run(["sh", "-c", "echo 2 > /proc/sys/vm/drop_caches"], check=True)
+        wait_for("the kernel to forget the files", lambda: inodes_known(sock),
+                 until=lambda known: known < 100, timeout=60, interval=0.25)
+        forgot = settled(pid, journal)
+    return {"per_inode": (held.total - start.total) / len(names),
+            "per_inode_rss": (held.rss - start.rss) / len(names),
+            "start_mib": start.rss / 2**20, "held_mib": held.rss / 2**20,
+            "forgot_mib": forgot.rss / 2**20,
+            "run_after_forget_mib": forgot.journal_size / 2**20}
+
+
+def test_stat_of_many_files_costs_little_memory_per_inode(tmp_tree: Path) -> None:
+    figures = stat_and_forget(tmp_tree, 60, 1000)
+    print(figures)
+    assert figures["per_inode"] <= PER_INODE, figures
+
+
+@pytest.mark.slow
+def test_200000_inodes_cost_at_most_300_bytes_each_and_come_back_after_forget(
+        tmp_tree: Path) -> None:
+    """The issue's acceptance: 200,000 files stat'ed; RSS back near its start once the
+    kernel forgot them. What does not come back is the allocator's: CPython keeps an
+    arena (1 MiB) while any small object lives in it, and a few that outlive the walk
+    (counters, caches) keep ~6 MiB, whatever the number of inodes (100,000 leave as
+    much): allowed on top of the 10%."""
+    figures = stat_and_forget(tmp_tree, 200, 1000)
+    print(figures)
+    assert figures["per_inode"] <= PER_INODE, figures
+    assert figures["forgot_mib"] <= 1.10 * figures["start_mib"] + 8, figures
+    assert figures["run_after_forget_mib"] < 1, figures  # the journal's pages too
