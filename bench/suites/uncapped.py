@@ -37,7 +37,7 @@ from bench.core.fio import FioError, run_job
 from bench.core.system import REPO, BenchError, describe_disk, drop_caches, wait_quiet
 from bench.core.tables import Plots, Rows, ratio, table, verdict
 from bench.core.typed import Record
-from qosfs.control.ctl import Client
+from qosfs.control.ctl import call
 
 JOB = REPO / "bench" / "jobs" / "generic-read.fio"
 FILE = "misc/fio-test.bin"
@@ -99,14 +99,12 @@ def _fio(run: Run, root: Path, shape: tuple[str, str, str, int, int], size_mib: 
 
 
 def _class_read_bytes(socket: str, cls: str = "default") -> int:
-    with Client(socket) as client:
-        stats = client.request({"cmd": "stats"})
+    stats = call(socket, {"cmd": "stats"})
     return sum(int(a["read_bytes"]) for a in stats["accounts"] if a["class"] == cls)
 
 
 def _counting(socket: str) -> dict[str, Any]:
-    with Client(socket) as client:
-        status = client.request({"cmd": "status"})
+    status = call(socket, {"cmd": "status"})
     found: dict[str, Any] = status.get("passthrough", {}).get("read_counting") or {}
     return found
 

@@ -24,7 +24,8 @@ import pytest
 import xxhash
 from prometheus_client.parser import text_string_to_metric_families
 
-from qosfs.control.ctl import Client, format_passthrough
+from qosfs.control.ctl import call
+from qosfs.control.kernel_status import format_passthrough
 from tests.mounting import ROOT, QosfsMount, as_user
 from tests.waiting import wait_for
 
@@ -65,9 +66,7 @@ class Mounted:
         self.mount, self.src, self.mnt, self.sock = mount, src, mount.mountpoint, sock
 
     def status(self) -> dict[str, Any]:
-        with Client(str(self.sock)) as client:
-            reply: dict[str, Any] = client.request({"cmd": "status"})
-        return reply
+        return call(str(self.sock), {"cmd": "status"})
 
     def kernel(self) -> dict[str, Any]:
         entry: dict[str, Any] = self.status()["passthrough"]
@@ -91,18 +90,28 @@ class Mounted:
 
 @pytest.fixture
 def mounting(tmp_tree: Path) -> Iterator[Callable[..., Mounted]]:
+    """Start a mount of ``tmp_tree/src``: on ``tmp_tree/mnt``, or *in_place* over itself
+    (as systemd and the DaemonSet mount it), its backing files then seen through
+    ``tmp_tree/view``, a bind mount taken before."""
     started: list[QosfsMount] = []
+    views: list[Path] = []
 
-    def start(*entry: str) -> Mounted:
+    def start(*entry: str, in_place: bool = False) -> Mounted:
         src, mnt = tmp_tree / "src", tmp_tree / "mnt"
         for d in (src, src / "data", mnt):
             d.mkdir(mode=0o755, exist_ok=True)
+        backing = src
+        if in_place:
+            backing, mnt = tmp_tree / "view", src
+            backing.mkdir(exist_ok=True)
+            subprocess.run(["mount", "--bind", str(src), str(backing)], check=True)
+            views.append(backing)
         policy, sock = tmp_tree / "policy.toml", tmp_tree / "ctl.sock"
         policy.write_text(POLICY)
         m = QosfsMount(src, mnt, "--policy", str(policy), "--socket", str(sock),
                        "--metrics", "0", entry=entry or ("-m", "qosfs"))
         started.append(m.start())
-        mounted = Mounted(m, src, sock)
+        mounted = Mounted(m, backing, sock)
         if mounted.kernel()["state"] != "active":
             pytest.skip(f"kernel passthrough unavailable here: {mounted.kernel()['reason']}")
         return mounted
@@ -110,6 +119,8 @@ def mounting(tmp_tree: Path) -> Iterator[Callable[..., Mounted]]:
     yield start
     for m in started:
         m.stop()
+    for view in views:
+        subprocess.run(["umount", str(view)], check=False)
 
 
 def put(m: Mounted, name: str, size: int) -> bytes:
@@ -130,9 +141,10 @@ def write_timed(fd: int, total: int, chunk: int = 256 * 1024) -> float:
     return time.monotonic() - start
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["source", "inplace"])
 def test_a_capped_writer_beside_a_passed_through_reader_keeps_its_cap(
-        mounting: Callable[..., Mounted]) -> None:
-    m = mounting()
+        mounting: Callable[..., Mounted], in_place: bool) -> None:
+    m = mounting(in_place=in_place)
     put(m, "w.bin", 8 * MiB)
     path = m.mnt / "data/w.bin"
     reader = os.open(path, os.O_RDONLY)

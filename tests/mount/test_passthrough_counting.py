@@ -21,7 +21,7 @@ import pyfuse3
 import pytest
 import xxhash
 
-from qosfs.control.ctl import Client
+from qosfs.control.ctl import call
 from tests.mounting import QosfsMount, as_user
 from tests.waiting import wait_for
 
@@ -59,9 +59,7 @@ class Mounted:
                                 "--socket", str(self.sock))
 
     def request(self, cmd: str) -> dict[str, Any]:
-        with Client(str(self.sock)) as client:
-            reply: dict[str, Any] = client.request({"cmd": cmd})
-        return reply
+        return call(str(self.sock), {"cmd": cmd})
 
     def counting(self) -> dict[str, Any]:
         entry: dict[str, Any] = self.request("status")["passthrough"]["read_counting"]

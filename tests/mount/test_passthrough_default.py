@@ -25,7 +25,7 @@ import pyfuse3
 import pytest
 import xxhash
 
-from qosfs.control.ctl import Client
+from qosfs.control.ctl import call
 from qosfs.daemon import cli
 from tests.mounting import QosfsMount
 
@@ -59,9 +59,7 @@ class Live:
         self.mnt = mount.mountpoint
 
     def status(self) -> dict[str, Any]:
-        with Client(str(self.sock)) as client:
-            reply: dict[str, Any] = client.request({"cmd": "status"})
-        return reply
+        return call(str(self.sock), {"cmd": "status"})
 
     def kernel(self) -> dict[str, Any]:
         entry: dict[str, Any] = self.status()["passthrough"]

@@ -19,7 +19,7 @@ import pyfuse3
 import pytest
 import xxhash
 
-from qosfs.control.ctl import Client
+from qosfs.control.ctl import Client, call
 from tests.mounting import ROOT, QosfsMount
 from tests.waiting import wait_for
 
@@ -71,9 +71,7 @@ class Mounted:
                                 *(() if passthrough else ("--no-passthrough",)))
 
     def status(self) -> dict[str, Any]:
-        with Client(str(self.sock)) as client:
-            reply: dict[str, Any] = client.request({"cmd": "status"})
-        return reply
+        return call(str(self.sock), {"cmd": "status"})
 
     def kernel(self) -> dict[str, Any]:
         entry: dict[str, Any] = self.status()["passthrough"]
