@@ -46,16 +46,20 @@ MAX_WATCHED = 65536
 #: the iomap ones, iomap_dio_rw_begin) with the device and inode stat() reports.
 COUNTED_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "nfs", "nfs4", "f2fs"})
 MMAP_NOT_COUNTED = "pages of a file mapped with mmap are not counted"
+TABLE_FULL = "the table of watched files is full"
 
 
 class _Watch:
-    """One passed-through file: its slot in the programs' tables (None: not counted),
-    its open flows by uid, and what was already added per uid."""
+    """One passed-through file: its slot in the programs' tables (None: not counted, for
+    the reason in ``why_not``), its open flows by uid, and what was already added per
+    uid."""
 
-    __slots__ = ("dev", "first", "flows", "ino", "opens", "seen", "slot")
+    __slots__ = ("dev", "first", "flows", "ino", "opens", "seen", "slot", "why_not")
 
-    def __init__(self, slot: int | None, dev: int, ino: int, first: Flow) -> None:
-        self.slot, self.dev, self.ino, self.first = slot, dev, ino, first
+    def __init__(self, why_not: str | None, dev: int, ino: int, first: Flow) -> None:
+        self.slot: int | None = None
+        self.why_not = why_not
+        self.dev, self.ino, self.first = dev, ino, first
         self.flows: dict[int, Flow] = {}
         self.seen: dict[int, tuple[int, int]] = {}
         self.opens = 0
@@ -105,24 +109,23 @@ class KernelReadCounting:
         uid = flow.uid
         if uid is not None and uid not in w.flows:
             w.flows[uid] = flow
-        if w.slot is None:
-            reason = self.off_reason if self._probes is None else self._why_not(w.dev)
+        if w.why_not is not None:
             per_class = self.uncounted.setdefault(flow.class_name, {})
-            key = reason or "the table of watched files is full"
-            per_class[key] = per_class.get(key, 0) + 1
+            per_class[w.why_not] = per_class.get(w.why_not, 0) + 1
 
     def _new_watch(self, handle: FileHandle, flow: Flow) -> _Watch:
         """Watch *handle*'s file in a free slot, if its reads can be counted (one fstat
         and one map update per file, at its first passed-through open)."""
         probes = self._probes
         if probes is None:
-            return _Watch(None, 0, 0, flow)
+            return _Watch(self.off_reason, 0, 0, flow)
         try:
             st = os.fstat(handle.fd)
-        except OSError:
-            return _Watch(None, 0, 0, flow)
-        w = _Watch(None, st.st_dev, st.st_ino, flow)
-        if self._why_not(st.st_dev) is not None:
+        except OSError as exc:
+            return _Watch(f"the backing file could not be looked at: {exc.strerror}", 0, 0,
+                          flow)
+        w = _Watch(self._why_not(st.st_dev), st.st_dev, st.st_ino, flow)
+        if w.why_not is not None:
             return w
         slot = self._free.pop() if self._free else self._next_slot
         if probes.watch(st.st_dev, st.st_ino, slot):
@@ -130,8 +133,10 @@ class KernelReadCounting:
             self._by_slot[slot] = w
             if slot == self._next_slot:
                 self._next_slot += 1
-        elif slot != self._next_slot:
-            self._free.append(slot)
+        else:
+            w.why_not = TABLE_FULL
+            if slot != self._next_slot:
+                self._free.append(slot)
         return w
 
     def _why_not(self, st_dev: int) -> str | None:
