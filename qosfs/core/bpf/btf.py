@@ -18,24 +18,26 @@ VMLINUX = Path("/sys/kernel/btf/vmlinux")
 
 _MAGIC = 0xEB9F
 _STRUCT, _UNION, _TYPEDEF = 4, 5, 8
-# Bytes of kind-specific data after each btf_type (12 bytes), per kind; a callable for
-# the kinds whose data grows with vlen (the low 16 bits of info).
-_EXTRA: dict[int, int | tuple[int, int]] = {
+# Bytes of kind-specific data after each btf_type (12 bytes): a fixed size per kind, or
+# (in _PER_MEMBER) a size per member, times vlen (the low 16 bits of info).
+_EXTRA: dict[int, int] = {
     1: 4,          # INT
     2: 0,          # PTR
     3: 12,         # ARRAY
-    4: (0, 12),    # STRUCT: vlen members
-    5: (0, 12),    # UNION
-    6: (0, 8),     # ENUM
     7: 0, 8: 0, 9: 0, 10: 0, 11: 0,  # FWD TYPEDEF VOLATILE CONST RESTRICT
     12: 0,         # FUNC
-    13: (0, 8),    # FUNC_PROTO: vlen params
     14: 4,         # VAR
-    15: (0, 12),   # DATASEC
     16: 0,         # FLOAT
     17: 4,         # DECL_TAG
     18: 0,         # TYPE_TAG
-    19: (0, 12),   # ENUM64
+}
+_PER_MEMBER: dict[int, int] = {
+    4: 12,         # STRUCT: name, type, offset
+    5: 12,         # UNION
+    6: 8,          # ENUM
+    13: 8,         # FUNC_PROTO: its parameters
+    15: 12,        # DATASEC
+    19: 12,        # ENUM64
 }
 
 
@@ -64,10 +66,12 @@ class KernelTypes:
         while pos < end:
             name_off, info, _size = struct.unpack_from("<III", blob, pos)
             kind, vlen = (info >> 24) & 0x1F, info & 0xFFFF
-            extra = _EXTRA.get(kind)
-            if extra is None:
+            if kind in _EXTRA:
+                size = _EXTRA[kind]
+            elif kind in _PER_MEMBER:
+                size = _PER_MEMBER[kind] * vlen
+            else:
                 raise BtfError(f"unknown BTF kind {kind}")
-            size = extra if isinstance(extra, int) else extra[1] * vlen
             self._records.append((kind, name_off, pos + 12, vlen))
             if kind in (_STRUCT, _UNION) and name_off:
                 self._by_name.setdefault(self._string(name_off), len(self._records) - 1)
