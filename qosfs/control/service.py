@@ -100,6 +100,10 @@ class ControlService:
         self._started: float | None = None  # set when run() starts
         # More live figures for status (the filesystem's descriptors and handles).
         self.info_sources: list[Callable[[], dict[str, Any]]] = []
+        # Run before every snapshot: counters kept outside the engine folded into it first
+        # (the kernel's counts of passed-through reads), so that `ctl stats` after a read
+        # shows that read, not what was folded up to half a second earlier.
+        self.before_snapshot: list[Callable[[], None]] = []
         # The policy in force as raw tables and its hash, per generation (computed once).
         self._in_force: tuple[int, str, dict[str, Any]] = (-1, "", {})
 
@@ -134,6 +138,8 @@ class ControlService:
 
     def snapshot(self) -> Snapshot:
         """A consistent copy of every counter (on the event loop's thread)."""
+        for refresh in self.before_snapshot:
+            refresh()
         now = trio.current_time()
         started = now if self._started is None else self._started
         info = {**self.info, "pid": os.getpid(), "version": __version__,

@@ -272,10 +272,11 @@ def open_services(daemon: Daemon) -> list[tuple[str, Service]]:
     """The services of the control socket and metrics port (``daemon.listeners``, bound)
     and the daemon's own."""
     assert daemon.listeners is not None
+    counting = daemon.fs.kernel_opens.counting
     services = _open_services(daemon.cfg, daemon.mountpoint, daemon.engine,
                               daemon.listeners, daemon.latency, daemon.fs.resources,
-                              daemon.cluster, _daemon_info(daemon))
-    counting = daemon.fs.kernel_opens.counting
+                              daemon.cluster, _daemon_info(daemon),
+                              counting.drain if counting.on else None)
     if counting.on:
         services.append(("read_counting", counting.run))
     return services
@@ -303,8 +304,11 @@ def _open_services(cfg: MountConfig, mountpoint: str, engine: QosEngine,
                    resources: Callable[[], dict[str, Any]] | None = None,
                    cluster: ClusterCoordinator | None = None,
                    identity: Callable[[], dict[str, Any]] | None = None,
+                   fold_counts: Callable[[], None] | None = None,
                    ) -> list[tuple[str, Service]]:
-    """The control service on the bound *listeners*, and the daemon's own services."""
+    """The control service on the bound *listeners*, and the daemon's own services;
+    *fold_counts* runs before every snapshot (``ctl stats``, ``/metrics``, the rate
+    sampler), so what they show includes the kernel's reads up to that moment."""
     source = os.path.abspath(cfg.source)
     control = listeners.control
     path = control.path
@@ -318,6 +322,8 @@ def _open_services(cfg: MountConfig, mountpoint: str, engine: QosEngine,
         controller.info_sources.append(resources)
     if identity is not None:
         controller.info_sources.append(identity)
+    if fold_counts is not None:
+        controller.before_snapshot.append(fold_counts)
     # Named as ctl status counts their failures (qosfs.daemon.supervise).
     services: list[tuple[str, Service]] = [
         ("control", controller.run),
