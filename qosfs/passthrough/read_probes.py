@@ -21,7 +21,12 @@ read path see it there:
 Both look up the backing file's (device, inode) in ``watched``, which the daemon fills
 with the inodes it passes through (:mod:`qosfs.passthrough.read_counting`), and add
 (bytes, reads) to ``counts`` under (slot, real uid of the reader). The daemon's own reads
-(its threads share its tgid) are skipped: it counts those itself. A read whose count
+(its threads share its tgid) are skipped: it counts those itself. So is a read of a
+watched file by a process that opened the backing file itself, not through the mount (a
+backup job reading the source directory, a test digesting the tree underneath): a
+passed-through read runs with the credentials the backing file was opened with in force
+(fs/backing-file.c overrides ``current->cred``), a direct read with the reader's own
+(``cred == real_cred``); only the first kind is the mount's. A read whose count
 finds ``counts`` full is added to ``lost`` instead, which ``ctl status`` shows.
 
 Field offsets come from the running kernel's BTF (:mod:`qosfs.core.bpf.btf`), so the
@@ -88,6 +93,7 @@ class Offsets:
     iter_count: int
     iter_source: int
     real_cred: int
+    cred: int
     cred_uid: int
 
     @classmethod
@@ -97,7 +103,8 @@ class Offsets:
                    types.offset("super_block", "s_dev"), types.offset("kiocb", "ki_filp"),
                    types.offset("kiocb", "ki_pos"), types.offset("file", "f_inode"),
                    types.offset("iov_iter", "count"), types.offset("iov_iter", "data_source"),
-                   types.offset("task_struct", "real_cred"), types.offset("cred", "uid"))
+                   types.offset("task_struct", "real_cred"),
+                   types.offset("task_struct", "cred"), types.offset("cred", "uid"))
 
 
 class _Fields:
@@ -152,6 +159,20 @@ def _skip_own_reads(p: Program, tgid: int) -> None:
     p.alu_reg("mov", 7, 0)
     p.alu("rsh", 0, 32)
     p.jump("jeq", 0, tgid, "out")
+
+
+def _skip_direct_readers(f: _Fields, o: Offsets) -> None:
+    """Go to ``out`` for a read made with the reader's own credentials (``current->cred
+    == current->real_cred``): not a passed-through read, which runs with the backing
+    file's opener's credentials in force, but a read of the backing file by a process
+    that opened it itself, outside the mount. Clobbers r0-r6 and r8 (r7, the thread id,
+    and r9, the slot, are kept)."""
+    p = f.p
+    p.call(GET_CURRENT_TASK_BTF if f.typed else GET_CURRENT_TASK)
+    p.alu_reg("mov", 6, 0)
+    f.read(8, 6, o.cred)
+    f.read(6, 6, o.real_cred)
+    p.jump_reg("jeq", 6, 8, "out")
 
 
 def _watched_slot(f: _Fields, o: Offsets, watched: int) -> None:
@@ -210,8 +231,10 @@ def _count(f: _Fields, o: Offsets, counts: int, lost: int) -> None:
 
 
 def filemap_program(o: Offsets, typed: bool, tgid: int, watched: int, recent: int,
-                    counts: int, lost: int) -> bytes:
-    """The buffered-read counter; its context is (mapping, first page, last page)."""
+                    counts: int, lost: int, passthrough_only: bool = True) -> bytes:
+    """The buffered-read counter; its context is (mapping, first page, last page).
+    *passthrough_only* False counts direct reads of a watched file too (the unit tests,
+    which read the file themselves, with no mount)."""
     p = Program()
     f = _Fields(p, typed)
     p.alu_reg("mov", 6, 1)
@@ -223,6 +246,8 @@ def filemap_program(o: Offsets, typed: bool, tgid: int, watched: int, recent: in
     f.read(8, 8, o.host)  # r8 = the inode
     _watched_slot(f, o, watched)
     _skip_own_reads(p, tgid)  # after the lookup: most reads on a machine are not watched
+    if passthrough_only:
+        _skip_direct_readers(f, o)
     # bytes = min((last + 1) << PAGE_SHIFT, size) - (first << PAGE_SHIFT), if positive
     p.load(8, 3, 10, _ISIZE)
     p.jump("jsle", 3, 0, "out")
@@ -271,8 +296,9 @@ def filemap_program(o: Offsets, typed: bool, tgid: int, watched: int, recent: in
 
 
 def direct_program(o: Offsets, typed: bool, tgid: int, watched: int, counts: int,
-                   lost: int) -> bytes:
-    """The O_DIRECT read counter; its context is (iocb, iter, dio_flags, done_before)."""
+                   lost: int, passthrough_only: bool = True) -> bytes:
+    """The O_DIRECT read counter; its context is (iocb, iter, dio_flags, done_before)
+    (*passthrough_only* as for :func:`filemap_program`)."""
     p = Program()
     f = _Fields(p, typed)
     p.alu_reg("mov", 6, 1)
@@ -290,6 +316,8 @@ def direct_program(o: Offsets, typed: bool, tgid: int, watched: int, counts: int
     f.read(8, 8, o.f_inode)  # r8 = the inode
     _watched_slot(f, o, watched)
     _skip_own_reads(p, tgid)
+    if passthrough_only:
+        _skip_direct_readers(f, o)
     # bytes = min(position + size, file size) - position, if positive
     p.load(8, 3, 10, _ISIZE)
     p.load(8, 5, 10, _INDEX)
@@ -362,9 +390,12 @@ class ReadProbes:
         self.mode = ""  # "tp_btf" or "raw_tp", once loaded
 
     @classmethod
-    def load(cls, tgid: int, max_watched: int = 65536, max_counts: int = 131072) -> ReadProbes:
+    def load(cls, tgid: int, max_watched: int = 65536, max_counts: int = 131072,
+             passthrough_only: bool = True) -> ReadProbes:
         """Load and attach both programs, counting reads by anyone but *tgid*: BTF-typed
-        where the kernel allows (``tp_btf``), else as plain raw tracepoints."""
+        where the kernel allows (``tp_btf``), else as plain raw tracepoints. Only reads
+        passed through a FUSE mount are counted, unless *passthrough_only* is False
+        (then a watched file's direct reads are too: the unit tests')."""
         offsets, ids = kernel_layout()
         try:
             probes = cls(max_watched, max_counts)
@@ -372,23 +403,24 @@ class ReadProbes:
             raise ProbeError(f"BPF maps refused: {exc.strerror}") from None
         try:
             try:
-                probes._attach_all(offsets, tgid, ids)
+                probes._attach_all(offsets, tgid, ids, passthrough_only)
                 probes.mode = "tp_btf"
             except ProbeError:
                 probes._detach()
-                probes._attach_all(offsets, tgid, None)
+                probes._attach_all(offsets, tgid, None, passthrough_only)
                 probes.mode = "raw_tp"
         except ProbeError:
             probes.close()
             raise
         return probes
 
-    def _attach_all(self, o: Offsets, tgid: int, btf_ids: list[int] | None) -> None:
+    def _attach_all(self, o: Offsets, tgid: int, btf_ids: list[int] | None,
+                    passthrough_only: bool = True) -> None:
         typed = btf_ids is not None
         programs = (filemap_program(o, typed, tgid, self.watched.fd, self.recent.fd,
-                                    self.counts.fd, self.lost.fd),
+                                    self.counts.fd, self.lost.fd, passthrough_only),
                     direct_program(o, typed, tgid, self.watched.fd, self.counts.fd,
-                                   self.lost.fd))
+                                   self.lost.fd, passthrough_only))
         for i, (name, program) in enumerate(zip((FILEMAP_TRACEPOINT, DIRECT_TRACEPOINT),
                                                 programs, strict=True)):
             self._attach(name, program, None if btf_ids is None else btf_ids[i])

@@ -156,6 +156,30 @@ def test_two_users_reading_one_file_are_each_counted_to_their_tenant(
     assert mounted.account() == (0, 0)  # root read nothing
 
 
+@pytest.mark.parametrize("mounted", ["", "inplace"], indirect=True, ids=["source", "inplace"])
+def test_reads_of_the_backing_file_outside_the_mount_are_not_counted(
+        mounted: Mounted) -> None:
+    """While a file is passed through (so watched), another process reads the backing file
+    itself (a backup of the source, a digest of the tree underneath): buffered and
+    O_DIRECT. Those reads are not the mount's and are left out; the mount's are counted."""
+    data = os.urandom(8 * MiB)
+    (mounted.view / "data/both.bin").write_bytes(data)
+    path = mounted.mnt / "data/both.bin"
+    holder = os.open(path, os.O_RDONLY)  # watched from here to its release
+    try:
+        wait_for("the file watched", lambda: mounted.counting()["watched"], until=bool,
+                 timeout=10)
+        backing = mounted.view / "data/both.bin"
+        for _ in range(3):
+            assert xxhash.xxh64(backing.read_bytes()).digest() == xxhash.xxh64(data).digest()
+        fio(backing, "--rw=read", "--bs=1m", "--direct=1")
+        assert mounted.account() == (0, 0)  # folded before ctl stats answers
+        assert os.pread(holder, len(data), 0) == data  # the mount's own read
+    finally:
+        os.close(holder)
+    assert wait_counted(mounted, (len(data), 1)) == (len(data), 1)
+
+
 def test_an_mmap_reader_reads_and_status_says_its_pages_are_not_counted(
         mounted: Mounted) -> None:
     import mmap

@@ -41,15 +41,17 @@ def backing(tmp_path: Path) -> Path:
 
 def _load(typed: bool) -> ReadProbes:
     """Programs that count this process's reads too (tgid 1 is init, which reads none
-    of the test's files)."""
+    of the test's files), direct reads of a watched file included: there is no mount
+    here (tests/mount/test_passthrough_counting.py shows those are left out)."""
     if os.geteuid() != 0:
         pytest.skip("loading BPF programs needs root")
     try:
         if typed:
-            return ReadProbes.load(tgid=1, max_watched=16, max_counts=16)
+            return ReadProbes.load(tgid=1, max_watched=16, max_counts=16,
+                                   passthrough_only=False)
         offsets, _ = kernel_layout()
         probes = ReadProbes(16, 16)
-        probes._attach_all(offsets, 1, None)
+        probes._attach_all(offsets, 1, None, passthrough_only=False)
         probes.mode = "raw_tp"
         return probes
     except ProbeError as exc:
@@ -136,7 +138,8 @@ def test_the_daemons_own_reads_are_skipped(backing: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("loading BPF programs needs root")
     try:
-        probes = ReadProbes.load(tgid=os.getpid(), max_watched=16, max_counts=16)
+        probes = ReadProbes.load(tgid=os.getpid(), max_watched=16, max_counts=16,
+                                 passthrough_only=False)
     except ProbeError as exc:
         pytest.skip(f"BPF programs cannot be loaded here: {exc}")
     try:
