@@ -176,10 +176,10 @@ class KernelReadCounting:
         probes = self._probes
         if probes is None:
             return
-        for (slot, uid), (nbytes, nreads) in probes.totals().items():
+        for (slot, uid), (nbytes, nreads) in probes.totals(self._by_slot).items():
             w = self._by_slot.get(slot)
-            if w is None:  # left by a slot freed between two walks of the map
-                probes.forget(slot, uid)
+            if w is None:  # left in the hash by a slot freed between two walks of it
+                probes.forget(slot, (uid,))
                 continue
             before = w.seen.get(uid, (0, 0))
             if (nbytes, nreads) == before:
@@ -196,8 +196,8 @@ class KernelReadCounting:
             self.reads[name] = self.reads.get(name, 0) + added_reads
         for w in self._retired:
             assert w.slot is not None
-            for uid in w.seen:
-                probes.forget(w.slot, uid)
+            if w.seen:  # a file never read left nothing to clear
+                probes.forget(w.slot, w.seen)
             del self._by_slot[w.slot]
             self._free.append(w.slot)
         self._retired.clear()

@@ -18,8 +18,11 @@ read path see it there:
   request's size, clamped to the file's size; a resumed request (``done_before``) is not
   counted twice; writes are skipped (the iterator is a source).
 
-Both look up the backing file's (device, inode) in ``watched``, which the daemon fills
-with the inodes it passes through (:mod:`qosfs.passthrough.read_counting`), and add
+Both look up the backing file's (device, inode) among the files the daemon watches
+(:mod:`qosfs.passthrough.read_counting`): first in ``index``, an array indexed by the
+inode number's low bits, then, only where the entry says another watched file shares
+them, in the ``watched`` hash (a hash lookup was ~45 ns of the ~90 a counted read paid
+inside the programs, the array's a few: ``python -m bench.probecost``). They add
 (bytes, reads) to ``counts`` under (slot, real uid of the reader). The daemon's own reads
 (its threads share its tgid) are skipped: it counts those itself. So is a read of a
 watched file by a process that opened the backing file itself, not through the mount (a
@@ -38,6 +41,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -72,6 +76,13 @@ _TID = -64       # u32 0, the recent map's key
 _COUNT_KEY = -104  # u32 slot, u32 uid
 _COUNT_VALUE = -120  # u64 bytes, u64 reads
 _ZERO = -124     # u32 0, the lost map's key
+_SLOT_INDEX = -72  # u32, the index's key: the inode number's low bits
+
+#: Entries of the ``index`` array (a power of two): 24 bytes each, 1.5 MiB in all. Its
+#: entry for an inode number's low bits holds one watched file (u64 ino, u32 dev, u32
+#: slot) and how many more with the same bits are in the ``watched`` hash (u32).
+INDEX_SIZE = 1 << 16
+_INDEX_VALUE = struct.Struct("<QIII4x")
 
 
 class ProbeError(Exception):
@@ -161,52 +172,100 @@ def _skip_own_reads(p: Program, tgid: int) -> None:
     p.jump("jeq", 0, tgid, "out")
 
 
-def _skip_direct_readers(f: _Fields, o: Offsets) -> None:
-    """Go to ``out`` for a read made with the reader's own credentials (``current->cred
-    == current->real_cred``): not a passed-through read, which runs with the backing
-    file's opener's credentials in force, but a read of the backing file by a process
-    that opened it itself, outside the mount. Clobbers r0-r6 and r8 (r7, the thread id,
-    and r9, the slot, are kept)."""
+def _reader(f: _Fields, o: Offsets, passthrough_only: bool) -> None:
+    """Store the reader's *real* uid at ``_COUNT_KEY + 4``, first of all; with
+    *passthrough_only*, go to ``out`` for a read made with the reader's own credentials.
+
+    The uid is the real one (``current->real_cred``): a passed-through read runs with the
+    daemon's credentials in force (fs/backing-file.c overrides ``current->cred`` with
+    those the backing file was opened with), so ``bpf_get_current_uid_gid`` would say
+    root for every reader. That override is also what tells a passed-through read from
+    a read of the backing file by a process that opened it itself, outside the mount
+    (``cred == real_cred``): that one is left out, and before the watched lookup, so
+    every other read on the machine pays two loads and a compare, not a hash lookup.
+    Clobbers r0-r5, r7 and r8."""
     p = f.p
     p.call(GET_CURRENT_TASK_BTF if f.typed else GET_CURRENT_TASK)
-    p.alu_reg("mov", 6, 0)
-    f.read(8, 6, o.cred)
-    f.read(6, 6, o.real_cred)
-    p.jump_reg("jeq", 6, 8, "out")
+    p.alu_reg("mov", 7, 0)
+    if passthrough_only:
+        f.read(8, 7, o.cred)
+    f.read(7, 7, o.real_cred)
+    if passthrough_only:
+        p.jump_reg("jeq", 7, 8, "out")
+    f.read(7, 7, o.cred_uid, 4)
+    p.store(4, 10, _COUNT_KEY + 4, 7)
 
 
-def _watched_slot(f: _Fields, o: Offsets, watched: int) -> None:
+def _watched_slot(f: _Fields, o: Offsets, index: int, watched: int) -> None:
     """With r8 = the inode: fill the key (dev, ino) and _ISIZE; r9 = the watched slot, or
-    go to ``out`` if the inode is not watched (the common case: every buffered read on
-    the machine comes here, so the lookup comes first)."""
+    go to ``out`` if the inode is not watched.
+
+    The ``index`` entry of the inode number's low bits answers for most files: its file,
+    or no watched file there (most inodes on a machine). Only where it counts other
+    watched files with the same bits (``overflow``) is the ``watched`` hash looked up.
+    The daemon rewrites an entry while no read of its old or new file can be in flight
+    (at a file's first open, before any read; after its last release), so a read never
+    sees half of an entry that concerns it."""
     p = f.p
     f.read(6, 8, o.i_ino)
     p.store(8, 10, _INO, 6)
+    p.alu("and", 6, INDEX_SIZE - 1)
+    p.store(4, 10, _SLOT_INDEX, 6)
     f.read(6, 8, o.i_sb)
     f.read(6, 6, o.s_dev, 4)
-    p.store_imm(8, 10, _DEV, 0)  # the key's padding must be zero
+    p.store_imm(8, 10, _DEV, 0)  # the hash key's padding must be zero
     p.store(4, 10, _DEV, 6)
+    _lookup(p, index, _SLOT_INDEX)
+    p.jump("jeq", 0, 0, "out")  # never (the index is in range); the verifier asks
+    p.load(8, 1, 0, 0)
+    p.load(8, 2, 10, _INO)
+    p.jump_reg("jne", 1, 2, "overflow")
+    p.load(4, 1, 0, 8)
+    p.jump_reg("jne", 1, 6, "overflow")
+    p.load(4, 9, 0, 12)
+    p.goto("watched")
+    p.label("overflow")
+    p.load(4, 1, 0, 16)
+    p.jump("jeq", 1, 0, "out")
     _lookup(p, watched, _DEV)
     p.jump("jeq", 0, 0, "out")
     p.load(4, 9, 0, 0)
+    p.label("watched")
     f.read(6, 8, o.i_size)
     p.store(8, 10, _ISIZE, 6)
 
 
-def _count(f: _Fields, o: Offsets, counts: int, lost: int) -> None:
-    """Add (the bytes at _BYTES, one read) to counts[(r9, reader's uid)], or to lost[0].
+def _count(f: _Fields, counts_fast: int, counts: int, lost: int) -> None:
+    """Add (the bytes at _BYTES, one read) to the slot's (r9) count for the reader's uid
+    (at _COUNT_KEY + 4): in ``counts_fast`` if this CPU's entry for the slot is the
+    uid's or nobody's yet, else in ``counts`` under (slot, uid), else in ``lost``.
 
-    The reader's uid is its *real* one (``current->real_cred``): a passed-through read
-    runs with the daemon's credentials in force (fs/backing-file.c overrides them with
-    those the backing file was opened with), so ``bpf_get_current_uid_gid`` would say
-    root for every reader."""
+    Most files are read by one uid at a time, so the common case is an array element
+    (a lookup the verifier inlines to a few instructions) and two plain adds: the entry
+    is this CPU's alone and a tracepoint's program runs with preemption off, so no other
+    run can come between the load and the store. The hash and its atomic adds, which
+    were the common case before, cost ~40 ns more per read (``python -m
+    bench.probecost``)."""
     p = f.p
     p.store(4, 10, _COUNT_KEY, 9)
-    p.call(GET_CURRENT_TASK_BTF if f.typed else GET_CURRENT_TASK)
-    p.alu_reg("mov", 6, 0)
-    f.read(6, 6, o.real_cred)
-    f.read(6, 6, o.cred_uid, 4)
-    p.store(4, 10, _COUNT_KEY + 4, 6)
+    _lookup(p, counts_fast, _COUNT_KEY)  # its key is the slot, the key's first half
+    p.jump("jeq", 0, 0, "shared")  # a slot past the array (retired ones not yet freed)
+    p.load(4, 2, 10, _COUNT_KEY + 4)
+    p.alu("add", 2, 1)  # the entry's owner: uid + 1, 0 while nobody's
+    p.load(8, 1, 0, 0)
+    p.jump_reg("jeq", 1, 2, "own")
+    p.jump("jne", 1, 0, "shared")  # another uid read the file on this CPU first
+    p.store(8, 0, 0, 2)
+    p.label("own")
+    p.load(8, 1, 0, 8)
+    p.load(8, 2, 10, _BYTES)
+    p.alu_reg("add", 1, 2)
+    p.store(8, 0, 8, 1)
+    p.load(8, 1, 0, 16)
+    p.alu("add", 1, 1)
+    p.store(8, 0, 16, 1)
+    p.goto("out")
+    p.label("shared")
     _lookup(p, counts, _COUNT_KEY)
     p.jump("jne", 0, 0, "add")
     p.load(8, 1, 10, _BYTES)
@@ -230,24 +289,24 @@ def _count(f: _Fields, o: Offsets, counts: int, lost: int) -> None:
     p.exit()
 
 
-def filemap_program(o: Offsets, typed: bool, tgid: int, watched: int, recent: int,
-                    counts: int, lost: int, passthrough_only: bool = True) -> bytes:
+def filemap_program(o: Offsets, typed: bool, tgid: int, index: int, watched: int,
+                    recent: int, counts_fast: int, counts: int, lost: int,
+                    passthrough_only: bool = True) -> bytes:
     """The buffered-read counter; its context is (mapping, first page, last page).
     *passthrough_only* False counts direct reads of a watched file too (the unit tests,
     which read the file themselves, with no mount)."""
     p = Program()
     f = _Fields(p, typed)
     p.alu_reg("mov", 6, 1)
+    _reader(f, o, passthrough_only)
     p.load(8, 1, 6, 8)
     p.store(8, 10, _INDEX, 1)
     p.load(8, 1, 6, 16)
     p.store(8, 10, _LAST, 1)
     p.load(8, 8, 6, 0)  # the mapping
     f.read(8, 8, o.host)  # r8 = the inode
-    _watched_slot(f, o, watched)
+    _watched_slot(f, o, index, watched)
     _skip_own_reads(p, tgid)  # after the lookup: most reads on a machine are not watched
-    if passthrough_only:
-        _skip_direct_readers(f, o)
     # bytes = min((last + 1) << PAGE_SHIFT, size) - (first << PAGE_SHIFT), if positive
     p.load(8, 3, 10, _ISIZE)
     p.jump("jsle", 3, 0, "out")
@@ -291,12 +350,13 @@ def filemap_program(o: Offsets, typed: bool, tgid: int, watched: int, recent: in
     p.store(4, 0, 24, 1)
     p.store(4, 0, 28, 3)
     p.label("count")
-    _count(f, o, counts, lost)
+    _count(f, counts_fast, counts, lost)
     return p.assemble()
 
 
-def direct_program(o: Offsets, typed: bool, tgid: int, watched: int, counts: int,
-                   lost: int, passthrough_only: bool = True) -> bytes:
+def direct_program(o: Offsets, typed: bool, tgid: int, index: int, watched: int,
+                   counts_fast: int, counts: int, lost: int,
+                   passthrough_only: bool = True) -> bytes:
     """The O_DIRECT read counter; its context is (iocb, iter, dio_flags, done_before)
     (*passthrough_only* as for :func:`filemap_program`)."""
     p = Program()
@@ -304,6 +364,7 @@ def direct_program(o: Offsets, typed: bool, tgid: int, watched: int, counts: int
     p.alu_reg("mov", 6, 1)
     p.load(8, 1, 6, 24)
     p.jump("jne", 1, 0, "out")  # a resumed request: its bytes were counted at its start
+    _reader(f, o, passthrough_only)
     p.load(8, 8, 6, 8)  # the iterator
     p.load(8, 9, 6, 0)  # the kiocb
     f.read(6, 8, o.iter_source, 1)
@@ -314,10 +375,8 @@ def direct_program(o: Offsets, typed: bool, tgid: int, watched: int, counts: int
     p.store(8, 10, _INDEX, 6)
     f.read(8, 9, o.ki_filp)
     f.read(8, 8, o.f_inode)  # r8 = the inode
-    _watched_slot(f, o, watched)
+    _watched_slot(f, o, index, watched)
     _skip_own_reads(p, tgid)
-    if passthrough_only:
-        _skip_direct_readers(f, o)
     # bytes = min(position + size, file size) - position, if positive
     p.load(8, 3, 10, _ISIZE)
     p.load(8, 5, 10, _INDEX)
@@ -329,7 +388,7 @@ def direct_program(o: Offsets, typed: bool, tgid: int, watched: int, counts: int
     p.label("clamped")
     p.alu_reg("sub", 4, 5)
     p.store(8, 10, _BYTES, 4)
-    _count(f, o, counts, lost)
+    _count(f, counts_fast, counts, lost)
     return p.assemble()
 
 
@@ -381,16 +440,25 @@ class ReadProbes:
     """The loaded programs and their maps; :meth:`load` or :class:`ProbeError`."""
 
     def __init__(self, max_watched: int, max_counts: int) -> None:
+        self.index = bpf.Map(bpf.MAP_ARRAY, 4, _INDEX_VALUE.size, INDEX_SIZE)
+        # The index's entries as written, by position: [ino, dev, slot, overflow].
+        self._entries: dict[int, list[int]] = {}
+        self._watching = 0
+        self.max_watched = max_watched
         self.watched = bpf.Map(bpf.MAP_HASH, 16, 8, max_watched)
         self.recent = bpf.Map(bpf.MAP_PERCPU_ARRAY, 4, 32, 1)
-        # Per CPU: a reader's adds touch its own CPU's cache line only.
+        # Per CPU: a reader's adds touch its own CPU's cache line only. By slot, for the
+        # first uid that reads the file on the CPU: (uid + 1, bytes, reads); other uids'
+        # reads go to the hash, by (slot, uid). Both are preallocated for every CPU:
+        # 24 B x (max_watched + 1) and 16 B x max_counts each, ~2 MB a CPU as set here.
+        self.counts_fast = bpf.Map(bpf.MAP_PERCPU_ARRAY, 4, 24, max_watched + 1)
         self.counts = bpf.Map(bpf.MAP_PERCPU_HASH, 8, 16, max_counts)
         self.lost = bpf.Map(bpf.MAP_ARRAY, 4, 16, 1)
         self._fds: list[int] = []
         self.mode = ""  # "tp_btf" or "raw_tp", once loaded
 
     @classmethod
-    def load(cls, tgid: int, max_watched: int = 65536, max_counts: int = 131072,
+    def load(cls, tgid: int, max_watched: int = 65536, max_counts: int = 32768,
              passthrough_only: bool = True) -> ReadProbes:
         """Load and attach both programs, counting reads by anyone but *tgid*: BTF-typed
         where the kernel allows (``tp_btf``), else as plain raw tracepoints. Only reads
@@ -417,10 +485,12 @@ class ReadProbes:
     def _attach_all(self, o: Offsets, tgid: int, btf_ids: list[int] | None,
                     passthrough_only: bool = True) -> None:
         typed = btf_ids is not None
-        programs = (filemap_program(o, typed, tgid, self.watched.fd, self.recent.fd,
-                                    self.counts.fd, self.lost.fd, passthrough_only),
-                    direct_program(o, typed, tgid, self.watched.fd, self.counts.fd,
-                                   self.lost.fd, passthrough_only))
+        maps = (self.counts_fast.fd, self.counts.fd, self.lost.fd)
+        watched = (self.index.fd, self.watched.fd)
+        programs = (filemap_program(o, typed, tgid, *watched, self.recent.fd, *maps,
+                                    passthrough_only=passthrough_only),
+                    direct_program(o, typed, tgid, *watched, *maps,
+                                   passthrough_only=passthrough_only))
         for i, (name, program) in enumerate(zip((FILEMAP_TRACEPOINT, DIRECT_TRACEPOINT),
                                                 programs, strict=True)):
             self._attach(name, program, None if btf_ids is None else btf_ids[i])
@@ -445,33 +515,77 @@ class ReadProbes:
         self._fds.clear()
 
     def watch(self, st_dev: int, ino: int, slot: int) -> bool:
-        """Count reads of the file (*st_dev*, *ino*) under *slot*; False if ``watched``
-        is full."""
-        try:
-            self.watched.update(struct.pack("<IIQ", kernel_dev(st_dev), 0, ino),
-                                struct.pack("<II", slot, 0))
-        except OSError:
+        """Count reads of the file (*st_dev*, *ino*) under *slot* (one map update, two
+        where its index entry is taken); False if *max_watched* files are watched."""
+        if self._watching >= self.max_watched:
             return False
+        dev, at = kernel_dev(st_dev), ino & (INDEX_SIZE - 1)
+        entry = self._entries.setdefault(at, [0, 0, 0, 0])
+        if entry[0] == 0:
+            entry[:3] = ino, dev, slot
+        else:
+            try:
+                self.watched.update(struct.pack("<IIQ", dev, 0, ino),
+                                    struct.pack("<II", slot, 0))
+            except OSError:
+                return False
+            entry[3] += 1
+        self._write_entry(at, entry)
+        self._watching += 1
         return True
 
     def unwatch(self, st_dev: int, ino: int) -> None:
-        self.watched.delete(struct.pack("<IIQ", kernel_dev(st_dev), 0, ino))
+        """No longer count reads of the file (*st_dev*, *ino*) (nothing if not watched)."""
+        dev, at = kernel_dev(st_dev), ino & (INDEX_SIZE - 1)
+        entry = self._entries.get(at)
+        if entry is None:
+            return
+        if entry[0] == ino and entry[1] == dev:
+            entry[:3] = 0, 0, 0
+        elif self.watched.delete(struct.pack("<IIQ", dev, 0, ino)):
+            entry[3] -= 1
+        else:
+            return
+        self._write_entry(at, entry)
+        if entry == [0, 0, 0, 0]:
+            del self._entries[at]
+        self._watching -= 1
 
-    def totals(self) -> dict[tuple[int, int], tuple[int, int]]:
-        """{(slot, uid): (bytes, reads)} counted since each key appeared."""
-        out = {}
+    def _write_entry(self, at: int, entry: list[int]) -> None:
+        self.index.update(struct.pack("<I", at), _INDEX_VALUE.pack(*entry))
+
+    def totals(self, slots: Iterable[int] | None = None,
+               ) -> dict[tuple[int, int], tuple[int, int]]:
+        """{(slot, uid): (bytes, reads)} counted since each slot was last freed, for
+        *slots* (None: every slot; a daemon names those it watches, one lookup each) and
+        whatever the hash holds."""
+        out: dict[tuple[int, int], tuple[int, int]] = {}
+
+        def add(key: tuple[int, int], nbytes: int, nreads: int) -> None:
+            had = out.get(key, (0, 0))
+            out[key] = (had[0] + nbytes, had[1] + nreads)
+
+        fast = self.counts_fast
+        for slot in range(fast.max_entries) if slots is None else slots:
+            value = fast.lookup(struct.pack("<I", slot)) if slot < fast.max_entries else None
+            for at in range(0, len(value or b""), 24):
+                owner, nbytes, nreads = struct.unpack_from("<QQQ", value or b"", at)
+                if owner:
+                    add((slot, owner - 1), nbytes, nreads)
         for key in self.counts.all_keys():
             value = self.counts.lookup(key)
-            if value is not None:
-                per_cpu = [struct.unpack_from("<QQ", value, at)
-                           for at in range(0, len(value), 16)]
-                out[struct.unpack("<II", key)] = (sum(b for b, _ in per_cpu),
-                                                  sum(n for _, n in per_cpu))
+            for at in range(0, len(value or b""), 16):
+                nbytes, nreads = struct.unpack_from("<QQ", value or b"", at)
+                add(struct.unpack("<II", key), nbytes, nreads)
         return out
 
-    def forget(self, slot: int, uid: int) -> None:
-        """Drop a key of ``counts`` (its slot's file is no longer watched)."""
-        self.counts.delete(struct.pack("<II", slot, uid))
+    def forget(self, slot: int, uids: Iterable[int]) -> None:
+        """Drop what *slot* counted (its file is no longer watched), so that the slot
+        starts from nothing for the next file: its array entry and its hash keys."""
+        if slot < self.counts_fast.max_entries:
+            self.counts_fast.update(struct.pack("<I", slot), bytes(24))
+        for uid in uids:
+            self.counts.delete(struct.pack("<II", slot, uid))
 
     def lost_totals(self) -> tuple[int, int]:
         """(bytes, reads) that found ``counts`` full."""
@@ -480,5 +594,6 @@ class ReadProbes:
 
     def close(self) -> None:
         self._detach()
-        for m in (self.watched, self.recent, self.counts, self.lost):
+        for m in (self.index, self.watched, self.recent, self.counts_fast, self.counts,
+                  self.lost):
             m.close()

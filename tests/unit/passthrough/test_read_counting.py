@@ -5,6 +5,7 @@ tests/mount/test_passthrough_counting.py)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -45,11 +46,13 @@ class FakeProbes:
             b, n = self.counts.get((slot, uid), (0, 0))
             self.counts[slot, uid] = (b + nbytes, n + 1)
 
-    def totals(self) -> dict[tuple[int, int], tuple[int, int]]:
+    def totals(self, slots: Iterable[int] | None = None,
+               ) -> dict[tuple[int, int], tuple[int, int]]:
         return dict(self.counts)
 
-    def forget(self, slot: int, uid: int) -> None:
-        self.counts.pop((slot, uid), None)
+    def forget(self, slot: int, uids: Iterable[int]) -> None:
+        for uid in uids:
+            self.counts.pop((slot, uid), None)
 
     def lost_totals(self) -> tuple[int, int]:
         return (0, 0)

@@ -15,7 +15,13 @@ import pytest
 from qosfs.core.bpf.btf import KernelTypes
 from qosfs.core.mountinfo import mounts
 from qosfs.passthrough.read_counting import COUNTED_FILESYSTEMS
-from qosfs.passthrough.read_probes import Offsets, ProbeError, ReadProbes, kernel_layout
+from qosfs.passthrough.read_probes import (
+    INDEX_SIZE,
+    Offsets,
+    ProbeError,
+    ReadProbes,
+    kernel_layout,
+)
 
 pytestmark = pytest.mark.root
 
@@ -121,6 +127,43 @@ def test_o_direct_reads_are_counted_with_their_bytes_and_writes_are_not(
         buf.close()
 
 
+def _read_as(uid: int, path: Path, cpu: int) -> None:
+    """Read *path* whole as *uid*, on *cpu*, in a child process (which opens it first,
+    as root: the test's directories are root's alone)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        code = 1
+        try:
+            os.sched_setaffinity(0, {cpu})
+            with open(path, "rb") as f:
+                os.setuid(uid)
+                code = 0 if len(f.read()) == SIZE else 2
+        finally:
+            os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+
+
+def test_a_second_uid_on_the_same_cpu_is_counted_apart_and_forget_clears_the_slot(
+        probes: ReadProbes, backing: Path) -> None:
+    """The first uid to read a file on a CPU is counted in the slot's array entry, a
+    second one in the hash: both exact, each under its own uid; after forget the slot
+    counts from nothing (for the next file that gets it)."""
+    st = os.stat(backing)
+    assert probes.watch(st.st_dev, st.st_ino, SLOT)
+    cpu = min(os.sched_getaffinity(0))
+    for uid in (2001, 2002, 2001):
+        _read_as(uid, backing, cpu)
+    totals = probes.totals([SLOT])
+    assert set(totals) == {(SLOT, 2001), (SLOT, 2002)}
+    assert totals[SLOT, 2001][0] == 2 * SIZE and totals[SLOT, 2002][0] == SIZE
+    assert totals[SLOT, 2001][1] == 2 * totals[SLOT, 2002][1] > 0
+    assert probes.totals() == totals  # every slot looked at: the same
+    probes.forget(SLOT, [2001, 2002])
+    assert probes.totals() == {}
+    _read_as(2002, backing, cpu)  # the entry is 2002's now, from nothing
+    assert probes.totals([SLOT]) == {(SLOT, 2002): totals[SLOT, 2002]}
+
+
 def test_a_file_that_is_not_watched_is_not_counted(probes: ReadProbes, backing: Path,
                                                    tmp_path: Path) -> None:
     other = tmp_path / "other.bin"
@@ -159,3 +202,37 @@ def test_the_layout_cache_answers_what_the_btf_says(tmp_path: Path) -> None:
     assert (tmp_path / "layout.json").exists()
     assert kernel_layout(tmp_path / "layout.json") == (offsets, ids)
     assert offsets == Offsets.of(KernelTypes.of_running_kernel())
+
+
+@pytest.mark.parametrize("first", ["other", "backing"])
+def test_files_whose_inode_numbers_share_an_index_entry_are_each_counted(
+        probes: ReadProbes, backing: Path, first: str) -> None:
+    """Two watched files with the same low bits of their inode numbers: one in the index
+    entry, the other in the hash (whichever came first takes the entry); each counted
+    under its own slot, and still after the other is let go."""
+    st = os.stat(backing)
+    other = (st.st_dev, st.st_ino + INDEX_SIZE, 9)  # same low bits; never read
+    mine = (st.st_dev, st.st_ino, SLOT)
+    for dev, ino, slot in ([other, mine] if first == "other" else [mine, other]):
+        assert probes.watch(dev, ino, slot)
+    assert len(backing.read_bytes()) == SIZE
+    assert _counted(probes)[0] == SIZE
+    probes.unwatch(other[0], other[1])
+    assert len(backing.read_bytes()) == SIZE
+    assert _counted(probes)[0] == 2 * SIZE
+    probes.unwatch(st.st_dev, st.st_ino)
+    probes.unwatch(st.st_dev, st.st_ino)  # not watched: nothing happens
+    assert len(backing.read_bytes()) == SIZE
+    assert _counted(probes)[0] == 2 * SIZE
+    assert probes.watch(st.st_dev, st.st_ino, SLOT)  # the entry is free again
+    assert len(backing.read_bytes()) == SIZE
+    assert _counted(probes)[0] == 3 * SIZE
+
+
+def test_at_most_max_watched_files_are_watched(probes: ReadProbes, backing: Path) -> None:
+    st = os.stat(backing)
+    fakes = [(st.st_dev, st.st_ino + i * INDEX_SIZE // 4) for i in range(1, 17)]
+    assert all(probes.watch(dev, ino, i + 1) for i, (dev, ino) in enumerate(fakes))
+    assert not probes.watch(st.st_dev, st.st_ino, SLOT)  # 16 is the fixture's room
+    probes.unwatch(*fakes[0])
+    assert probes.watch(st.st_dev, st.st_ino, SLOT)
