@@ -240,7 +240,8 @@ def _rules_healthy(base: str) -> bool:
 
 def _traffic(mnt: Path, stop: threading.Event) -> None:
     """A protected reader (O_DIRECT and passthrough = "off", so it reaches the daemon), a
-    capped writer and a writer under the cluster-wide cap."""
+    capped writer, a writer under the cluster-wide cap, and a reader of a default-class
+    file, opened anew each time: passed through to the kernel, its reads counted there."""
     fd = os.open(mnt / "data" / "shard", os.O_RDONLY | os.O_DIRECT)
     buf = bytearray(1 << 16)
     view = memoryview(buf)
@@ -253,6 +254,7 @@ def _traffic(mnt: Path, stop: threading.Event) -> None:
                 offset = (offset + len(buf)) % (4 * MiB)
                 ckpt.write(b"c" * (256 << 10))
                 shared.write(b"s" * (256 << 10))
+                (mnt / "misc" / "blob").read_bytes()
     finally:
         os.close(fd)
 
@@ -263,10 +265,11 @@ def _traffic(mnt: Path, stop: threading.Event) -> None:
 def test_every_dashboard_query_returns_series_from_a_live_mount(
         tmp_tree: Path, redis_server: RedisServer) -> None:
     src, mnt = tmp_tree / "src", tmp_tree / "mnt"
-    for d in (src, mnt, src / "data", src / "ckpt", src / "team", src / "shared"):
+    for d in (src, mnt, src / "data", src / "ckpt", src / "team", src / "shared", src / "misc"):
         d.mkdir()
     os.chmod(src / "team", 0o777)
     (src / "data" / "shard").write_bytes(os.urandom(4 * MiB))
+    (src / "misc" / "blob").write_bytes(os.urandom(MiB))
     policy = tmp_tree / "policy.toml"
     policy.write_text(POLICY.format(redis=redis_server.url))
     m = QosfsMount(src, mnt, "--policy", str(policy), "--metrics", "0",
