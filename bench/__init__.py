@@ -16,5 +16,6 @@ it; a suite imports no other suite, a subcommand no other subcommand.
 - ``latency_target``: a reader's latency target against an uncapped storm
 - ``machinery``: per-request cost of admission and of the handlers, in-process
 - ``opcost``: per-open cost of the small-file loader (``python -m bench.opcost``)
+- ``probecost``: per-read cost of the read-counting BPF programs (``python -m bench.probecost``)
 - ``soak``: mixed traffic and live changes for N minutes, then checks (``bench soak``)
 """

@@ -63,9 +63,10 @@ def test_bench_is_laid_out_in_its_layers() -> None:
     suites = {s.runner.__module__ for s in SUITES}
     assert all(m.startswith("bench.suites.") for m in suites), suites
     beside = {_module_name(p) for p in BENCH.glob("*.py")} - {"bench", *ENTRY}
-    # beside the command line and the catalog: the subcommands, and opcost (run by hand)
+    # beside the command line and the catalog: the subcommands, and the profiling tools
+    # run by hand (opcost, probecost)
     commands = {m.split(".")[1].replace("_", "-") for m in beside}
-    assert commands <= {c.name for c in COMMANDS} | {"opcost"}, commands
+    assert commands <= {c.name for c in COMMANDS} | {"opcost", "probecost"}, commands
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(BENCH)))
