@@ -21,7 +21,7 @@ each case alike:
 
 It prints each case's median IOPS and its ratio to ``none``, and the median CPU time fio
 spent per read and what the case adds to ``none``'s (the steadier figure: see
-:func:`fio_reads`). With ``--timing``, ``kernel.bpf_stats_enabled`` is on (and
+``FioMetrics.cpu_ns_per_io``). With ``--timing``, ``kernel.bpf_stats_enabled`` is on (and
 restored after) and each case's programs' own time per run is printed too, as the kernel
 measures it: free of the machine's noise, but the timing itself costs two clock reads per
 run, inside the figure (the ``empty`` case shows how much) and in the IOPS.
@@ -40,6 +40,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from bench.core.fio import parse_fio_json
 from qosfs.core.bpf import syscall as bpf
 from qosfs.core.bpf.asm import Program
 from qosfs.passthrough.read_probes import ReadProbes, kernel_layout
@@ -50,16 +51,13 @@ CASES = ("none", "empty", "other", "watched")
 
 
 def fio_reads(path: Path, seconds: float, bs: str) -> tuple[float, float]:
-    """fio's (IOPS, CPU ns per read). The CPU time is fio's own (user + system): time
-    another VM takes from this one (steal) is not in it, so it drifts far less than the
-    IOPS on a shared machine, and a per-read cost shows in it directly."""
+    """fio's (IOPS, CPU ns per read: :meth:`FioMetrics.cpu_ns_per_io`)."""
     out = subprocess.run(["fio", "--name=r", f"--filename={path}", "--ioengine=psync",
                           "--rw=randread", f"--bs={bs}", "--invalidate=0", "--time_based",
                           f"--runtime={seconds}", "--output-format=json"],
                          check=True, capture_output=True, timeout=seconds + 60).stdout
-    job = json.loads(out)["jobs"][0]
-    cpu_ns = (job["usr_cpu"] + job["sys_cpu"]) / 100 * job["job_runtime"] * 1e6
-    return float(job["read"]["iops"]), cpu_ns / job["read"]["total_ios"]
+    m = parse_fio_json(json.loads(out))
+    return m.iops, m.cpu_ns_per_io()
 
 
 def _run_stats(fds: list[int]) -> tuple[int, int]:

@@ -87,7 +87,7 @@ class UncappedResult(Record):
     cost_without_iops: list[float]
     restores: list[Restore]
     errors: dict[str, str] = field(default_factory=dict)
-    # fio's CPU time per read (ns), the same runs as cost_*_iops: see _cpu_ns_per_read.
+    # fio's CPU time per read (ns), the same runs as cost_*_iops: FioMetrics.cpu_ns_per_io.
     cost_with_cpu_ns: list[float] = field(default_factory=list)
     cost_without_cpu_ns: list[float] = field(default_factory=list)
 
@@ -107,14 +107,6 @@ def _fio_metrics(run: Run, root: Path, shape: tuple[str, str, str, int, int], si
     m, _, _ = run_job(run.fio, JOB, str(root), env)
     assert m is not None
     return m
-
-
-def _cpu_ns_per_read(m: FioMetrics) -> float:
-    """fio's own CPU time (user + system) per read, in ns. Time another VM takes from
-    this one (steal) is not in it, so on a shared machine it drifts far less than the
-    IOPS do, and a cost of a few percent per read shows in it (bench/probecost.py)."""
-    cpu_ns = (m.usr_cpu + m.sys_cpu) / 100 * m.runtime_ms * 1e6
-    return cpu_ns / m.total_ios if m.total_ios else 0.0
 
 
 def _class_read_bytes(socket: str, cls: str = "default") -> int:
@@ -193,7 +185,7 @@ def _cost(run: Run, source: Path, size_mib: int, runtime: float,
                 wait_quiet(run.quiet_wait)
                 m = _fio_metrics(run, mounted.path, SHAPES[0], size_mib, runtime)
                 iops.append(m.iops)
-                cpu.append(_cpu_ns_per_read(m))
+                cpu.append(m.cpu_ns_per_io())
     return with_, without, with_cpu, without_cpu
 
 

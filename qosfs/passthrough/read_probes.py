@@ -21,8 +21,8 @@ read path see it there:
 Both look up the backing file's (device, inode) among the files the daemon watches
 (:mod:`qosfs.passthrough.read_counting`): first in ``index``, an array indexed by the
 inode number's low bits, then, only where the entry says another watched file shares
-them, in the ``watched`` hash (a hash lookup was ~45 ns of the ~90 a counted read paid
-inside the programs, the array's a few: ``python -m bench.probecost``). They add
+them, in the ``watched`` hash (a hash lookup was ~45 ns of the ~125 a counted read paid
+inside the programs, the array's a few: ``python -m bench.probecost --timing``). They add
 (bytes, reads) to ``counts`` under (slot, real uid of the reader). The daemon's own reads
 (its threads share its tgid) are skipped: it counts those itself. So is a read of a
 watched file by a process that opened the backing file itself, not through the mount (a
@@ -244,8 +244,8 @@ def _count(f: _Fields, counts_fast: int, counts: int, lost: int) -> None:
     (a lookup the verifier inlines to a few instructions) and two plain adds: the entry
     is this CPU's alone and a tracepoint's program runs with preemption off, so no other
     run can come between the load and the store. The hash and its atomic adds, which
-    were the common case before, cost ~40 ns more per read (``python -m
-    bench.probecost``)."""
+    were the common case before, cost ~35 ns more per read (``python -m
+    bench.probecost --timing``)."""
     p = f.p
     p.store(4, 10, _COUNT_KEY, 9)
     _lookup(p, counts_fast, _COUNT_KEY)  # its key is the slot, the key's first half
@@ -568,14 +568,11 @@ class ReadProbes:
         fast = self.counts_fast
         for slot in range(fast.max_entries) if slots is None else slots:
             value = fast.lookup(struct.pack("<I", slot)) if slot < fast.max_entries else None
-            for at in range(0, len(value or b""), 24):
-                owner, nbytes, nreads = struct.unpack_from("<QQQ", value or b"", at)
+            for owner, nbytes, nreads in struct.iter_unpack("<QQQ", value or b""):  # per CPU
                 if owner:
                     add((slot, owner - 1), nbytes, nreads)
-        for key in self.counts.all_keys():
-            value = self.counts.lookup(key)
-            for at in range(0, len(value or b""), 16):
-                nbytes, nreads = struct.unpack_from("<QQ", value or b"", at)
+        for key in self.counts.all_keys():  # a key deleted meanwhile looks up as None
+            for nbytes, nreads in struct.iter_unpack("<QQ", self.counts.lookup(key) or b""):
                 add(struct.unpack("<II", key), nbytes, nreads)
         return out
 
