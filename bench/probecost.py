@@ -43,7 +43,8 @@ from typing import Any
 from bench.core.fio import parse_fio_json
 from qosfs.core.bpf import syscall as bpf
 from qosfs.core.bpf.asm import Program
-from qosfs.passthrough.read_probes import ReadProbes, kernel_layout
+from qosfs.passthrough.read_probes import ReadProbes
+from qosfs.passthrough.read_programs import kernel_layout
 
 STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
 SLOT = 1

@@ -23,7 +23,8 @@
 - ``interrupts``: who sent a parked request, and FUSE INTERRUPT for it.
 - ``kernel``: pyfuse3's kernel passthrough API, one backing id per inode.
 - ``kernel_opens``: which opens of the mount the kernel serves itself, counted by class.
-- ``read_probes``: the BPF programs that count what the kernel reads from backing files.
+- ``read_programs``: the BPF programs that count what the kernel reads from backing files.
+- ``read_probes``: those programs loaded, and their maps as the daemon reads and writes them.
 - ``read_counting``: those reads, added to the classes' read counters per open's flow.
 - ``transfer``: the tables a successor process takes over in a planned handover.
 - ``journal``: the session journal a successor rebuilds the tables from after a crash.

@@ -15,13 +15,8 @@ import pytest
 from qosfs.core.bpf.btf import KernelTypes
 from qosfs.core.mountinfo import mounts
 from qosfs.passthrough.read_counting import COUNTED_FILESYSTEMS
-from qosfs.passthrough.read_probes import (
-    INDEX_SIZE,
-    Offsets,
-    ProbeError,
-    ReadProbes,
-    kernel_layout,
-)
+from qosfs.passthrough.read_probes import ReadProbes
+from qosfs.passthrough.read_programs import INDEX_SIZE, Offsets, ProbeError, kernel_layout
 
 pytestmark = pytest.mark.root
 
@@ -162,6 +157,28 @@ def test_a_second_uid_on_the_same_cpu_is_counted_apart_and_forget_clears_the_slo
     assert probes.totals() == {}
     _read_as(2002, backing, cpu)  # the entry is 2002's now, from nothing
     assert probes.totals([SLOT]) == {(SLOT, 2002): totals[SLOT, 2002]}
+
+
+def test_changed_totals_leave_out_what_was_not_read_and_keep_a_uid_whole(
+        probes: ReadProbes, backing: Path) -> None:
+    """The drain's reading: a slot not read since the last one is left out, unless the
+    hash holds counts of it, since one uid may be counted in the array on one CPU and in
+    the hash on another: its total must come whole, never the hash's part alone."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    st = os.stat(backing)
+    assert probes.watch(st.st_dev, st.st_ino, SLOT)
+    assert probes.changed_totals([SLOT]) == {}
+    _read_as(2001, backing, cpus[0])  # 2001 owns the slot's entry on the first CPU
+    _read_as(2002, backing, cpus[1])  # 2002 on the second
+    first = probes.changed_totals([SLOT])
+    assert {k: v[0] for k, v in first.items()} == {(SLOT, 2001): SIZE, (SLOT, 2002): SIZE}
+    assert probes.changed_totals([SLOT]) == {}  # nothing read since
+    _read_as(2002, backing, cpus[0])  # in the hash: the first CPU's entry is 2001's
+    second = probes.changed_totals([SLOT])
+    assert second[SLOT, 2002][0] == 2 * SIZE  # the array's part and the hash's
+    assert second == probes.totals([SLOT])
 
 
 def test_a_file_that_is_not_watched_is_not_counted(probes: ReadProbes, backing: Path,
