@@ -16,8 +16,9 @@ def format_passthrough(kp: dict[str, Any] | None) -> list[str]:
         return []
     opens = sum(kp["opens"].values())
     line = (f"kernel passthrough {kp['state']}: {kp['reason']}; {kp['live_backing_ids']} "
-            f"inodes passed through now, {opens} opens since mount, "
-            f"{kp['registered']} registered, {kp['refused']} refused, "
+            f"inodes passed through now ({kp.get('idle_backing_ids', 0)} more kept idle), "
+            f"{opens} opens since mount, {kp['registered']} registered, "
+            f"{kp.get('reused_backing_ids', 0)} reused idle, {kp['refused']} refused, "
             f"{kp['declined']} declined")
     if kp.get("last_refusal"):
         line += f" (last refusal {kp['last_refusal']})"

@@ -421,12 +421,18 @@ def _passthrough(kp: dict[str, Any]) -> Iterator[Metric]:
     yield GaugeMetricFamily("qosfs_passthrough_backing_ids", "Inodes passed through to the "
                             "kernel now (one backing id each, shared by their opens).",
                             value=kp["live_backing_ids"])
+    yield GaugeMetricFamily("qosfs_passthrough_idle_backing_ids", "Backing ids kept "
+                            "registered after their file's last close, for its next open "
+                            "(closed when the kernel forgets the inode, at unlink, and "
+                            "after a minute).", value=kp.get("idle_backing_ids", 0))
     registrations = CounterMetricFamily(
         "qosfs_passthrough_registrations", "Backing files registered with the kernel, "
-        "refused by it (served by the daemon instead), and declined because the daemon "
-        "served the inode at the time.", labels=["result"])
+        "refused by it (served by the daemon instead), declined because the daemon "
+        "served the inode at the time, and opens that took back an idle backing id "
+        "(reused: no registration).", labels=["result"])
     for result in ("registered", "refused", "declined"):
         registrations.add_metric([result], kp[result])
+    registrations.add_metric(["reused"], kp.get("reused_backing_ids", 0))
     yield registrations
     opens = CounterMetricFamily(
         "qosfs_passthrough_opens", "Opens passed through to the kernel, by class: their "

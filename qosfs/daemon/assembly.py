@@ -279,6 +279,8 @@ def open_services(daemon: Daemon) -> list[tuple[str, Service]]:
                               counting.drain if counting.on else None)
     if counting.on:
         services.append(("read_counting", counting.run))
+    if daemon.fs.kernel_opens.on:
+        services.append(("idle_backing_ids", daemon.fs.kernel_opens.run))
     return services
 
 

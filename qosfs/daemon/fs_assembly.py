@@ -61,6 +61,7 @@ def build_filesystem(root_fd: int, io: IoMode | BackingIO, qos: FilesystemQos,
     # not): which opens the kernel serves itself, counted by class.
     files: dict[int, FileHandle] = {}
     kernel_opens = KernelOpens(files)
+    inodes.on_unlinked = kernel_opens.forget  # an idle backing id would keep the blocks
     handles = HandleTable(OpenQuota(max(64, (soft - budget) // 2)), qos, inodes,
                           kernel_opens, files)
     paths = PathBook(root_fd, inodes.root)

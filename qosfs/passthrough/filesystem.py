@@ -62,11 +62,13 @@ class Filesystem:
 
     def attach_journal(self, journal: SessionJournal) -> None:
         """Write the filesystem's state down in *journal* and keep it written: the inode
-        table, every open file and directory, the exactly-once ring (a new mount's, a
-        successor's, a recovered one's: each process writes a journal of its own)."""
+        table, every open file and directory, the backing ids, the exactly-once ring (a
+        new mount's, a successor's, a recovered one's: each process writes a journal of
+        its own)."""
         self.once.attach(journal.intents)
         self.inodes.attach_journal(journal, self.handles.inodes_held())
         self.handles.attach_journal(journal)
+        self.kernel_opens.kernel.attach_journal(journal)
 
     def close_all(self) -> None:
         """Close every backing descriptor once the kernel connection is gone."""

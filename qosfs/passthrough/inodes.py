@@ -56,6 +56,7 @@ import errno
 import logging
 import os
 import stat
+from collections.abc import Callable
 from typing import Any
 
 import pyfuse3
@@ -72,6 +73,10 @@ _SYNTHETIC_BASE = 1 << 62  # above any real st_ino we expect; collisions are che
 _LOOKUP_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
 _REOPEN_FLAGS = os.O_PATH | os.O_CLOEXEC  # a handle names the object itself: no following
 HOT_LIMIT = 2048  # Inode objects kept past those in use (the rest are folded: cold_inodes)
+
+
+def _ignore(nodeid: int) -> None:
+    pass
 
 
 def _stale() -> OSError:
@@ -204,6 +209,9 @@ class InodeTable(InodeJournaling):
         self.reopens = 0  # descriptors reopened from a handle (cache misses)
         # Where the table is written down for a successor after a crash (attach_journal).
         self.journal: SessionJournal | None = None
+        # Told the node id of a file let go of by release_unlinked: what else keeps the
+        # file must let go too (an idle backing id: qosfs.passthrough.kernel_opens).
+        self.on_unlinked: Callable[[int], None] = _ignore
         self._root_mount_id, self.handles = _handles_usable(self._mount_fd)
         if not self.handles:
             log.warning("file handles unavailable on the source: one descriptor per inode "
@@ -500,6 +508,7 @@ class InodeTable(InodeJournaling):
         inode.stale = True
         self._journal_stale(inode)
         self._let_go(inode)
+        self.on_unlinked(inode.nodeid)
 
     def _let_go(self, inode: Inode) -> None:
         if inode.slot >= 0:

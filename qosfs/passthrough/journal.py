@@ -13,7 +13,10 @@ written down as they change, here:
   the (parent, name) it reopens by;
 * every open file: its ``fh``, the inode, the open's flags (to reopen it), its owner, its
   QoS flow and charge, and whether the kernel passes it through (and the backing id);
-* every open directory.
+* every open directory;
+* every backing id registered with the kernel for passthrough, with its inode: an id kept
+  idle after its last open is referenced by no open file's record, and a successor that
+  did not know it would leave its file pinned in the kernel until the unmount.
 
 The journal is a file in ``/run/qosfs`` (memory: it must outlive the process, not the
 machine, whose reboot ends the mount anyway) mapped shared into the daemon: a record is a
@@ -98,7 +101,7 @@ _LENGTHS = struct.Struct("<BBHH")  # the body's first fields: kind, flags, name,
 _VAR_AT = _BODY_AT + _BODY.size
 _VAR_ROOM = MAX_RECORD - _VAR_AT
 
-INODE, FILE, DIR = 1, 2, 3
+INODE, FILE, DIR, BACKING = 1, 2, 3, 4
 IS_DIR = 1
 STALE = 2  # let go of (unlinked, or replaced underneath): its node id answers ESTALE
 ROOT_SLOT = -2  # a reference to the mount's root (never journaled: it is the source)
@@ -345,6 +348,14 @@ class SessionJournal:
         slot = self._take()
         self._write(slot, DIR, 0, inode_slot, NO_SLOT, fh, 0, 0, owner & 0xFFFFFFFFFFFFFFFF,
                     b"", b"", b"")
+        return slot
+
+    def put_backing(self, nodeid: int, backing_id: int) -> int:
+        """Write a backing id's record (the inode it was registered for); returns its slot
+        (free it when the id is closed). Once per registration, not per open."""
+        slot = self._take()
+        self._write(slot, BACKING, 0, NO_SLOT, NO_SLOT, nodeid, 0, 0, backing_id, b"", b"",
+                    b"")
         return slot
 
     def next_fh(self, fh: int) -> None:

@@ -16,7 +16,19 @@ The kernel's rules this follows:
 - registering needs CAP_SYS_ADMIN;
 - a passthrough open must not keep the page cache (FOPEN_KEEP_CACHE: the kernel fails
   the open with EIO), so `attach` clears keep_cache;
-- one backing id per inode: opens of one inode share it (counted here);
+- one backing id per inode: opens of one inode share it (counted here), whatever their
+  flags: the id names the file the daemon registered, and each open the kernel passes
+  through gets a backing file of its own, opened on that file's path with the open's
+  own flags (fs/fuse/passthrough.c, ``backing_file_open``), so an O_DIRECT open and a
+  buffered one of the same inode each keep their semantics;
+- a backing id outlives the opens that used it: the kernel holds a reference to the file
+  until the id is closed, and the inode's passthrough state is its open files' (fi->fb
+  goes with the last of them, fs/fuse/iomode.c). So an id whose last open is released is
+  kept *idle* (`IDLE_LIMIT` of them, for `IDLE_SECONDS`) and the inode's next open reuses
+  it: no registration and no release per open of a file read again (a loader's next
+  pass). An idle id pins its file as an open descriptor would: it is closed when the
+  kernel forgets the inode, when its last name is unlinked through the mount
+  (`drop_idle`), and after `IDLE_SECONDS` in any case (`expire`);
 - an open may carry the backing id and direct_io together (FOPEN_PASSTHROUGH |
   FOPEN_DIRECT_IO, fs/fuse/passthrough.c's FOPEN_PASSTHROUGH_MASK, since 6.9): its reads
   and writes come to the daemon, its mmap maps the backing file (`attach`'s *served*,
@@ -35,14 +47,29 @@ from __future__ import annotations
 import errno
 import os
 import re
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol, cast
 
 import pyfuse3
 
+_monotonic = time.monotonic
+
 #: CAP_SYS_ADMIN's bit in /proc/self/status CapEff (linux/capability.h).
 _CAP_SYS_ADMIN = 21
+
+#: Backing ids kept registered after their inode's last open is released, at most (the
+#: oldest is closed first). Each pins its file in the kernel as an open descriptor would
+#: (a struct file, ~0.3 KiB, and the inode and dentry it holds in the caches) and costs
+#: the daemon one dict entry; a warm open that reuses one saves two ioctls and, with
+#: read counting, its BPF map updates (bench/opcost.py).
+IDLE_LIMIT = 8192
+#: How long an idle backing id is kept at most. Bounds how long a file deleted on the
+#: backing store directly (not through the mount) keeps its blocks.
+IDLE_SECONDS = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +92,21 @@ class PassthroughStats:
     refused: int
     last_refusal: str | None
     declined: int = 0  # opens not passed through because the daemon served the inode
+    idle: int = 0  # ids kept registered that no open uses now
+    reused: int = 0  # opens that took an idle id instead of registering
 
 
 class _WithBackingId(Protocol):
     backing_id: int
+
+
+class BackingJournal(Protocol):
+    """Where the registered ids are written down for a successor after a crash
+    (:class:`qosfs.passthrough.journal.SessionJournal`)."""
+
+    def put_backing(self, nodeid: int, backing_id: int) -> int: ...
+
+    def free(self, slot: int) -> None: ...
 
 
 def build_support(binding: ModuleType | Any = pyfuse3) -> str | None:
@@ -163,21 +201,32 @@ def attach(info: pyfuse3.FileInfo, backing_id: int, served: bool = False) -> Non
     cast(_WithBackingId, info).backing_id = backing_id
 
 
+def _nothing(inode: int) -> None:
+    pass
+
+
 class KernelPassthrough:
     """The backing ids of one mount, one per inode, counted by open.
 
     Call `register` in open/create with the open's descriptor and `unregister` at that
-    open's release; both happen once per open, never on the read path.
+    open's release; both happen once per open, never on the read path. An id no open uses
+    stays registered, idle, until `expire`, `drop_idle` or the inode's next open.
     """
 
     def __init__(self, binding: ModuleType | Any = pyfuse3) -> None:
         self._binding = binding
-        self._ids: dict[int, list[int]] = {}  # inode -> [backing id, opens using it]
+        # Told the inode of every id closed (the read counting stops watching its file).
+        self.on_close: Callable[[int], None] = _nothing
+        # inode -> [backing id, opens using it, its journal slot or -1]
+        self._ids: dict[int, list[int]] = {}
+        self._journal: BackingJournal | None = None
+        self._idle: OrderedDict[int, float] = OrderedDict()  # inode -> idle since, oldest first
         self._plain: dict[int, int] = {}  # inode -> opens the daemon serves
         self._declined = 0
         self._capability: Capability | None = None
         self._served_joins: Capability | None = None
         self._registered = 0
+        self._reused = 0
         self._refused = 0
         self._last_refusal: str | None = None
 
@@ -217,13 +266,20 @@ class KernelPassthrough:
         return capability
 
     def register(self, inode: int, fd: int) -> int | None:
-        """The backing id for an open of *inode* whose descriptor is *fd*, or None: the open
-        is then served by the daemon. The first open of an inode registers *fd*'s file
-        (the kernel keeps its own reference); later ones share its id."""
+        """The backing id for an open of *inode* whose descriptor is *fd*, or None: the
+        open is then served by the daemon. The first open of an inode registers *fd*'s
+        file (the kernel keeps its own reference); later ones share its id, or take it
+        back idle."""
         entry = self._ids.get(inode)
         if entry is not None:
-            entry[1] += 1
-            return entry[0]
+            if entry[1] > 0:
+                entry[1] += 1
+                return entry[0]
+            if inode not in self._plain:  # idle, and no served open stands in the way
+                del self._idle[inode]
+                entry[1] = 1
+                self._reused += 1
+                return entry[0]
         if not self.capability().available:
             return None
         if inode in self._plain:
@@ -237,41 +293,100 @@ class KernelPassthrough:
             self._refused += 1
             self._last_refusal = errno.errorcode.get(exc.errno or 0, str(exc.errno))
             return None
-        self._ids[inode] = [backing_id, 1]
+        self._ids[inode] = [backing_id, 1, self._write_down(inode, backing_id)]
         self._registered += 1
         return backing_id
 
-    def unregister(self, inode: int) -> None:
-        """One open of *inode* that `register` gave an id to was released; the last one
-        releases the id."""
+    def _write_down(self, inode: int, backing_id: int) -> int:
+        return -1 if self._journal is None else self._journal.put_backing(inode, backing_id)
+
+    def attach_journal(self, journal: BackingJournal) -> None:
+        """Write every registered id down in *journal*, and each one registered later
+        (a successor closes those no open of its own takes back: `restore_idle`)."""
+        self._journal = journal
+        for inode, entry in self._ids.items():
+            entry[2] = journal.put_backing(inode, entry[0])
+
+    def join(self, inode: int) -> int | None:
+        """The id of passed-through *inode* for an open that must carry it although its
+        requests are served by the daemon (direct_io). None if *inode* is not passed
+        through now (an idle id is not: no open of the inode carries it)."""
+        entry = self._ids.get(inode)
+        if entry is None or entry[1] <= 0:
+            return None
+        entry[1] += 1
+        return entry[0]
+
+    def unregister(self, inode: int, now: float) -> None:
+        """One open of *inode* that `register` or `join` gave an id to was released
+        (*now*: ``time.monotonic()``); after the last one the id stays registered, idle
+        (`expire` closes it)."""
         entry = self._ids.get(inode)
         if entry is None:
             return
         entry[1] -= 1
-        if entry[1] > 0:
-            return
-        del self._ids[inode]
+        if entry[1] <= 0:
+            entry[1] = 0
+            self._idle[inode] = now
+
+    def expire(self, now: float) -> list[int]:
+        """Close the idle ids kept past `IDLE_SECONDS` at *now* (``time.monotonic()``) or
+        beyond `IDLE_LIMIT`, oldest first; return their inodes. O(1) when none is due."""
+        closed: list[int] = []
+        idle = self._idle
+        while idle:
+            inode = next(iter(idle))
+            if len(idle) <= IDLE_LIMIT and idle[inode] > now - IDLE_SECONDS:
+                break
+            del idle[inode]
+            self._close(inode)
+            closed.append(inode)
+        return closed
+
+    def drop_idle(self, inode: int) -> bool:
+        """Close *inode*'s idle id now (its file is gone: the kernel forgot the inode, or
+        its last name was unlinked); whether it had one."""
+        if self._idle.pop(inode, None) is None:
+            return False
+        self._close(inode)
+        return True
+
+    def _close(self, inode: int) -> None:
+        entry = self._ids.pop(inode)
+        if entry[2] >= 0 and self._journal is not None:
+            self._journal.free(entry[2])
         try:
             self._binding.passthrough_close(entry[0])
         except OSError:
             # The kernel dropped it already (e.g. the connection is going away): the id
             # is gone either way.
             pass
+        self.on_close(inode)
 
     def restore_open(self, inode: int, backing_id: int) -> None:
         """Count an open of *inode* that a dead predecessor passed through with
         *backing_id* (still registered: ids belong to the connection, which lived on)."""
         entry = self._ids.get(inode)
         if entry is None:
-            self._ids[inode] = [backing_id, 1]
+            self._ids[inode] = [backing_id, 1, -1]
         else:
             entry[1] += 1
+
+    def restore_idle(self, inode: int, backing_id: int) -> None:
+        """Keep idle an id a dead predecessor had registered for *inode* that none of its
+        open files uses (ids belong to the connection, which lived on): the next open of
+        the inode takes it back, and `expire` closes it if none does."""
+        if inode in self._ids:
+            return  # taken by a restored open
+        self._ids[inode] = [backing_id, 0, -1]
+        self._idle[inode] = _monotonic()
 
     def plain_open(self, inode: int) -> bool:
         """Count an open of *inode* that the daemon serves; False (and nothing counted) if
         *inode* is passed through now: the kernel would fail that open, so the caller
         shares the id (`register`) or refuses the open."""
-        if inode in self._ids:
+        entry = self._ids.get(inode)
+        if entry is not None and entry[1] > 0:
             return False
         self._plain[inode] = self._plain.get(inode, 0) + 1
         return True
@@ -285,32 +400,42 @@ class KernelPassthrough:
             self._plain.pop(inode, None)
 
     def backing_id(self, inode: int) -> int | None:
-        """The id *inode*'s opens share now, if any."""
+        """The id *inode*'s opens share now, if any (an idle one is not shared)."""
         entry = self._ids.get(inode)
-        return None if entry is None else entry[0]
+        return None if entry is None or entry[1] <= 0 else entry[0]
 
     def export_state(self) -> dict[str, Any]:
         """The backing ids and counts as plain data, for a successor process serving the
         same connection: the kernel keeps backing ids per connection, not per
-        descriptor, so they stay valid there (and are released there, by the last open)."""
+        descriptor, so they stay valid there (and are released there, by the last open).
+        Idle ids are among ``ids`` with no opens; ``idle`` lists them oldest first, with
+        their seconds idle (a build before reads ``ids`` alone, and closes an idle id at
+        the next release of its inode)."""
         return {"ids": [[inode, entry[0], entry[1]] for inode, entry in self._ids.items()],
+                "idle": [[inode, _monotonic() - since] for inode, since in self._idle.items()],
                 "plain": [[inode, n] for inode, n in self._plain.items()],
                 "declined": self._declined, "registered": self._registered,
-                "refused": self._refused, "last_refusal": self._last_refusal}
+                "reused": self._reused, "refused": self._refused,
+                "last_refusal": self._last_refusal}
 
     def import_state(self, state: dict[str, Any]) -> None:
-        """Take over a predecessor's backing ids and counts (`export_state`)."""
-        self._ids = {int(i): [int(b), int(n)] for i, b, n in state["ids"]}
+        """Take over a predecessor's backing ids and counts (`export_state`); a build
+        before this one kept no idle ids."""
+        self._ids = {int(i): [int(b), int(n), -1] for i, b, n in state["ids"]}
+        now = _monotonic()
+        self._idle = OrderedDict((int(i), now - float(age)) for i, age in state.get("idle", ()))
         self._plain = {int(i): int(n) for i, n in state["plain"]}
         self._declined = int(state["declined"])
         self._registered = int(state["registered"])
+        self._reused = int(state.get("reused", 0))
         self._refused = int(state["refused"])
         self._last_refusal = state["last_refusal"]
 
     def statistics(self) -> PassthroughStats:
-        return PassthroughStats(live=len(self._ids), registered=self._registered,
-                                refused=self._refused, last_refusal=self._last_refusal,
-                                declined=self._declined)
+        return PassthroughStats(live=len(self._ids) - len(self._idle),
+                                registered=self._registered, refused=self._refused,
+                                last_refusal=self._last_refusal, declined=self._declined,
+                                idle=len(self._idle), reused=self._reused)
 
     def __repr__(self) -> str:
         s = self.statistics()

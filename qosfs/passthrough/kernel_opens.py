@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 from typing import Any
 
 import pyfuse3
+import trio
 from pyfuse3 import FUSEError
 
 from qosfs.passthrough import kernel as binding
@@ -36,6 +38,11 @@ from qosfs.passthrough.read_counting import OFF, KernelReadCounting
 
 log = logging.getLogger(__name__)
 
+_monotonic = time.monotonic
+#: Seconds between two closings of the idle backing ids that are due (`run`); a release
+#: closes those due too, so this bounds how long one is kept on a mount gone quiet.
+IDLE_SWEEP_EVERY = 5.0
+
 
 class KernelOpens:
     """The kernel passthrough of one mount: its state, its opens' backing ids and counts.
@@ -46,13 +53,14 @@ class KernelOpens:
     checks a remembered handle against.
     """
 
-    __slots__ = ("_capped_uncapped", "_files", "_off_reason", "_opens", "_recent",
-                 "_served_reads", "_served_writes", "_stack_depth", "_uncapped_reads",
-                 "_uncapped_writes", "counting", "kernel", "on")
+    __slots__ = ("_capped_uncapped", "_files", "_kernel", "_off_reason", "_opens",
+                 "_recent", "_served_reads", "_served_writes", "_stack_depth",
+                 "_uncapped_reads", "_uncapped_writes", "counting", "on")
 
     def __init__(self, files: dict[int, FileHandle],
                  kernel: KernelPassthrough | None = None) -> None:
-        self.kernel = kernel if kernel is not None else KernelPassthrough()
+        self._kernel = kernel if kernel is not None else KernelPassthrough()
+        self._kernel.on_close = self._closed
         self.on = False
         self._files = files
         self._off_reason = "not requested"
@@ -67,6 +75,16 @@ class KernelOpens:
         # What the kernel reads for passed-through opens, counted (the daemon starts it:
         # qosfs.passthrough.read_counting); off until then.
         self.counting = KernelReadCounting(None, OFF)
+
+    @property
+    def kernel(self) -> KernelPassthrough:
+        """The backing ids (:class:`~qosfs.passthrough.kernel.KernelPassthrough`)."""
+        return self._kernel
+
+    @kernel.setter
+    def kernel(self, kernel: KernelPassthrough) -> None:
+        self._kernel = kernel
+        kernel.on_close = self._closed  # a closed id's file is no longer counted
 
     def __repr__(self) -> str:
         state = "on" if self.on else f"off ({self._off_reason})"
@@ -123,7 +141,8 @@ class KernelOpens:
         return {"state": state, "reason": reason, "stack_depth": self._stack_depth,
                 "registered": s.registered, "refused": s.refused,
                 "last_refusal": s.last_refusal, "declined": s.declined,
-                "live_backing_ids": s.live, "opens": dict(self._opens),
+                "live_backing_ids": s.live, "idle_backing_ids": s.idle,
+                "reused_backing_ids": s.reused, "opens": dict(self._opens),
                 "joins": "served" if joins.available else "uncapped",
                 "joins_reason": joins.reason, "joins_blocked_by": joins.by or None,
                 "served_read_joins": dict(self._served_reads),
@@ -207,7 +226,7 @@ class KernelOpens:
         if kernel.plain_open(nodeid):
             handle.kernel = SERVED
             return None
-        backing_id = kernel.register(nodeid, handle.fd)  # shares the inode's id
+        backing_id = kernel.join(nodeid)  # shares the inode's id
         if backing_id is None:  # cannot happen: plain_open said it is passed through
             raise FUSEError(errno.EIO)
         if not read_only:  # its writes (by mmap at least) may miss the daemon: drop pages
@@ -241,11 +260,38 @@ class KernelOpens:
         if handle.kernel == NOT_COUNTED:
             return
         if handle.kernel in SHARES_BACKING_ID:
-            self.kernel.unregister(handle.inode.nodeid)
+            now = _monotonic()
+            self.kernel.unregister(handle.inode.nodeid, now)
             if handle.kernel == PASSED_THROUGH:  # a JOINED open's reads are the daemon's
                 self.counting.release(handle)
+            self._expire(now)
         else:
             self.kernel.plain_release(handle.inode.nodeid)
+
+    # ----------------------------------------------------------------- idle backing ids
+
+    def _expire(self, now: float) -> None:
+        """Close the idle backing ids that are due (their files' counting stops:
+        ``_closed``)."""
+        self.kernel.expire(now)
+
+    def _closed(self, nodeid: int) -> None:
+        """*nodeid*'s backing id was closed: its file's reads are no longer counted."""
+        self.counting.forget(nodeid)
+
+    def forget(self, nodeid: int) -> None:
+        """The kernel forgot *nodeid*, or its last name was unlinked through the mount:
+        its idle backing id, if any, must not keep the file (and its blocks) any longer.
+        One dict test when it has none."""
+        self.kernel.drop_idle(nodeid)
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The daemon's service: close the idle backing ids that are due every
+        :data:`IDLE_SWEEP_EVERY` seconds, even when no release comes to do it."""
+        task_status.started()
+        while True:
+            await trio.sleep(IDLE_SWEEP_EVERY)
+            self._expire(_monotonic())
 
     def recent_file(self, class_name: str) -> int | None:
         """The backing descriptor of the last open of class *class_name* (its class at

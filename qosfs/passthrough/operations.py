@@ -191,6 +191,7 @@ class PassthroughOperations(pyfuse3.Operations):
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for nodeid, count in inode_list:
             try:
+                self.kernel_opens.forget(nodeid)  # an idle backing id goes with the inode
                 self.inodes.forget(nodeid, count)
             except Exception as exc:  # forget must not raise: no request to answer
                 self.failures.record("forget", exc, "the inode stays known")

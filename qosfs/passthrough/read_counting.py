@@ -9,13 +9,15 @@ flows (``qosfs_read_bytes_total`` and friends, ``ctl stats``, ``top``), never tw
 programs skip the daemon's own reads). Those reads have no latency the daemon could
 measure: their bytes and reads are counted, their latency histograms are not.
 
-A file is watched from its first passed-through open to its last release, so an open's
-reads are counted whichever of its inode's opens made them; a read by a uid that has no
+A file is watched from its first passed-through open for as long as its backing id is
+registered (past its last release while the id is kept idle, for the next open:
+:mod:`qosfs.passthrough.kernel`), so an open's reads are counted whichever of its inode's
+opens made them; a read by a uid that has no
 open of the file (a descriptor passed to another user) goes to the flow of the first
 open. Per class, what cannot be counted is counted as such and said, with the reason
 (``ctl status``, ``qosfs_passthrough_uncounted_opens_total``), never a silent 0:
 
-- no programs (not root, no BPF, no BTF: :class:`~qosfs.passthrough.read_probes.ProbeError`);
+- no programs (not root, no BPF, no BTF: :class:`~qosfs.passthrough.read_programs.ProbeError`);
 - a backing filesystem whose reads the tracepoints do not see with the file's own device
   and inode (tmpfs reads through shmem, overlayfs and FUSE through another file, btrfs
   reports a subvolume's device): only :data:`COUNTED_FILESYSTEMS` are watched;
@@ -35,7 +37,8 @@ import trio
 
 from qosfs.core.mountinfo import mounts
 from qosfs.passthrough.handles import FileHandle
-from qosfs.passthrough.read_probes import ProbeError, ReadProbes
+from qosfs.passthrough.read_probes import ReadProbes
+from qosfs.passthrough.read_programs import ProbeError
 from qosfs.qos.interface import Flow
 
 log = logging.getLogger(__name__)
@@ -153,14 +156,18 @@ class KernelReadCounting:
         return reason
 
     def release(self, handle: FileHandle) -> None:
-        """A passed-through open *handle* is released; at its file's last, the file is
-        no longer watched (what it read is added at the next drain)."""
-        nodeid = handle.inode.nodeid
+        """A passed-through open *handle* is released. Its file stays watched after its
+        last, as long as its backing id is kept idle (:meth:`forget` ends it): the next
+        open of it costs no map update, and what was read is added at the next drain."""
+        w = self._watches.get(handle.inode.nodeid)
+        if w is not None and w.opens > 0:
+            w.opens -= 1
+
+    def forget(self, nodeid: int) -> None:
+        """*nodeid*'s backing id was closed: its file is no longer watched (what it read
+        is added at the next drain, and its slot freed then)."""
         w = self._watches.get(nodeid)
-        if w is None:
-            return
-        w.opens -= 1
-        if w.opens > 0:
+        if w is None or w.opens > 0:
             return
         del self._watches[nodeid]
         if w.slot is not None and self._probes is not None:
@@ -176,7 +183,7 @@ class KernelReadCounting:
         probes = self._probes
         if probes is None:
             return
-        for (slot, uid), (nbytes, nreads) in probes.totals(self._by_slot).items():
+        for (slot, uid), (nbytes, nreads) in probes.changed_totals(self._by_slot).items():
             w = self._by_slot.get(slot)
             if w is None:  # left in the hash by a slot freed between two walks of it
                 probes.forget(slot, (uid,))

@@ -12,7 +12,8 @@ each of them, from the dead process's session journal (:mod:`qosfs.passthrough.j
   those that made or emptied the file), the same class, tenant and owner, and an open the
   kernel passes through keeps its backing id (it belongs to the connection, which lived
   on), as does one that joined a passed-through inode with direct_io (``JOINED``: still
-  served by the new daemon, and capped). An open that cannot be reopened (its file was
+  served by the new daemon, and capped); a backing id no open used (kept idle) is kept
+  idle again, to be taken back or closed in its time. An open that cannot be reopened (its file was
   unlinked while open: its blocks went with the dead process's descriptor) stays in the
   table with no descriptor, and every request on it answers ESTALE, never a hang and
   never another file's data;
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from qosfs.passthrough.handle_table import OpenRecord, Tables
 from qosfs.passthrough.handles import SERVED, SHARES_BACKING_ID
 from qosfs.passthrough.inode_takeover import rebuild_inodes
-from qosfs.passthrough.journal import DIR, FILE, INODE, Journal
+from qosfs.passthrough.journal import BACKING, DIR, FILE, INODE, Journal
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,8 @@ def rebuild(fs: Tables, journal: Journal) -> Rebuilt:
             kernel.plain_open(node.nodeid)
         files += 1
     fs.kernel_opens.count_inherited()
+    for rec in journal.of_kind(BACKING):  # ids no open of the dead process used: idle
+        kernel.restore_idle(rec.nodeid, rec.aux)
     for rec in journal.of_kind(DIR):
         node = root if rec.entry_slot == -2 else nodes.get(rec.entry_slot)
         if node is None:

@@ -135,7 +135,9 @@ class TinyPassthrough(pyfuse3.Operations):
         inode, registered = self.opens.pop(fh)
         os.close(fh)
         if registered:
-            self.kernel.unregister(inode)
+            # Closed at the last release, as libfuse's examples do (qosfs keeps it idle).
+            self.kernel.unregister(inode, 0.0)
+            self.kernel.drop_idle(inode)
         else:
             self.kernel.plain_release(inode)
 

@@ -132,8 +132,10 @@ def test_reads_equal_the_backing_file_and_reach_the_daemon_only_without_passthro
     kernel = mounted.kernel()
     if mounted.passthrough:
         assert mounted.read_bytes("data") == 0  # the kernel read it all
-        assert kernel["opens"]["data"] == 2 and kernel["registered"] == 2
-        assert kernel["live_backing_ids"] == 0  # released with the opens
+        # The second open took the first one's backing id, kept idle since its release.
+        assert kernel["opens"]["data"] == 2 and kernel["registered"] == 1
+        assert kernel["reused_backing_ids"] == 1
+        assert kernel["live_backing_ids"] == 0 and kernel["idle_backing_ids"] == 1
     else:
         assert mounted.read_bytes("data") >= len(data)
         assert kernel["opens"] == {} and kernel["registered"] == 0
@@ -251,8 +253,17 @@ def _open_many(m: Mounted, count: int) -> None:
     assert kernel["live_backing_ids"] == 0
     assert m.daemon_fds() <= before + 2  # nothing held per open
     if m.passthrough:
-        assert kernel["registered"] >= count
+        # One registration per file, kept idle between its opens and taken back by each.
+        assert kernel["registered"] <= 2 and kernel["idle_backing_ids"] == 2
+        assert kernel["registered"] + kernel["reused_backing_ids"] >= count
         assert m.read_bytes("data") == 0  # warm-up reads included
+        # When the kernel forgets the inodes (memory pressure, here forced), their idle
+        # ids are closed with them.
+        def forgotten() -> bool:
+            Path("/proc/sys/vm/drop_caches").write_text("2")
+            return m.kernel()["idle_backing_ids"] == 0
+
+        wait_for("the idle ids closed at FORGET", forgotten, timeout=30, interval=0.5)
 
 
 def test_no_descriptor_or_backing_id_leaks_over_thousands_of_opens(mounted: Mounted) -> None:
@@ -282,3 +293,61 @@ def test_a_refused_registration_falls_back_to_the_daemon(tmp_tree: Path) -> None
         assert kernel["registered"] == 0 and kernel["opens"] == {}
         assert kernel["live_backing_ids"] == 0
         assert m.read_bytes("data") >= len(data)  # the second from the page cache
+
+
+def test_unlinking_a_file_read_through_the_kernel_gives_its_space_back(
+        mounted: Mounted) -> None:
+    """A passed-through file's backing id is kept idle after its last close, and holds
+    the file as an open descriptor would: ``rm`` through the mount must still free its
+    blocks at once, as it does natively."""
+    size = 64 * MiB
+    data = put(mounted, "data/gone.bin", size)
+    path = mounted.mnt / "data/gone.bin"
+    assert digest(path.read_bytes()) == digest(data)
+    if mounted.passthrough:
+        assert mounted.kernel()["idle_backing_ids"] == 1
+    os.sync()
+
+    def free() -> int:
+        st = os.statvfs(mounted.src)
+        return st.f_bfree * st.f_frsize
+
+    before = free()
+    path.unlink()
+
+    def freed() -> bool:
+        os.sync()
+        return free() - before >= size * 0.9
+
+    wait_for("the blocks freed", freed, timeout=20, interval=0.2)
+    assert mounted.kernel()["idle_backing_ids"] == 0
+
+
+def test_a_buffered_reader_beside_an_o_direct_one_reads_unaligned(mounted: Mounted) -> None:
+    """Opens of one inode share its backing id whatever their flags, beside each other or
+    one after the other (the id kept idle): the kernel gives each passed-through open a
+    backing file of its own with the open's flags, so an unaligned read of a buffered
+    open works beside an O_DIRECT one, and after it."""
+    data = put(mounted, "data/dio.bin", MiB)
+    path = str(mounted.mnt / "data/dio.bin")
+    buf = mmap.mmap(-1, 64 * 1024)
+    direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        assert os.preadv(direct, [buf], 0) == len(buf)
+        assert buf[:] == data[:len(buf)]
+        beside = os.open(path, os.O_RDONLY)
+        try:
+            assert os.pread(beside, 7, 3) == data[3:10]
+        finally:
+            os.close(beside)
+    finally:
+        os.close(direct)
+    after = os.open(path, os.O_RDONLY)  # the id is idle now, taken back by this open
+    try:
+        assert os.pread(after, 5, 4099) == data[4099:4104]
+    finally:
+        os.close(after)
+    if mounted.passthrough:
+        kernel = mounted.kernel()
+        assert kernel["opens"]["data"] == 3 and kernel["registered"] == 1
+        assert kernel["served_read_joins"] == {}

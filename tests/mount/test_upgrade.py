@@ -487,6 +487,49 @@ def _kill_9_and_recover(mount: Mount, *extra: str) -> Generation:
     return new
 
 
+@pytest.mark.parametrize("how", ["upgrade", "kill-9"])
+def test_an_idle_backing_id_is_carried_over_and_let_go_at_unlink(
+        mount: Mount, how: str) -> None:
+    """A backing id kept idle after its file's last close goes to a successor, after a
+    handover (its state) or a crash (the journal): the next open takes it back rather
+    than registering the file again, and ``rm`` through the mount still frees the
+    file's blocks at once. A successor that did not know the id would leave the file
+    pinned in the kernel until the unmount."""
+    if not getattr(pyfuse3, "PASSTHROUGH_SUPPORTED", False):
+        pytest.skip("pyfuse3 without kernel passthrough")
+    size = 32 * MiB
+    data = os.urandom(size)
+    (mount.mountpoint / "data" / "idle.bin").write_bytes(data)
+    path = mount.mountpoint / "data" / "idle.bin"
+    assert path.read_bytes() == data
+    entry = mount.status()["passthrough"]
+    if entry["state"] != "active":
+        pytest.skip(f"kernel passthrough unavailable: {entry['reason']}")
+    assert (entry["live_backing_ids"], entry["idle_backing_ids"]) == (0, 1)
+    if how == "upgrade":
+        mount.upgrade()
+    else:
+        _kill_9_and_recover(mount)
+    entry = mount.status()["passthrough"]
+    assert (entry["live_backing_ids"], entry["idle_backing_ids"]) == (0, 1)
+    reused, registered = entry["reused_backing_ids"], entry["registered"]
+    assert path.read_bytes() == data
+    entry = mount.status()["passthrough"]
+    assert entry["reused_backing_ids"] == reused + 1 and entry["registered"] == registered
+    os.sync()
+    st = os.statvfs(mount.source)
+    before = st.f_bfree * st.f_frsize
+    path.unlink()
+
+    def freed() -> bool:
+        os.sync()
+        st = os.statvfs(mount.source)
+        return st.f_bfree * st.f_frsize - before >= size * 0.9
+
+    wait_for("the blocks freed", freed, timeout=20, interval=0.2)
+    assert mount.status()["passthrough"]["idle_backing_ids"] == 0
+
+
 def _data_written(mount: Mount) -> int:
     level = next(lv for lv in mount.status()["levels"]
                  if lv["level"] == "class" and lv["name"] == "data")

@@ -43,28 +43,75 @@ def _as_root(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernel, "has_cap_sys_admin", lambda: True)
 
 
-def test_opens_of_one_inode_share_one_id_released_by_the_last() -> None:
+def test_opens_of_one_inode_share_one_id_kept_idle_after_the_last() -> None:
     binding = FakeBinding()
     kp = KernelPassthrough(binding)
+    closed: list[int] = []
+    kp.on_close = closed.append
     first = kp.register(7, fd=10)
     assert first is not None
     assert kp.register(7, fd=11) == first
     other = kp.register(8, fd=12)
     assert other not in (None, first)
-    kp.unregister(7)
+    kp.unregister(7, now=0.0)
     assert binding.open_ids == {first, other}
-    kp.unregister(7)
-    kp.unregister(8)
-    assert binding.open_ids == set()
+    kp.unregister(7, now=1.0)
+    kp.unregister(8, now=2.0)
+    assert binding.open_ids == {first, other}  # both idle, still registered
+    assert kp.backing_id(7) is None  # an idle id is not shared with a served open
     assert kp.statistics() == kernel.PassthroughStats(live=0, registered=2, refused=0,
-                                                      last_refusal=None)
+                                                      last_refusal=None, idle=2)
+    assert kp.register(7, fd=13) == first  # reused: nothing registered
+    assert binding.open_ids == {first, other} and kp.statistics().reused == 1
+    kp.unregister(7, now=3.0)
+    assert kp.expire(now=1.9 + kernel.IDLE_SECONDS) == []  # none is due yet
+    assert kp.expire(now=2.5 + kernel.IDLE_SECONDS) == [8]  # idle since 2.0: due
+    assert binding.open_ids == {first} and closed == [8]
+    assert kp.drop_idle(7) and not kp.drop_idle(7)  # the kernel forgot it, say
+    assert binding.open_ids == set() and closed == [8, 7]
+    assert kp.statistics().idle == 0
+
+
+def test_idle_ids_beyond_the_limit_are_closed_oldest_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernel, "IDLE_LIMIT", 3)
+    binding = FakeBinding()
+    kp = KernelPassthrough(binding)
+    ids = {inode: kp.register(inode, fd=inode) for inode in range(10, 15)}
+    for t, inode in enumerate((12, 10, 14, 11, 13)):
+        kp.unregister(inode, now=float(t))
+    assert kp.register(14, fd=99) == ids[14]  # taken back: no longer idle
+    kp.unregister(14, now=5.0)  # idle again, now the newest
+    assert kp.expire(now=6.0) == [12, 10]
+    assert binding.open_ids == {ids[11], ids[13], ids[14]}
+
+
+def test_idle_ids_go_to_a_successor_with_their_age() -> None:
+    binding = FakeBinding()
+    kp = KernelPassthrough(binding)
+    live, idle = kp.register(7, fd=10), kp.register(8, fd=11)
+    kp.unregister(8, now=kernel._monotonic() - 10)
+    assert kp.join(7) == live and kp.join(8) is None  # an idle id is joined by no one
+    state = kp.export_state()
+    successor = KernelPassthrough(binding)
+    successor.import_state(state)
+    assert successor.statistics() == kp.statistics()
+    assert successor.expire(kernel._monotonic() + kernel.IDLE_SECONDS - 11) == []
+    assert successor.register(8, fd=12) == idle
+    old = dict(state, ids=[[7, live, 2]])  # a build before: no idle ids
+    for key in ("idle", "reused"):
+        old.pop(key)
+    successor = KernelPassthrough(binding)
+    successor.import_state(old)
+    assert successor.register(7, fd=14) == live
+    assert successor.statistics().idle == 0
 
 
 def test_a_refusal_returns_none_and_is_counted() -> None:
     kp = KernelPassthrough(FakeBinding(refuse=errno.ELOOP))
     assert kp.register(7, fd=10) is None
     assert kp.register(7, fd=10) is None
-    kp.unregister(7)  # a release of an open that got no id: nothing to do
+    kp.unregister(7, now=0.0)  # a release of an open that got no id: nothing to do
     s = kp.statistics()
     assert (s.live, s.registered, s.refused, s.last_refusal) == (0, 0, 2, "ELOOP")
 
@@ -109,12 +156,12 @@ def test_an_inode_is_passed_through_or_served_never_both() -> None:
     assert backing_id is not None
     assert not kp.plain_open(7)  # passed through now: the caller shares or refuses
     assert kp.register(7, fd=12) == backing_id
-    kp.unregister(7)
-    kp.unregister(7)
-    assert kp.plain_open(7)
+    kp.unregister(7, now=0.0)
+    kp.unregister(7, now=0.0)
+    assert kp.plain_open(7)  # idle: no open carries the id, a served open may come
     kp.plain_release(7)
     kp.plain_release(7)  # an extra release changes nothing
-    assert kp.register(7, fd=13) is not None
+    assert kp.register(7, fd=13) == backing_id  # the idle one, taken back
 
 
 @pytest.mark.parametrize(("fstype", "depth"), [

@@ -15,7 +15,7 @@ import trio
 from qosfs.daemon.fs_assembly import build_filesystem
 from qosfs.passthrough import kernel
 from qosfs.passthrough.backing_io import IoMode
-from qosfs.passthrough.handles import JOINED, PASSED_THROUGH
+from qosfs.passthrough.handles import JOINED, PASSED_THROUGH, SERVED
 from qosfs.passthrough.kernel import Capability, KernelPassthrough, served_join_support
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import parse_policy
@@ -132,9 +132,20 @@ def test_release_gives_the_backing_id_back(ops: PassthroughOperations) -> None:
     async def main() -> None:
         info = await _open(ops, "data/a", os.O_RDONLY)
         assert binding.open_ids == {info.backing_id}
+        nodeid = ops.files[info.fh].inode.nodeid
         await ops.release(info.fh)
+        # Kept idle for the next open of the file, which takes it without registering.
+        assert binding.open_ids == {info.backing_id}
+        status = ops.kernel_opens.status()
+        assert (status["live_backing_ids"], status["idle_backing_ids"]) == (0, 1)
+        again = await _open(ops, "data/a", os.O_RDONLY)
+        assert again.backing_id == info.backing_id
+        assert ops.kernel_opens.status()["reused_backing_ids"] == 1
+        await ops.release(again.fh)
+        await ops.forget([(nodeid, 1)])  # the kernel forgot the inode: the id goes too
         assert binding.open_ids == set()
-        assert ops.kernel_opens.status()["live_backing_ids"] == 0
+        status = ops.kernel_opens.status()
+        assert (status["live_backing_ids"], status["idle_backing_ids"]) == (0, 0)
 
     trio.run(main)
 
@@ -170,7 +181,14 @@ def test_a_writer_joining_a_passed_through_inode_gets_direct_io_and_is_served(
         await ops.release(capped.fh)
         assert binding.open_ids == {writer.backing_id}  # the writer still holds it
         await ops.release(writer.fh)
-        assert binding.open_ids == set() and kernel_opens.status()["live_backing_ids"] == 0
+        assert binding.open_ids == {writer.backing_id}  # idle, kept for the next open
+        assert kernel_opens.status()["live_backing_ids"] == 0
+        writer = await _open(ops, "data/a", os.O_WRONLY)  # beside an idle id: plain
+        assert not getattr(writer, "backing_id", 0) and ops.files[writer.fh].kernel == SERVED
+        reader = await _open(ops, "data/a", os.O_RDONLY)  # a served open stands in the way
+        assert not getattr(reader, "backing_id", 0)
+        for fh in (writer.fh, reader.fh):
+            await ops.release(fh)
 
     trio.run(main)
 

@@ -50,6 +50,9 @@ class FakeProbes:
                ) -> dict[tuple[int, int], tuple[int, int]]:
         return dict(self.counts)
 
+    def changed_totals(self, slots: Iterable[int]) -> dict[tuple[int, int], tuple[int, int]]:
+        return dict(self.counts)  # all of them: a superset of the changed ones
+
     def forget(self, slot: int, uids: Iterable[int]) -> None:
         for uid in uids:
             self.counts.pop((slot, uid), None)
@@ -99,7 +102,7 @@ def test_the_kernels_reads_go_to_the_readers_own_open_and_only_once(tmp_path: Pa
         os.close(h.fd)
 
 
-def test_a_file_is_watched_until_its_last_release_and_its_slot_reused_after(
+def test_a_file_is_watched_until_its_backing_id_is_closed_and_its_slot_reused_after(
         tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     a.write_bytes(b"a")
@@ -112,19 +115,28 @@ def test_a_file_is_watched_until_its_last_release_and_its_slot_reused_after(
     counting.watch(h2)
     counting.release(h1)
     assert probes.watched  # one open left
+    counting.forget(5)  # an id still in use is not closed: nothing happens
+    assert probes.watched
     probes.read(a, 0, 10)
     counting.release(h2)
+    assert probes.watched  # idle, with its backing id: the next open costs no update
+    h3 = handle(a, 5, f)
+    counting.watch(h3)
+    probes.read(a, 0, 5)
+    counting.release(h3)
+    assert list(probes.watched.values()) == [1]  # the same slot all along
+    counting.forget(5)  # the idle id was closed
     assert not probes.watched
-    counting.drain()  # what it read before its last release still counts
-    assert f.stats.read_bytes == 10
+    counting.drain()  # what it read before its id was closed still counts
+    assert f.stats.read_bytes == 15
     assert not probes.counts  # its slot's counts are gone, the slot free again
     hb = handle(b, 6, f)
     counting.watch(hb)
     assert list(probes.watched.values()) == [1]
     probes.read(b, 0, 20)
     counting.drain()
-    assert f.stats.read_bytes == 30
-    for h in (h1, h2, hb):
+    assert f.stats.read_bytes == 35
+    for h in (h1, h2, h3, hb):
         os.close(h.fd)
 
 
