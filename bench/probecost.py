@@ -1,5 +1,5 @@
 """What the read-counting BPF programs cost per read: a profiling tool for changes to
-:mod:`qosfs.passthrough.read_probes`, run by hand as root (``bench uncapped`` gives the
+:mod:`qosfs.passthrough.read_programs`, run by hand as root (``bench uncapped`` gives the
 figure of record: fio through a mount with and without the counting)::
 
     python -m bench.probecost [--dir /var/tmp] [--seconds 5] [--rounds 8] [--bs 4k]
