@@ -32,7 +32,7 @@ from qosfs.passthrough.read_programs import (
     kernel_layout,
 )
 
-#: Slots read by one batch lookup of the per-CPU counts (~96 KiB of values on 2 CPUs).
+#: Slots read by one batch lookup of the per-CPU counts (~192 KiB of values on 2 CPUs).
 BATCH_SLOTS = 4096
 
 
