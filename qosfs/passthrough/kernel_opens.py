@@ -264,16 +264,11 @@ class KernelOpens:
             self.kernel.unregister(handle.inode.nodeid, now)
             if handle.kernel == PASSED_THROUGH:  # a JOINED open's reads are the daemon's
                 self.counting.release(handle)
-            self._expire(now)
+            self.kernel.expire(now)  # those due (their files' counting stops: _closed)
         else:
             self.kernel.plain_release(handle.inode.nodeid)
 
     # ----------------------------------------------------------------- idle backing ids
-
-    def _expire(self, now: float) -> None:
-        """Close the idle backing ids that are due (their files' counting stops:
-        ``_closed``)."""
-        self.kernel.expire(now)
 
     def _closed(self, nodeid: int) -> None:
         """*nodeid*'s backing id was closed: its file's reads are no longer counted."""
@@ -291,7 +286,7 @@ class KernelOpens:
         task_status.started()
         while True:
             await trio.sleep(IDLE_SWEEP_EVERY)
-            self._expire(_monotonic())
+            self.kernel.expire(_monotonic())
 
     def recent_file(self, class_name: str) -> int | None:
         """The backing descriptor of the last open of class *class_name* (its class at

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import errno
 import os
 import struct
 
@@ -41,8 +40,10 @@ ANY, NOEXIST = 0, 1
 _LOG_SIZE = 1 << 16
 
 
-def _call(cmd: int, attr: bytes) -> int:
-    buf = ctypes.create_string_buffer(attr, _ATTR_SIZE)
+def _call(cmd: int, attr: bytes | ctypes.Array[ctypes.c_char]) -> int:
+    """bpf(2) with *attr* (bytes, or a buffer of ``_ATTR_SIZE`` the caller reads back
+    what the kernel wrote into)."""
+    buf = ctypes.create_string_buffer(attr, _ATTR_SIZE) if isinstance(attr, bytes) else attr
     ret = int(_libc.syscall(_SYS_BPF, cmd, buf, _ATTR_SIZE))
     if ret < 0:
         err = ctypes.get_errno()
@@ -137,10 +138,9 @@ class Map:
             ctypes.addressof(keys), ctypes.addressof(values), count, self.fd, 0, 0),
             _ATTR_SIZE)
         got = count
-        if int(_libc.syscall(_SYS_BPF, _MAP_LOOKUP_BATCH, attr, _ATTR_SIZE)) < 0:
-            err = ctypes.get_errno()
-            if err != errno.ENOENT:  # ENOENT: the map's end was reached (count says where)
-                raise OSError(err, os.strerror(err))
+        try:
+            _call(_MAP_LOOKUP_BATCH, attr)
+        except FileNotFoundError:  # the map's end was reached: count says where
             got = struct.unpack_from("<I", attr, 32)[0]
         return values.raw[:self.value_size * got]
 
