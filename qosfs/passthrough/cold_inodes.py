@@ -304,6 +304,8 @@ class InodeTable(Protocol):
     by_key: dict[tuple[int, int], Any]
     cold: ColdInodes
     hot_limit: int
+    opened_limit: int
+    opened_hot: int
     hot_peak: int
     fold_at: int
     root: Any
@@ -318,19 +320,27 @@ class InodeTable(Protocol):
 
 def fold(table: InodeTable) -> None:
     """Fold *table*'s oldest inodes nothing uses into its ``cold``, down to ``hot_limit``
-    objects (called every FOLD_BATCH past it: a short pause each time). An inode is
+    objects, plus those opened through the mount while fewer than ``opened_limit`` are
+    (called every FOLD_BATCH past that: a short pause each time). The opened ones are
+    passed over while there is room for them, so a loader's working set is not thawed
+    and folded again at every open; a stat walk opens nothing. An inode is
     folded only if no other object refers to it: no open file
     or listing, no request handler (a local variable), no inode naming it as parent
     or entry (counted exactly by its reference count), and if it needs no descriptor
     of its own (a pinned one) and is not stale; its descriptor is evicted first
     (its file handle taken, as at any eviction) and its path memo dropped, as is
     the QoS layer's memo when it is only a memo."""
-    excess = len(table.by_id) - table.hot_limit
+    room = table.hot_limit + min(table.opened_hot, table.opened_limit)
+    excess = len(table.by_id) - room
     table.hot_peak = max(table.hot_peak, len(table.by_id))
     keyed, by_id = table.by_key, table.by_id
-    for inode in list(itertools.islice(by_id.values(), 4 * excess)):  # oldest first
+    # Opens since the last fold may have made room: then excess is negative, nothing to do.
+    for inode in list(itertools.islice(by_id.values(), 4 * max(excess, 0))):  # oldest first
         if excess <= 0:
             break
+        if inode.opened and table.opened_hot <= table.opened_limit:
+            by_id[inode.nodeid] = by_id.pop(inode.nodeid)  # room for it: passed over
+            continue
         memo: InodeCharge | None = inode.qos_memo
         # References: by_id, the list, this loop (_UNUSED), by_key, the descriptor
         # cache. Any other is a user: it must keep seeing this very object.
@@ -359,8 +369,10 @@ def fold(table: InodeTable) -> None:
         del table.by_id[inode.nodeid]
         if is_keyed:
             del keyed[inode.key]
+        if inode.opened:
+            table.opened_hot -= 1
         excess -= 1
-    table.fold_at = max(table.hot_limit, len(by_id)) + min(FOLD_BATCH, table.hot_limit)
+    table.fold_at = max(room, len(by_id)) + min(FOLD_BATCH, table.hot_limit)
 
 
 def thaw(table: InodeTable, row: int, nodeid: int) -> Any:

@@ -120,6 +120,8 @@ class HandleTable:
         """A new open of *node* as *fd* (its journal record: `write_down`, once the
         kernel passthrough decided what it is)."""
         node.opens += 1
+        if not node.opened:
+            self._inodes.opened(node)
         fh = self._take_fh()
         handle = self.files[fh] = self._handle(fd, direct, charge, node, kill_priv, fsuid,
                                                owner, -1, 0, fh)
@@ -220,6 +222,8 @@ class HandleTable:
         charge = OpenCharge.restore(self._qos, flow, node,
                                     OpenCharge.state_from_values(record.charge))
         node.opens += 1
+        if not node.opened:
+            self._inodes.opened(node)
         self.quota.adopt(record.owner)
         handle = self._handle(fd, record.direct, charge, node, record.kill_priv,
                               record.fsuid, record.owner, buffered, record.kernel, record.fh)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from qosfs.passthrough.cold_inodes import DUE, HANDLE, KEYED, ColdInodes
+from qosfs.passthrough.cold_inodes import DUE, HANDLE, KEYED, ColdInodes, fold
 from qosfs.passthrough.inode_takeover import export_inodes, import_inodes, rebuild_inodes
 from qosfs.passthrough.inodes import Inode, InodeTable
 from qosfs.passthrough.journal import INODE, SessionJournal, read_journal
@@ -186,6 +186,70 @@ def test_an_inode_in_use_is_never_folded(src: tuple[Path, int]) -> None:
         assert table.get(memo.nodeid) is memo
         assert table.cold.find_id(held.nodeid) == -1
         assert len(table.cold) > 0
+    finally:
+        table.close_all()
+
+
+def open_once(table: InodeTable, nodeid: int) -> Inode:
+    """What an open and its release do to the inode, as the handle table does them."""
+    node = table.get(nodeid)
+    node.opens += 1
+    if not node.opened:
+        table.opened(node)
+    node.opens -= 1
+    return node
+
+
+def opened_objects(table: InodeTable) -> int:
+    return sum(node.opened for node in table.by_id.values())
+
+
+def test_opened_inodes_stay_objects_while_a_stat_walk_folds_the_rest(
+        src: tuple[Path, int]) -> None:
+    """A loader's working set (files it opens) is not thawed and folded at every open
+    by the lookups around it; the inodes only looked up still fold past hot_limit."""
+    root, fd = src
+    names = files(root, 120)
+    table = InodeTable(fd, 8, hot_limit=HOT, opened_limit=20)
+    try:
+        ids = walk(table, root, names)
+        working = [ids[name] for name in names[:15]]
+        for nodeid in working:
+            open_once(table, nodeid)
+        fold(table)  # the opens made room since the last fold: nothing to fold, no error
+        for _ in range(3):  # the loader's epochs, with a stat walk of everything between
+            walk(table, root, names)
+            for nodeid in working:
+                assert table.cold.find_id(nodeid) == -1, nodeid  # never folded
+                open_once(table, nodeid)
+        assert table.opened_hot == opened_objects(table) == 15
+        assert len(table.by_id) <= 15 + 2 * HOT + 1
+        assert len(table.cold) >= 120 - 15 - 2 * HOT
+    finally:
+        table.close_all()
+    assert table.opened_hot == 0
+
+
+def test_opened_inodes_past_their_limit_fold_oldest_first_and_are_counted_exactly(
+        src: tuple[Path, int]) -> None:
+    root, fd = src
+    names = files(root, 100)
+    table = InodeTable(fd, 8, hot_limit=HOT, opened_limit=20)
+    try:
+        ids = walk(table, root, names)
+        for name in names:  # an epoch of a loader whose set is larger than the room
+            open_once(table, ids[name])
+            table.trim()
+            assert table.opened_hot == opened_objects(table)
+        assert 20 <= table.opened_hot <= 20 + 2 * HOT
+        assert len(table.by_id) <= 20 + 2 * HOT + 1
+        assert table.cold.find_id(ids[names[0]]) >= 0  # the oldest went first
+        assert table.cold.find_id(ids[names[-1]]) == -1
+        thawed = table.get(ids[names[0]])  # a fresh object: not opened until it is again
+        assert not thawed.opened
+        for name in names:
+            table.forget(ids[name], 1)
+        assert table.opened_hot == 0 and len(table) == 1
     finally:
         table.close_all()
 
