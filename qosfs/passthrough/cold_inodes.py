@@ -307,6 +307,7 @@ class InodeTable(Protocol):
     opened_limit: int
     opened_hot: int
     hot_peak: int
+    thaws: int
     fold_at: int
     root: Any
     cache: FdCache
@@ -380,6 +381,7 @@ def thaw(table: InodeTable, row: int, nodeid: int) -> Any:
     if row < 0:
         raise KeyError(nodeid)
     nodeid, dev, ino, lookups, jslot, flags, ref, blob, stamp = table.cold.take(row)
+    table.thaws += 1
     if blob is None and jslot >= 0 and table.journal is not None:
         name, handle = table.journal.name_and_handle(jslot)
         blob = handle if flags & HANDLE else name

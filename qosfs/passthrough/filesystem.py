@@ -50,6 +50,7 @@ class Filesystem:
         return {
             "inodes": len(inodes), "inode_fds": inodes.fds_held,
             "inode_fd_budget": inodes.cache.capacity, "inode_fd_reopens": inodes.reopens,
+            "inode_objects": len(inodes.by_id), "inode_thaws": inodes.thaws,
             "file_handles": len(handles.files), "dir_handles": len(handles.dirs),
             "open_per_uid_limit": handles.quota.per_uid,
             "open_refused": handles.quota.refused,

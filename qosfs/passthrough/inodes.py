@@ -220,6 +220,8 @@ class InodeTable(InodeJournaling):
         self.cache = FdCache(fd_budget, close, self.evicting)
         self.pinned = 0  # descriptors held for inodes without a handle
         self.reopens = 0  # descriptors reopened from a handle (cache misses)
+        self.thaws = 0  # cold inodes made objects again: rising fast, a working set past
+        # the room for objects (ctl status: inode_thaws)
         # Where the table is written down for a successor after a crash (attach_journal).
         self.journal: SessionJournal | None = None
         # Told the node id of a file let go of by release_unlinked: what else keeps the

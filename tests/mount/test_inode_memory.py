@@ -138,3 +138,38 @@ def test_200000_inodes_cost_at_most_300_bytes_each_and_come_back_after_forget(
     assert figures["per_inode"] <= PER_INODE, figures
     assert figures["forgot_mib"] <= 1.10 * figures["start_mib"] + 8, figures
     assert figures["run_after_forget_mib"] < 1, figures  # the journal's pages too
+
+
+def status(sock: Path) -> dict[str, int]:
+    with Client(str(sock)) as client:
+        return client.request({"cmd": "status"})
+
+
+def test_a_loaders_working_set_stays_whole_while_a_stat_walk_folds(tmp_tree: Path) -> None:
+    """3,000 files opened each epoch (more than the 2,048 inodes kept for lookups alone)
+    with a stat of 6,000 others between epochs: the second epoch unfolds no inode from
+    the compact arrays (each open did, before), and the stat walk's inodes still fold."""
+    src, mnt, run = tmp_tree / "src", tmp_tree / "mnt", tmp_tree / "run"
+    for d in (src, mnt, run):
+        d.mkdir(mode=0o755)
+    working = make_files(src / "data" / "train", 3, 1000)
+    walked = make_files(src / "data" / "other", 6, 1000)
+    policy = tmp_tree / "policy.toml"
+    policy.write_text(POLICY)
+    sock = run / "ctl.sock"
+    with QosfsMount(src, mnt, "--policy", str(policy), "--socket", str(sock)):
+        def epoch() -> None:
+            for name in working:
+                os.close(os.open(mnt / "data" / "train" / name, os.O_RDONLY))
+
+        epoch()
+        for name in walked:
+            os.stat(mnt / "data" / "other" / name)
+        before = status(sock)
+        assert before["inodes"] >= len(working) + len(walked)  # the kernel holds them all
+        epoch()
+        after = status(sock)
+    assert after["inode_thaws"] == before["inode_thaws"], (before, after)
+    # The walk's 6,000 were folded: what is an object is the working set, the 2,048 kept
+    # for any inode, and the directories.
+    assert after["inode_objects"] <= len(working) + 2048 + 64 + 20, after

@@ -212,7 +212,8 @@ def test_the_engines_own_counters_reach_status_and_metrics_from_the_engine() -> 
                               rename_charged_bytes={"ckpt": 8 * MiB}, user_accounts=5,
                               users_expired=7, parked_requests=3, parked_bytes=4096,
                               parking_refused=1)
-    snap = take_snapshot(FakeEngine(counters=counters), 1.0, info={"inodes": 9})
+    snap = take_snapshot(FakeEngine(counters=counters), 1.0,
+                         info={"inodes": 9, "inode_objects": 4, "inode_thaws": 3})
     status = to_json(snap, None, accounts=False)
     assert status["inodes"] == 9  # the filesystem's figures stay beside them
     assert {k: status[k] for k in counters.as_status()} == {
@@ -227,3 +228,5 @@ def test_the_engines_own_counters_reach_status_and_metrics_from_the_engine() -> 
     assert sample(fams, "qosfs_users_expired") == 7
     assert sample(fams, "qosfs_streaming_moves", **{"class": "default"}) == 2
     assert sample(fams, "qosfs_inodes") == 9
+    assert sample(fams, "qosfs_inode_objects") == 4
+    assert sample(fams, "qosfs_inode_thaws") == 3
