@@ -271,8 +271,9 @@ class InodeTable(InodeJournaling):
         """*inode* was opened (a file handle made on it): it is of a working set, kept an
         object while fewer than ``opened_limit`` such are (the caller checks the flag
         first: once per object, not per open)."""
-        inode.opened = True
-        self.opened_hot += 1
+        if self.by_id.get(inode.nodeid) is inode:  # not one let go of (stale) meanwhile
+            inode.opened = True
+            self.opened_hot += 1
 
     def known(self, key: tuple[int, int]) -> Inode | None:
         """The live inode for a (device, inode number), thawed if it was cold."""
