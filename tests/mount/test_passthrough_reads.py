@@ -266,6 +266,37 @@ def _open_many(m: Mounted, count: int) -> None:
         wait_for("the idle ids closed at FORGET", forgotten, timeout=30, interval=0.5)
 
 
+def test_a_working_set_of_ten_thousand_files_keeps_its_backing_ids(mounted: Mounted) -> None:
+    """A loader's files between two epochs: each registered once, every later open takes
+    its idle id back (past 8,192 files the oldest were closed and registered again at
+    each open, before IDLE_LIMIT followed the inode table's room for opened files)."""
+    if not mounted.passthrough:
+        pytest.skip("no backing ids without kernel passthrough")
+    files = 10_000
+    top = mounted.src / "data" / "set"
+    top.mkdir()
+    for i in range(files):
+        (top / f"s{i:05d}").write_bytes(b"%05d" % i)
+    names = [mounted.mnt / "data" / "set" / f"s{i:05d}" for i in range(files)]
+
+    def epoch() -> None:
+        for i, path in enumerate(names):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                assert os.read(fd, 16) == b"%05d" % i
+            finally:
+                os.close(fd)
+        wait_for("every release", lambda: mounted.status()["file_handles"] == 0)
+
+    epoch()
+    first = mounted.kernel()
+    assert first["idle_backing_ids"] == files
+    epoch()
+    second = mounted.kernel()
+    assert second["registered"] == first["registered"], (first, second)
+    assert second["reused_backing_ids"] - first["reused_backing_ids"] == files
+
+
 def test_no_descriptor_or_backing_id_leaks_over_thousands_of_opens(mounted: Mounted) -> None:
     _open_many(mounted, 5000)
 
