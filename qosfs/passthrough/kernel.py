@@ -56,6 +56,8 @@ from typing import Any, Protocol, cast
 
 import pyfuse3
 
+from qosfs.passthrough.inodes import OPENED_LIMIT
+
 _monotonic = time.monotonic
 
 #: CAP_SYS_ADMIN's bit in /proc/self/status CapEff (linux/capability.h).
@@ -66,11 +68,11 @@ _CAP_SYS_ADMIN = 21
 #: (a struct file, ~0.3 KiB, and the inode and dentry it holds in the caches) and costs
 #: the daemon one dict entry; a warm open that reuses one saves two ioctls and, with
 #: read counting, its BPF map updates (bench/opcost.py). As many as the inode table keeps
-#: opened files as objects (inodes.OPENED_LIMIT): a loader's working set between 8,192 and
-#: that registered and closed an id per open at 8,192 (12,000 files of 16 KiB on tmpfs, 4
-#: readers: 6,900 files/s and 134-142 us of daemon CPU per file, against 8,500-9,300 and
-#: 109-111 us at 32,768). At most ~10 MiB of kernel memory, the caches' pins aside.
-IDLE_LIMIT = 32768
+#: opened files as objects, the same working set: at 8,192, a loader's set past that
+#: registered and closed an id per open (12,000 files of 16 KiB on tmpfs, 4 readers:
+#: 6,900 files/s and 134-142 us of daemon CPU per file, against 8,500-9,300 and 109-111
+#: us at 32,768). At most ~10 MiB of kernel memory, the caches' pins aside.
+IDLE_LIMIT = OPENED_LIMIT
 #: How long an idle backing id is kept at most. Bounds how long a file deleted on the
 #: backing store directly (not through the mount) keeps its blocks.
 IDLE_SECONDS = 60.0
