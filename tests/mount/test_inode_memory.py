@@ -73,9 +73,13 @@ def make_files(data: Path, dirs: int, per_dir: int) -> list[str]:
     return names
 
 
-def inodes_known(sock: Path) -> int:
+def status(sock: Path) -> dict[str, int]:
     with Client(str(sock)) as client:
-        return int(client.request({"cmd": "status"})["inodes"])
+        return client.request({"cmd": "status"})
+
+
+def inodes_known(sock: Path) -> int:
+    return int(status(sock)["inodes"])
 
 
 def settled(pid: int, journal: str) -> Memory:
@@ -140,17 +144,16 @@ def test_200000_inodes_cost_at_most_300_bytes_each_and_come_back_after_forget(
     assert figures["run_after_forget_mib"] < 1, figures  # the journal's pages too
 
 
-def status(sock: Path) -> dict[str, int]:
-    with Client(str(sock)) as client:
-        return client.request({"cmd": "status"})
-
-
-def test_a_loaders_working_set_stays_whole_while_a_stat_walk_folds(tmp_tree: Path) -> None:
+@pytest.mark.parametrize("in_place", [False, True], ids=["separate", "in-place"])
+def test_a_loaders_working_set_stays_whole_while_a_stat_walk_folds(
+        tmp_tree: Path, in_place: bool) -> None:
     """3,000 files opened each epoch (more than the 2,048 inodes kept for lookups alone)
     with a stat of 6,000 others between epochs: the second epoch unfolds no inode from
-    the compact arrays (each open did, before), and the stat walk's inodes still fold."""
-    src, mnt, run = tmp_tree / "src", tmp_tree / "mnt", tmp_tree / "run"
-    for d in (src, mnt, run):
+    the compact arrays (each open did, before), and the stat walk's inodes still fold.
+    In place too (qosfs mount SRC, as systemd and the DaemonSet run it)."""
+    src, run = tmp_tree / "src", tmp_tree / "run"
+    mnt = src if in_place else tmp_tree / "mnt"
+    for d in {src, mnt, run}:
         d.mkdir(mode=0o755)
     working = make_files(src / "data" / "train", 3, 1000)
     walked = make_files(src / "data" / "other", 6, 1000)

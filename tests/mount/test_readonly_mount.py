@@ -55,11 +55,13 @@ def _getattrs_of_stats_after_reads(mnt: Path, pid: int) -> int:
         return trace.take().get("GETATTR", 0)
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["separate", "in-place"])
 def test_a_read_only_mount_reads_exactly_refuses_changes_and_keeps_attributes(
-        tmp_tree: Path) -> None:
-    src, mnt = tmp_tree / "src", tmp_tree / "mnt"
-    mnt.mkdir()
+        tmp_tree: Path, in_place: bool) -> None:
+    src = tmp_tree / "src"
+    mnt = src if in_place else tmp_tree / "mnt"
     digests = _tree(src)
+    mnt.mkdir(exist_ok=True)
     with QosfsMount(src, mnt, "-o", "ro") as m:
         assert _read_all(mnt / "data") == digests
         for attempt in (lambda: os.open(mnt / "data" / "f00", os.O_WRONLY),
