@@ -39,9 +39,11 @@
 #   apart from make deps' bld (passthrough_hp is built there); the sources are shared.
 # - pyfuse3 from its sdist with deploy/libfuse/pyfuse3-passthrough.patch (written to be
 #   proposed upstream); its C file is regenerated from the patched Cython source.
-#   Two more on top, each for upstream on its own (README.md says why):
+#   More on top, each for upstream on its own (README.md says why):
 #   pyfuse3-no-splice-read.patch stops libfuse's pipe churn before every request;
 #   pyfuse3-read-queued.patch reads a queued request without waiting for readiness.
+#   pyfuse3-read-inline.patch (last) runs a request's handler in the task that read it,
+#   handing the reading on to another task only if the handler suspends.
 # - libfuse-session-adopt.patch, applied to the source build only (README.md, "Live
 #   handover"): a new process can serve a mounted, initialised connection without INIT;
 #   pyfuse3-adopt.patch exposes it. Against the system's libfuse pyfuse3 still builds,
@@ -70,7 +72,7 @@ esac
 here=$(cd "$(dirname "$0")" && pwd)
 patch_file=$here/pyfuse3-passthrough.patch
 more_patches="$here/pyfuse3-no-splice-read.patch $here/pyfuse3-read-queued.patch $here/pyfuse3-adopt.patch
-    $here/pyfuse3-req-unique.patch"
+    $here/pyfuse3-req-unique.patch $here/pyfuse3-read-inline.patch"
 libfuse_patches="$here/libfuse-session-adopt.patch $here/libfuse-req-unique.patch"
 
 LIBFUSE_DEB_VERSION=${LIBFUSE_DEB_VERSION:-3.18.3-1}
