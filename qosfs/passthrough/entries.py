@@ -68,7 +68,11 @@ class Entries:
         QoS engine so that the open which usually follows need not read it from /proc."""
         inode = self._inodes.adopt(fd, st, (parent, name))
         if self._learn_paths:
-            self._paths.note_child(parent, name, inode)
+            paths = self._paths
+            paths.note_child(parent, name, inode)
+            by_path = self._qos.cache_timeouts
+            entry = by_path(paths.relpath(inode))[0] if by_path is not None else None
+            paths.trust_entry(inode, self._entry_timeout if entry is None else entry)
         return inode
 
     async def adopt_new(self, parent: Inode, name: bytes) -> pyfuse3.EntryAttributes:

@@ -9,11 +9,15 @@ the QoS machinery on a create (bench: metadata). So each inode memoizes its path
 * derived from the parent's memoized path plus the name when the kernel looks up or
   creates a child (the name the caller used: for a hard-linked file, the link opened);
 * trusted for at most :data:`PATH_MEMO_SECONDS` after it was read from /proc (a derived
-  path inherits its parent's deadline), and until the next rename through the mount,
-  which may move whole subtrees and so bumps :attr:`PathBook.epoch` for all of them.
+  path inherits its parent's deadline, or, if longer, the entry timeout the kernel is
+  given for the name: :meth:`PathBook.trust_entry`), and until the next rename through
+  the mount, which may move whole subtrees and so bumps :attr:`PathBook.epoch` for all
+  of them.
 
 A rename made directly on the backing store is therefore seen within a second, the
-staleness the kernel's own entry cache (entry_timeout 1 s) already has.
+staleness the kernel's own entry cache (entry_timeout 1 s) already has; under a class
+whose ``entry_timeout`` is longer (the default policy's datasets: 60 s), when the kernel
+looks the name up again, as callers see it.
 """
 
 from __future__ import annotations
@@ -79,6 +83,20 @@ class PathBook:
             deadline = _monotonic() + PATH_MEMO_SECONDS
         leaf = name.decode(_FS_ENCODING, "surrogateescape")  # os.fsdecode, inlined
         child.path_memo = (self.epoch, deadline, f"{base}/{leaf}" if base else leaf)
+
+    def trust_entry(self, inode: Inode, seconds: float) -> None:
+        """The kernel was just told to trust *inode*'s name, from which its path was
+        derived (:meth:`note_child`), for *seconds*: callers reach the inode by that
+        name, without a lookup, for as long, so the path they used is trusted for as long
+        too (never shortened). Otherwise a loader that opens each file of its dataset
+        once an epoch, past a second, re-read every path from /proc and classified every
+        open again: the /proc read reopened the inode's evicted descriptor, which evicted
+        another's."""
+        memo = inode.path_memo
+        if memo is not None and memo[0] == self.epoch:
+            deadline = _monotonic() + seconds
+            if deadline > memo[1]:
+                inode.path_memo = (memo[0], deadline, memo[2])
 
     def _read(self, inode: Inode) -> str:
         try:

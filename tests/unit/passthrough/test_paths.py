@@ -71,3 +71,28 @@ def test_a_deleted_object_keeps_its_last_path(tree) -> None:
     top, book = tree.top, tree.book
     os.unlink(top / "a" / "b" / "f")
     assert book.relpath(tree.f) == "a/b/f"
+
+
+def test_a_derived_path_is_trusted_as_long_as_the_kernel_trusts_its_name(
+        tree, monkeypatch: pytest.MonkeyPatch) -> None:
+    top, book, clock = tree.top, tree.book, tree.clock
+    assert book.relpath(tree.b) == "a/b"
+    book.note_child(tree.b, b"f", tree.f)
+    book.trust_entry(tree.f, 60.0)  # the entry_timeout the lookup's reply gives
+    book.trust_entry(tree.f, 0.5)  # never shortened
+    os.rename(top / "a" / "b" / "f", top / "a" / "b" / "h")  # underneath
+    clock[0] += 59.0  # callers still reach it by the name they looked up, so does QoS
+    with monkeypatch.context() as patch:
+        patch.setattr(book, "_read", lambda inode: pytest.fail("read /proc"))
+        assert book.relpath(tree.f) == "a/b/f"
+    clock[0] += 1.0  # the kernel looks the name up again, and the path is read again
+    assert book.relpath(tree.f) == "a/b/h"
+
+
+def test_trusting_an_entry_does_not_revive_a_path_from_before_a_rename(tree) -> None:
+    top, book = tree.top, tree.book
+    book.note_child(tree.b, b"f", tree.f)
+    os.rename(top / "a" / "b" / "f", top / "a" / "g")
+    book.renamed()  # through the mount: every memo is stale
+    book.trust_entry(tree.f, 60.0)
+    assert book.relpath(tree.f) == "a/g"
