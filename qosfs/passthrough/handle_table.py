@@ -120,6 +120,7 @@ class HandleTable:
         """A new open of *node* as *fd* (its journal record: `write_down`, once the
         kernel passthrough decided what it is)."""
         node.opens += 1
+        node.open_fd = fd
         if not node.opened:
             self._inodes.opened(node)
         fh = self._take_fh()
@@ -222,6 +223,8 @@ class HandleTable:
         charge = OpenCharge.restore(self._qos, flow, node,
                                     OpenCharge.state_from_values(record.charge))
         node.opens += 1
+        if fd >= 0:
+            node.open_fd = fd
         if not node.opened:
             self._inodes.opened(node)
         self.quota.adopt(record.owner)
@@ -247,6 +250,8 @@ class HandleTable:
         """Close every open's descriptors (the kernel connection is gone)."""
         held = [h.buffered for h in self.files.values() if h.buffered >= 0]
         fds = [h.fd for h in self.files.values()] + [h.fd for h in self.dirs.values()]
+        for h in self.files.values():
+            h.inode.open_fd = -1
         for fd in fds + held:
             try:
                 os.close(fd)

@@ -109,6 +109,7 @@ class Inode:
         "key",
         "lookups",
         "nodeid",
+        "open_fd",
         "opened",
         "opens",
         "parent",
@@ -126,6 +127,9 @@ class Inode:
         self.key = key  # (st_dev, st_ino) of the backing object
         self.lookups = lookups
         self.opens = 0  # open file handles on it (an unlinked file must stay reachable)
+        # The descriptor of one of those opens (-1: none known): what `stat_fd` answers
+        # with while the inode's own was evicted. Set at open, cleared before its close.
+        self.open_fd = -1
         self.opened = False  # opened since it was last made an object (InodeTable.opened)
         self.handle = handle  # None: reopened by entry instead (or never evicted)
         # The handle is to be taken when the descriptor is evicted (see the module
@@ -168,6 +172,20 @@ class Inode:
             self.referenced = True
             return fd
         return self._table.reopen(self)
+
+    @property
+    def stat_fd(self) -> int:
+        """A descriptor to ``fstat`` the object by, for a call made at once on the event
+        loop's thread (never one in a worker thread: an open's descriptor is closed at its
+        release, not deferred as the cache's are): its own if cached, else that of one of
+        its opens, else its own reopened. Python's ``open()`` stats every file it opens,
+        and the GETATTR that sends (after a read on a writable mount) reopened an evicted
+        descriptor, evicting another inode's, at every file of a loader's epoch."""
+        fd = self.cached_fd
+        if fd >= 0:
+            self.referenced = True
+            return fd
+        return self.open_fd if self.open_fd >= 0 else self._table.reopen(self)
 
     @property
     def proc_path(self) -> str:
@@ -412,14 +430,35 @@ class InodeTable(InodeJournaling):
             else:
                 raise _stale()
         except OSError as exc:
-            if exc.errno in (errno.ESTALE, errno.ENOENT):
-                inode.stale = True  # gone underneath, or moved where we cannot know
-                self._journal_stale(inode)
-                raise _stale() from None
+            self.check_gone(inode, exc)
             raise
         self.reopens += 1
         self.cache.put(inode, fd)
         return fd
+
+    def handle_to_open(self, inode: Inode) -> bytes | None:
+        """The handle to open *inode*'s object by for I/O (:meth:`open_by_handle`), if
+        its descriptor was evicted; None: open it through its descriptor. Reopening the
+        descriptor first would cache it and so evict another inode's: with a loader's
+        working set past the budget, every open reopened one descriptor and closed
+        another, where one system call that leaves the cache as it is does."""
+        if inode.cached_fd >= 0 or inode.handle is None or inode.stale:
+            return None
+        return inode.handle  # not a reopen (``reopens``): no descriptor is cached
+
+    def open_by_handle(self, handle: bytes, flags: int) -> int:
+        """Open the object *handle* names with *flags* (no ``O_PATH`` descriptor, no
+        table touched: safe in a worker thread). The caller passes what it raises to
+        :meth:`check_gone`, on the loop's thread."""
+        return syscalls.open_by_handle(self._mount_fd, handle, flags)
+
+    def check_gone(self, inode: Inode, exc: OSError) -> None:
+        """*exc* came from reopening *inode*'s object: if it says the object is gone
+        (ESTALE, ENOENT), *inode* is let go of as stale and ESTALE raised."""
+        if exc.errno in (errno.ESTALE, errno.ENOENT):
+            inode.stale = True  # gone underneath, or moved where we cannot know
+            self._journal_stale(inode)
+            raise _stale() from None
 
     @staticmethod
     def _reopen_by_name(inode: Inode, parent: Inode, name: bytes) -> int:
@@ -518,14 +557,27 @@ class InodeTable(InodeJournaling):
         The node id stays valid (the kernel may still forget it); any later use of it
         answers ESTALE.
         """
+        if self.unlinked(inode):
+            self.let_go_unlinked(inode)
+
+    def unlinked(self, inode: Inode, fd: int = -1) -> bool:
+        """Whether *inode*'s object has lost its last name while the kernel still knows
+        it (not the root, not open, not let go of already). Asked of the inode's own
+        descriptor, or, if that was evicted, of *fd* when given (an open descriptor of
+        the same object: a release's own, before its close), rather than reopening it,
+        which would evict another inode's descriptor at every last release."""
         if inode is self.root or inode.opens or inode.stale:
-            return
+            return False
+        if inode.cached_fd >= 0 or fd < 0:
+            fd = -1  # its own (reopened if need be: no other at hand)
         try:
-            if os.fstat(inode.fd).st_nlink:
-                return
+            nlink = os.fstat(inode.fd if fd < 0 else fd).st_nlink
         except OSError as exc:
-            if exc.errno != errno.ESTALE:  # short of descriptors, say: try again later
-                return
+            return exc.errno == errno.ESTALE  # short of descriptors, say: try again later
+        return nlink == 0
+
+    def let_go_unlinked(self, inode: Inode) -> None:
+        """:meth:`release_unlinked` once :meth:`unlinked` said so."""
         if self.by_key.get(inode.key) is inode:
             del self.by_key[inode.key]
         inode.stale = True

@@ -207,7 +207,7 @@ class PassthroughOperations(pyfuse3.Operations):
             if self.io.mode is IoMode.THREADS:
                 st = await self.io.meta(self._meta_limiter, os.fstat, node.fd)
             else:
-                st = os.fstat(node.fd)
+                st = os.fstat(node.stat_fd)
             return self._entry(node, st)
         except Exception as exc:  # the errno, or EIO for a bug: the mount serves on
             raise self._answer("getattr", exc) from None
@@ -304,9 +304,18 @@ class PassthroughOperations(pyfuse3.Operations):
         node = self.inodes.get(inode)
         owner = self.handles.claim(ctx.uid)
         try:
-            fd, direct = await self._meta_opening(
-                odirect.open_backing, flags & ~OPEN_DROP, odirect.reopen, node
-            )
+            handle = self.inodes.handle_to_open(node)
+            if handle is None:
+                fd, direct = await self._meta_opening(
+                    odirect.open_backing, flags & ~OPEN_DROP, odirect.reopen, node)
+            else:  # its descriptor was evicted: straight from its handle
+                try:
+                    fd, direct = await self._meta_opening(
+                        odirect.open_backing, flags & ~OPEN_DROP,
+                        self.inodes.open_by_handle, handle)
+                except OSError as exc:
+                    self.inodes.check_gone(node, exc)
+                    raise
         except BaseException:
             self.handles.unclaim(owner)
             raise
@@ -417,8 +426,15 @@ class PassthroughOperations(pyfuse3.Operations):
             self.handles.unclaim(handle.owner)
             handle.charge.release()
         finally:  # whatever the bookkeeping did, a bug must not leak a descriptor per open
-            handle.inode.opens -= 1
+            node = handle.inode
+            node.opens -= 1
+            if node.open_fd == handle.fd:  # not after its close: the number is reused
+                node.open_fd = -1
             self.kernel_opens.release(handle)  # a backing id must not leak either
+            # The last open of a file unlinked meanwhile? Asked before the close, so that
+            # this open's descriptor can answer for the inode's if that one was evicted.
+            unlinked = node.opens == 0 and node.lookups > 0 and self.inodes.unlinked(
+                node, handle.fd)
             if handle.fd < 0:
                 pass  # lost in a crash (qosfs.passthrough.recovery): nothing to close
             elif self.io.mode is IoMode.THREADS:
@@ -432,8 +448,8 @@ class PassthroughOperations(pyfuse3.Operations):
                 # the daemon's CPU per file of a warm small-file loader on ext4
                 # (bench/opcost.py: 4,696 -> 14,230 files/s, passthrough_hp 12,994).
                 odirect.close_file(handle.fd, handle.buffered)
-        if handle.inode.opens == 0 and handle.inode.lookups > 0:
-            self.inodes.release_unlinked(handle.inode)
+        if unlinked:
+            self.inodes.let_go_unlinked(node)
 
     @fuse_handler
     async def fsync(self, fh: int, datasync: bool) -> None:

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from qosfs.control.ctl import Client
 from qosfs.daemon.takeover.keeper import journal_path
+from qosfs.passthrough.paths import PATH_MEMO_SECONDS
 from tests.mounting import QosfsMount
 from tests.waiting import wait_for
 
@@ -176,3 +178,45 @@ def test_a_loaders_working_set_stays_whole_while_a_stat_walk_folds(
     # The walk's 6,000 were folded: what is an object is the working set, the 2,048 kept
     # for any inode, and the directories.
     assert after["inode_objects"] <= len(working) + 2048 + 64 + 20, after
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["separate", "in-place"])
+def test_a_loaders_epoch_past_the_descriptor_budget_reopens_no_descriptor(
+        tmp_tree: Path, in_place: bool) -> None:
+    """1,500 files under data/ (the default policy's datasets, whose names the kernel
+    trusts for 60 s), read each epoch through a daemon whose descriptor limit (2,048)
+    keeps 512 inode descriptors. The second epoch, past the second a path read from
+    /proc is trusted, reopens no inode descriptor: the path is the name's for as long as
+    the kernel trusts the name, an evicted inode's file is opened straight from its
+    handle, and a release asks its own descriptor for the link count. Before, the first
+    or both reopened the inode's descriptor, and each reopen evicted another's: ~1,000
+    an epoch. The bytes read are the source's."""
+    src, run = tmp_tree / "src", tmp_tree / "run"
+    mnt = src if in_place else tmp_tree / "mnt"
+    for d in {src, mnt, run}:
+        d.mkdir(mode=0o755)
+    data = src / "data" / "train"
+    data.mkdir(parents=True)
+    digests = {}
+    for i in range(1500):
+        body = os.urandom(64) * 64
+        (data / f"s{i:05d}.bin").write_bytes(body)
+        digests[f"s{i:05d}.bin"] = xxhash.xxh64_hexdigest(body)
+    sock = run / "ctl.sock"
+    with QosfsMount(src, mnt, "--socket", str(sock), nofile=2048):
+        def epoch() -> None:
+            for name, digest in digests.items():
+                with open(mnt / "data" / "train" / name, "rb") as f:
+                    assert xxhash.xxh64_hexdigest(f.read()) == digest, name
+
+        epoch()
+        first = status(sock)
+        assert first["inode_fd_budget"] == 512
+        assert first["inode_fd_reopens"] == 0  # each was looked up, its descriptor fresh
+        # What this waits for is time itself: the second after which a path read from
+        # /proc is no longer trusted.
+        time.sleep(PATH_MEMO_SECONDS + 0.25)
+        epoch()
+        second = status(sock)
+    assert second["inode_fd_reopens"] == 0, second
+    assert second["inode_fds"] <= second["inode_fd_budget"] + 2, second

@@ -324,6 +324,49 @@ def test_evicted_inode_descriptors_reopen_by_handle(tmp_path: Path) -> None:
     assert open_fds() == before
 
 
+def test_an_evicted_inode_is_opened_straight_from_its_handle(tmp_path: Path) -> None:
+    """An open of an inode whose descriptor was evicted opens the file from its handle,
+    and caches no descriptor for it (that would evict another inode's); a file gone
+    underneath answers ESTALE from then on."""
+    for i in range(20):
+        (tmp_path / f"f{i}").write_bytes(b"%d" % i)
+    fs = InProcessFs(tmp_path, ENGINES["policy"](), FsOptions(fd_budget=8))
+    ops, ctx = fs.ops, fs.ctx
+    if not ops.inodes.handles:
+        fs.close()
+        pytest.skip("no file handles here (not root, or the filesystem exports none)")
+
+    async def main() -> None:
+        nodes = [(await fs.lookup(f"f{i}")).st_ino for i in range(20)]
+        await ops.getattr(nodes[-1], ctx)  # a request trims the cache to its budget
+        evicted = [ino for ino in nodes if ops.inodes.get(ino).cached_fd < 0]
+        assert len(evicted) >= 10
+        cached = {ino for ino in nodes if ops.inodes.get(ino).cached_fd >= 0}
+        reopens = ops.inodes.reopens
+        for ino in evicted:
+            info = await ops.open(ino, os.O_RDONLY, ctx)
+            assert bytes(await ops.read(info.fh, 0, 10)) == b"%d" % nodes.index(ino)
+            # Python's open() stats what it opened: the open's descriptor answers.
+            st = await ops.getattr(ino, ctx)
+            assert st.st_size == len(b"%d" % nodes.index(ino))
+            await ops.release(info.fh)
+        assert ops.inodes.reopens == reopens  # no descriptor reopened, none evicted
+        assert {ino for ino in nodes if ops.inodes.get(ino).cached_fd >= 0} == cached
+        assert all(ops.inodes.get(ino).open_fd == -1 for ino in evicted)
+        await ops.getattr(evicted[1], ctx)  # not open: its own descriptor, reopened
+        assert ops.inodes.reopens == reopens + 1
+        gone = evicted[0]
+        os.unlink(tmp_path / f"f{nodes.index(gone)}")
+        for _ in range(2):
+            with pytest.raises(pyfuse3.FUSEError) as err:
+                await ops.open(gone, os.O_RDONLY, ctx)
+            assert err.value.errno == errno.ESTALE
+        assert ops.inodes.by_id[gone].stale  # let go of: the table's get answers ESTALE
+
+    fs.run(main)
+    fs.close()
+
+
 def test_every_descriptor_is_given_back_when_the_kernel_lets_go(fs: InProcessFs) -> None:
     ops, ctx = fs.ops, fs.ctx
     (fs.root / "d").mkdir()
