@@ -10,7 +10,7 @@ import pyfuse3
 
 from qosfs.core import syscalls
 from qosfs.passthrough.handles import FileHandle
-from qosfs.passthrough.inodes import Inode
+from qosfs.passthrough.inode import Inode
 from qosfs.passthrough.ownership import kill_priv
 
 

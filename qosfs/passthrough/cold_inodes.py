@@ -2,7 +2,7 @@
 
 A dataset walk leaves the kernel holding every inode it stat'ed (until the entry and
 attribute timeouts let it forget them), most of which nobody touches again. As Python
-objects they cost ~650 bytes each (the :class:`~qosfs.passthrough.inodes.Inode` with its
+objects they cost ~650 bytes each (the :class:`~qosfs.passthrough.inode.Inode` with its
 slots, its key and entry tuples, two dict entries, the handle); here a record is a row
 of parallel arrays (node id, device, inode number, lookup count, journal slot, flags)
 and the object that names it (the directory it reopens by name under), found through two
@@ -297,7 +297,7 @@ class ColdInodes:
 
 class InodeTable(Protocol):
     """What folding needs of :class:`qosfs.passthrough.inodes.InodeTable` (its inodes
-    are :class:`~qosfs.passthrough.inodes.Inode` objects: Any here, as that module
+    are :class:`~qosfs.passthrough.inode.Inode` objects: Any here, as the table's module
     imports this one)."""
 
     by_id: dict[int, Any]

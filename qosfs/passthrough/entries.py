@@ -7,7 +7,8 @@ import os
 
 import pyfuse3
 
-from qosfs.passthrough.inodes import Inode, InodeTable
+from qosfs.passthrough.inode import Inode
+from qosfs.passthrough.inodes import InodeTable
 from qosfs.passthrough.meta_calls import MetaCalls
 from qosfs.passthrough.paths import PathBook
 from qosfs.qos.interface import FilesystemQos

@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 from qosfs.passthrough.handles import SHARES_BACKING_ID, DirHandle, FileHandle, OpenQuota
-from qosfs.passthrough.inodes import Inode, InodeTable
+from qosfs.passthrough.inode import Inode
+from qosfs.passthrough.inodes import InodeTable
 from qosfs.passthrough.intents import ExactlyOnce
 from qosfs.passthrough.journal import SessionJournal
 from qosfs.passthrough.kernel_opens import KernelOpens

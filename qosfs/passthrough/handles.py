@@ -16,7 +16,7 @@ import errno
 import os
 from dataclasses import dataclass, field
 
-from qosfs.passthrough.inodes import Inode
+from qosfs.passthrough.inode import Inode
 from qosfs.qos.charge import OpenCharge
 
 

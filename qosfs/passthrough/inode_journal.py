@@ -14,8 +14,9 @@ log = logging.getLogger(__name__)
 
 
 class Inode(Protocol):
-    """What is written down of :class:`qosfs.passthrough.inodes.Inode` (which imports
-    this module: the inodes it names are Any here)."""
+    """What is written down of :class:`qosfs.passthrough.inode.Inode` (its table,
+    :mod:`qosfs.passthrough.inodes`, imports this module: the inodes it names are Any
+    here)."""
 
     nodeid: int
     key: tuple[int, int]

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from qosfs.passthrough.inodes import Inode, InodeTable
+from qosfs.passthrough.inode import Inode
+from qosfs.passthrough.inodes import InodeTable
 from qosfs.passthrough.journal import ROOT_SLOT, STALE, Record
 
 

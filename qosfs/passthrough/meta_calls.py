@@ -13,7 +13,8 @@ from typing import Any, TypeVar
 import trio
 
 from qosfs.passthrough.backing_io import BackingIO
-from qosfs.passthrough.inodes import Inode, InodeTable
+from qosfs.passthrough.inode import Inode
+from qosfs.passthrough.inodes import InodeTable
 
 _T = TypeVar("_T")
 

@@ -20,7 +20,8 @@ from qosfs.core import syscalls
 from qosfs.passthrough import odirect
 from qosfs.passthrough.entries import Entries
 from qosfs.passthrough.handle_table import OPEN_DROP, HandleTable
-from qosfs.passthrough.inodes import Inode, InodeTable
+from qosfs.passthrough.inode import Inode
+from qosfs.passthrough.inodes import InodeTable
 from qosfs.passthrough.intents import EXISTS, GONE, ExactlyOnce
 from qosfs.passthrough.meta_calls import MetaCalls
 from qosfs.passthrough.ownership import SUID_SGID, Ownership

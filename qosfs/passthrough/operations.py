@@ -58,7 +58,8 @@ from qosfs.passthrough.backing_io import BackingIO, IoMode
 from qosfs.passthrough.entries import Entries
 from qosfs.passthrough.handle_table import OPEN_DROP, HandleTable
 from qosfs.passthrough.handles import DirHandle
-from qosfs.passthrough.inodes import Inode, InodeTable
+from qosfs.passthrough.inode import Inode
+from qosfs.passthrough.inodes import InodeTable
 from qosfs.passthrough.kernel_opens import KernelOpens
 from qosfs.passthrough.meta_calls import FD_SHORTAGE, MetaCalls
 from qosfs.passthrough.namespace import Namespace

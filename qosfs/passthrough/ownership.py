@@ -15,7 +15,7 @@ import stat
 
 import pyfuse3
 
-from qosfs.passthrough.inodes import Inode
+from qosfs.passthrough.inode import Inode
 
 SUID_SGID = stat.S_ISUID | stat.S_ISGID
 

@@ -15,7 +15,7 @@ import os
 import pyfuse3
 
 from qosfs.passthrough.backing_io import BackingIO, IoMode
-from qosfs.passthrough.inodes import Inode
+from qosfs.passthrough.inode import Inode
 from qosfs.qos.interface import Flow
 
 

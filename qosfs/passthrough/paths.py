@@ -26,7 +26,7 @@ import os
 import sys
 import time
 
-from qosfs.passthrough.inodes import Inode
+from qosfs.passthrough.inode import Inode
 
 # How long a path read from /proc is trusted: the kernel's default entry_timeout.
 PATH_MEMO_SECONDS = 1.0

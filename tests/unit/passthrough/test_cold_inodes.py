@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from qosfs.passthrough.cold_inodes import DUE, HANDLE, KEYED, ColdInodes, fold
+from qosfs.passthrough.inode import Inode
 from qosfs.passthrough.inode_takeover import export_inodes, import_inodes, rebuild_inodes
-from qosfs.passthrough.inodes import Inode, InodeTable
+from qosfs.passthrough.inodes import InodeTable
 from qosfs.passthrough.journal import INODE, SessionJournal, read_journal
 from tests.inprocess_fs import open_fds
 

@@ -17,7 +17,8 @@ import pytest
 from qosfs.passthrough import fdcache as fdcache_module
 from qosfs.passthrough import inodes as inodes_module
 from qosfs.passthrough.fdcache import default_fd_budget
-from qosfs.passthrough.inodes import Inode, InodeTable
+from qosfs.passthrough.inode import Inode
+from qosfs.passthrough.inodes import InodeTable
 from tests.inprocess_fs import open_fds
 
 BUDGET = 8  # the cache's smallest capacity

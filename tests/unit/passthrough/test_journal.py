@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from qosfs.passthrough import journal as journal_module
+from qosfs.passthrough.inode import Inode
 from qosfs.passthrough.inode_takeover import rebuild_inodes
-from qosfs.passthrough.inodes import Inode, InodeTable
+from qosfs.passthrough.inodes import InodeTable
 from qosfs.passthrough.journal import (
     DIR,
     FILE,
