@@ -42,8 +42,9 @@
 #   More on top, each for upstream on its own (README.md says why):
 #   pyfuse3-no-splice-read.patch stops libfuse's pipe churn before every request;
 #   pyfuse3-read-queued.patch reads a queued request without waiting for readiness.
-#   pyfuse3-read-inline.patch (last) runs a request's handler in the task that read it,
-#   handing the reading on to another task only if the handler suspends.
+#   pyfuse3-read-inline.patch runs a request's handler in the task that read it,
+#   handing the reading on to another task only if the handler suspends;
+#   pyfuse3-busy-poll.patch (last) polls for the next request a while before sleeping.
 # - libfuse-session-adopt.patch, applied to the source build only (README.md, "Live
 #   handover"): a new process can serve a mounted, initialised connection without INIT;
 #   pyfuse3-adopt.patch exposes it. Against the system's libfuse pyfuse3 still builds,
@@ -72,7 +73,7 @@ esac
 here=$(cd "$(dirname "$0")" && pwd)
 patch_file=$here/pyfuse3-passthrough.patch
 more_patches="$here/pyfuse3-no-splice-read.patch $here/pyfuse3-read-queued.patch $here/pyfuse3-adopt.patch
-    $here/pyfuse3-req-unique.patch $here/pyfuse3-read-inline.patch"
+    $here/pyfuse3-req-unique.patch $here/pyfuse3-read-inline.patch $here/pyfuse3-busy-poll.patch"
 libfuse_patches="$here/libfuse-session-adopt.patch $here/libfuse-req-unique.patch"
 
 LIBFUSE_DEB_VERSION=${LIBFUSE_DEB_VERSION:-3.18.3-1}

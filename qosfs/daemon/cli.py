@@ -97,6 +97,11 @@ def _add_mount_parser(sub: Any) -> None:
                    help="do not count the reads the kernel serves for passed-through opens "
                         "(BPF programs on the read path, ~60 ns per read): their bytes are "
                         "then in no counter, and ctl status says so")
+    m.add_argument("--busy-poll-us", type=int, default=50, metavar="US",
+                   help="after a request, poll for the next one this long before "
+                        "sleeping (it stops after 4 polls in vain: idle mounts do not "
+                        "poll); it saves the wake-ups of each round trip of a caller that "
+                        "waits on one request at a time. 0: never poll")
     m.add_argument("--socket", metavar="PATH",
                    help="control socket (default: derived from the mountpoint in /run/qosfs)")
     m.add_argument("--metrics", metavar="[HOST:]PORT",
@@ -256,6 +261,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         qos=not args.no_qos,
         kernel_passthrough=not args.no_passthrough,
         read_counting=not args.no_read_counting,
+        busy_poll_us=max(args.busy_poll_us, 0),
         socket_path=socket_path,
         metrics=args.metrics,
         allow_stacked=args.allow_stacked,

@@ -34,6 +34,9 @@ class MountConfig:
     # False (--no-read-counting): the kernel's reads of passed-through opens are not counted
     # (qosfs.passthrough.read_counting), saving its BPF programs' cost on every read.
     read_counting: bool = True
+    # How long, at most, the daemon polls /dev/fuse for the next request before sleeping
+    # (qosfs.daemon.serve: pyfuse3-busy-poll.patch); 0: never.
+    busy_poll_us: int = 50
     # Who keeps the FUSE connection across a crash (qosfs.daemon.takeover.keeper): "holder",
     # "systemd" (its descriptor store) or "none"; and how long a holder waits for a new
     # daemon before letting the connection end (callers then get ENOTCONN).

@@ -66,6 +66,20 @@ DRAIN_GRACE = 0.25
 DRAIN_DEADLINE = 10.0
 
 
+def main_arguments(cfg: MountConfig) -> dict[str, int]:
+    """``pyfuse3.main``'s arguments: busy polling where this pyfuse3 has it (built by
+    ``make deps``, deploy/libfuse/pyfuse3-busy-poll.patch; PyPI's has not). A round trip
+    of a caller that waits on one request at a time (a data loader's open, its ioctl and
+    stat) cost two wake-ups and a pass through the event loop: polling for up to
+    ``--busy-poll-us`` after each request took a TCGETS round trip from 36-51 us to 15-20
+    and a one-thread loader of 112 KiB files from 6,880 to 10,259 files/s (tmpfs); it
+    stops after 4 polls in vain, so requests that come far apart cost no more CPU."""
+    arguments = {"min_tasks": MIN_TASKS, "max_tasks": MAX_TASKS}
+    if getattr(pyfuse3, "BUSY_POLL_SUPPORTED", False):
+        arguments["busy_poll_us"] = cfg.busy_poll_us
+    return arguments
+
+
 def serve_mount(daemon: Daemon, start: Callable[[], None],
                 on_ready: Callable[[], None] | None = None, adopting: bool = False) -> int:
     """Serve *daemon*'s mount: bind the services, *start* the session (``pyfuse3.init``),
@@ -168,7 +182,7 @@ async def _serve(cfg: MountConfig, mountpoint: str, engine: QosEngine,
             if adopted_at is not None:
                 log.info("adopted %s: %.1f ms without a reader of /dev/fuse", mountpoint,
                          (time.monotonic() - adopted_at) * 1000)
-            await pyfuse3.main(min_tasks=MIN_TASKS, max_tasks=MAX_TASKS)
+            await pyfuse3.main(**main_arguments(cfg))
             if handing_over is None or not handing_over():
                 _notify_stopping()  # the kernel ended the session (fusermount3 -u)
             nursery.cancel_scope.cancel()
