@@ -103,10 +103,18 @@ def test_a_bug_on_the_data_path_answers_eio_and_the_mount_keeps_serving(
 
 
 def _descriptors_of(m: QosfsMount, suffix: str) -> list[str]:
-    """The daemon's descriptors open on a path ending in *suffix*."""
+    """The daemon's descriptors open on a path ending in *suffix* (one closed between
+    the listing and its readlink, as a release on its way does, is not)."""
     assert m.proc is not None
     fds = f"/proc/{m.proc.pid}/fd"
-    return [fd for fd in os.listdir(fds) if os.readlink(f"{fds}/{fd}").endswith(suffix)]
+    held = []
+    for fd in os.listdir(fds):
+        try:
+            if os.readlink(f"{fds}/{fd}").endswith(suffix):
+                held.append(fd)
+        except FileNotFoundError:
+            pass
+    return held
 
 
 def test_a_bug_on_the_metadata_path_answers_eio_and_the_mount_keeps_serving(
