@@ -295,17 +295,24 @@ def test_dotdot_comes_from_the_inode_table_and_follows_renames(fs: InProcessFs) 
     fs.run(main)
 
 
+def _small_budget_fs(tmp_path: Path, files: int) -> InProcessFs:
+    """*files* files f0.. (each holding its number) served with 8 inode descriptors;
+    skips where inodes have no file handles."""
+    for i in range(files):
+        (tmp_path / f"f{i}").write_bytes(b"%d" % i)
+    fs = InProcessFs(tmp_path, ENGINES["policy"](), FsOptions(fd_budget=8))
+    if not fs.ops.inodes.handles:
+        fs.close()
+        pytest.skip("no file handles here (not root, or the filesystem exports none)")
+    return fs
+
+
 def test_evicted_inode_descriptors_reopen_by_handle(tmp_path: Path) -> None:
     """A tree larger than the descriptor budget: every inode still answers, through a
     descriptor reopened from its file handle, and the cache stays within the budget."""
-    for i in range(40):
-        (tmp_path / f"f{i}").write_bytes(b"%d" % i)
     before = open_fds()
-    fs = InProcessFs(tmp_path, ENGINES["policy"](), FsOptions(fd_budget=8))
+    fs = _small_budget_fs(tmp_path, 40)
     ops, ctx = fs.ops, fs.ctx
-    if not ops.inodes.handles:
-        fs.close()
-        pytest.skip("no file handles here (not root, or the filesystem exports none)")
 
     async def main() -> None:
         nodes = [(await fs.lookup(f"f{i}")).st_ino for i in range(40)]
@@ -328,13 +335,8 @@ def test_an_evicted_inode_is_opened_straight_from_its_handle(tmp_path: Path) -> 
     """An open of an inode whose descriptor was evicted opens the file from its handle,
     and caches no descriptor for it (that would evict another inode's); a file gone
     underneath answers ESTALE from then on."""
-    for i in range(20):
-        (tmp_path / f"f{i}").write_bytes(b"%d" % i)
-    fs = InProcessFs(tmp_path, ENGINES["policy"](), FsOptions(fd_budget=8))
+    fs = _small_budget_fs(tmp_path, 20)
     ops, ctx = fs.ops, fs.ctx
-    if not ops.inodes.handles:
-        fs.close()
-        pytest.skip("no file handles here (not root, or the filesystem exports none)")
 
     async def main() -> None:
         nodes = [(await fs.lookup(f"f{i}")).st_ino for i in range(20)]
