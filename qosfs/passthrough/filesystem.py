@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import pyfuse3
+
 from qosfs.core.failures import Failures
 from qosfs.passthrough import interrupts
 from qosfs.passthrough.backing_io import BackingIO
@@ -59,6 +61,7 @@ class Filesystem:
             "backing_prefetches": self.io.prefetches,
             "internal_errors": self.failures.counts(),
             "passthrough": self.kernel_opens.status(),
+            **busy_polling(),
         }
 
     def attach_journal(self, journal: SessionJournal) -> None:
@@ -77,3 +80,15 @@ class Filesystem:
         self.handles.close_all()
         self.inodes.close_all()
         self.io.fd_guard.close_all()
+
+
+def busy_polling() -> dict[str, int]:
+    """Requests the session read by busy polling and polls that found none
+    (``--busy-poll-us``; deploy/libfuse/pyfuse3-busy-poll.patch), where pyfuse3 counts
+    them: a caller that waits on one request at a time should see most of its requests
+    polled, an idle mount few polls at all."""
+    counts = getattr(pyfuse3, "busy_poll_counts", None)
+    if counts is None:
+        return {}
+    polled, missed = counts()
+    return {"busy_polled": int(polled), "busy_poll_misses": int(missed)}
