@@ -31,19 +31,26 @@ class Entries:
         self._attr_timeout = attr_timeout
         self._learn_paths = qos.needs_paths
 
-    def of(self, inode: Inode, st: os.stat_result) -> pyfuse3.EntryAttributes:
+    def of(self, inode: Inode, st: os.stat_result, named: bool = False,
+           ) -> pyfuse3.EntryAttributes:
+        """The entry of *inode*; *named*: the reply to a lookup or creation of a name,
+        which the kernel trusts for the entry timeout given, and so does the inode's path
+        derived from that name (:meth:`qosfs.passthrough.paths.PathBook.trust_entry`)."""
         e = pyfuse3.EntryAttributes()
         e.st_ino = inode.nodeid
         e.generation = 0
-        e.entry_timeout = self._entry_timeout
-        e.attr_timeout = self._attr_timeout
+        entry_timeout, attr_timeout = self._entry_timeout, self._attr_timeout
         by_path = self._qos.cache_timeouts  # by the classes' paths, if the policy says
         if by_path is not None:
             entry, attr = by_path(self._paths.relpath(inode))
             if entry is not None:
-                e.entry_timeout = entry
+                entry_timeout = entry
             if attr is not None:
-                e.attr_timeout = attr
+                attr_timeout = attr
+        if named and self._learn_paths:
+            self._paths.trust_entry(inode, entry_timeout)
+        e.entry_timeout = entry_timeout
+        e.attr_timeout = attr_timeout
         e.st_mode = st.st_mode
         e.st_nlink = st.st_nlink
         e.st_uid = st.st_uid
@@ -69,14 +76,10 @@ class Entries:
         QoS engine so that the open which usually follows need not read it from /proc."""
         inode = self._inodes.adopt(fd, st, (parent, name))
         if self._learn_paths:
-            paths = self._paths
-            paths.note_child(parent, name, inode)
-            by_path = self._qos.cache_timeouts
-            entry = by_path(paths.relpath(inode))[0] if by_path is not None else None
-            paths.trust_entry(inode, self._entry_timeout if entry is None else entry)
+            self._paths.note_child(parent, name, inode)
         return inode
 
     async def adopt_new(self, parent: Inode, name: bytes) -> pyfuse3.EntryAttributes:
         """The entry of *parent*'s *name*, just made."""
         fd, st = await self._calls.opening(self._inodes.resolve, parent, name)
-        return self.of(self.adopt(parent, name, fd, st), st)
+        return self.of(self.adopt(parent, name, fd, st), st, named=True)

@@ -112,11 +112,9 @@ class Inode:
         its opens, else its own reopened. Python's ``open()`` stats every file it opens,
         and the GETATTR that sends (after a read on a writable mount) reopened an evicted
         descriptor, evicting another inode's, at every file of a loader's epoch."""
-        fd = self.cached_fd
-        if fd >= 0:
-            self.referenced = True
-            return fd
-        return self.open_fd if self.open_fd >= 0 else self._table.reopen(self)
+        if self.cached_fd < 0 and self.open_fd >= 0:
+            return self.open_fd
+        return self.fd
 
     @property
     def proc_path(self) -> str:

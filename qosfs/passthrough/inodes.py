@@ -461,10 +461,8 @@ class InodeTable(InodeJournaling):
         which would evict another inode's descriptor at every last release."""
         if inode is self.root or inode.opens or inode.stale:
             return False
-        if inode.cached_fd >= 0 or fd < 0:
-            fd = -1  # its own (reopened if need be: no other at hand)
-        try:
-            nlink = os.fstat(inode.fd if fd < 0 else fd).st_nlink
+        try:  # as Inode.stat_fd, with *fd* for the open's descriptor
+            nlink = os.fstat(fd if inode.cached_fd < 0 and fd >= 0 else inode.fd).st_nlink
         except OSError as exc:
             return exc.errno == errno.ESTALE  # short of descriptors, say: try again later
         return nlink == 0

@@ -185,7 +185,7 @@ class PassthroughOperations(pyfuse3.Operations):
                     fd, st = self._resolve_inline(parent, name)
             except FileNotFoundError:
                 return self._entries.negative()  # the kernel may cache it (st_ino 0)
-            return self._entry(self._adopt(parent, name, fd, st), st)
+            return self._entry(self._adopt(parent, name, fd, st), st, named=True)
         except Exception as exc:  # the errno, or EIO for a bug: the mount serves on
             raise self._answer("lookup", exc) from None
 
@@ -331,7 +331,8 @@ class PassthroughOperations(pyfuse3.Operations):
         owner = self.handles.claim(ctx.uid)
         try:
             fd, direct, node, st = await self._names.create(parent, name, mode, flags, ctx)
-            return self._opened(fd, direct, flags, node, ctx, owner, True), self._entry(node, st)
+            return (self._opened(fd, direct, flags, node, ctx, owner, True),
+                    self._entry(node, st, named=True))
         except BaseException:
             self.handles.unclaim(owner)
             raise
