@@ -64,7 +64,9 @@ def _poll_counts(sock: Path) -> tuple[int, int]:
 
 @pytest.mark.skipif(not getattr(pyfuse3, "BUSY_POLL_SUPPORTED", False),
                     reason="pyfuse3 without busy polling (make deps builds it)")
-def test_a_polling_mount_polls_after_requests_and_sleeps_when_idle(tmp_tree: Path) -> None:
+@pytest.mark.parametrize("in_place", [False, True], ids=["separate", "in-place"])
+def test_a_polling_mount_polls_after_requests_and_sleeps_when_idle(
+        tmp_tree: Path, in_place: bool) -> None:
     """TCGETS round trips, one at a time, on a mount that polls (the default) and on one
     that does not (--busy-poll-us 0): both answer ENOTTY; the one that polls polled after
     answering (ctl status: busy_polled, busy_poll_misses), the other never. Then, left
@@ -72,16 +74,22 @@ def test_a_polling_mount_polls_after_requests_and_sleeps_when_idle(tmp_tree: Pat
     machine (nearly all on two idle CPUs; on busy ones a woken caller waits for the
     poller's own CPU, and after 4 misses in a row polling stops until requests come close
     together again; a caller quicker than the daemon has its next request queued before
-    any poll): bench figures in deploy/libfuse/README.md, not asserted here."""
-    src, run = tmp_tree / "src", tmp_tree / "run"
-    (src / "data").mkdir(parents=True)
-    (src / "data" / "f").write_bytes(b"x" * 4096)
-    polling, sleeping = tmp_tree / "polling", tmp_tree / "sleeping"
-    for d in (polling, sleeping, run):
+    any poll): bench figures in deploy/libfuse/README.md, not asserted here. In place
+    too (qosfs mount SRC, as systemd and the DaemonSet run it), each over its own tree."""
+    run = tmp_tree / "run"
+    run.mkdir()
+    sources = {name: tmp_tree / f"src-{name}" for name in ("polling", "sleeping")}
+    for src in sources.values():
+        (src / "data").mkdir(parents=True)
+        (src / "data" / "f").write_bytes(b"x" * 4096)
+    polling, sleeping = ((sources[name] if in_place else tmp_tree / name)
+                         for name in ("polling", "sleeping"))
+    for d in {polling, sleeping} - set(sources.values()):
         d.mkdir()
     socks = {polling: run / "polling.sock", sleeping: run / "sleeping.sock"}
-    with QosfsMount(src, polling, "--socket", str(socks[polling])) as fast, \
-            QosfsMount(src, sleeping, "--busy-poll-us", "0", "--socket", str(socks[sleeping])):
+    with QosfsMount(sources["polling"], polling, "--socket", str(socks[polling])) as fast, \
+            QosfsMount(sources["sleeping"], sleeping, "--busy-poll-us", "0",
+                       "--socket", str(socks[sleeping])):
         assert fast.proc is not None
         polls: dict[Path, int] = {}
         times: dict[Path, float] = {}
