@@ -26,13 +26,19 @@ import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
-from qosfs.passthrough.handles import SHARES_BACKING_ID, DirHandle, FileHandle, OpenQuota
+from qosfs.passthrough.handles import (
+    NO_DESCRIPTOR,
+    SHARES_BACKING_ID,
+    DirHandle,
+    FileHandle,
+    OpenQuota,
+)
 from qosfs.passthrough.inode import Inode
 from qosfs.passthrough.inodes import InodeTable
 from qosfs.passthrough.intents import ExactlyOnce
 from qosfs.passthrough.journal import SessionJournal
 from qosfs.passthrough.kernel_opens import KernelOpens
-from qosfs.passthrough.odirect import dio_mask_of
+from qosfs.passthrough.odirect import dio_mask_of, reopen
 from qosfs.qos.charge import OpenCharge
 from qosfs.qos.interface import FilesystemQos
 
@@ -121,13 +127,33 @@ class HandleTable:
         """A new open of *node* as *fd* (its journal record: `write_down`, once the
         kernel passthrough decided what it is)."""
         node.opens += 1
-        node.open_fd = fd
+        if fd >= 0:
+            node.open_fd = fd
         if not node.opened:
             self._inodes.opened(node)
         fh = self._take_fh()
         handle = self.files[fh] = self._handle(fd, direct, charge, node, kill_priv, fsuid,
                                                owner, -1, 0, fh)
         return handle
+
+    def descriptor(self, handle: FileHandle) -> int:
+        """*handle*'s backing descriptor, opened now if its open was made without one
+        (NO_DESCRIPTOR: a passed-through open sharing its inode's backing id), with the
+        open's flags; it is the handle's from then on, closed at its release. Raises
+        the OSError of the open (ESTALE for an object gone underneath)."""
+        if handle.fd != NO_DESCRIPTOR:
+            return handle.fd
+        node = handle.inode
+        flags = handle.open_flags | os.O_CLOEXEC
+        by_handle = self._inodes.handle_to_open(node)
+        try:
+            fd = (reopen(node.fd, flags) if by_handle is None
+                  else self._inodes.open_by_handle(by_handle, flags))
+        except OSError as exc:
+            self._inodes.check_gone(node, exc)
+            raise
+        handle.fd = fd
+        return fd
 
     @staticmethod
     def _handle(fd: int, direct: bool, charge: OpenCharge, node: Inode, kill_priv: bool,
@@ -250,7 +276,8 @@ class HandleTable:
     def close_all(self) -> None:
         """Close every open's descriptors (the kernel connection is gone)."""
         held = [h.buffered for h in self.files.values() if h.buffered >= 0]
-        fds = [h.fd for h in self.files.values()] + [h.fd for h in self.dirs.values()]
+        fds = ([h.fd for h in self.files.values() if h.fd >= 0]
+               + [h.fd for h in self.dirs.values()])
         for h in self.files.values():
             h.inode.open_fd = -1
         for fd in fds + held:

@@ -52,7 +52,16 @@ class FileHandle:
     kernel: int = 0
     fh: int = -1  # the kernel's file handle (the handle table's files key)
     jslot: int = -1  # its record in the session journal (qosfs.passthrough.journal)
+    # The flags of an open made without a descriptor (``fd`` is NO_DESCRIPTOR): what
+    # HandleTable.descriptor opens it with if a request ever needs one.
+    open_flags: int = 0
 
+
+#: FileHandle.fd of an open the kernel passes through with a backing id its inode
+#: already had: no request of it needs a descriptor of the daemon's, so none is opened
+#: unless one does (an fsync, a SETATTR naming it, a handover: HandleTable.descriptor).
+#: Distinct from -1, an open lost in a crash.
+NO_DESCRIPTOR = -2
 
 # FileHandle.kernel
 NOT_COUNTED, SERVED, PASSED_THROUGH, JOINED = 0, 1, 2, 3

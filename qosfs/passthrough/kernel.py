@@ -303,6 +303,12 @@ class KernelPassthrough:
         self._registered += 1
         return backing_id
 
+    def shares(self, inode: int) -> bool:
+        """Whether `register` would answer an open of *inode* with an id it holds, live
+        or idle, without registering a descriptor (the open then needs none)."""
+        entry = self._ids.get(inode)
+        return entry is not None and (entry[1] > 0 or inode not in self._plain)
+
     def _write_down(self, inode: int, backing_id: int) -> int:
         return -1 if self._journal is None else self._journal.put_backing(inode, backing_id)
 

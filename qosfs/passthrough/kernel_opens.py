@@ -304,7 +304,12 @@ class KernelOpens:
         if self._files.get(handle.fh) is not handle:
             del self._recent[class_name]  # released: do not keep its inode and charge alive
             return None
-        return handle.fd
+        if handle.fd >= 0:
+            return handle.fd
+        # Opened without a descriptor (handles.NO_DESCRIPTOR): its inode's, if cached, is
+        # the same file (the probe reopens it through /proc and checks which file it is).
+        cached = handle.inode.cached_fd
+        return cached if cached >= 0 else None
 
     def _joined_uncapped(self, name: str, read_only: bool, capped: bool) -> None:
         """Count an open of class *name* that joined a passed-through inode uncapped

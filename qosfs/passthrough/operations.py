@@ -57,7 +57,7 @@ from qosfs.passthrough.attributes import apply_setattr
 from qosfs.passthrough.backing_io import BackingIO, IoMode
 from qosfs.passthrough.entries import Entries
 from qosfs.passthrough.handle_table import OPEN_DROP, HandleTable
-from qosfs.passthrough.handles import DirHandle
+from qosfs.passthrough.handles import NO_DESCRIPTOR, DirHandle
 from qosfs.passthrough.inode import Inode
 from qosfs.passthrough.inodes import InodeTable
 from qosfs.passthrough.kernel_opens import KernelOpens
@@ -66,7 +66,7 @@ from qosfs.passthrough.namespace import Namespace
 from qosfs.passthrough.ownership import Ownership, kill_priv
 from qosfs.passthrough.page_cache import file_info
 from qosfs.passthrough.paths import PathBook
-from qosfs.qos.charge import open_charge
+from qosfs.qos.charge import OpenCharge, open_charge
 from qosfs.qos.interface import XATTR_CANARY, XATTR_CHARGED, FilesystemQos
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,9 @@ log = logging.getLogger(__name__)
 _F = TypeVar("_F", bound=Callable[..., Awaitable[Any]])
 
 _ACCMODE = os.O_RDONLY | os.O_WRONLY | os.O_RDWR
+#: Open flags that make an open need a descriptor of its own even when its inode's backing
+#: id could serve it: any write access, a truncation, O_DIRECT (its own alignment).
+_NEEDS_DESCRIPTOR = _ACCMODE | os.O_TRUNC | os.O_DIRECT
 # readdir lets other requests run every this many entries (~0.3 ms of work), see readdir.
 _READDIR_YIELD_MASK = 15
 _now_ns = time.perf_counter_ns
@@ -220,6 +223,8 @@ class PassthroughOperations(pyfuse3.Operations):
         node = self.inodes.get(inode)
         await self._admit_meta(node, ctx)
         handle = self.files.get(fh) if fh is not None else None
+        if handle is not None and handle.fd == NO_DESCRIPTOR:
+            self.handles.descriptor(handle)  # opened here: apply_setattr may run in a thread
         await self._meta(apply_setattr, node, handle, attr, fields, ctx.uid)
         return self._entry(node, await self._meta(os.fstat, node.fd))
 
@@ -284,16 +289,23 @@ class PassthroughOperations(pyfuse3.Operations):
     # ----------------------------------------------------------------- files
 
     def _opened(self, fd: int, direct: bool, flags: int, node: Inode,
-                ctx: pyfuse3.RequestContext, owner: int, created: bool) -> pyfuse3.FileInfo:
-        """The handle of a new open (*created*: by a create) and the reply to it."""
+                ctx: pyfuse3.RequestContext, owner: int, created: bool,
+                charge: OpenCharge | None = None) -> pyfuse3.FileInfo:
+        """The handle of a new open (*created*: by a create) and the reply to it; its
+        *charge* if it was made already (`_open_sharing`)."""
         accmode = flags & _ACCMODE
         kill, fsuid = self._owners.of_open(node, accmode, ctx)
-        charge = open_charge(self.qos, self.paths, node, ctx, accmode, created)
+        if charge is None:
+            charge = open_charge(self.qos, self.paths, node, ctx, accmode, created)
         handle = self.handles.add_file(fd, direct, charge, node, kill, fsuid, owner)
+        if fd == NO_DESCRIPTOR:
+            handle.open_flags = flags & ~OPEN_DROP
         kernel_opens = self.kernel_opens
         passed = None
         if kernel_opens.on:  # one attribute per open while passthrough is not asked for
             passed = kernel_opens.open(handle, accmode == os.O_RDONLY and not created)
+        if passed is None and fd == NO_DESCRIPTOR:  # not passed through after all
+            fd = self.handles.descriptor(handle)
         self.handles.write_down(handle, flags)
         if passed is not None:
             return passed
@@ -304,7 +316,18 @@ class PassthroughOperations(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         node = self.inodes.get(inode)
         owner = self.handles.claim(ctx.uid)
+        charge = None
         try:
+            if not flags & _NEEDS_DESCRIPTOR and self._shares_backing_id(node):
+                # Read-only, and the kernel holds a backing id for this file (live, or
+                # kept idle since its last release): if the open passes its reads
+                # through, it takes that id and no request of it needs a descriptor of
+                # ours. Saves an open and a close per open of a warm loader (~5 us on
+                # tmpfs; python -m bench.opcost).
+                charge = open_charge(self.qos, self.paths, node, ctx, os.O_RDONLY, False)
+                if charge.flow.passes_reads_through():
+                    return self._opened(NO_DESCRIPTOR, False, flags, node, ctx, owner, False,
+                                        charge)
             handle = self.inodes.handle_to_open(node)
             if handle is None:
                 fd, direct = await self._meta_opening(
@@ -319,8 +342,23 @@ class PassthroughOperations(pyfuse3.Operations):
                     raise
         except BaseException:
             self.handles.unclaim(owner)
+            if charge is not None:
+                charge.release()
             raise
-        return self._opened(fd, direct, flags, node, ctx, owner, False)
+        return self._opened(fd, direct, flags, node, ctx, owner, False, charge)
+
+    def _shares_backing_id(self, node: Inode) -> bool:
+        """Whether an open of *node* would take a backing id the kernel already holds for
+        it (its reads passed through permitting), so that it needs no descriptor. Not in
+        the thread mode (network filesystems), where a flush closes a duplicate of the
+        open's own descriptor."""
+        kernel_opens = self.kernel_opens
+        # Its inode descriptor cached, too: an open of an evicted inode keeps its own
+        # descriptor, which answers the inode's GETATTRs and its release's link count
+        # without reopening (and evicting) one (InodeTable.handle_to_open).
+        return (kernel_opens.on and node.cached_fd >= 0
+                and kernel_opens.kernel.shares(node.nodeid)
+                and self.io.mode is not IoMode.THREADS)
 
     @fuse_handler
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
@@ -435,8 +473,12 @@ class PassthroughOperations(pyfuse3.Operations):
             self.kernel_opens.release(handle)  # a backing id must not leak either
             # The last open of a file unlinked meanwhile? Asked before the close, so that
             # this open's descriptor can answer for the inode's if that one was evicted.
-            unlinked = node.opens == 0 and node.lookups > 0 and self.inodes.unlinked(
-                node, handle.fd)
+            # An open without one (NO_DESCRIPTOR) whose inode's was evicted since is not
+            # asked: reopening would evict another's, and the file's idle backing id and
+            # inode go at their expiry or FORGET as for any file deleted underneath.
+            unlinked = (node.opens == 0 and node.lookups > 0
+                        and (handle.fd >= 0 or node.cached_fd >= 0)
+                        and self.inodes.unlinked(node, handle.fd))
             if handle.fd < 0:
                 pass  # lost in a crash (qosfs.passthrough.recovery): nothing to close
             elif self.io.mode is IoMode.THREADS:
@@ -458,7 +500,7 @@ class PassthroughOperations(pyfuse3.Operations):
         handle = self.files[fh]
         await self.io.blocking(handle.charge.flow.threads,
                                os.fdatasync if datasync else os.fsync,
-                               handle.fd)
+                               self.handles.descriptor(handle))
 
     # ----------------------------------------------------------------- directories
 

@@ -122,8 +122,8 @@ class KernelReadCounting:
         probes = self._probes
         if probes is None:
             return _Watch(self.off_reason, 0, 0, flow)
-        try:
-            st = os.fstat(handle.fd)
+        try:  # an open made without a descriptor (NO_DESCRIPTOR) asks its inode's
+            st = os.fstat(handle.fd if handle.fd >= 0 else handle.inode.fd)
         except OSError as exc:
             return _Watch(f"the backing file could not be looked at: {exc.strerror}", 0, 0,
                           flow)

@@ -49,6 +49,11 @@ def export_state(fs: Tables) -> tuple[dict[str, Any], list[int]]:
     fds: list[int] = []
     handles = fs.handles
     files = list(handles.files.values())
+    for h in files:  # a successor is sent a descriptor for every open
+        try:
+            handles.descriptor(h)
+        except OSError:
+            pass  # gone underneath: sent as lost (-1), as a crash's successor would find it
     dirs = list(handles.dirs.values())
     inodes, index = export_inodes(
         fs.inodes, fds, [h.inode for h in files] + [d.inode for d in dirs])
@@ -61,8 +66,8 @@ def export_state(fs: Tables) -> tuple[dict[str, Any], list[int]]:
 
     # Each open as its OpenRecord (the crash journal's), and its descriptors by index.
     file_records = [{
-        "open": handles.record(h, fcntl.fcntl(h.fd, fcntl.F_GETFL),
-                               index[id(h.inode)]).save(),
+        "open": handles.record(h, fcntl.fcntl(h.fd, fcntl.F_GETFL) if h.fd >= 0
+                               else h.open_flags, index[id(h.inode)]).save(),
         "fd": add(h.fd), "buffered": add(h.buffered),
     } for h in files]
     dir_records = [{
@@ -85,7 +90,8 @@ def import_state(fs: Tables, payload: dict[str, Any], fds: list[int], protocol: 
     read = _files_reader(payload, fds, protocol)
     for rec in payload["files"]:
         record = read(rec)
-        handles.restore_file(record, nodes[record.inode], fds[rec["fd"]],
+        handles.restore_file(record, nodes[record.inode],
+                             fds[rec["fd"]] if rec["fd"] >= 0 else -1,
                              fds[rec["buffered"]] if rec["buffered"] >= 0 else -1)
     for rec in payload["dirs"]:
         handles.restore_dir(int(rec["fh"]), fds[rec["fd"]], nodes[rec["inode"]],

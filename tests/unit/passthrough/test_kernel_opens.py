@@ -15,7 +15,7 @@ import trio
 from qosfs.daemon.fs_assembly import build_filesystem
 from qosfs.passthrough import kernel
 from qosfs.passthrough.backing_io import IoMode
-from qosfs.passthrough.handles import JOINED, PASSED_THROUGH, SERVED
+from qosfs.passthrough.handles import JOINED, NO_DESCRIPTOR, PASSED_THROUGH, SERVED
 from qosfs.passthrough.kernel import Capability, KernelPassthrough, served_join_support
 from qosfs.passthrough.operations import FsOptions, PassthroughOperations
 from qosfs.policy.loading import parse_policy
@@ -146,6 +146,68 @@ def test_release_gives_the_backing_id_back(ops: PassthroughOperations) -> None:
         assert binding.open_ids == set()
         status = ops.kernel_opens.status()
         assert (status["live_backing_ids"], status["idle_backing_ids"]) == (0, 0)
+
+    trio.run(main)
+
+
+def _descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_an_open_that_takes_its_inodes_backing_id_opens_no_descriptor(
+        ops: PassthroughOperations, tmp_path: Path) -> None:
+    """A read-only open passed through with a backing id its inode holds (live beside
+    another open, or kept idle since the last release) needs no descriptor of the
+    daemon's: none is opened, until a request names the open and needs one (fsync,
+    fchmod), which then is the open's until its release. The recent file of its class
+    is its inode's descriptor, the same file."""
+    binding = FakeBinding()
+    ops.kernel_opens.kernel = KernelPassthrough(binding)
+    backing = os.stat(tmp_path / "data/a")
+
+    async def main() -> None:
+        first = await _open(ops, "data/a", os.O_RDONLY)  # registers its own descriptor
+        assert ops.files[first.fh].fd >= 0
+        before = _descriptors()
+        beside = await _open(ops, "data/a", os.O_RDONLY)  # shares the live id
+        await ops.release(first.fh)
+        again = await _open(ops, "data/a", os.O_RDONLY | os.O_NOATIME)  # shares it too
+        assert _descriptors() == before - 1  # first's closed, none opened
+        for info in (beside, again):
+            handle = ops.files[info.fh]
+            assert info.backing_id == first.backing_id
+            assert (handle.fd, handle.kernel) == (NO_DESCRIPTOR, PASSED_THROUGH)
+        recent = ops.kernel_opens.recent_file("data")
+        assert recent is not None and os.fstat(recent).st_ino == backing.st_ino
+        await ops.fsync(again.fh, False)  # needs a descriptor: opened now, the open's
+        handle = ops.files[again.fh]
+        assert handle.fd >= 0 and os.fstat(handle.fd).st_ino == backing.st_ino
+        assert _descriptors() == before
+        await ops.release(again.fh)
+        await ops.release(beside.fh)
+        assert _descriptors() == before - 1
+        status = ops.kernel_opens.status()
+        assert (status["live_backing_ids"], status["idle_backing_ids"]) == (0, 1)
+        assert binding.open_ids == {first.backing_id}
+
+    trio.run(main)
+
+
+def test_an_open_that_cannot_pass_through_gets_its_descriptor_beside_an_idle_id(
+        ops: PassthroughOperations, tmp_path: Path) -> None:
+    """Once a cap keeps the class's reads in the daemon, an open of a file whose backing
+    id is idle is served by the daemon: through a descriptor of its own."""
+    ops.kernel_opens.kernel = KernelPassthrough(FakeBinding())
+
+    async def main() -> None:
+        first = await _open(ops, "data/a", os.O_RDONLY)
+        await ops.release(first.fh)
+        ops.qos.swap(parse_policy(CAPPED))  # data's reads are capped from now on
+        served = await _open(ops, "data/a", os.O_RDONLY)
+        handle = ops.files[served.fh]
+        assert handle.kernel == SERVED and handle.fd >= 0
+        assert await ops.read(served.fh, 0, 100) == b"x" * 100
+        await ops.release(served.fh)
 
     trio.run(main)
 
