@@ -292,7 +292,8 @@ class PassthroughOperations(pyfuse3.Operations):
                 ctx: pyfuse3.RequestContext, owner: int, created: bool,
                 charge: OpenCharge | None = None) -> pyfuse3.FileInfo:
         """The handle of a new open (*created*: by a create) and the reply to it; its
-        *charge* if it was made already (`_open_sharing`)."""
+        *charge* if `open` made it already. *fd* NO_DESCRIPTOR: an open made without one,
+        that takes its inode's backing id (one is opened if it is not passed through)."""
         accmode = flags & _ACCMODE
         kill, fsuid = self._owners.of_open(node, accmode, ctx)
         if charge is None:
@@ -317,29 +318,28 @@ class PassthroughOperations(pyfuse3.Operations):
         node = self.inodes.get(inode)
         owner = self.handles.claim(ctx.uid)
         charge = None
+        fd, direct = NO_DESCRIPTOR, False
         try:
             if not flags & _NEEDS_DESCRIPTOR and self._shares_backing_id(node):
                 # Read-only, and the kernel holds a backing id for this file (live, or
                 # kept idle since its last release): if the open passes its reads
                 # through, it takes that id and no request of it needs a descriptor of
-                # ours. Saves an open and a close per open of a warm loader (~5 us on
-                # tmpfs; python -m bench.opcost).
+                # ours. Saves an open and a close per open of a warm loader (daemon CPU
+                # per file 76 -> 59 us, tmpfs, 4 readers; docs/performance.md).
                 charge = open_charge(self.qos, self.paths, node, ctx, os.O_RDONLY, False)
-                if charge.flow.passes_reads_through():
-                    return self._opened(NO_DESCRIPTOR, False, flags, node, ctx, owner, False,
-                                        charge)
-            handle = self.inodes.handle_to_open(node)
-            if handle is None:
-                fd, direct = await self._meta_opening(
-                    odirect.open_backing, flags & ~OPEN_DROP, odirect.reopen, node)
-            else:  # its descriptor was evicted: straight from its handle
-                try:
+            if charge is None or not charge.flow.passes_reads_through():
+                handle = self.inodes.handle_to_open(node)
+                if handle is None:
                     fd, direct = await self._meta_opening(
-                        odirect.open_backing, flags & ~OPEN_DROP,
-                        self.inodes.open_by_handle, handle)
-                except OSError as exc:
-                    self.inodes.check_gone(node, exc)
-                    raise
+                        odirect.open_backing, flags & ~OPEN_DROP, odirect.reopen, node)
+                else:  # its descriptor was evicted: straight from its handle
+                    try:
+                        fd, direct = await self._meta_opening(
+                            odirect.open_backing, flags & ~OPEN_DROP,
+                            self.inodes.open_by_handle, handle)
+                    except OSError as exc:
+                        self.inodes.check_gone(node, exc)
+                        raise
         except BaseException:
             self.handles.unclaim(owner)
             if charge is not None:
