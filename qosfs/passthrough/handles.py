@@ -85,7 +85,8 @@ class DirHandle:
 class OpenQuota:
     """How many files and directories one uid may hold open through the daemon.
 
-    Every open through the mount holds one of the daemon's descriptors. Without a share
+    Every open through the mount holds one of the daemon's descriptors, or may come to
+    (one made without, NO_DESCRIPTOR, opens it at an fsync, say). Without a share
     per user, one user holding many files open (a careless job, or a hostile one with a
     high ``ulimit -n``) would exhaust the daemon's limit and every other user's opens and
     lookups would fail. Past its share a uid gets ``ENFILE`` ("too many open files in
