@@ -38,6 +38,7 @@ from qosfs.passthrough.inodes import InodeTable
 from qosfs.passthrough.intents import ExactlyOnce
 from qosfs.passthrough.journal import SessionJournal
 from qosfs.passthrough.kernel_opens import KernelOpens
+from qosfs.passthrough.meta_calls import FD_SHORTAGE
 from qosfs.passthrough.odirect import dio_mask_of, reopen
 from qosfs.qos.charge import OpenCharge
 from qosfs.qos.interface import FilesystemQos
@@ -140,20 +141,30 @@ class HandleTable:
         """*handle*'s backing descriptor, opened now if its open was made without one
         (NO_DESCRIPTOR: a passed-through open sharing its inode's backing id), with the
         open's flags; it is the handle's from then on, closed at its release. Raises
-        the OSError of the open (ESTALE for an object gone underneath)."""
+        the OSError of the open (ESTALE for an object gone underneath), never EMFILE for
+        want of what the daemon's own cache holds (as :meth:`MetaCalls.opening
+        <qosfs.passthrough.meta_calls.MetaCalls.opening>`: shed, then once more)."""
         if handle.fd != NO_DESCRIPTOR:
             return handle.fd
-        node = handle.inode
-        flags = handle.open_flags | os.O_CLOEXEC
+        try:
+            fd = self._open_object(handle.inode, handle.open_flags | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno not in FD_SHORTAGE or not self._inodes.relieve():
+                raise
+            fd = self._open_object(handle.inode, handle.open_flags | os.O_CLOEXEC)
+        handle.fd = fd
+        return fd
+
+    def _open_object(self, node: Inode, flags: int) -> int:
+        """*node*'s object opened with *flags*: through its descriptor, or by its handle
+        if that was evicted (as the operations' open does)."""
         by_handle = self._inodes.handle_to_open(node)
         try:
-            fd = (reopen(node.fd, flags) if by_handle is None
-                  else self._inodes.open_by_handle(by_handle, flags))
+            return (reopen(node.fd, flags) if by_handle is None
+                    else self._inodes.open_by_handle(by_handle, flags))
         except OSError as exc:
             self._inodes.check_gone(node, exc)
             raise
-        handle.fd = fd
-        return fd
 
     @staticmethod
     def _handle(fd: int, direct: bool, charge: OpenCharge, node: Inode, kill_priv: bool,

@@ -4,6 +4,7 @@ one ``recent_file`` names for a class."""
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import trio
 
 from qosfs.daemon.fs_assembly import build_filesystem
-from qosfs.passthrough import kernel
+from qosfs.passthrough import handle_table, kernel
 from qosfs.passthrough.backing_io import IoMode
 from qosfs.passthrough.handles import JOINED, NO_DESCRIPTOR, PASSED_THROUGH, SERVED
 from qosfs.passthrough.kernel import Capability, KernelPassthrough, served_join_support
@@ -191,6 +192,40 @@ def test_an_open_that_takes_its_inodes_backing_id_opens_no_descriptor(
         assert binding.open_ids == {first.backing_id}
 
     trio.run(main)
+
+
+def test_an_open_made_without_a_descriptor_never_gets_emfile_for_the_daemons_cache(
+        ops: PassthroughOperations, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The descriptor an fsync opens for such an open is no exception to the rule that
+    a caller never sees EMFILE because of the daemon's cached inode descriptors: they
+    are shed and the open tried once more."""
+    ops.kernel_opens.kernel = KernelPassthrough(FakeBinding())
+    real_reopen = handle_table.reopen
+    refusals = [errno.EMFILE]
+
+    def short_once(fd: int, flags: int) -> int:
+        if refusals:
+            raise OSError(refusals.pop(), "out of descriptors")
+        return real_reopen(fd, flags)
+
+    async def main() -> None:
+        await ops.release((await _open(ops, "data/a", os.O_RDONLY)).fh)
+        await _lookup(ops, "data/b")  # a second cached inode descriptor to shed
+        again = await _open(ops, "data/a", os.O_RDONLY)
+        assert ops.files[again.fh].fd == NO_DESCRIPTOR
+        monkeypatch.setattr(handle_table, "reopen", short_once)
+        shed = ops.inodes.relieve
+        relieved: list[bool] = []
+        monkeypatch.setattr(ops.inodes, "relieve", lambda: relieved.append(shed()) or True)
+        await ops.fsync(again.fh, False)
+        assert relieved == [True] and not refusals
+        assert ops.files[again.fh].fd >= 0
+        await ops.release(again.fh)
+
+    trio.run(main)
+    [shed_warning] = [r for r in caplog.records if "out of file descriptors" in r.getMessage()]
+    shed_warning.expected = True  # type: ignore[attr-defined]
 
 
 def test_an_open_that_cannot_pass_through_gets_its_descriptor_beside_an_idle_id(
