@@ -36,19 +36,39 @@ class Entries:
         """The entry of *inode*; *named*: the reply to a lookup or creation of a name,
         which the kernel trusts for the entry timeout given, and so does the inode's path
         derived from that name (:meth:`qosfs.passthrough.paths.PathBook.trust_entry`)."""
-        e = pyfuse3.EntryAttributes()
-        e.st_ino = inode.nodeid
-        e.generation = 0
         entry_timeout, attr_timeout = self._entry_timeout, self._attr_timeout
         by_path = self._qos.cache_timeouts  # by the classes' paths, if the policy says
         if by_path is not None:
-            entry, attr = by_path(self._paths.relpath(inode))
-            if entry is not None:
-                entry_timeout = entry
-            if attr is not None:
-                attr_timeout = attr
+            entry_timeout, attr_timeout = self._by_path(by_path(self._paths.relpath(inode)))
         if named and self._learn_paths:
             self._paths.trust_entry(inode, entry_timeout)
+        return self._attributes(inode.nodeid, st, entry_timeout, attr_timeout)
+
+    def of_listed(self, nodeid: int, parent: Inode, name: bytes, st: os.stat_result,
+                  ) -> pyfuse3.EntryAttributes:
+        """The entry of *parent*'s *name*, node id *nodeid*, listed without an inode
+        object (:meth:`InodeTable.relisted <qosfs.passthrough.inodes.InodeTable.
+        relisted>`): its timeouts go by the path derived from the parent's."""
+        entry_timeout, attr_timeout = self._entry_timeout, self._attr_timeout
+        by_path = self._qos.cache_timeouts
+        if by_path is not None:
+            entry_timeout, attr_timeout = self._by_path(
+                by_path(self._paths.child_path(parent, name)[0]))
+        return self._attributes(nodeid, st, entry_timeout, attr_timeout)
+
+    def _by_path(self, timeouts: tuple[float | None, float | None]) -> tuple[float, float]:
+        """The (entry, attribute) timeouts the policy gave a path, the mount's where
+        it gave none."""
+        entry, attr = timeouts
+        return (self._entry_timeout if entry is None else entry,
+                self._attr_timeout if attr is None else attr)
+
+    @staticmethod
+    def _attributes(nodeid: int, st: os.stat_result, entry_timeout: float,
+                    attr_timeout: float) -> pyfuse3.EntryAttributes:
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = nodeid
+        e.generation = 0
         e.entry_timeout = entry_timeout
         e.attr_timeout = attr_timeout
         e.st_mode = st.st_mode

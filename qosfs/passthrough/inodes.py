@@ -62,7 +62,15 @@ from collections.abc import Callable
 import pyfuse3
 
 from qosfs.core import syscalls
-from qosfs.passthrough.cold_inodes import FOLD_BATCH, ColdInodes, fold, forget_cold, thaw
+from qosfs.passthrough.cold_inodes import (
+    DUE,
+    FOLD_BATCH,
+    HANDLE,
+    ColdInodes,
+    fold,
+    forget_cold,
+    thaw,
+)
 from qosfs.passthrough.fdcache import CachedFd, DeferredClose, FdCache
 from qosfs.passthrough.inode import Inode
 from qosfs.passthrough.inode_journal import InodeJournaling
@@ -283,6 +291,45 @@ class InodeTable(InodeJournaling):
         if self.journal is not None:
             self.write_down(inode)
         return inode
+
+    def relisted(self, fd: int, st: os.stat_result) -> int:
+        """A listing's entry (READDIRPLUS) for a file known and folded cold: one more
+        kernel reference counted in its row and its record, *fd* closed, its node id
+        returned, without making it an object again; -1, *fd* left to the caller, where
+        that cannot be told this cheaply (not a cold file known by its handle, or not
+        that very file any more) and :meth:`adopt` must take it.
+
+        A second `find` over a big tree otherwise thawed each entry into an object (its
+        descriptor into the cache, evicting another's) only for the next fold to put it
+        back: thaw and fold were ~45% of the daemon's CPU per entry. The check is
+        :meth:`adopt`'s for a known inode: the handle of what the name holds now must be
+        the one it was known by (a reused inode number is another object)."""
+        if stat.S_ISDIR(st.st_mode):
+            return -1  # a directory's parent is kept in its object (lookup_parent)
+        key = (st.st_dev, st.st_ino)
+        if key in self.by_key:
+            return -1
+        cold = self.cold
+        row = cold.find_key(*key)
+        if row < 0:
+            return -1
+        nodeid, _, _, lookups, jslot, flags, _, blob, _ = cold.record(row)
+        if flags & (HANDLE | DUE) != HANDLE:
+            return -1
+        journal = self.journal
+        if jslot >= 0 and (journal is None or journal.closed):
+            return -1  # its handle is in a record no longer written (thaw_all's case)
+        if blob is None:
+            if journal is None or jslot < 0:
+                return -1
+            blob = journal.name_and_handle(jslot)[1]
+        if self._handle_of(fd, st) != blob:
+            return -1
+        cold.set_lookups(row, lookups + 1)
+        if journal is not None and jslot >= 0:
+            journal.count(jslot, lookups + 1)
+        os.close(fd)
+        return nodeid
 
     def evicting(self, entry: CachedFd, fd: int) -> None:
         """The fd cache is about to close *entry*'s descriptor *fd*: take the file handle

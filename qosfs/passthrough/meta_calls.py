@@ -55,17 +55,19 @@ class MetaCalls:
         result = await self._io.meta(self._limiter, fn, *_fds(args))
         return result
 
-    def resolve_inline(self, parent: Inode, name: bytes) -> tuple[int, os.stat_result]:
+    def resolve_inline(self, parent: Inode | int, name: bytes) -> tuple[int, os.stat_result]:
         """:meth:`InodeTable.resolve` of *parent*'s *name* on the event loop's thread, as
         :meth:`opening` does it (once more after shedding cached descriptors if the
-        daemon is out of them), without its two coroutine frames."""
+        daemon is out of them), without its two coroutine frames. *parent* is an inode
+        (its descriptor taken at each try: shedding may close the first) or a directory
+        descriptor the caller holds open itself (a listing's)."""
         inodes = self._inodes
         try:
-            return inodes.resolve(parent.fd, name)
+            return inodes.resolve(parent if isinstance(parent, int) else parent.fd, name)
         except OSError as exc:
             if exc.errno not in FD_SHORTAGE or not inodes.relieve():
                 raise
-        return inodes.resolve(parent.fd, name)
+        return inodes.resolve(parent if isinstance(parent, int) else parent.fd, name)
 
 
 def _fds(args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -78,11 +78,17 @@ class PathBook:
         which usually follows does not read /proc; the parent's path is read from /proc
         at most once per directory per second.
         """
+        path, deadline = self.child_path(parent, name)
+        child.path_memo = (self.epoch, deadline, path)
+
+    def child_path(self, parent: Inode, name: bytes) -> tuple[str, float]:
+        """The path of *parent*'s entry *name*, derived from the parent's, and the
+        ``time.monotonic()`` until which it is trusted (as :meth:`relpath_until`)."""
         base, deadline = self.relpath_until(parent)
         if parent is self.root:
             deadline = _monotonic() + PATH_MEMO_SECONDS
         leaf = name.decode(_FS_ENCODING, "surrogateescape")  # os.fsdecode, inlined
-        child.path_memo = (self.epoch, deadline, f"{base}/{leaf}" if base else leaf)
+        return (f"{base}/{leaf}" if base else leaf), deadline
 
     def trust_entry(self, inode: Inode, seconds: float) -> None:
         """The kernel was just told to trust *inode*'s name, from which its path was

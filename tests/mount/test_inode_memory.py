@@ -220,3 +220,59 @@ def test_a_loaders_epoch_past_the_descriptor_budget_reopens_no_descriptor(
         second = status(sock)
     assert second["inode_fd_reopens"] == 0, second
     assert second["inode_fds"] <= second["inode_fd_budget"] + 2, second
+
+
+def _listing(top: Path) -> list[str]:
+    """``find -printf '%i %P'`` of *top*: each entry's inode number and path, sorted."""
+    out = subprocess.run(["find", str(top), "-mindepth", "1", "-printf", "%i %P\n"],
+                         capture_output=True, text=True, check=True).stdout
+    return sorted(out.splitlines())
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["separate", "in-place"])
+def test_a_tree_listed_again_stays_folded_and_sees_files_replaced_underneath(
+        tmp_tree: Path, in_place: bool) -> None:
+    """6,000 files listed by `find` (READDIRPLUS), folded past the 2,048 objects kept;
+    listed again, their entries are counted in their rows, not thawed into objects (a
+    second `find` over a big tree thawed and folded every file). A file replaced
+    underneath (its inode number reused, likely on ext4) is not taken for the old one:
+    listed again it reads the new bytes. In place too."""
+    src, run = tmp_tree / "src", tmp_tree / "run"
+    mnt = src if in_place else tmp_tree / "mnt"
+    for d in {src, mnt, run}:
+        d.mkdir(mode=0o755)
+    make_files(src / "tree", 6, 1000)
+    underneath = tmp_tree / "view"  # the tree underneath, also when mounted over it
+    underneath.mkdir()
+    subprocess.run(["mount", "--bind", str(src), str(underneath)], check=True)
+    try:
+        want = _listing(underneath / "tree")
+        policy = tmp_tree / "policy.toml"
+        policy.write_text(POLICY)
+        sock = run / "ctl.sock"
+        with QosfsMount(src, mnt, "--policy", str(policy), "--socket", str(sock)):
+            assert _listing(mnt / "tree") == want  # node ids are the backing numbers
+            first = status(sock)
+            assert first["inodes"] >= 6000 and first["inode_objects"] < 2048 + 64 + 20, first
+            assert _listing(mnt / "tree") == want
+            second = status(sock)
+            # Not one thaw per file: at most the few a lookup may still make.
+            assert second["inode_thaws"] - first["inode_thaws"] < 100, (first, second)
+            replaced = [underneath / "tree" / "d0000" / f"f{i:06d}" for i in range(50)]
+            for path in replaced:
+                path.unlink()
+            for path in replaced:
+                path.write_bytes(path.name.encode())
+            # The new files took the old ones' numbers: while the kernel still holds the
+            # old node ids (stale now), the new files get synthetic ones.
+            got = {line.split()[1]: int(line.split()[0]) for line in _listing(mnt / "tree")}
+            now = {line.split()[1]: int(line.split()[0])
+                   for line in _listing(underneath / "tree")}
+            assert got.keys() == now.keys()
+            new = {f"d0000/{path.name}" for path in replaced}
+            assert {p: n for p, n in got.items() if p not in new} == \
+                {p: n for p, n in now.items() if p not in new}
+            for path in replaced:
+                assert (mnt / "tree" / "d0000" / path.name).read_bytes() == path.name.encode()
+    finally:
+        subprocess.run(["umount", "-l", str(underneath)], check=False)

@@ -376,3 +376,56 @@ def test_cold_inodes_outlive_their_journal_ending_and_go_to_the_next_one(
         second.close(remove=True)
     finally:
         table.close_all()
+
+
+def relist(table: InodeTable, name: str) -> int:
+    """A listing's entry for *name* under the root, as readdir takes it: counted in its
+    cold row if it is one (the node id), else adopted (the object's node id, negated)."""
+    table.trim()
+    fd, st = InodeTable.resolve(table.root.fd, os.fsencode(name))
+    nodeid = table.relisted(fd, st)
+    if nodeid >= 0:
+        return nodeid
+    return -table.adopt(fd, st, (table.root, os.fsencode(name))).nodeid
+
+
+def test_a_cold_file_listed_again_is_counted_in_its_row_and_record(
+        src: tuple[Path, int], tmp_path: Path) -> None:
+    """No thaw, no descriptor kept, its count in the row and the journal (a successor
+    rebuilt from it agrees); a file replaced underneath by one with its inode number is
+    never taken for it, and an object stays an object."""
+    root, fd = src
+    names = files(root, 60)
+    table = InodeTable(fd, 8, hot_limit=HOT)
+    if not table.handles:
+        pytest.skip("no file handles here")
+    journal = SessionJournal(str(tmp_path / "j"))
+    journal.session({"source": str(root)})
+    table.attach_journal(journal)
+    successor = InodeTable(fd, 8)
+    try:
+        ids = walk(table, root, names)
+        cold = [name for name in names if table.cold.find_id(ids[name]) >= 0]
+        assert len(cold) > 40
+        fds, thaws = open_fds(), table.thaws
+        assert [relist(table, name) for name in cold] == [ids[name] for name in cold]
+        assert table.thaws == thaws and open_fds() == fds
+        hot = next(name for name in names if ids[name] in table.by_id)
+        assert relist(table, hot) == -ids[hot]  # an object: adopt counts it
+        rebuild_inodes(successor, list(read_journal(journal.path).of_kind(INODE)))
+        for name in names:
+            node = successor.get(ids[name])
+            assert node.lookups == (2 if name in cold or name == hot else 1), name
+            assert content(node) == name.encode()
+            successor.trim()
+        # Replaced underneath: ext4 and tmpfs give the new file the freed number.
+        os.unlink(root / cold[0])
+        (root / cold[0]).write_bytes(b"new")
+        replaced = relist(table, cold[0])
+        if os.stat(root / cold[0]).st_ino == ids[cold[0]]:
+            assert replaced < 0 and -replaced != ids[cold[0]]  # adopted: a new node id
+            assert table.get(-replaced).lookups == 1
+    finally:
+        table.close_all()
+        successor.close_all()
+        journal.close(remove=True)

@@ -11,12 +11,15 @@ import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pyfuse3
 import pytest
 
 from qosfs.core import syscalls
 from qosfs.passthrough.operations import FsOptions
+from qosfs.policy.loading import default_policy
+from qosfs.qos.engine import PolicyQos
 from tests.inprocess_fs import ENGINES, Caller, Fields, InProcessFs, open_fds
 
 ROOT = pyfuse3.ROOT_INODE
@@ -449,3 +452,46 @@ def test_unaligned_requests_on_an_o_direct_open_go_through_one_buffered_twin(
 
     fs.run(main)
     assert (fs.root / "f").read_bytes() == b"a" * 4096 + b"tail"
+
+
+def test_a_listing_derives_its_entries_paths_and_reads_none_from_proc(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a policy whose cache timeouts go by path (the default's datasets: 60 s), a
+    READDIRPLUS entry's timeouts come from its path derived from the directory's, as a
+    lookup's do: not one readlink of /proc per entry (a `find` over a big tree paid one
+    per file)."""
+    backing = tmp_path / "backing"
+    (backing / "data").mkdir(parents=True)
+    names = [f"f{i:03d}" for i in range(40)]
+    for name in names:
+        (backing / "data" / name).write_bytes(b"x")
+    fs = InProcessFs(backing, PolicyQos(default_policy()))
+    real_readlink = os.readlink
+    read_from_proc: list[str] = []
+
+    def readlink(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(path).startswith("/proc/"):
+            read_from_proc.append(str(path))
+        return real_readlink(path, *args, **kwargs)
+
+    timeouts: dict[bytes, tuple[float, float]] = {}
+
+    def reply(token: object, name: bytes, attr: pyfuse3.EntryAttributes, next_id: int) -> bool:
+        timeouts[name] = (attr.entry_timeout, attr.attr_timeout)
+        return True
+
+    async def main() -> None:
+        data = await fs.lookup("data")
+        fh = await fs.ops.opendir(data.st_ino, fs.ctx)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(os, "readlink", readlink)
+            patch.setattr(pyfuse3, "readdir_reply", reply)
+            await fs.ops.readdir(fh, 0, None)  # type: ignore[arg-type]
+        await fs.ops.releasedir(fh)
+
+    try:
+        fs.run(main)
+    finally:
+        fs.close()
+    assert read_from_proc == []
+    assert {timeouts[os.fsencode(n)] for n in names} == {(60.0, 60.0)}
