@@ -15,7 +15,9 @@ record, without a journal).
 The inode table (:mod:`qosfs.passthrough.inodes`) folds an inode in here once nothing
 but the table holds it (no open file, no request in progress, no descriptor cached) and
 takes it out as an object again (thaws it) when a request names it; FORGET of a cold
-inode changes its count here, and its last one frees the row. Rows are reused, the
+inode changes its count here, and its last one frees the row. A listing (READDIRPLUS)
+counts its files here without making objects of them (:func:`listed`): a cold one in
+its row, a new one past ``hot_limit`` objects as a new row. Rows are reused, the
 indexes shrink as they empty, the arrays from their end, and all of it goes (the C heap
 trimmed) when the last cold inode does, so the memory goes back when the kernel
 forgets. Nothing here takes time in proportion to the number of cold inodes (an index
@@ -34,13 +36,15 @@ from __future__ import annotations
 import array
 import itertools
 import logging
+import os
+import stat
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from qosfs.core.syscalls import trim_heap
 from qosfs.passthrough.fdcache import FdCache
-from qosfs.passthrough.journal import SessionJournal
+from qosfs.passthrough.journal import NO_SLOT, JournalFull, SessionJournal
 from qosfs.qos.charge import InodeCharge
 
 log = logging.getLogger(__name__)
@@ -318,6 +322,10 @@ class InodeTable(Protocol):
     def make(self, nodeid: int, key: tuple[int, int], lookups: int,
              handle: bytes | None) -> Any: ...
 
+    def handle_of(self, fd: int, st: os.stat_result) -> bytes | None: ...
+
+    def new_nodeid(self, st: os.stat_result) -> int: ...
+
 
 def fold(table: InodeTable) -> None:
     """Fold *table*'s oldest inodes nothing uses into its ``cold``, down to ``hot_limit``
@@ -395,6 +403,80 @@ def thaw(table: InodeTable, row: int, nodeid: int) -> Any:
     if flags & KEYED:
         table.by_key[inode.key] = inode
     return inode
+
+
+def listed(table: InodeTable, fd: int, st: os.stat_result) -> int:
+    """A listing's entry (READDIRPLUS) counted without an inode object where that is
+    safe: its node id, *fd* closed; -1, *fd* left to the caller, for the table's
+    ``adopt``. Taken without an object are a file that is not a directory and
+
+    - known and folded cold: one more kernel reference in its row and its record, once
+      the name is seen to hold the object its handle names (``adopt``'s check: a reused
+      inode number is another object);
+    - not known, while the table holds its ``hot_limit`` objects already: a cold row at
+      once, its handle taken now, where an object would only have its descriptor
+      cached (evicting another's) until the next fold folds it.
+
+    A `find` over a big tree otherwise made or thawed an object per entry for the next
+    fold to fold: ~45% of the daemon's CPU per entry. A directory keeps its parent in
+    its object (``lookup_parent``), so it is always adopted."""
+    if stat.S_ISDIR(st.st_mode):
+        return -1
+    key = (st.st_dev, st.st_ino)
+    if key in table.by_key:
+        return -1
+    journal = table.journal
+    if journal is not None and journal.closed:
+        return -1  # a handover in progress: cold rows are being thawed (thaw_all)
+    row = table.cold.find_key(*key)
+    if row >= 0:
+        nodeid = _count_listed(table, row, fd, st, journal)
+    elif len(table.by_id) >= table.hot_limit:
+        nodeid = _add_listed(table, key, fd, st, journal)
+    else:
+        return -1
+    if nodeid >= 0:
+        os.close(fd)
+    return nodeid
+
+
+def _count_listed(table: InodeTable, row: int, fd: int, st: os.stat_result,
+                  journal: SessionJournal | None) -> int:
+    """:func:`listed` of the cold file in *row*: its node id, or -1."""
+    cold = table.cold
+    nodeid, _, _, lookups, jslot, flags, _, blob, _ = cold.record(row)
+    if flags & (HANDLE | DUE) != HANDLE:
+        return -1  # known by name: adopt checks and updates the name
+    if blob is None:
+        if journal is None or jslot < 0:
+            return -1
+        blob = journal.name_and_handle(jslot)[1]
+    if table.handle_of(fd, st) != blob:
+        return -1
+    cold.set_lookups(row, lookups + 1)
+    if journal is not None and jslot >= 0:
+        journal.count(jslot, lookups + 1)
+    return nodeid
+
+
+def _add_listed(table: InodeTable, key: tuple[int, int], fd: int, st: os.stat_result,
+                journal: SessionJournal | None) -> int:
+    """:func:`listed` of a file not known: a new cold row (and record) with one
+    reference, as a fold would leave it; its node id, or -1."""
+    handle = table.handle_of(fd, st)
+    if handle is None:
+        return -1  # reopened by name: an object keeps the name
+    nodeid = table.new_nodeid(st)
+    jslot = -1
+    if journal is not None:
+        try:
+            jslot = journal.put_inode(-1, nodeid, key[0], key[1], 1, False, handle,
+                                      NO_SLOT, b"", NO_SLOT)
+        except JournalFull:
+            return -1
+    table.cold.add(nodeid, key[0], key[1], 1, jslot, HANDLE | KEYED, None,
+                   None if jslot >= 0 else handle, None)
+    return nodeid
 
 
 def forget_cold(table: InodeTable, nodeid: int, count: int) -> None:

@@ -47,8 +47,8 @@ class Entries:
     def of_listed(self, nodeid: int, parent: Inode, name: bytes, st: os.stat_result,
                   ) -> pyfuse3.EntryAttributes:
         """The entry of *parent*'s *name*, node id *nodeid*, listed without an inode
-        object (:meth:`InodeTable.relisted <qosfs.passthrough.inodes.InodeTable.
-        relisted>`): its timeouts go by the path derived from the parent's."""
+        object (:meth:`InodeTable.listed <qosfs.passthrough.inodes.InodeTable.
+        listed>`): its timeouts go by the path derived from the parent's."""
         entry_timeout, attr_timeout = self._entry_timeout, self._attr_timeout
         by_path = self._qos.cache_timeouts
         if by_path is not None:

@@ -62,15 +62,7 @@ from collections.abc import Callable
 import pyfuse3
 
 from qosfs.core import syscalls
-from qosfs.passthrough.cold_inodes import (
-    DUE,
-    FOLD_BATCH,
-    HANDLE,
-    ColdInodes,
-    fold,
-    forget_cold,
-    thaw,
-)
+from qosfs.passthrough.cold_inodes import FOLD_BATCH, ColdInodes, fold, forget_cold, listed, thaw
 from qosfs.passthrough.fdcache import CachedFd, DeferredClose, FdCache
 from qosfs.passthrough.inode import Inode
 from qosfs.passthrough.inode_journal import InodeJournaling
@@ -255,7 +247,7 @@ class InodeTable(InodeJournaling):
                 inode.lookups += 1
                 self._journal_known(inode, moved)
                 return inode
-            handle = self._handle_of(fd, st)
+            handle = self.handle_of(fd, st)
             if handle == inode.handle:
                 self.cache.put(inode, fd)  # it will be used next: keep this descriptor
                 inode.lookups += 1
@@ -270,12 +262,8 @@ class InodeTable(InodeJournaling):
                     and not stat.S_ISDIR(st.st_mode)):
                 due = True  # a file's handle: at eviction, if ever (module docstring)
             else:
-                handle = self._handle_of(fd, st)
-        nodeid = st.st_ino if st.st_dev == self.root_dev else 0
-        if (nodeid <= pyfuse3.ROOT_INODE or nodeid in self.by_id
-                or self.cold.find_id(nodeid) >= 0):
-            nodeid = self.next_synthetic
-            self.next_synthetic += 1
+                handle = self.handle_of(fd, st)
+        nodeid = self.new_nodeid(st)
         inode = Inode(self, nodeid, key, 1, handle, -1)
         if entry is not None and stat.S_ISDIR(st.st_mode):
             inode.parent = entry[0]
@@ -292,43 +280,20 @@ class InodeTable(InodeJournaling):
             self.write_down(inode)
         return inode
 
-    def relisted(self, fd: int, st: os.stat_result) -> int:
-        """A listing's entry (READDIRPLUS) for a file known and folded cold: one more
-        kernel reference counted in its row and its record, *fd* closed, its node id
-        returned, without making it an object again; -1, *fd* left to the caller, where
-        that cannot be told this cheaply (not a cold file known by its handle, or not
-        that very file any more) and :meth:`adopt` must take it.
+    def listed(self, fd: int, st: os.stat_result) -> int:
+        """A listing's entry counted without an inode object where that is safe: its
+        node id, *fd* closed; -1, *fd* left to :meth:`adopt` (:func:`~qosfs.passthrough.
+        cold_inodes.listed` says which, and why)."""
+        return listed(self, fd, st)
 
-        A second `find` over a big tree otherwise thawed each entry into an object (its
-        descriptor into the cache, evicting another's) only for the next fold to put it
-        back: thaw and fold were ~45% of the daemon's CPU per entry. The check is
-        :meth:`adopt`'s for a known inode: the handle of what the name holds now must be
-        the one it was known by (a reused inode number is another object)."""
-        if stat.S_ISDIR(st.st_mode):
-            return -1  # a directory's parent is kept in its object (lookup_parent)
-        key = (st.st_dev, st.st_ino)
-        if key in self.by_key:
-            return -1
-        cold = self.cold
-        row = cold.find_key(*key)
-        if row < 0:
-            return -1
-        nodeid, _, _, lookups, jslot, flags, _, blob, _ = cold.record(row)
-        if flags & (HANDLE | DUE) != HANDLE:
-            return -1
-        journal = self.journal
-        if jslot >= 0 and (journal is None or journal.closed):
-            return -1  # its handle is in a record no longer written (thaw_all's case)
-        if blob is None:
-            if journal is None or jslot < 0:
-                return -1
-            blob = journal.name_and_handle(jslot)[1]
-        if self._handle_of(fd, st) != blob:
-            return -1
-        cold.set_lookups(row, lookups + 1)
-        if journal is not None and jslot >= 0:
-            journal.count(jslot, lookups + 1)
-        os.close(fd)
+    def new_nodeid(self, st: os.stat_result) -> int:
+        """The node id of a new object: its inode number on the source's own device,
+        else (or if that number is taken) the next synthetic one."""
+        nodeid = st.st_ino if st.st_dev == self.root_dev else 0
+        if (nodeid <= pyfuse3.ROOT_INODE or nodeid in self.by_id
+                or self.cold.find_id(nodeid) >= 0):
+            nodeid = self.next_synthetic
+            self.next_synthetic += 1
         return nodeid
 
     def evicting(self, entry: CachedFd, fd: int) -> None:
@@ -347,7 +312,7 @@ class InodeTable(InodeJournaling):
             if entry.jslot >= 0:
                 self.write_down(entry)  # reopened by handle after a crash too
 
-    def _handle_of(self, fd: int, st: os.stat_result) -> bytes | None:
+    def handle_of(self, fd: int, st: os.stat_result) -> bytes | None:
         """The object's file handle, or None if it must keep its descriptor instead."""
         if not self.handles or st.st_dev != self.root_dev:
             return None  # a submount: its handles would need a descriptor on that mount

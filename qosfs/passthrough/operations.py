@@ -529,7 +529,7 @@ class PassthroughOperations(pyfuse3.Operations):
         # lookup: the coroutine frames of _meta_opening and BackingIO.meta were ~10% of
         # the daemon's CPU in a `find` over a big tree.
         resolve_inline = None if self.io.mode is IoMode.THREADS else self._resolve_inline
-        relisted = self.inodes.relisted
+        listed = self.inodes.listed
         for index in range(start_id, len(names)):
             name = names[index]
             if index < 2:  # "." and "..": listed like the backing store, never counted
@@ -553,7 +553,7 @@ class PassthroughOperations(pyfuse3.Operations):
             if index & _READDIR_YIELD_MASK == 0:
                 await trio.lowlevel.checkpoint()
             self.inodes.trim()
-            nodeid = relisted(fd, st)  # a cold file listed again stays a row
+            nodeid = listed(fd, st)  # a file past the objects kept: a cold row
             if nodeid >= 0:
                 entry = self._entries.of_listed(nodeid, handle.inode, name, st)
             else:

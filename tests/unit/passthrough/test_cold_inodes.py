@@ -378,22 +378,25 @@ def test_cold_inodes_outlive_their_journal_ending_and_go_to_the_next_one(
         table.close_all()
 
 
+
 def relist(table: InodeTable, name: str) -> int:
-    """A listing's entry for *name* under the root, as readdir takes it: counted in its
-    cold row if it is one (the node id), else adopted (the object's node id, negated)."""
+    """A listing's entry for *name* under the root, as readdir takes it: the node id if
+    it is counted in a cold row, else adopted (the object's node id, negated)."""
     table.trim()
     fd, st = InodeTable.resolve(table.root.fd, os.fsencode(name))
-    nodeid = table.relisted(fd, st)
+    nodeid = table.listed(fd, st)
     if nodeid >= 0:
         return nodeid
     return -table.adopt(fd, st, (table.root, os.fsencode(name))).nodeid
 
 
-def test_a_cold_file_listed_again_is_counted_in_its_row_and_record(
+def test_a_listing_counts_files_past_the_objects_kept_in_rows(
         src: tuple[Path, int], tmp_path: Path) -> None:
-    """No thaw, no descriptor kept, its count in the row and the journal (a successor
-    rebuilt from it agrees); a file replaced underneath by one with its inode number is
-    never taken for it, and an object stays an object."""
+    """A first listing: objects up to the hot limit, then a cold row per new file; a
+    second: each cold file counted in its row. No thaw, no descriptor kept, each count
+    in its journal record (a successor rebuilt from it agrees), every node id the
+    file's inode number. A file replaced underneath by one with its inode number is
+    never taken for it; an object stays an object."""
     root, fd = src
     names = files(root, 60)
     table = InodeTable(fd, 8, hot_limit=HOT)
@@ -404,27 +407,35 @@ def test_a_cold_file_listed_again_is_counted_in_its_row_and_record(
     table.attach_journal(journal)
     successor = InodeTable(fd, 8)
     try:
-        ids = walk(table, root, names)
-        cold = [name for name in names if table.cold.find_id(ids[name]) >= 0]
-        assert len(cold) > 40
-        fds, thaws = open_fds(), table.thaws
-        assert [relist(table, name) for name in cold] == [ids[name] for name in cold]
-        assert table.thaws == thaws and open_fds() == fds
-        hot = next(name for name in names if ids[name] in table.by_id)
-        assert relist(table, hot) == -ids[hot]  # an object: adopt counts it
+        fds = open_fds()
+        first = {name: relist(table, name) for name in names}
+        # Objects up to the limit (the root is one), then rows.
+        assert sum(nodeid < 0 for nodeid in first.values()) == HOT - 1
+        assert {abs(n) for n in first.values()} == {os.stat(root / n).st_ino for n in names}
+        assert len(table.cold) == 60 - (HOT - 1) and table.thaws == 0
+        assert open_fds() <= fds + 8
+        cold = [name for name in names if first[name] > 0]
+        assert [relist(table, name) for name in cold] == [first[name] for name in cold]
+        assert table.thaws == 0 and open_fds() <= fds + 8
+        hot = next(name for name in names if first[name] < 0)
+        assert relist(table, hot) == first[hot]  # an object: adopt counts it
         rebuild_inodes(successor, list(read_journal(journal.path).of_kind(INODE)))
         for name in names:
-            node = successor.get(ids[name])
+            node = successor.get(abs(first[name]))
             assert node.lookups == (2 if name in cold or name == hot else 1), name
             assert content(node) == name.encode()
             successor.trim()
+        for name in names[:20]:  # and in this table, thawed by a request
+            assert content(table.get(abs(first[name]))) == name.encode()
+            table.trim()
         # Replaced underneath: ext4 and tmpfs give the new file the freed number.
-        os.unlink(root / cold[0])
-        (root / cold[0]).write_bytes(b"new")
-        replaced = relist(table, cold[0])
-        if os.stat(root / cold[0]).st_ino == ids[cold[0]]:
-            assert replaced < 0 and -replaced != ids[cold[0]]  # adopted: a new node id
-            assert table.get(-replaced).lookups == 1
+        victim = cold[-1]
+        os.unlink(root / victim)
+        (root / victim).write_bytes(b"new")
+        replaced = relist(table, victim)
+        if os.stat(root / victim).st_ino == first[victim]:
+            assert replaced < 0 and -replaced != first[victim]  # adopted: a new node id
+            assert content(table.get(-replaced)) == b"new"
     finally:
         table.close_all()
         successor.close_all()
