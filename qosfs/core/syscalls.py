@@ -89,9 +89,13 @@ def link_fd(fd: int, newdirfd: int, newname: bytes) -> None:
 # out). ``struct file_handle`` is {u32 handle_bytes; i32 handle_type; u8 f_handle[]}.
 MAX_HANDLE_SZ = 128
 _HANDLE_HEADER = 8
-_libc.name_to_handle_at.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p,
-                                    ctypes.POINTER(ctypes.c_int), ctypes.c_int]
-_libc.open_by_handle_at.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+# No argtypes for these two: every argument is already what C takes (ints, bytes, the
+# buffer, a byref), and ctypes' conversion through argtypes cost ~0.5-1 us per call (the
+# old and new functions alternated, ext4, medians of 7 rounds: handle_of_fd 2.71 -> 1.73
+# us, open_by_handle with the close 3.30 -> 2.81 us). They run once per file a listing
+# names past the objects kept, and once per open of an inode whose descriptor was evicted.
+_name_to_handle_at = _libc.name_to_handle_at
+_open_by_handle_at = _libc.open_by_handle_at
 
 
 # One buffer, reused: handles are taken on the event loop's thread only (a new inode per
@@ -110,10 +114,10 @@ def handle_of_fd(fd: int) -> tuple[bytes, int]:
     Raises OSError: EOPNOTSUPP where the filesystem cannot export handles.
     """
     _handle_bytes.value = MAX_HANDLE_SZ
-    if _libc.name_to_handle_at(fd, b"", _handle_buf, _mount_id_ref, AT_EMPTY_PATH) != 0:
+    if _name_to_handle_at(fd, b"", _handle_buf, _mount_id_ref, AT_EMPTY_PATH) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
-    return ctypes.string_at(_handle_buf, _HANDLE_HEADER + _handle_bytes.value), _mount_id.value
+    return _handle_buf.raw[:_HANDLE_HEADER + _handle_bytes.value], _mount_id.value
 
 
 def open_by_handle(mount_fd: int, handle: bytes, flags: int) -> int:
@@ -122,7 +126,7 @@ def open_by_handle(mount_fd: int, handle: bytes, flags: int) -> int:
     Raises OSError: ESTALE if the object is gone (the handle carries the inode's
     generation, so a recycled inode number is never mistaken for the old object).
     """
-    fd: int = _libc.open_by_handle_at(mount_fd, handle, flags)
+    fd: int = _open_by_handle_at(mount_fd, handle, flags)
     if fd < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
