@@ -18,4 +18,5 @@ it; a suite imports no other suite, a subcommand no other subcommand.
 - ``opcost``: per-open cost of the small-file loader (``python -m bench.opcost``)
 - ``probecost``: per-read cost of the read-counting BPF programs (``python -m bench.probecost``)
 - ``soak``: mixed traffic and live changes for N minutes, then checks (``bench soak``)
+- ``walkcost``: a `find` over a big tree, per entry (``python -m bench.walkcost``)
 """

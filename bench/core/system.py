@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import resource
 import shlex
 import shutil
 import signal
@@ -347,16 +348,24 @@ def _read(path: str) -> str | None:
 
 @contextmanager
 def qosfs_mount(source: Path, mnt: Path, work: Path, pythonpath: str,
-                extra: list[str]) -> Iterator[tuple[Path, int | None]]:
+                extra: list[str], nofile: int | None = None,
+                ) -> Iterator[tuple[Path, int | None]]:
     """qosfs with the embedded default policy (as users mount it), in the foreground, its
-    daemon run with *pythonpath* (empty: this process's)."""
+    daemon run with *pythonpath* (empty: this process's) and, if given, *nofile* as its
+    descriptor limit (soft and hard: the daemon raises its soft limit to the hard one)."""
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
+
+    def limit() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
     proc = subprocess.Popen(
         [sys.executable, "-m", "qosfs", "mount", "--foreground", str(source), str(mnt),
          "--socket", str(work / f"ctl-{mnt.name}.sock"),
-         "--log-file", str(work / f"{mnt.name}.log"), *extra], env=env, cwd=str(work))
+         "--log-file", str(work / f"{mnt.name}.log"), *extra], env=env, cwd=str(work),
+        preexec_fn=limit)
     try:
         for _ in range(600):
             if os.path.ismount(mnt) or proc.poll() is not None:

@@ -64,9 +64,9 @@ def test_bench_is_laid_out_in_its_layers() -> None:
     assert all(m.startswith("bench.suites.") for m in suites), suites
     beside = {_module_name(p) for p in BENCH.glob("*.py")} - {"bench", *ENTRY}
     # beside the command line and the catalog: the subcommands, and the profiling tools
-    # run by hand (opcost, probecost)
+    # run by hand (opcost, probecost, walkcost)
     commands = {m.split(".")[1].replace("_", "-") for m in beside}
-    assert commands <= {c.name for c in COMMANDS} | {"opcost", "probecost"}, commands
+    assert commands <= {c.name for c in COMMANDS} | {"opcost", "probecost", "walkcost"}, commands
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(BENCH)))
