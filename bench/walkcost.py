@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from bench.core.epochs import make_empty_files
 from bench.core.libfuse_peer import build_peer, peer_mount
 from bench.core.system import cpu_seconds, qosfs_mount
 
@@ -53,14 +54,7 @@ def make_tree(top: Path, dirs: int, files: int) -> None:
     subprocess.run(["rm", "-rf", str(tree)], check=True)
     tree.mkdir(parents=True, mode=0o755)
     for d in range(dirs):
-        sub = tree / f"d{d:05d}"
-        sub.mkdir()
-        fd = os.open(sub, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            for f in range(files):
-                os.mknod(f"f{f:06d}", 0o644, dir_fd=fd)
-        finally:
-            os.close(fd)
+        make_empty_files(tree / f"d{d:05d}", files)
     os.chmod(top, 0o755)
     shape.write_text(f"{dirs} {files}")
 

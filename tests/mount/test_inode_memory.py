@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from bench.core.epochs import make_empty_files
 from qosfs.control.ctl import Client
 from qosfs.daemon.takeover.keeper import journal_path
 from qosfs.passthrough.paths import PATH_MEMO_SECONDS
@@ -63,15 +64,7 @@ def make_files(data: Path, dirs: int, per_dir: int) -> list[str]:
     """Empty files, made on the backing tree directly (fast); their names."""
     names = []
     for d in range(dirs):
-        sub = data / f"d{d:04d}"
-        sub.mkdir(parents=True)
-        fd = os.open(sub, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            for i in range(per_dir):
-                os.mknod(f"f{i:06d}", 0o644, dir_fd=fd)
-        finally:
-            os.close(fd)
-        names += [f"d{d:04d}/f{i:06d}" for i in range(per_dir)]
+        names += [f"d{d:04d}/{name}" for name in make_empty_files(data / f"d{d:04d}", per_dir)]
     return names
 
 

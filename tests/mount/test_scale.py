@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from bench.core.epochs import make_empty_files
 from tests.mounting import QosfsMount, as_user, mounted_under, reachable_tmpdir
 from tests.waiting import wait_for
 
@@ -50,14 +51,7 @@ def make_tree(root: Path, dirs: int, files_per_dir: int) -> int:
     tree = root / "tree"
     tree.mkdir()
     for d in range(dirs):
-        sub = tree / f"d{d:05d}"
-        sub.mkdir()
-        fd = os.open(sub, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            for f in range(files_per_dir):
-                os.mknod(f"f{f:06d}", 0o644, dir_fd=fd)
-        finally:
-            os.close(fd)
+        make_empty_files(tree / f"d{d:05d}", files_per_dir)
     return dirs * files_per_dir + dirs + 1
 
 
