@@ -390,9 +390,7 @@ def thaw(table: InodeTable, row: int, nodeid: int) -> Any:
         raise KeyError(nodeid)
     nodeid, dev, ino, lookups, jslot, flags, ref, blob, stamp = table.cold.take(row)
     table.thaws += 1
-    if blob is None and jslot >= 0 and table.journal is not None:
-        name, handle = table.journal.name_and_handle(jslot)
-        blob = handle if flags & HANDLE else name
+    blob = _blob_of(table.journal, jslot, flags, blob)
     inode = table.make(nodeid, (dev, ino), lookups, blob if flags & HANDLE else None)
     if ref is not None:
         inode.entry = (ref, blob) if blob is not None else None
@@ -403,6 +401,16 @@ def thaw(table: InodeTable, row: int, nodeid: int) -> Any:
     if flags & KEYED:
         table.by_key[inode.key] = inode
     return inode
+
+
+def _blob_of(journal: SessionJournal | None, jslot: int, flags: int,
+             blob: bytes | None) -> bytes | None:
+    """A cold row's handle (HANDLE in *flags*) or name: its own *blob*, or else what its
+    journal record holds (None if neither has it)."""
+    if blob is None and jslot >= 0 and journal is not None:
+        name, handle = journal.name_and_handle(jslot)
+        blob = handle if flags & HANDLE else name
+    return blob
 
 
 def listed(table: InodeTable, fd: int, st: os.stat_result) -> int:
@@ -447,11 +455,8 @@ def _count_listed(table: InodeTable, row: int, fd: int, st: os.stat_result,
     nodeid, _, _, lookups, jslot, flags, _, blob, _ = cold.record(row)
     if flags & (HANDLE | DUE) != HANDLE:
         return -1  # known by name: adopt checks and updates the name
-    if blob is None:
-        if journal is None or jslot < 0:
-            return -1
-        blob = journal.name_and_handle(jslot)[1]
-    if table.handle_of(fd, st) != blob:
+    blob = _blob_of(journal, jslot, flags, blob)
+    if blob is None or table.handle_of(fd, st) != blob:
         return -1
     cold.set_lookups(row, lookups + 1)
     if journal is not None and jslot >= 0:
