@@ -47,12 +47,15 @@ class ReadProbes:
         self.max_watched = max_watched
         self.watched = bpf.Map(bpf.MAP_HASH, 16, 8, max_watched)
         self.recent = bpf.Map(bpf.MAP_PERCPU_ARRAY, 4, 32, 1)
-        # Per CPU: a reader's adds touch its own CPU's cache line only. By slot, for the
-        # first uid that reads the file on the CPU: (uid + 1, bytes, reads); other uids'
-        # reads go to the hash, by (slot, uid). Both are preallocated for every CPU:
-        # 24 B x (max_watched + 1) and 16 B x max_counts each, ~2 MB a CPU as set here.
-        self.counts_fast = bpf.Map(bpf.MAP_PERCPU_ARRAY, 4, 24, max_watched + 1)
-        self.counts = bpf.Map(bpf.MAP_PERCPU_HASH, 8, 16, max_counts)
+        # By slot, for the first uid that reads the file on a CPU: (uid + 1, bytes,
+        # reads), in that CPU's region of one plain array (read_programs._count says why
+        # not a per-CPU array); other uids' reads go to the hash, by (slot, uid), its
+        # entries made as they come (most files are read by one uid: it stays small).
+        # The array: 24 B x (max_watched + 1) a CPU, ~1.5 MB each as set here.
+        self.cpus = bpf.possible_cpus()
+        self.fast_slots = max_watched + 1
+        self.counts_fast = bpf.Map(bpf.MAP_ARRAY, 4, 24, self.fast_slots * self.cpus)
+        self.counts = bpf.Map(bpf.MAP_PERCPU_HASH, 8, 16, max_counts, bpf.NO_PREALLOC)
         self.lost = bpf.Map(bpf.MAP_ARRAY, 4, 16, 1)
         self._last_raw: dict[int, bytes] = {}  # by slot, counts_fast as changed_totals saw it
         self._fds: list[int] = []
@@ -89,8 +92,10 @@ class ReadProbes:
         maps = (self.counts_fast.fd, self.counts.fd, self.lost.fd)
         watched = (self.index.fd, self.watched.fd)
         programs = (filemap_program(o, typed, tgid, *watched, self.recent.fd, *maps,
+                                    fast_slots=self.fast_slots,
                                     passthrough_only=passthrough_only),
                     direct_program(o, typed, tgid, *watched, *maps,
+                                   fast_slots=self.fast_slots,
                                    passthrough_only=passthrough_only))
         for i, (name, program) in enumerate(zip((FILEMAP_TRACEPOINT, DIRECT_TRACEPOINT),
                                                 programs, strict=True)):
@@ -182,16 +187,16 @@ class ReadProbes:
         # A (slot, uid) may be counted on one CPU in the array and on another in the
         # hash: a slot the hash holds is read whole, changed or not.
         in_hash = {slot for slot, _ in out}
-        fast = self.counts_fast
-        wanted = range(fast.max_entries) if slots is None else \
-            [slot for slot in slots if slot < fast.max_entries]
+        slots_per_cpu = self.fast_slots
+        wanted = range(slots_per_cpu) if slots is None else \
+            [slot for slot in slots if slot < slots_per_cpu]
         if wanted:
-            size = fast.value_size
+            size = self.counts_fast.value_size
             top = max(wanted) + 1
-            raw = b"".join(fast.lookup_range(at, min(BATCH_SLOTS, top - at))
-                           for at in range(0, top, BATCH_SLOTS))
+            regions = [self._region(cpu * slots_per_cpu, top) for cpu in range(self.cpus)]
             for slot in wanted:
-                value = raw[slot * size:(slot + 1) * size]
+                at = slot * size
+                value = b"".join([region[at:at + size] for region in regions])
                 if last is not None:
                     if last.get(slot) == value and slot not in in_hash:
                         continue
@@ -201,11 +206,20 @@ class ReadProbes:
                         add((slot, owner - 1), nbytes, nreads)
         return out
 
+    def _region(self, start: int, count: int) -> bytes:
+        """*count* entries of ``counts_fast`` from *start*: one batch lookup per
+        BATCH_SLOTS of them."""
+        fast = self.counts_fast
+        return b"".join(fast.lookup_range(start + at, min(BATCH_SLOTS, count - at))
+                        for at in range(0, count, BATCH_SLOTS))
+
     def forget(self, slot: int, uids: Iterable[int]) -> None:
         """Drop what *slot* counted (its file is no longer watched), so that the slot
         starts from nothing for the next file: its array entry and its hash keys."""
-        if slot < self.counts_fast.max_entries:
-            self.counts_fast.update(struct.pack("<I", slot), bytes(24))
+        if slot < self.fast_slots:
+            for cpu in range(self.cpus):
+                self.counts_fast.update(struct.pack("<I", cpu * self.fast_slots + slot),
+                                        bytes(24))
         self._last_raw.pop(slot, None)
         for uid in uids:
             self.counts.delete(struct.pack("<II", slot, uid))

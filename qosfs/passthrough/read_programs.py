@@ -49,6 +49,7 @@ from qosfs.core.bpf.asm import (
     GET_CURRENT_PID_TGID,
     GET_CURRENT_TASK,
     GET_CURRENT_TASK_BTF,
+    GET_SMP_PROCESSOR_ID,
     MAP_LOOKUP_ELEM,
     MAP_UPDATE_ELEM,
     PROBE_READ_KERNEL,
@@ -75,6 +76,7 @@ _TID = -64       # u32 0, the recent map's key
 _COUNT_KEY = -104  # u32 slot, u32 uid
 _COUNT_VALUE = -120  # u64 bytes, u64 reads
 _ZERO = -124     # u32 0, the lost map's key
+_FAST_KEY = -128  # u32, counts_fast's key: this CPU's region, then the slot
 _SLOT_INDEX = -72  # u32, the index's key: the inode number's low bits
 
 #: Entries of the ``index`` array (a power of two): 24 bytes each, 1.5 MiB in all. Its
@@ -234,7 +236,7 @@ def _watched_slot(f: _Fields, o: Offsets, index: int, watched: int) -> None:
     p.store(8, 10, _ISIZE, 6)
 
 
-def _count(f: _Fields, counts_fast: int, counts: int, lost: int) -> None:
+def _count(f: _Fields, counts_fast: int, fast_slots: int, counts: int, lost: int) -> None:
     """Add (the bytes at _BYTES, one read) to the slot's (r9) count for the reader's uid
     (at _COUNT_KEY + 4): in ``counts_fast`` if this CPU's entry for the slot is the
     uid's or nobody's yet, else in ``counts`` under (slot, uid), else in ``lost``.
@@ -244,11 +246,21 @@ def _count(f: _Fields, counts_fast: int, counts: int, lost: int) -> None:
     is this CPU's alone and a tracepoint's program runs with preemption off, so no other
     run can come between the load and the store. The hash and its atomic adds, which
     were the common case before, cost ~35 ns more per read (``python -m
-    bench.probecost --timing``)."""
+    bench.probecost --timing``).
+
+    ``counts_fast`` is one plain array holding a region of *fast_slots* entries per CPU
+    (CPU-major: a CPU's entries share cache lines with no other CPU's), not a per-CPU
+    array: that one allocates each entry apart, and 65,537 of them took ~75 ms to create,
+    at every mount's start."""
     p = f.p
     p.store(4, 10, _COUNT_KEY, 9)
-    _lookup(p, counts_fast, _COUNT_KEY)  # its key is the slot, the key's first half
-    p.jump("jeq", 0, 0, "shared")  # a slot past the array (retired ones not yet freed)
+    p.jump("jge", 9, fast_slots, "shared")  # a slot past the array (retired, not yet freed)
+    p.call(GET_SMP_PROCESSOR_ID)
+    p.alu("mul", 0, fast_slots)
+    p.alu_reg("add", 0, 9)
+    p.store(4, 10, _FAST_KEY, 0)
+    _lookup(p, counts_fast, _FAST_KEY)
+    p.jump("jeq", 0, 0, "shared")  # never (the key is in range); the verifier asks
     p.load(4, 2, 10, _COUNT_KEY + 4)
     p.alu("add", 2, 1)  # the entry's owner: uid + 1, 0 while nobody's
     p.load(8, 1, 0, 0)
@@ -289,8 +301,8 @@ def _count(f: _Fields, counts_fast: int, counts: int, lost: int) -> None:
 
 
 def filemap_program(o: Offsets, typed: bool, tgid: int, index: int, watched: int,
-                    recent: int, counts_fast: int, counts: int, lost: int,
-                    passthrough_only: bool = True) -> bytes:
+                    recent: int, counts_fast: int, counts: int, lost: int, *,
+                    fast_slots: int, passthrough_only: bool = True) -> bytes:
     """The buffered-read counter; its context is (mapping, first page, last page).
     *passthrough_only* False counts direct reads of a watched file too (the unit tests,
     which read the file themselves, with no mount)."""
@@ -349,12 +361,12 @@ def filemap_program(o: Offsets, typed: bool, tgid: int, index: int, watched: int
     p.store(4, 0, 24, 1)
     p.store(4, 0, 28, 3)
     p.label("count")
-    _count(f, counts_fast, counts, lost)
+    _count(f, counts_fast, fast_slots, counts, lost)
     return p.assemble()
 
 
 def direct_program(o: Offsets, typed: bool, tgid: int, index: int, watched: int,
-                   counts_fast: int, counts: int, lost: int,
+                   counts_fast: int, counts: int, lost: int, *, fast_slots: int,
                    passthrough_only: bool = True) -> bytes:
     """The O_DIRECT read counter; its context is (iocb, iter, dio_flags, done_before)
     (*passthrough_only* as for :func:`filemap_program`)."""
@@ -387,7 +399,7 @@ def direct_program(o: Offsets, typed: bool, tgid: int, index: int, watched: int,
     p.label("clamped")
     p.alu_reg("sub", 4, 5)
     p.store(8, 10, _BYTES, 4)
-    _count(f, counts_fast, counts, lost)
+    _count(f, counts_fast, fast_slots, counts, lost)
     return p.assemble()
 
 

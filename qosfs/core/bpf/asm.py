@@ -14,6 +14,7 @@ import struct
 # Helper function ids (enum bpf_func_id, include/uapi/linux/bpf.h).
 MAP_LOOKUP_ELEM = 1
 MAP_UPDATE_ELEM = 2
+GET_SMP_PROCESSOR_ID = 8
 GET_CURRENT_PID_TGID = 14
 GET_CURRENT_UID_GID = 15
 GET_CURRENT_TASK = 35
