@@ -26,7 +26,13 @@ from typing import Any
 import pytest
 
 from bench.core.epochs import make_empty_files
-from tests.mounting import QosfsMount, as_user, mounted_under, reachable_tmpdir
+from tests.mounting import (
+    QosfsMount,
+    as_user,
+    memory_tree,
+    mounted_under,
+    reachable_tmpdir,
+)
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.root]
@@ -255,17 +261,17 @@ MILLION = (1000, 999)  # directories, files in each: 1,000,001 entries with thei
 
 @pytest.fixture(scope="module")
 def million_entries() -> Iterator[Path]:
-    """A source with a tree of 1,000,001 entries, made once for the tests that walk it
-    at each limit: its making (a minute or more; several when it follows the removal of
-    another such tree) and removal dominate those tests, and a walk changes nothing in
-    it."""
+    """A source with a tree of 1,000,001 entries on a tmpfs of its own, made once for
+    the tests that walk it at each limit (a walk changes nothing in it). On the disk its
+    making and removal took longer than the walks (:func:`tests.mounting.memory_tree`)."""
     top = reachable_tmpdir("million-entries")
-    src = top / "src"
-    src.mkdir(mode=0o755)
-    make_source(src, *MILLION)
-    yield src
-    if not mounted_under(top):
-        shutil.rmtree(top)
+    try:
+        with memory_tree(top / "src") as src:
+            make_source(src, *MILLION)
+            yield src
+    finally:
+        if not mounted_under(top):
+            shutil.rmtree(top)
 
 
 @pytest.mark.slow
