@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from qosfs.control.ctl import Client
 from tests.mounting import ROOT, QosfsMount, as_user
 from tests.waiting import wait_for
 
@@ -125,6 +126,10 @@ def busy_socket(tmp_tree: Path) -> Iterator[Path]:
                     ["sh", "-c", f"while :; do dd if=/dev/zero of=w{uid} bs=256k count=4 "
                                  "2>/dev/null; done"],
                     cwd=mnt / "ckpt", preexec_fn=as_user(uid), start_new_session=True))
+            # The first frame shows the daemon's last sample: both writers must be in
+            # one (a daemon up for a second had sampled one of them only, once).
+            wait_for("both writers in one of the daemon's samples", lambda: _busy_in_sample(sock),
+                     timeout=20, interval=0.1)
             yield sock
         finally:
             for writer in writers:  # the loop and its dd: a dd left keeps the mount busy
@@ -132,6 +137,14 @@ def busy_socket(tmp_tree: Path) -> Iterator[Path]:
                 writer.wait()
             for writer in writers:  # a dd killed in a parked write exits after the loop
                 _wait_gone(writer.pid)
+
+
+def _busy_in_sample(sock: Path) -> bool:
+    """Whether the daemon's last sample has a write rate for every BUSY writer."""
+    with Client(str(sock)) as client:
+        accounts = client.request({"cmd": "stats"}).get("accounts", [])
+    writing = {acc["uid"] for acc in accounts if acc["rates"].get("write_bytes")}
+    return writing >= set(BUSY)
 
 
 def _wait_gone(pgid: int, timeout: float = 20) -> None:
