@@ -111,17 +111,23 @@ def reachable_tmpdir(name: str) -> Path:
     return path
 
 
+#: Where the scale and memory tests make their big trees: a tmpfs of their own. On the
+#: VMs' ext4 a million empty files took 30-80 s to make (more right after another big
+#: tree was removed: 3.8 s for 200,000 once, 69 s the next time) and 13 s to remove; on
+#: tmpfs a few seconds, and the unmount frees them at once. The daemon serves a tmpfs as
+#: it serves a disk (inodes named by file handle, the compact tables), which is what
+#: those tests measure.
+BIG_TREE_TMPFS = "mode=0755,nr_inodes=2m"
+
+
 @contextmanager
-def memory_tree(path: Path, nr_inodes: str = "2m") -> Iterator[Path]:
-    """*path*, made, with a tmpfs of its own on it: where the scale and memory tests make
-    their big trees. On the VMs' ext4 a million empty files took 30-80 s to make (more
-    right after another big tree was removed: 3.8 s for 200,000 once, 69 s the next time)
-    and 13 s to remove; on tmpfs a few seconds, and the unmount frees them at once. The
-    daemon serves a tmpfs as it serves a disk (inodes named by file handle, the compact
-    tables), which is what these tests measure."""
-    path.mkdir(mode=0o755)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"mode=0755,nr_inodes={nr_inodes}",
-                    "qosfs-test", str(path)], check=True)
+def scratch_fs(path: Path, fstype: str = "tmpfs", options: str = "mode=0755",
+               ) -> Iterator[Path]:
+    """*path* (made if missing) with a filesystem of its own, *fstype* mounted with
+    *options*, unmounted on the way out (lazily if something still holds it)."""
+    path.mkdir(mode=0o755, exist_ok=True)
+    subprocess.run(["mount", "-t", fstype, "-o", options, "qosfs-test", str(path)],
+                   check=True)
     try:
         yield path
     finally:

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.mounting import QosfsMount
+from tests.mounting import QosfsMount, scratch_fs
 
 pytestmark = [pytest.mark.mount, pytest.mark.root]
 
@@ -44,16 +44,6 @@ def _clean_stop(m: QosfsMount) -> None:
     assert "Traceback" not in log and " ERROR " not in log, log
 
 
-@contextmanager
-def _tmpfs(path: Path, options: str) -> Iterator[Path]:
-    path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "qosfs-test", str(path)], check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=False)
-
-
 def _write(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
@@ -65,7 +55,7 @@ def test_no_space_and_no_inodes_reach_the_caller_even_when_throttled(tmp_tree: P
     policy = tmp_tree / "policy.toml"
     policy.write_text('[classes.ckpt]\npaths = ["ckpt/**"]\nwrite_bandwidth = "4MiB/s"\n'
                       'burst = "1MiB"\n')
-    with _tmpfs(tmp_tree / "src", "size=3m,nr_inodes=32") as src:
+    with scratch_fs(tmp_tree / "src", "tmpfs", "size=3m,nr_inodes=32") as src:
         (src / "ckpt").mkdir()
         _write(src / "keep", b"k" * 4096)
         m = QosfsMount(src, mnt, "--policy", str(policy)).start()
@@ -94,7 +84,7 @@ def test_no_space_and_no_inodes_reach_the_caller_even_when_throttled(tmp_tree: P
 def test_read_only_source_answers_erofs_and_keeps_serving_reads(tmp_tree: Path) -> None:
     mnt = tmp_tree / "mnt"
     mnt.mkdir()
-    with _tmpfs(tmp_tree / "src", "size=8m") as src:
+    with scratch_fs(tmp_tree / "src", "tmpfs", "size=8m") as src:
         _write(src / "f", b"data")
         (src / "d").mkdir()
         m = QosfsMount(src, mnt).start()

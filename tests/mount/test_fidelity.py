@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.mount import posix_scenarios
-from tests.mounting import QosfsMount, as_user
+from tests.mounting import QosfsMount, as_user, scratch_fs
 
 pytestmark = pytest.mark.mount
 
@@ -90,14 +90,8 @@ def test_parent_of_mount_root_stays_inside(qmount) -> None:
 @pytest.fixture
 def on_tmpfs(tmp_tree: Path) -> Iterator[Path]:
     """A fresh tmpfs under tmp_tree (the default temporary directory may be ext4)."""
-    fs = tmp_tree / "tmpfs"
-    fs.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755", "qosfs-test", str(fs)],
-                   check=True)
-    try:
+    with scratch_fs(tmp_tree / "tmpfs") as fs:
         yield fs
-    finally:
-        subprocess.run(["umount", "-l", str(fs)], check=False)
 
 
 @pytest.mark.root

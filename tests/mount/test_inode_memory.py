@@ -19,7 +19,7 @@ from bench.core.epochs import make_empty_files
 from qosfs.control.ctl import Client
 from qosfs.daemon.takeover.keeper import journal_path
 from qosfs.passthrough.paths import PATH_MEMO_SECONDS
-from tests.mounting import QosfsMount, memory_tree
+from tests.mounting import BIG_TREE_TMPFS, QosfsMount, scratch_fs
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.root]
@@ -111,7 +111,7 @@ def stat_and_forget(tmp_tree: Path, dirs: int, per_dir: int) -> dict[str, float]
     mnt, run = tmp_tree / "mnt", tmp_tree / "run"
     for d in (mnt, run):
         d.mkdir(mode=0o755)
-    with memory_tree(tmp_tree / "src") as src:
+    with scratch_fs(tmp_tree / "src", options=BIG_TREE_TMPFS) as src:
         return _stat_and_forget(src, mnt, run, make_files(src / "data", dirs, per_dir))
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mounting import ROOT, QosfsMount, is_mounted
+from tests.mounting import ROOT, QosfsMount, is_mounted, scratch_fs
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.mount
@@ -187,16 +187,12 @@ def test_forgotten_inodes_release_their_descriptors(qmount) -> None:
 @pytest.mark.root
 def test_enospc_from_a_small_source_reaches_the_caller(tmp_tree: Path) -> None:
     src, mnt = _dirs(tmp_tree)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(src)], check=True)
-    try:
-        with QosfsMount(src, mnt):
-            with pytest.raises(OSError) as info, open(mnt / "big", "wb") as f:
-                for _ in range(8):
-                    f.write(b"x" * (1 << 20))
-                    f.flush()
-            assert info.value.errno == errno.ENOSPC
-            os.unlink(mnt / "big")
-            (mnt / "small").write_text("still works")
-            assert (src / "small").read_text() == "still works"
-    finally:
-        subprocess.run(["umount", str(src)], check=False)
+    with scratch_fs(src, "tmpfs", "size=2m"), QosfsMount(src, mnt):
+        with pytest.raises(OSError) as info, open(mnt / "big", "wb") as f:
+            for _ in range(8):
+                f.write(b"x" * (1 << 20))
+                f.flush()
+        assert info.value.errno == errno.ENOSPC
+        os.unlink(mnt / "big")
+        (mnt / "small").write_text("still works")
+        assert (src / "small").read_text() == "still works"

@@ -22,7 +22,7 @@ import pytest
 import xxhash
 
 from qosfs.control.ctl import call
-from tests.mounting import QosfsMount, as_user
+from tests.mounting import QosfsMount, as_user, scratch_fs
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.root]
@@ -201,9 +201,7 @@ def test_an_mmap_reader_reads_and_status_says_its_pages_are_not_counted(
 def test_a_backing_tmpfs_is_said_not_counted_for_the_class(tmp_tree: Path) -> None:
     src = tmp_tree / "src"
     src.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "qosfs-test", str(src)],
-                   check=True)
-    try:
+    with scratch_fs(src, "tmpfs", "size=64m"):
         (src / "data").mkdir()
         (src / "data/t.bin").write_bytes(os.urandom(MiB))
         m = Mounted(tmp_tree, src)
@@ -219,8 +217,6 @@ def test_a_backing_tmpfs_is_said_not_counted_for_the_class(tmp_tree: Path) -> No
                                    str(m.sock), "status"], check=True, capture_output=True,
                                   text=True, timeout=30).stdout
             assert "class data: 1 opens passed through NOT COUNTED: tmpfs" in text
-    finally:
-        subprocess.run(["umount", str(src)], check=False)
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,12 @@ import pytest
 
 from bench.core.epochs import make_empty_files
 from tests.mounting import (
+    BIG_TREE_TMPFS,
     QosfsMount,
     as_user,
-    memory_tree,
     mounted_under,
     reachable_tmpdir,
+    scratch_fs,
 )
 from tests.waiting import wait_for
 
@@ -159,20 +161,17 @@ def make_source(src: Path, dirs: int, files_per_dir: int) -> None:
 def check_big_tree(tmp_tree: Path, dirs: int, files_per_dir: int, nofile: int,
                    *args: str, fstype: str | None = None) -> dict[str, float]:
     src, mnt = tmp_tree / "src", tmp_tree / "mnt"
-    src.mkdir(mode=0o755)
     mnt.mkdir()
-    if fstype is not None:
-        subprocess.run(["mount", "-t", fstype, "none", str(src)], check=True)
-        os.chmod(src, 0o755)
-    try:
+    with ExitStack() as stack:
+        if fstype is None:
+            src.mkdir(mode=0o755)
+        else:
+            stack.enter_context(scratch_fs(src, fstype))
         make_source(src, dirs, files_per_dir)
         # Only the million-entry walks hold the reader's latency to its figure alone;
         # here it is reported, and a fifth of the reads give it.
         return walk_big_tree(src, mnt, tmp_tree, (dirs, files_per_dir), nofile, *args,
                              alone_reads=400)
-    finally:
-        if fstype is not None:
-            subprocess.run(["umount", "-l", str(src)], check=False)
 
 
 def walk_big_tree(src: Path, mnt: Path, tmp: Path, shape: tuple[int, int], nofile: int,
@@ -263,10 +262,10 @@ MILLION = (1000, 999)  # directories, files in each: 1,000,001 entries with thei
 def million_entries() -> Iterator[Path]:
     """A source with a tree of 1,000,001 entries on a tmpfs of its own, made once for
     the tests that walk it at each limit (a walk changes nothing in it). On the disk its
-    making and removal took longer than the walks (:func:`tests.mounting.memory_tree`)."""
+    making and removal took longer than the walks (:data:`tests.mounting.BIG_TREE_TMPFS`)."""
     top = reachable_tmpdir("million-entries")
     try:
-        with memory_tree(top / "src") as src:
+        with scratch_fs(top / "src", options=BIG_TREE_TMPFS) as src:
             make_source(src, *MILLION)
             yield src
     finally:
