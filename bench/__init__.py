@@ -12,6 +12,8 @@ it; a suite imports no other suite, a subcommand no other subcommand.
 - ``suites/``: one module (or package) per suite: runner, record, headline, section, plots
 - ``cluster``: two mounts sharing one cluster cap through Redis (``bench cluster``)
 - ``coldscale``: cold small files on disk at 1/4/16 threads (``bench coldscale``)
+- ``clones``: one FUSE connection served by 1 and 2 Python processes, a minimal
+  pass-through filesystem beside bare (``bench clones``; docs/architecture.md)
 - ``demo``: a one-minute look at what QoS does for a dataset reader (``bench demo``)
 - ``latency_target``: a reader's latency target against an uncapped storm
 - ``machinery``: per-request cost of admission and of the handlers, in-process

@@ -154,6 +154,18 @@ def _coldscale(args: argparse.Namespace) -> int:
     return coldscale.run(args)
 
 
+def _clones_options(p: argparse.ArgumentParser) -> None:
+    from bench import clones
+
+    clones.options(p)
+
+
+def _clones(args: argparse.Namespace) -> int:
+    from bench import clones
+
+    return clones.run_command(args)
+
+
 def _soak_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=3.0)
     p.add_argument("--out", type=Path, help="directory for soak.md and soak.json "
@@ -193,6 +205,9 @@ COMMANDS: tuple[Command, ...] = (
     Command("coldscale", "cold small files on disk at 1/4/16 threads: bare, --no-qos "
             "and the default policy, with ratios; flags a side that gets slower with more "
             "threads", _coldscale, _coldscale_options),
+    Command("clones", "one FUSE connection served by 1 and 2 Python processes "
+            "(FUSE_DEV_IOC_CLONE), a minimal pass-through filesystem beside bare: what a "
+            "second core gives a small-file loader here", _clones, _clones_options),
     Command("soak", "mixed readers, writers, metadata and ctl changes for N minutes, "
             "then checks", _soak, _soak_options),
     Command("merge", "add a suite run on its own (its .json) to REPORT.md, marked with "
