@@ -7,9 +7,13 @@ how, and why it is cheap); this module creates their maps, loads and attaches th
 cleared for its next file (``forget``).
 
 The counts are read every half second (:mod:`qosfs.passthrough.read_counting`), for every
-watched slot: one ``BPF_MAP_LOOKUP_BATCH`` per 4,096 slots rather than a lookup each (a
-loader's files stay watched while their backing ids are kept idle, so there may be
-thousands), and only the slots whose bytes changed since the last reading are unpacked.
+watched slot, and a loader's files stay watched while their backing ids are kept idle, so
+there may be tens of thousands. The per-CPU counts are an array the daemon maps
+(``BPF_F_MMAPABLE``): a reading copies each CPU's region, finds the slots whose bytes
+changed since the last reading a block at a time (a bytes compare, in C) and unpacks only
+those. With 16,000 files watched, a reading took 16-25 ms when it was a batch lookup of
+every slot and a compare of each in Python: the event loop stalled that long twice a
+second, reads or none.
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ from qosfs.passthrough.read_programs import (
     kernel_layout,
 )
 
-#: Slots read by one batch lookup of the per-CPU counts (~192 KiB of values on 2 CPUs).
-BATCH_SLOTS = 4096
+#: Bytes of one slot's count in a CPU's region of ``counts_fast``: (uid + 1, bytes, reads).
+ENTRY_SIZE = 24
+#: Slots compared at once when looking for the ones that changed (1.5 KiB of a region).
+BLOCK_SLOTS = 64
 
 
 class ReadProbes:
@@ -54,10 +60,13 @@ class ReadProbes:
         # The array: 24 B x (max_watched + 1) a CPU, ~1.5 MB each as set here.
         self.cpus = bpf.possible_cpus()
         self.fast_slots = max_watched + 1
-        self.counts_fast = bpf.Map(bpf.MAP_ARRAY, 4, 24, self.fast_slots * self.cpus)
+        self.counts_fast = bpf.Map(bpf.MAP_ARRAY, 4, ENTRY_SIZE, self.fast_slots * self.cpus,
+                                   bpf.MMAPABLE)
+        self._fast = self.counts_fast.mapped()
         self.counts = bpf.Map(bpf.MAP_PERCPU_HASH, 8, 16, max_counts, bpf.NO_PREALLOC)
         self.lost = bpf.Map(bpf.MAP_ARRAY, 4, 16, 1)
-        self._last_raw: dict[int, bytes] = {}  # by slot, counts_fast as changed_totals saw it
+        # Each CPU's region as changed_totals last read it (a forgotten slot zeroed).
+        self._seen: list[bytearray] = [bytearray() for _ in range(self.cpus)]
         self._fds: list[int] = []
         self.mode = ""  # "tp_btf" or "raw_tp", once loaded
 
@@ -164,16 +173,16 @@ class ReadProbes:
                ) -> dict[tuple[int, int], tuple[int, int]]:
         """{(slot, uid): (bytes, reads)} counted since each slot was last freed, for
         *slots* (None: every slot) and whatever the hash holds."""
-        return self._totals(slots, None)
+        return self._totals(slots, False)
 
     def changed_totals(self, slots: Iterable[int]) -> dict[tuple[int, int], tuple[int, int]]:
         """As :meth:`totals`, for those of *slots* whose per-CPU counts changed since the
         last call or that the hash holds counts of: the daemon's drain, where most
         watched files were not read in the last half second. A (slot, uid) left out was
         not read since the last call."""
-        return self._totals(slots, self._last_raw)
+        return self._totals(slots, True)
 
-    def _totals(self, slots: Iterable[int] | None, last: dict[int, bytes] | None,
+    def _totals(self, slots: Iterable[int] | None, changed_only: bool,
                 ) -> dict[tuple[int, int], tuple[int, int]]:
         out: dict[tuple[int, int], tuple[int, int]] = {}
 
@@ -187,40 +196,44 @@ class ReadProbes:
         # A (slot, uid) may be counted on one CPU in the array and on another in the
         # hash: a slot the hash holds is read whole, changed or not.
         in_hash = {slot for slot, _ in out}
-        slots_per_cpu = self.fast_slots
-        wanted = range(slots_per_cpu) if slots is None else \
-            [slot for slot in slots if slot < slots_per_cpu]
-        if wanted:
-            size = self.counts_fast.value_size
-            top = max(wanted) + 1
-            regions = [self._region(cpu * slots_per_cpu, top) for cpu in range(self.cpus)]
-            for slot in wanted:
-                at = slot * size
-                value = b"".join([region[at:at + size] for region in regions])
-                if last is not None:
-                    if last.get(slot) == value and slot not in in_hash:
-                        continue
-                    last[slot] = value
-                for owner, nbytes, nreads in struct.iter_unpack("<QQQ", value):  # per CPU
-                    if owner:
-                        add((slot, owner - 1), nbytes, nreads)
+        per_cpu = self.fast_slots
+        wanted = None if slots is None else \
+            slots if isinstance(slots, (set, dict)) else set(slots)
+        top = per_cpu if wanted is None else min(max(wanted, default=-1) + 1, per_cpu)
+        if top == 0:
+            return out
+        fast = self._fast
+        regions = [fast[cpu * per_cpu * ENTRY_SIZE:(cpu * per_cpu + top) * ENTRY_SIZE]
+                   for cpu in range(self.cpus)]
+        if changed_only:
+            candidates = _changed(regions, self._seen, top) | {s for s in in_hash if s < top}
+            self._seen = [bytearray(region) for region in regions]
+        else:  # every slot that counted something
+            candidates = _changed(regions, [bytes(len(r)) for r in regions], top)
+        for slot in sorted(candidates):
+            if wanted is not None and slot not in wanted:
+                continue
+            at = slot * ENTRY_SIZE
+            for region in regions:
+                owner, nbytes, nreads = struct.unpack_from("<QQQ", region, at)
+                if owner:
+                    add((slot, owner - 1), nbytes, nreads)
         return out
-
-    def _region(self, start: int, count: int) -> bytes:
-        """*count* entries of ``counts_fast`` from *start*: one batch lookup per
-        BATCH_SLOTS of them."""
-        fast = self.counts_fast
-        return b"".join(fast.lookup_range(start + at, min(BATCH_SLOTS, count - at))
-                        for at in range(0, count, BATCH_SLOTS))
 
     def forget(self, slot: int, uids: Iterable[int]) -> None:
         """Drop what *slot* counted (its file is no longer watched), so that the slot
-        starts from nothing for the next file: its array entry and its hash keys."""
+        starts from nothing for the next file: its array entry and its hash keys. The
+        last reading's copy of the slot is zeroed too, so that the next file's count is
+        seen however it compares with the last one's."""
         if slot < self.fast_slots:
+            zero = bytes(ENTRY_SIZE)
             for cpu in range(self.cpus):
-                self.counts_fast.update(struct.pack("<I", cpu * self.fast_slots + slot),
-                                        bytes(24))
-        self._last_raw.pop(slot, None)
+                at = (cpu * self.fast_slots + slot) * ENTRY_SIZE
+                self._fast[at:at + ENTRY_SIZE] = zero
+            at = slot * ENTRY_SIZE
+            for seen in self._seen:
+                if at < len(seen):
+                    seen[at:at + ENTRY_SIZE] = zero
         for uid in uids:
             self.counts.delete(struct.pack("<II", slot, uid))
 
@@ -231,6 +244,26 @@ class ReadProbes:
 
     def close(self) -> None:
         self._detach()
+        self._fast.close()
         for m in (self.index, self.watched, self.recent, self.counts_fast, self.counts,
                   self.lost):
             m.close()
+
+
+def _changed(regions: list[bytes], before: list[bytes] | list[bytearray], top: int) -> set[int]:
+    """The slots below *top* whose count differs, on some CPU, from *before* (each CPU's
+    region as last read): a whole region compared first (an idle mount: one compare a
+    CPU), then a block of slots at a time, then the slots of a block that differs."""
+    changed: set[int] = set()
+    block = BLOCK_SLOTS * ENTRY_SIZE
+    for region, seen in zip(regions, before, strict=True):
+        if region == seen:
+            continue
+        for start in range(0, top * ENTRY_SIZE, block):
+            end = start + block
+            if region[start:end] == seen[start:end]:
+                continue
+            for at in range(start, min(end, len(region)), ENTRY_SIZE):
+                if region[at:at + ENTRY_SIZE] != seen[at:at + ENTRY_SIZE]:
+                    changed.add(at // ENTRY_SIZE)
+    return changed

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import os
 import struct
 
@@ -24,7 +25,6 @@ _ATTR_SIZE = 128  # enough for every command used here; the kernel zero-checks t
 # enum bpf_cmd (include/uapi/linux/bpf.h)
 _MAP_CREATE, _MAP_LOOKUP_ELEM, _MAP_UPDATE_ELEM, _MAP_DELETE_ELEM = 0, 1, 2, 3
 _MAP_GET_NEXT_KEY, _PROG_LOAD, _RAW_TRACEPOINT_OPEN = 4, 5, 17
-_MAP_LOOKUP_BATCH = 24
 
 # enum bpf_map_type
 MAP_HASH, MAP_ARRAY, MAP_PERCPU_HASH, MAP_PERCPU_ARRAY, MAP_LRU_HASH = 1, 2, 5, 6, 9
@@ -39,6 +39,8 @@ ANY, NOEXIST = 0, 1
 # map creation flags: a hash map whose entries are allocated as they are added, instead
 # of all at creation (a per-CPU hash of 32,768 took ~40 ms to create preallocated)
 NO_PREALLOC = 1
+#: ``BPF_F_MMAPABLE`` (Linux 5.5): an array map whose values the daemon maps (`Map.mapped`).
+MMAPABLE = 1 << 10
 
 _LOG_SIZE = 1 << 16
 
@@ -125,30 +127,14 @@ class Map:
             ctypes.memmove(key, nxt, self.key_size)
             first = False
 
-    def lookup_range(self, start: int, count: int) -> bytes:
-        """The values of an array map's keys *start* .. *start* + *count* - 1 (clamped
-        to the map), one after the other, in one ``BPF_MAP_LOOKUP_BATCH`` (Linux 5.6)
-        instead of a lookup each."""
-        count = max(0, min(count, self.max_entries - start))
-        if count == 0:
-            return b""
-        keys = ctypes.create_string_buffer(self.key_size * count)
-        values = ctypes.create_string_buffer(self.value_size * count)
-        # struct bpf_attr's batch: in_batch, out_batch, keys, values, count, map_fd,
-        # elem_flags, flags. The kernel walks on from the key *after* in_batch
-        # (map_get_next_key), from the first when it is NULL.
-        before = ctypes.create_string_buffer(struct.pack("<I", max(start - 1, 0)), 4)
-        after = ctypes.create_string_buffer(4)
-        attr = ctypes.create_string_buffer(struct.pack(
-            "<QQQQIIQQ", ctypes.addressof(before) if start else 0, ctypes.addressof(after),
-            ctypes.addressof(keys), ctypes.addressof(values), count, self.fd, 0, 0),
-            _ATTR_SIZE)
-        got = count
-        try:
-            _call(_MAP_LOOKUP_BATCH, attr)
-        except FileNotFoundError:  # the map's end was reached: count says where
-            got = struct.unpack_from("<I", attr, 32)[0]
-        return values.raw[:self.value_size * got]
+    def mapped(self) -> mmap.mmap:
+        """An array map's values as shared memory, one after the other (each padded to 8
+        bytes), read and written in place with no system call: for a map made with
+        ``MMAPABLE``. A program's plain stores may be seen half done (a value's first
+        field new, its second not yet), as by a lookup."""
+        stride = (self.value_size + 7) // 8 * 8
+        size = -(-(stride * self.max_entries) // mmap.PAGESIZE) * mmap.PAGESIZE
+        return mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -181,6 +181,41 @@ def test_changed_totals_leave_out_what_was_not_read_and_keep_a_uid_whole(
     assert second == probes.totals([SLOT])
 
 
+def test_a_slot_given_to_the_next_file_is_seen_even_with_the_same_count(
+        probes: ReadProbes, backing: Path) -> None:
+    """The drain finds changed slots by comparing each CPU's region with its last
+    reading. A slot forgotten and given to the next file, which the same uid reads as
+    much on the same CPU, ends with the very bytes the last reading saw: it must still
+    be reported, as the next file's count."""
+    st = os.stat(backing)
+    cpu = min(os.sched_getaffinity(0))
+    assert probes.watch(st.st_dev, st.st_ino, SLOT)
+    _read_as(2001, backing, cpu)
+    first = probes.changed_totals([SLOT])
+    assert first[SLOT, 2001][0] == SIZE
+    probes.unwatch(st.st_dev, st.st_ino)
+    probes.forget(SLOT, [2001])  # as the drain does, after its reading
+    assert probes.watch(st.st_dev, st.st_ino, SLOT)  # "the next file", before the next
+    _read_as(2001, backing, cpu)
+    assert probes.changed_totals([SLOT]) == first
+
+
+def test_a_reading_reports_the_one_slot_read_among_many_and_no_other(
+        probes: ReadProbes, backing: Path) -> None:
+    """Slots read and slots not read side by side, in the same block of the region and
+    in others: a reading reports exactly the slots counted since the last one."""
+    st = os.stat(backing)
+    cpu = min(os.sched_getaffinity(0))
+    watched = set(range(probes.max_watched))
+    assert probes.changed_totals(watched) == {}
+    for slot in (0, SLOT, probes.max_watched - 1):
+        assert probes.watch(st.st_dev, st.st_ino, slot)
+        _read_as(2001, backing, cpu)
+        assert set(probes.changed_totals(watched)) == {(slot, 2001)}, slot
+        assert probes.changed_totals(watched) == {}
+        probes.unwatch(st.st_dev, st.st_ino)
+
+
 def test_a_file_that_is_not_watched_is_not_counted(probes: ReadProbes, backing: Path,
                                                    tmp_path: Path) -> None:
     other = tmp_path / "other.bin"
