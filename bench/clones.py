@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.core.epochs import make_tree, read_files
-from bench.core.system import drop_caches, unmount
+from bench.core.system import cpu_seconds, drop_caches, unmount_and_reap
 
 #: ``_IOR(229, 0, uint32_t)``: bind a new /dev/fuse descriptor to a mount's connection.
 FUSE_DEV_IOC_CLONE = 0x8004E500
@@ -247,17 +247,11 @@ def clonefs(source: Path, mnt: Path, work: Path, workers: int, burn_us: int,
         with open(counters, "r+b") as f:
             yield pids, mmap.mmap(f.fileno(), MAX_WORKERS * 8)
     finally:
-        unmount(mnt)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        unmount_and_reap(mnt, proc, 20)
 
 
 def _cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return cpu_seconds(pid) or 0.0
 
 
 def _measure(root: Path, names: list[str], threads: int, seed: int, cold: bool,

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.core.system import REPO, BenchError, unmount
+from bench.core.system import REPO, BenchError, unmount_and_reap
 
 BUILD_DIR = REPO / "build" / "libfuse"
 PEER_OPTIONS = {"hp-single": ("--single", "--nopassthrough"),
@@ -67,12 +67,7 @@ def peer_mount(binary: str, source: Path, mnt: Path, options: tuple[str, ...],
             time.sleep(0.05)
         yield proc.pid
     finally:
-        unmount(mnt)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        unmount_and_reap(mnt, proc, 10)
 
 
 def refused_passthrough(log: Path) -> bool:

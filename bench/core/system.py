@@ -194,6 +194,17 @@ class QosfsMount:
                 os.kill(self.pid, signal.SIGKILL)
 
 
+def unmount_and_reap(mnt: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Unmount a daemon's *mnt*, then wait *timeout* s for the daemon to end, and kill
+    it if it does not (a bench's own mounts, on its way out)."""
+    unmount(mnt)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def cpu_seconds(pid: int) -> float | None:
     """User+system CPU process *pid* (all its threads) has used so far; None once gone."""
     try:
