@@ -276,7 +276,7 @@ def open_services(daemon: Daemon) -> list[tuple[str, Service]]:
     services = _open_services(daemon.cfg, daemon.mountpoint, daemon.engine,
                               daemon.listeners, daemon.latency, daemon.fs.resources,
                               daemon.cluster, _daemon_info(daemon),
-                              counting.drain if counting.on else None)
+                              counting.add_counts if counting.on else None)
     if counting.on:
         services.append(("read_counting", counting.run))
     if daemon.fs.kernel_opens.on:

@@ -42,6 +42,10 @@ _monotonic = time.monotonic
 #: Seconds between two closings of the idle backing ids that are due (`run`); a release
 #: closes those due too, so this bounds how long one is kept on a mount gone quiet.
 IDLE_SWEEP_EVERY = 5.0
+#: Idle backing ids closed by one release at most, and by the sweep between two turns of
+#: the event loop (~10 us each, their files' counting stopped with them).
+EXPIRE_PER_RELEASE = 2
+EXPIRE_BATCH = 128
 
 
 class KernelOpens:
@@ -264,7 +268,10 @@ class KernelOpens:
             self.kernel.unregister(handle.inode.nodeid, now)
             if handle.kernel == PASSED_THROUGH:  # a JOINED open's reads are the daemon's
                 self.counting.release(handle)
-            self.kernel.expire(now)  # those due (their files' counting stops: _closed)
+            # A few of those due (their files' counting stops: _closed): each release
+            # makes at most one id idle, so two a release keep up with the limit; the
+            # sweep closes the rest in batches.
+            self.kernel.expire(now, EXPIRE_PER_RELEASE)
         else:
             self.kernel.plain_release(handle.inode.nodeid)
 
@@ -286,7 +293,10 @@ class KernelOpens:
         task_status.started()
         while True:
             await trio.sleep(IDLE_SWEEP_EVERY)
-            self.kernel.expire(_monotonic())
+            # EXPIRE_BATCH at a time, letting the requests that came meanwhile through
+            # in between (KernelPassthrough.expire says why).
+            while len(self.kernel.expire(_monotonic(), EXPIRE_BATCH)) == EXPIRE_BATCH:
+                await trio.sleep(0)
 
     def recent_file(self, class_name: str) -> int | None:
         """The backing descriptor of the last open of class *class_name* (its class at

@@ -44,6 +44,7 @@ from qosfs.qos.interface import Flow
 log = logging.getLogger(__name__)
 
 DRAIN_EVERY = 0.5  # seconds between two reads of the programs' counts
+RETIRE_BATCH = 128  # retired slots freed between two turns of the event loop (<1 ms)
 MAX_WATCHED = 65536
 #: Filesystems whose buffered reads pass mm_filemap_get_pages (and O_DIRECT reads, for
 #: the iomap ones, iomap_dio_rw_begin) with the device and inode stat() reports.
@@ -180,6 +181,14 @@ class KernelReadCounting:
         """Add what the programs counted since the last drain to the flows' counters,
         and free the slots of files no longer watched. Runs on the trio thread, like
         every reader and writer of the flows' counters."""
+        retired, self._retired = self._retired, []  # unwatched before the reading
+        self.add_counts()
+        self._retire(retired)
+
+    def add_counts(self) -> None:
+        """The counting half of :meth:`drain`, and all of it that a snapshot needs
+        (``ctl stats``, ``/metrics``, the latency controller's samples): the slots of
+        retired files are left for the drain service to free, a batch at a time."""
         probes = self._probes
         if probes is None:
             return
@@ -201,20 +210,32 @@ class KernelReadCounting:
             name = flow.class_name
             self.read_bytes[name] = self.read_bytes.get(name, 0) + added_bytes
             self.reads[name] = self.reads.get(name, 0) + added_reads
-        for w in self._retired:
-            assert w.slot is not None
+
+    def _retire(self, retired: list[_Watch]) -> None:
+        """Free the slots of *retired* watches, for the next files."""
+        probes = self._probes
+        for w in retired:
+            assert w.slot is not None and probes is not None
             if w.seen:  # a file never read left nothing to clear
                 probes.forget(w.slot, w.seen)
             del self._by_slot[w.slot]
             self._free.append(w.slot)
-        self._retired.clear()
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The daemon's service: drain every :data:`DRAIN_EVERY` seconds."""
+        """The daemon's service: drain every :data:`DRAIN_EVERY` seconds. The slots of
+        the files retired meanwhile are freed :data:`RETIRE_BATCH` at a time, letting
+        the requests that came meanwhile through in between: a loader's pass over
+        thousands of files retires them all within seconds, 60 s later (their idle
+        backing ids expire together), and freeing them in one go stalled the loop."""
         task_status.started()
         while True:
             await trio.sleep(DRAIN_EVERY)
-            self.drain()
+            retired, self._retired = self._retired, []  # unwatched before the reading
+            self.add_counts()
+            for start in range(0, len(retired), RETIRE_BATCH):
+                if start:
+                    await trio.sleep(0)
+                self._retire(retired[start:start + RETIRE_BATCH])
 
     def status(self) -> dict[str, Any]:
         """The ``read_counting`` entry of ``ctl status``'s ``passthrough``."""

@@ -67,6 +67,10 @@ class ReadProbes:
         self.lost = bpf.Map(bpf.MAP_ARRAY, 4, 16, 1)
         # Each CPU's region as changed_totals last read it (a forgotten slot zeroed).
         self._seen: list[bytearray] = [bytearray() for _ in range(self.cpus)]
+        # The slots the hash held counts of at the last reading: forget deletes the
+        # hash keys of those only (a delete of a key that is not there is a system call
+        # for nothing, and most files are read by one uid, counted in the array).
+        self._in_hash: set[int] = set()
         self._fds: list[int] = []
         self.mode = ""  # "tp_btf" or "raw_tp", once loaded
 
@@ -196,6 +200,7 @@ class ReadProbes:
         # A (slot, uid) may be counted on one CPU in the array and on another in the
         # hash: a slot the hash holds is read whole, changed or not.
         in_hash = {slot for slot, _ in out}
+        self._in_hash = in_hash
         per_cpu = self.fast_slots
         wanted = None if slots is None else \
             slots if isinstance(slots, (set, dict)) else set(slots)
@@ -222,9 +227,10 @@ class ReadProbes:
 
     def forget(self, slot: int, uids: Iterable[int]) -> None:
         """Drop what *slot* counted (its file is no longer watched), so that the slot
-        starts from nothing for the next file: its array entry and its hash keys. The
-        last reading's copy of the slot is zeroed too, so that the next file's count is
-        seen however it compares with the last one's."""
+        starts from nothing for the next file: its array entry and its hash keys (*uids*'s,
+        if the last reading found the slot in the hash: its file was no longer read
+        since). The last reading's copy of the slot is zeroed too, so that the next
+        file's count is seen however it compares with the last one's."""
         if slot < self.fast_slots:
             zero = bytes(ENTRY_SIZE)
             for cpu in range(self.cpus):
@@ -234,8 +240,9 @@ class ReadProbes:
             for seen in self._seen:
                 if at < len(seen):
                     seen[at:at + ENTRY_SIZE] = zero
-        for uid in uids:
-            self.counts.delete(struct.pack("<II", slot, uid))
+        if slot in self._in_hash or slot >= self.fast_slots:
+            for uid in uids:
+                self.counts.delete(struct.pack("<II", slot, uid))
 
     def lost_totals(self) -> tuple[int, int]:
         """(bytes, reads) that found ``counts`` full."""

@@ -86,6 +86,21 @@ def test_idle_ids_beyond_the_limit_are_closed_oldest_first(
     assert binding.open_ids == {ids[11], ids[13], ids[14]}
 
 
+def test_expiry_closes_at_most_as_many_as_asked_oldest_first_and_the_rest_later() -> None:
+    """A pass over many files makes their ids due together: a caller closes them a
+    batch at a time, oldest first, and a later call goes on where it stopped."""
+    binding = FakeBinding()
+    kp = KernelPassthrough(binding)
+    for inode in range(20, 30):
+        kp.register(inode, fd=inode)
+        kp.unregister(inode, now=float(inode))
+    due = 100.0 + kernel.IDLE_SECONDS
+    assert kp.expire(due, at_most=4) == [20, 21, 22, 23]
+    assert kp.expire(due, at_most=4) == [24, 25, 26, 27]
+    assert kp.expire(due, at_most=4) == [28, 29]
+    assert kp.expire(due, at_most=4) == [] and binding.open_ids == set()
+
+
 def test_idle_ids_go_to_a_successor_with_their_age() -> None:
     binding = FakeBinding()
     kp = KernelPassthrough(binding)

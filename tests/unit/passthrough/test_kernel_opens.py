@@ -151,6 +151,44 @@ def test_release_gives_the_backing_id_back(ops: PassthroughOperations) -> None:
     trio.run(main)
 
 
+def test_the_sweep_closes_many_due_ids_in_batches(
+        ops: PassthroughOperations, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ids that fell due together are closed EXPIRE_BATCH at a time by the sweep, with
+    other tasks run between two batches, and a release closes a few of them only."""
+    from qosfs.passthrough import kernel_opens
+
+    monkeypatch.setattr(kernel_opens, "EXPIRE_BATCH", 8)
+    monkeypatch.setattr(kernel_opens, "IDLE_SWEEP_EVERY", 0)  # each turn of the loop
+    binding = FakeBinding()
+    kp = ops.kernel_opens.kernel = KernelPassthrough(binding)
+    for inode in range(1000, 1030):
+        kp.register(inode, fd=inode)
+        kp.unregister(inode, now=0.0)
+    monkeypatch.setattr(kernel_opens, "_monotonic", lambda: 1e6)  # all of them due
+    open_seen: list[int] = []
+
+    async def main() -> None:
+        info = await _open(ops, "data/a", os.O_RDONLY)
+        await ops.release(info.fh)
+        assert len(binding.open_ids) == 31 - kernel_opens.EXPIRE_PER_RELEASE
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(ops.kernel_opens.run)
+                nursery.start_soon(watch_ids, nursery)
+
+    async def watch_ids(nursery: trio.Nursery) -> None:
+        while len(binding.open_ids) > 1:  # data/a's, idle since "now": not due
+            open_seen.append(len(binding.open_ids))
+            await trio.sleep(0)
+        nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    # 29, then 8 fewer a batch: some batch's outcome seen by another task (trio runs
+    # the runnable tasks in a random order, so not necessarily every one).
+    assert set(open_seen) & {21, 13, 5}, open_seen
+    assert len(binding.open_ids) == 1
+
+
 def _descriptors() -> int:
     return len(os.listdir("/proc/self/fd"))
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
+import trio
 
 from qosfs.passthrough import read_counting
 from qosfs.passthrough.handles import FileHandle
@@ -137,6 +138,52 @@ def test_a_file_is_watched_until_its_backing_id_is_closed_and_its_slot_reused_af
     counting.drain()
     assert f.stats.read_bytes == 35
     for h in (h1, h2, h3, hb):
+        os.close(h.fd)
+
+
+def test_the_service_frees_many_retired_slots_in_batches_and_counts_them_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass over many files retires them together (their idle ids expire together):
+    the drain service counts what each read first, then frees their slots a batch at a
+    time, and other tasks run between two batches, so the loop never stalls for all."""
+    monkeypatch.setattr(read_counting, "RETIRE_BATCH", 10)
+    monkeypatch.setattr(read_counting, "DRAIN_EVERY", 0)  # each turn of the loop
+    probes = FakeProbes(room=100)
+    counting = KernelReadCounting(cast(ReadProbes, probes))
+    f = flow("data", 0)
+    handles = []
+    for i in range(35):
+        path = tmp_path / f"f{i}"
+        path.write_bytes(b"x")
+        h = handle(path, 100 + i, f)
+        counting.watch(h)
+        probes.read(path, 0, 10)
+        counting.release(h)
+        counting.forget(100 + i)  # its idle backing id expired
+        handles.append(h)
+    assert not probes.watched and len(counting._retired) == 35
+    free_seen: list[int] = []
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(counting.run)
+                nursery.start_soon(watch_free, nursery)
+
+    async def watch_free(nursery: trio.Nursery) -> None:
+        while len(counting._free) < 35:
+            free_seen.append(len(counting._free))
+            await trio.sleep(0)
+        free_seen.append(len(counting._free))
+        nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert f.stats.read_bytes == 350  # every file's reads, counted before its slot went
+    assert not probes.counts and counting.status()["watched"] == 0
+    # Between two batches another task ran (trio runs the runnable tasks in a random
+    # order: not necessarily between every two).
+    assert set(free_seen) & {10, 20, 30}, free_seen
+    for h in handles:
         os.close(h.fd)
 
 
