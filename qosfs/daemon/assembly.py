@@ -281,6 +281,7 @@ def open_services(daemon: Daemon) -> list[tuple[str, Service]]:
         services.append(("read_counting", counting.run))
     if daemon.fs.kernel_opens.on:
         services.append(("idle_backing_ids", daemon.fs.kernel_opens.run))
+    services.append(("forgets", daemon.fs.ops.forgets.run))
     return services
 
 

@@ -13,6 +13,7 @@
 - ``handle_table``: the open files and directories by fh, and the one record of an open.
 - ``namespace``: name changes (create, mkdir, rename...), each done exactly once.
 - ``entries``: what the kernel is told of an inode, and the inodes it learns of.
+- ``forgets``: the kernel's FORGETs, thousands at once applied a batch at a time.
 - ``meta_calls``: metadata syscalls, never EMFILE for the daemon's own descriptors.
 - ``attributes``: what a SETATTR changes on the backing object.
 - ``odirect``: O_DIRECT opens, and the buffered twin for what O_DIRECT refuses.

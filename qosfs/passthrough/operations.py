@@ -56,6 +56,7 @@ from qosfs.passthrough import odirect
 from qosfs.passthrough.attributes import apply_setattr
 from qosfs.passthrough.backing_io import BackingIO, IoMode
 from qosfs.passthrough.entries import Entries
+from qosfs.passthrough.forgets import Forgets
 from qosfs.passthrough.handle_table import OPEN_DROP, HandleTable
 from qosfs.passthrough.handles import NO_DESCRIPTOR, DirHandle
 from qosfs.passthrough.inode import Inode
@@ -149,6 +150,7 @@ class PassthroughOperations(pyfuse3.Operations):
         self._entry = entries.of
         self._adopt = entries.adopt
         self._names = names
+        self.forgets = Forgets(self._forget_one)  # its service: the daemon's
 
     # ----------------------------------------------------------------- helpers
 
@@ -193,12 +195,14 @@ class PassthroughOperations(pyfuse3.Operations):
             raise self._answer("lookup", exc) from None
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
-        for nodeid, count in inode_list:
-            try:
-                self.kernel_opens.forget(nodeid)  # an idle backing id goes with the inode
-                self.inodes.forget(nodeid, count)
-            except Exception as exc:  # forget must not raise: no request to answer
-                self.failures.record("forget", exc, "the inode stays known")
+        self.forgets.forget(inode_list)  # thousands at once: a batch now, the rest later
+
+    def _forget_one(self, nodeid: int, count: int) -> None:
+        try:
+            self.kernel_opens.forget(nodeid)  # an idle backing id goes with the inode
+            self.inodes.forget(nodeid, count)
+        except Exception as exc:  # forget must not raise: no request to answer
+            self.failures.record("forget", exc, "the inode stays known")
 
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         # Failures are caught here as in read (not by @fuse_handler), and the fstat is

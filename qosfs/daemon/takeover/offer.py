@@ -307,6 +307,7 @@ class HandoverOffer:
         timeout = COMMIT_TIMEOUT
         try:
             daemon.fs.kernel_opens.counting.drain()  # the kernel's reads, into the totals
+            daemon.fs.ops.forgets.flush()  # the FORGETs left queued: the tables whole
             tables, fds = export_state(daemon.fs)
             timeout = commit_timeout(
                 len(tables["inodes"]["records"]) + len(tables["files"]) + len(tables["dirs"]))
