@@ -23,6 +23,7 @@ rows, never their descriptors, which it opens on demand).
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -35,26 +36,34 @@ BATCH = 128
 class Forgets:
     """The FORGETs not yet applied, and the service that applies them."""
 
-    __slots__ = ("_apply", "_pending", "_running", "_wake")
+    __slots__ = ("_apply", "_pending", "_queued", "_running", "_wake")
 
     def __init__(self, apply: Callable[[int, int], None]) -> None:
         self._apply = apply  # (nodeid, count): forget one inode, never raises
-        self._pending: deque[tuple[int, int]] = deque()
+        # Per FORGET left to the service: its node ids, its counts, how far applied. As
+        # arrays, 16 bytes an entry in one allocation each, not the request's tuples:
+        # keeping those (~90 bytes each, tens of thousands a request) alive across
+        # requests grew the allocator's arenas for good (the daemon's RSS after forgetting
+        # 200,000 inodes went from 50 to 53-58 MiB).
+        self._pending: deque[tuple[array[int], array[int], list[int]]] = deque()
+        self._queued = 0
         self._wake = trio.Event()
         self._running = False
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return self._queued
 
     def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         """A FORGET's entries: the first :data:`BATCH` applied now (after any still
         queued, in order), the rest left to the service; all now without one."""
-        if not self._running:
+        if not self._running or (not self._pending and len(inode_list) <= BATCH):
             self.flush()
             for nodeid, count in inode_list:
                 self._apply(nodeid, count)
             return
-        self._pending.extend(inode_list)
+        self._pending.append((array("Q", [nodeid for nodeid, _ in inode_list]),
+                              array("Q", [count for _, count in inode_list]), [0]))
+        self._queued += len(inode_list)
         self._step()
         if self._pending:
             self._wake.set()
@@ -65,9 +74,20 @@ class Forgets:
             self._step()
 
     def _step(self) -> None:
-        pending, apply = self._pending, self._apply
-        for _ in range(min(BATCH, len(pending))):
-            apply(*pending.popleft())
+        """Apply up to :data:`BATCH` queued entries, oldest first."""
+        pending, apply, budget = self._pending, self._apply, BATCH
+        while budget and pending:
+            nodeids, counts, done = pending[0]
+            start = done[0]
+            end = min(start + budget, len(nodeids))
+            for i in range(start, end):
+                apply(nodeids[i], counts[i])
+            budget -= end - start
+            self._queued -= end - start
+            if end == len(nodeids):
+                pending.popleft()
+            else:
+                done[0] = end
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The daemon's service: apply what FORGETs left, a batch a turn of the loop."""
