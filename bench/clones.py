@@ -78,27 +78,39 @@ def _spin(ns: int) -> None:
         pass
 
 
+def _spawn(spec: dict[str, Any], pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+    """One process of clonefs, as *spec* says (:func:`_serve`); its ready file emptied."""
+    Path(spec["ready"]).unlink(missing_ok=True)
+    return subprocess.Popen([sys.executable, "-m", "bench.clones", "--serve",
+                             json.dumps(spec)], pass_fds=pass_fds,
+                            cwd=str(Path(__file__).parent.parent))
+
+
+def _wait_ready(spec: dict[str, Any], proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+    """What process *spec* ``index`` wrote in its ready file once it serves."""
+    ready = Path(spec["ready"])
+    for _ in range(600):
+        if ready.exists() and ready.stat().st_size:
+            return dict(json.loads(ready.read_text()))
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    raise RuntimeError(f"clonefs process {spec['index']} did not start")
+
+
 def _start_worker(spec: dict[str, Any], index: int, fuse_fd: int,
                   state: dict[str, int]) -> subprocess.Popen[bytes]:
     """Start process *index*, serving a clone of *fuse_fd* (whose session has *state*);
     returns once it serves."""
-    ready = Path(spec["ready"]).with_name(f"clonefs-ready-{index}")
-    ready.unlink(missing_ok=True)
     clone = clone_fuse_fd(fuse_fd)
+    worker = dict(spec, index=index, fd=clone, state=state,
+                  ready=str(Path(spec["ready"]).with_name(f"clonefs-ready-{index}")))
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.clones", "--serve", json.dumps(
-                dict(spec, index=index, fd=clone, state=state, ready=str(ready)))],
-            pass_fds=(clone,), cwd=str(Path(__file__).parent.parent))
+        proc = _spawn(worker, (clone,))
     finally:
         os.close(clone)
-    for _ in range(400):
-        if ready.exists() and ready.stat().st_size:
-            return proc
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    raise RuntimeError(f"clonefs process {index} did not start")
+    _wait_ready(worker, proc)
+    return proc
 
 
 def _serve(spec: dict[str, Any]) -> None:
@@ -229,29 +241,17 @@ def clonefs(source: Path, mnt: Path, work: Path, workers: int, burn_us: int,
     shared request counts (one u64 per process)."""
     counters = work / "clonefs-counts"
     counters.write_bytes(bytes(MAX_WORKERS * 8))
-    ready = work / "clonefs-ready-0"
-    ready.unlink(missing_ok=True)
     spec = {"source": str(source), "mountpoint": str(mnt), "index": 0,
             "counters": str(counters), "burn_us": burn_us, "poll_us": poll_us,
-            "workers": workers, "fd": None, "state": None, "ready": str(ready)}
-    proc = subprocess.Popen([sys.executable, "-m", "bench.clones", "--serve",
-                             json.dumps(spec)], cwd=str(Path(__file__).parent.parent))
+            "workers": workers, "fd": None, "state": None,
+            "ready": str(work / "clonefs-ready-0")}
+    proc = _spawn(spec)
     try:
-        for _ in range(600):
-            if (ready.exists() and ready.stat().st_size) or proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        if not (ready.exists() and ready.stat().st_size):
-            raise RuntimeError("clonefs did not start")
-        pids = list(json.loads(ready.read_text())["pids"])
+        pids = list(_wait_ready(spec, proc)["pids"])
         with open(counters, "r+b") as f:
             yield pids, mmap.mmap(f.fileno(), MAX_WORKERS * 8)
     finally:
         unmount_and_reap(mnt, proc, 20)
-
-
-def _cpu(pid: int) -> float:
-    return cpu_seconds(pid) or 0.0
 
 
 def _measure(root: Path, names: list[str], threads: int, seed: int, cold: bool,
@@ -260,10 +260,10 @@ def _measure(root: Path, names: list[str], threads: int, seed: int, cold: bool,
         drop_caches()
     else:
         read_files(root, names, 4, seed + 1000)  # the warm pass's files in every cache
-    before = [_cpu(p) for p in pids]
+    before = [cpu_seconds(p) or 0.0 for p in pids]
     counts = [_COUNT.unpack_from(shared, i * 8)[0] for i in range(len(pids))] if shared else []
     rate = read_files(root, names, threads, seed)
-    cpu = sum(_cpu(p) - b for p, b in zip(pids, before, strict=True))
+    cpu = sum((cpu_seconds(p) or 0.0) - b for p, b in zip(pids, before, strict=True))
     served = [_COUNT.unpack_from(shared, i * 8)[0] - c for i, c in enumerate(counts)] \
         if shared else []
     return {"rate": rate, "cpu_us": cpu / len(names) * 1e6, "served": served}

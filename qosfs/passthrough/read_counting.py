@@ -181,9 +181,14 @@ class KernelReadCounting:
         """Add what the programs counted since the last drain to the flows' counters,
         and free the slots of files no longer watched. Runs on the trio thread, like
         every reader and writer of the flows' counters."""
-        retired, self._retired = self._retired, []  # unwatched before the reading
+        self._retire(self._count_and_take_retired())
+
+    def _count_and_take_retired(self) -> list[_Watch]:
+        """:meth:`add_counts`, and the watches retired before that reading, to free
+        (whatever they read is in it: they were unwatched before)."""
+        retired, self._retired = self._retired, []
         self.add_counts()
-        self._retire(retired)
+        return retired
 
     def add_counts(self) -> None:
         """The counting half of :meth:`drain`, and all of it that a snapshot needs
@@ -230,8 +235,7 @@ class KernelReadCounting:
         task_status.started()
         while True:
             await trio.sleep(DRAIN_EVERY)
-            retired, self._retired = self._retired, []  # unwatched before the reading
-            self.add_counts()
+            retired = self._count_and_take_retired()
             for start in range(0, len(retired), RETIRE_BATCH):
                 if start:
                     await trio.sleep(0)
