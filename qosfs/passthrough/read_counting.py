@@ -118,21 +118,19 @@ class KernelReadCounting:
             per_class[w.why_not] = per_class.get(w.why_not, 0) + 1
 
     def _new_watch(self, handle: FileHandle, flow: Flow) -> _Watch:
-        """Watch *handle*'s file in a free slot, if its reads can be counted (one fstat
-        and one map update per file, at its first passed-through open)."""
+        """Watch *handle*'s file in a free slot, if its reads can be counted (one store
+        into the index's mapping per file, at its first passed-through open). The file is
+        its inode's backing object, whose (device, inode number) the inode holds from its
+        lookup: an fstat of the open's descriptor would say the same."""
         probes = self._probes
         if probes is None:
             return _Watch(self.off_reason, 0, 0, flow)
-        try:  # an open made without a descriptor (NO_DESCRIPTOR) asks its inode's
-            st = os.fstat(handle.fd if handle.fd >= 0 else handle.inode.fd)
-        except OSError as exc:
-            return _Watch(f"the backing file could not be looked at: {exc.strerror}", 0, 0,
-                          flow)
-        w = _Watch(self._why_not(st.st_dev), st.st_dev, st.st_ino, flow)
+        st_dev, st_ino = handle.inode.key
+        w = _Watch(self._why_not(st_dev), st_dev, st_ino, flow)
         if w.why_not is not None:
             return w
         slot = self._free.pop() if self._free else self._next_slot
-        if probes.watch(st.st_dev, st.st_ino, slot):
+        if probes.watch(st_dev, st_ino, slot):
             w.slot = slot
             self._by_slot[slot] = w
             if slot == self._next_slot:

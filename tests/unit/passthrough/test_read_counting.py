@@ -71,8 +71,10 @@ def flow(cls: str, uid: int | None) -> Any:
 
 def handle(path: Path, nodeid: int, f: Any) -> FileHandle:
     fd = os.open(path, os.O_RDONLY)
-    return cast(FileHandle, SimpleNamespace(fd=fd, inode=SimpleNamespace(nodeid=nodeid),
-                                            charge=SimpleNamespace(flow=f)))
+    st = os.fstat(fd)  # the inode's key, as its lookup found it
+    return cast(FileHandle, SimpleNamespace(
+        fd=fd, inode=SimpleNamespace(nodeid=nodeid, key=(st.st_dev, st.st_ino)),
+        charge=SimpleNamespace(flow=f)))
 
 
 @pytest.fixture(autouse=True)
