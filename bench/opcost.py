@@ -12,6 +12,11 @@ or ``NAME=PYTHONPATH``: qosfs with the embedded default policy, its daemon run w
 PYTHONPATH (e.g. ``before=/work/main after=$PWD``; a directory holding another pyfuse3
 build may come first). Default: ``qosfs=`` (this environment) and ``hp``.
 
+With ``--handlers``, each qosfs side's daemon also times its FUSE handlers with its own
+CPU clock (:mod:`bench.core.handler_times`), and a table gives each handler's CPU per
+file, cold and warm, and what is left of the daemon's CPU per file for the work between
+requests (pyfuse3, trio, the services).
+
 Each side serves the same tree (default: a tmpfs under /dev/shm); per round, caches are
 dropped, one epoch (every file opened, read whole, closed by the readers) is ``cold``,
 the next ``warm``. The kernel's own ``fuse_request_send`` tracepoint, in a tracing
@@ -35,6 +40,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from bench.core import handler_times
 from bench.core.epochs import epoch, make_tree
 from bench.core.fuse_trace import FuseTrace
 from bench.core.system import cpu_seconds, drop_caches, qosfs_mount, unmount
@@ -68,6 +74,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=WORKERS)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--qosfs-arg", action="append", default=[])
+    ap.add_argument("--handlers", action="store_true",
+                    help="time each FUSE handler in the qosfs daemons (CPU per file)")
     ap.add_argument("sides", nargs="*", default=["qosfs=", "hp"])
     opts = ap.parse_args()
     paths = dict(side.partition("=")[::2] for side in opts.sides)
@@ -79,6 +87,9 @@ def main() -> None:
         figures: dict[str, dict[str, list[float]]] = {
             s: {"cold": [], "warm": [], "cold_cpu": [], "warm_cpu": []} for s in sides}
         requests: dict[str, dict[str, collections.Counter[str]]] = {}
+        # side -> kind -> handler -> [CPU us per file, one per round]
+        handlers: dict[str, dict[str, dict[str, list[float]]]] = {}
+        site = handler_times.sitecustomize_dir(work) if opts.handlers else None
         for rnd in range(opts.rounds):
             for side in sides[rnd % len(sides):] + sides[:rnd % len(sides)]:
                 mnt = work / f"mnt-{side}"
@@ -88,8 +99,15 @@ def main() -> None:
                 elif side == "native":
                     ctx = _native(src)
                 else:
-                    ctx = qosfs_mount(src, mnt, work, paths[side], opts.qosfs_arg)
+                    pythonpath = paths[side]
+                    if site is not None:
+                        timed = work / f"handlers-{side}.bin"
+                        handler_times.new_file(timed)
+                        pythonpath = ":".join(filter(None, (str(site), pythonpath)))
+                        os.environ[handler_times.ENV] = str(timed)  # the mount's env
+                    ctx = qosfs_mount(src, mnt, work, pythonpath, opts.qosfs_arg)
                 with ctx as (root, pid), FuseTrace(root, pid) as counter:
+                    os.environ.pop(handler_times.ENV, None)  # the daemon has it now
                     if counter.unavailable and rnd == 0:
                         print(f"{side}: requests {counter.unavailable}", file=sys.stderr)
                     per: dict[str, collections.Counter[str]] = {}
@@ -98,7 +116,10 @@ def main() -> None:
                             drop_caches()
                             counter.take()
                         cpu = cpu_seconds(pid) if pid else 0.0
+                        timed_before = _handler_totals(site, work, side)
                         got = epoch(root, names, seed, opts.workers)
+                        _add_handlers(handlers, side, kind, timed_before,
+                                      _handler_totals(site, work, side), opts.files)
                         figures[side][kind].append(got["samples_per_s"])
                         figures[side][kind + "_cpu"].append(
                             ((cpu_seconds(pid) or 0.0) - cpu if pid else 0.0)
@@ -120,8 +141,58 @@ def main() -> None:
                                sorted(per_file.items(), key=lambda kv: -kv[1]))
                 line.append(f"{kind} {med:7,.0f}/s {cpu_us:4.0f} us  [{ops}]")
             print("  ".join(line))
+        for side, kinds in handlers.items():
+            _print_handlers(side, kinds, figures[side])
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _handler_totals(site: Path | None, work: Path, side: str,
+                    ) -> dict[str, tuple[int, int]] | None:
+    timed = work / f"handlers-{side}.bin"
+    return handler_times.read(timed) if site is not None and timed.exists() else None
+
+
+def _add_handlers(handlers: dict[str, dict[str, dict[str, list[float]]]], side: str,
+                  kind: str, before: dict[str, tuple[int, int]] | None,
+                  after: dict[str, tuple[int, int]] | None, files: int) -> None:
+    """One pass's CPU per file of each handler that was called (ns deltas -> us/file),
+    and its calls per file under the key ``NAME calls``."""
+    if before is None or after is None:
+        return
+    per = handlers.setdefault(side, {}).setdefault(kind, {})
+    for name, (ns, calls) in after.items():
+        ns0, calls0 = before[name]
+        if calls > calls0:
+            per.setdefault(name, []).append((ns - ns0) / 1e3 / files)
+            per.setdefault(f"{name} calls", []).append((calls - calls0) / files)
+
+
+def _print_handlers(side: str, kinds: dict[str, dict[str, list[float]]],
+                    figures: dict[str, list[float]]) -> None:
+    """The handlers' CPU per file (medians over the rounds), then the rest of the
+    daemon's CPU per file: what ran between the handlers."""
+    print(f"\n{side}: the daemon's CPU per file by handler, us (calls per file); "
+          "each timed call includes ~1.5 us of the timer's own")
+    names = sorted({n for per in kinds.values() for n in per if not n.endswith(" calls")},
+                   key=lambda n: -statistics.median(kinds.get("cold", {}).get(n, [0.0])))
+    for name in names:
+        cells = []
+        for kind in ("cold", "warm"):
+            per = kinds.get(kind, {})
+            if name in per:
+                cells.append(f"{kind} {statistics.median(per[name]):6.1f} "
+                             f"({statistics.median(per[name + ' calls']):.2f})")
+            else:
+                cells.append(f"{kind} {'-':>6} {'':6}")
+        print(f"  {name:12} " + "   ".join(cells))
+    cells = []
+    for kind in ("cold", "warm"):
+        per = kinds.get(kind, {})
+        timed = sum(statistics.median(v) for n, v in per.items() if not n.endswith(" calls"))
+        rest = statistics.median(figures[kind + "_cpu"]) - timed
+        cells.append(f"{kind} {rest:6.1f}       ")
+    print(f"  {'(between)':12} " + "   ".join(cells))
 
 
 @contextmanager
