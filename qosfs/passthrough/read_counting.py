@@ -157,7 +157,7 @@ class KernelReadCounting:
     def release(self, handle: FileHandle) -> None:
         """A passed-through open *handle* is released. Its file stays watched after its
         last, as long as its backing id is kept idle (:meth:`forget` ends it): the next
-        open of it costs no map update, and what was read is added at the next drain."""
+        open of it writes no index entry, and what was read is added at the next drain."""
         w = self._watches.get(handle.inode.nodeid)
         if w is not None and w.opens > 0:
             w.opens -= 1
