@@ -115,7 +115,7 @@ def main() -> None:
                         if kind == "cold":
                             drop_caches()
                             counter.take()
-                        cpu = cpu_seconds(pid) if pid else 0.0
+                        cpu = (cpu_seconds(pid) or 0.0) if pid else 0.0
                         timed_before = _handler_totals(site, work, side)
                         got = epoch(root, names, seed, opts.workers)
                         _add_handlers(handlers, side, kind, timed_before,
