@@ -87,13 +87,14 @@ def main() -> None:
         figures: dict[str, dict[str, list[float]]] = {
             s: {"cold": [], "warm": [], "cold_cpu": [], "warm_cpu": []} for s in sides}
         requests: dict[str, dict[str, collections.Counter[str]]] = {}
-        # side -> kind -> handler -> [CPU us per file, one per round]
-        handlers: dict[str, dict[str, dict[str, list[float]]]] = {}
+        # side -> kind -> handler -> [(CPU us per file, calls per file), one per round]
+        handlers: dict[str, dict[str, dict[str, list[tuple[float, float]]]]] = {}
         site = handler_times.sitecustomize_dir(work) if opts.handlers else None
         for rnd in range(opts.rounds):
             for side in sides[rnd % len(sides):] + sides[:rnd % len(sides)]:
                 mnt = work / f"mnt-{side}"
                 mnt.mkdir(exist_ok=True)
+                timed: Path | None = None  # this mount's handler totals (--handlers)
                 if side == "hp":
                     ctx = hp_mount(opts.hp, src, mnt)
                 elif side == "native":
@@ -116,10 +117,11 @@ def main() -> None:
                             drop_caches()
                             counter.take()
                         cpu = (cpu_seconds(pid) or 0.0) if pid else 0.0
-                        timed_before = _handler_totals(site, work, side)
+                        timed_before = handler_times.read(timed) if timed else None
                         got = epoch(root, names, seed, opts.workers)
-                        _add_handlers(handlers, side, kind, timed_before,
-                                      _handler_totals(site, work, side), opts.files)
+                        if timed and timed_before:
+                            _add_handlers(handlers.setdefault(side, {}).setdefault(kind, {}),
+                                          timed_before, handler_times.read(timed), opts.files)
                         figures[side][kind].append(got["samples_per_s"])
                         figures[side][kind + "_cpu"].append(
                             ((cpu_seconds(pid) or 0.0) - cpu if pid else 0.0)
@@ -147,49 +149,40 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _handler_totals(site: Path | None, work: Path, side: str,
-                    ) -> dict[str, tuple[int, int]] | None:
-    timed = work / f"handlers-{side}.bin"
-    return handler_times.read(timed) if site is not None and timed.exists() else None
-
-
-def _add_handlers(handlers: dict[str, dict[str, dict[str, list[float]]]], side: str,
-                  kind: str, before: dict[str, tuple[int, int]] | None,
-                  after: dict[str, tuple[int, int]] | None, files: int) -> None:
-    """One pass's CPU per file of each handler that was called (ns deltas -> us/file),
-    and its calls per file under the key ``NAME calls``."""
-    if before is None or after is None:
-        return
-    per = handlers.setdefault(side, {}).setdefault(kind, {})
+def _add_handlers(per: dict[str, list[tuple[float, float]]],
+                  before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]],
+                  files: int) -> None:
+    """One pass's (CPU us, calls) per file of each handler that was called."""
     for name, (ns, calls) in after.items():
         ns0, calls0 = before[name]
         if calls > calls0:
-            per.setdefault(name, []).append((ns - ns0) / 1e3 / files)
-            per.setdefault(f"{name} calls", []).append((calls - calls0) / files)
+            per.setdefault(name, []).append(((ns - ns0) / 1e3 / files,
+                                             (calls - calls0) / files))
 
 
-def _print_handlers(side: str, kinds: dict[str, dict[str, list[float]]],
+def _median_of(passes: list[tuple[float, float]], i: int) -> float:
+    return statistics.median(p[i] for p in passes)
+
+
+def _print_handlers(side: str, kinds: dict[str, dict[str, list[tuple[float, float]]]],
                     figures: dict[str, list[float]]) -> None:
     """The handlers' CPU per file (medians over the rounds), then the rest of the
     daemon's CPU per file: what ran between the handlers."""
     print(f"\n{side}: the daemon's CPU per file by handler, us (calls per file); "
           "each timed call includes ~1.5 us of the timer's own")
-    names = sorted({n for per in kinds.values() for n in per if not n.endswith(" calls")},
-                   key=lambda n: -statistics.median(kinds.get("cold", {}).get(n, [0.0])))
+    cold = kinds.get("cold", {})
+    names = sorted({n for per in kinds.values() for n in per},
+                   key=lambda n: -_median_of(cold[n], 0) if n in cold else 0.0)
     for name in names:
         cells = []
         for kind in ("cold", "warm"):
-            per = kinds.get(kind, {})
-            if name in per:
-                cells.append(f"{kind} {statistics.median(per[name]):6.1f} "
-                             f"({statistics.median(per[name + ' calls']):.2f})")
-            else:
-                cells.append(f"{kind} {'-':>6} {'':6}")
+            passes = kinds.get(kind, {}).get(name)
+            cells.append(f"{kind} {_median_of(passes, 0):6.1f} ({_median_of(passes, 1):.2f})"
+                         if passes else f"{kind} {'-':>6} {'':6}")
         print(f"  {name:12} " + "   ".join(cells))
     cells = []
     for kind in ("cold", "warm"):
-        per = kinds.get(kind, {})
-        timed = sum(statistics.median(v) for n, v in per.items() if not n.endswith(" calls"))
+        timed = sum(_median_of(p, 0) for p in kinds.get(kind, {}).values())
         rest = statistics.median(figures[kind + "_cpu"]) - timed
         cells.append(f"{kind} {rest:6.1f}       ")
     print(f"  {'(between)':12} " + "   ".join(cells))
