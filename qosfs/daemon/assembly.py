@@ -168,7 +168,7 @@ def build_daemon(cfg: MountConfig, policy: Policy | None, root_fd: int,
     fs = build_filesystem(root_fd, mode, engine, cfg.fs_options, write_as_caller, failures)
     # Kernel passthrough is negotiated at INIT, once per mount: asked for only if the
     # policy in force now wants it (a later policy cannot add it; ctl status says so).
-    _request_passthrough(cfg, fs, engine, fstype)
+    _request_passthrough(cfg, fs, engine, fstype, mountpoint)
     latency = (LatencyLoop(policy_engine, LatencyProbe(mountpoint, policy_engine.probe_tids),
                            reads_bypass=_reads_bypass(fs, policy_engine),
                            backing_file=fs.kernel_opens.recent_file)
@@ -215,10 +215,11 @@ def _reads_bypass(fs: Filesystem,
 
 
 def _request_passthrough(cfg: MountConfig, fs: Filesystem, engine: QosEngine,
-                         fstype: str | None) -> None:
+                         fstype: str | None, mountpoint: str) -> None:
     """Ask for kernel passthrough at INIT unless every class of the policy turns it off
     (by default every class passes the reads no level caps through), for backing files
-    as deep as the source's filesystem stacks them (qosfs.passthrough.kernel)."""
+    as deep as the source's filesystem stacks them (qosfs.passthrough.kernel), and count
+    the reads passed through *mountpoint* (qosfs.passthrough.read_counting)."""
     policy = engine.policy
     if not cfg.kernel_passthrough:
         fs.kernel_opens.off("turned off (--no-passthrough)")
@@ -234,7 +235,7 @@ def _request_passthrough(cfg: MountConfig, fs: Filesystem, engine: QosEngine,
             fs.kernel_opens.counting = KernelReadCounting(None, "turned off (--no-read-counting)")
         elif fs.kernel_opens.on:
             # This process is the daemon (after the fork): the programs skip its reads.
-            fs.kernel_opens.counting = KernelReadCounting.start(os.getpid())
+            fs.kernel_opens.counting = KernelReadCounting.start(os.getpid(), mountpoint)
 
 
 def bind_services(daemon: Daemon,

@@ -35,6 +35,7 @@ from typing import Any
 
 import trio
 
+from qosfs.core.keyring import join_mount_keyring
 from qosfs.core.mountinfo import mounts
 from qosfs.passthrough.handles import FileHandle
 from qosfs.passthrough.read_probes import ReadProbes
@@ -50,6 +51,8 @@ MAX_WATCHED = 65536
 #: the iomap ones, iomap_dio_rw_begin) with the device and inode stat() reports.
 COUNTED_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "nfs", "nfs4", "f2fs"})
 MMAP_NOT_COUNTED = "pages of a file mapped with mmap are not counted"
+OTHER_MOUNTS_COUNTED = ("reads of its files through another mount of the same source are "
+                        "counted here too")
 TABLE_FULL = "the table of watched files is full"
 
 
@@ -72,9 +75,13 @@ class _Watch:
 class KernelReadCounting:
     """The counting of one mount; :meth:`start` loads the programs or says why not."""
 
-    def __init__(self, probes: ReadProbes | None, off_reason: str = "") -> None:
+    def __init__(self, probes: ReadProbes | None, off_reason: str = "",
+                 other_mounts: str = "") -> None:
         self._probes = probes
         self.off_reason = off_reason
+        # Why reads of this mount's files through another mount (of the same source, or
+        # overlayfs over it) may be counted here too; "" when they are not.
+        self.other_mounts = other_mounts
         self._watches: dict[int, _Watch] = {}  # by nodeid
         self._by_slot: dict[int, _Watch] = {}
         self._retired: list[_Watch] = []
@@ -86,15 +93,23 @@ class KernelReadCounting:
         self.uncounted: dict[str, dict[str, int]] = {}  # by class and reason, opens
 
     @classmethod
-    def start(cls, tgid: int) -> KernelReadCounting:
-        """Load the programs, counting reads of every process but *tgid* (the daemon)."""
+    def start(cls, tgid: int, mountpoint: str) -> KernelReadCounting:
+        """Load the programs, counting reads of every process but *tgid* (the daemon)
+        passed through this mount: those made with the credentials of its daemon, which
+        hold the session keyring of *mountpoint* (joined here: call it on the thread
+        that registers backing ids, before any is)."""
+        keyring, why_not = join_mount_keyring(mountpoint)
+        other_mounts = ""
+        if keyring is None:
+            other_mounts = f"{OTHER_MOUNTS_COUNTED} ({why_not})"
+            log.warning("%s: %s", OTHER_MOUNTS_COUNTED, why_not)
         try:
-            probes = ReadProbes.load(tgid, max_watched=MAX_WATCHED)
+            probes = ReadProbes.load(tgid, max_watched=MAX_WATCHED, keyring=keyring)
         except ProbeError as exc:
             log.warning("reads passed through to the kernel are not counted: %s", exc)
             return cls(None, str(exc))
         log.info("counting reads passed through to the kernel (BPF %s)", probes.mode)
-        return cls(probes)
+        return cls(probes, other_mounts=other_mounts)
 
     @property
     def on(self) -> bool:
@@ -244,6 +259,7 @@ class KernelReadCounting:
         lost = self._probes.lost_totals() if self._probes is not None else (0, 0)
         return {"state": "on" if self.on else "off",
                 "reason": (f"BPF ({self._probes.mode}); {MMAP_NOT_COUNTED}"
+                           + (f"; {self.other_mounts}" if self.other_mounts else "")
                            if self._probes is not None else self.off_reason),
                 "watched": len(self._by_slot), "read_bytes": dict(self.read_bytes),
                 "reads": dict(self.reads),

@@ -82,11 +82,12 @@ class ReadProbes:
 
     @classmethod
     def load(cls, tgid: int, max_watched: int = 65536, max_counts: int = 32768,
-             passthrough_only: bool = True) -> ReadProbes:
+             passthrough_only: bool = True, keyring: int | None = None) -> ReadProbes:
         """Load and attach both programs, counting reads by anyone but *tgid*: BTF-typed
         where the kernel allows (``tp_btf``), else as plain raw tracepoints. Only reads
         passed through a FUSE mount are counted, unless *passthrough_only* is False
-        (then a watched file's direct reads are too: the unit tests')."""
+        (then a watched file's direct reads are too: the unit tests'); given the serial
+        of the mount's session *keyring*, only those passed through this mount."""
         offsets, ids = kernel_layout()
         try:
             probes = cls(max_watched, max_counts)
@@ -94,11 +95,11 @@ class ReadProbes:
             raise ProbeError(f"BPF maps refused: {exc.strerror}") from None
         try:
             try:
-                probes._attach_all(offsets, tgid, ids, passthrough_only)
+                probes._attach_all(offsets, tgid, ids, passthrough_only, keyring)
                 probes.mode = "tp_btf"
             except ProbeError:
                 probes._detach()
-                probes._attach_all(offsets, tgid, None, passthrough_only)
+                probes._attach_all(offsets, tgid, None, passthrough_only, keyring)
                 probes.mode = "raw_tp"
         except ProbeError:
             probes.close()
@@ -106,16 +107,16 @@ class ReadProbes:
         return probes
 
     def _attach_all(self, o: Offsets, tgid: int, btf_ids: list[int] | None,
-                    passthrough_only: bool = True) -> None:
+                    passthrough_only: bool, keyring: int | None) -> None:
         typed = btf_ids is not None
         maps = (self.counts_fast.fd, self.counts.fd, self.lost.fd)
         watched = (self.index.fd, self.watched.fd)
         programs = (filemap_program(o, typed, tgid, *watched, self.recent.fd, *maps,
                                     fast_slots=self.fast_slots,
-                                    passthrough_only=passthrough_only),
+                                    passthrough_only=passthrough_only, keyring=keyring),
                     direct_program(o, typed, tgid, *watched, *maps,
                                    fast_slots=self.fast_slots,
-                                   passthrough_only=passthrough_only))
+                                   passthrough_only=passthrough_only, keyring=keyring))
         for i, (name, program) in enumerate(zip((FILEMAP_TRACEPOINT, DIRECT_TRACEPOINT),
                                                 programs, strict=True)):
             self._attach(name, program, None if btf_ids is None else btf_ids[i])

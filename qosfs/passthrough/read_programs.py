@@ -29,7 +29,9 @@ watched file by a process that opened the backing file itself, not through the m
 backup job reading the source directory, a test digesting the tree underneath): a
 passed-through read runs with the credentials the backing file was opened with in force
 (fs/backing-file.c overrides ``current->cred``), a direct read with the reader's own
-(``cred == real_cred``); only the first kind is the mount's. A read whose count
+(``cred == real_cred``); only the first kind is the mount's, and of those only the
+reads made with the credentials of this mount's daemon (they hold its session keyring:
+:mod:`qosfs.core.keyring`), not another mount's of the same files. A read whose count
 finds ``counts`` full is added to ``lost`` instead, which ``ctl status`` shows.
 
 Field offsets come from the running kernel's BTF (:mod:`qosfs.core.bpf.btf`), so the
@@ -107,6 +109,8 @@ class Offsets:
     real_cred: int
     cred: int
     cred_uid: int
+    session_keyring: int
+    key_serial: int
 
     @classmethod
     def of(cls, types: KernelTypes) -> Offsets:
@@ -116,7 +120,8 @@ class Offsets:
                    types.offset("kiocb", "ki_pos"), types.offset("file", "f_inode"),
                    types.offset("iov_iter", "count"), types.offset("iov_iter", "data_source"),
                    types.offset("task_struct", "real_cred"),
-                   types.offset("task_struct", "cred"), types.offset("cred", "uid"))
+                   types.offset("task_struct", "cred"), types.offset("cred", "uid"),
+                   types.offset("cred", "session_keyring"), types.offset("key", "serial"))
 
 
 class _Fields:
@@ -173,18 +178,23 @@ def _skip_own_reads(p: Program, tgid: int) -> None:
     p.jump("jeq", 0, tgid, "out")
 
 
-def _reader(f: _Fields, o: Offsets, passthrough_only: bool) -> None:
+def _reader(f: _Fields, o: Offsets, passthrough_only: bool, keyring: int | None) -> None:
     """Store the reader's *real* uid at ``_COUNT_KEY + 4``, first of all; with
-    *passthrough_only*, go to ``out`` for a read made with the reader's own credentials.
+    *passthrough_only*, go to ``out`` for a read made with the reader's own credentials,
+    and, given the mount's *keyring* serial, for one made with credentials that do not
+    hold it.
 
     The uid is the real one (``current->real_cred``): a passed-through read runs with the
     daemon's credentials in force (fs/backing-file.c overrides ``current->cred`` with
-    those the backing file was opened with), so ``bpf_get_current_uid_gid`` would say
+    those the backing id was registered with), so ``bpf_get_current_uid_gid`` would say
     root for every reader. That override is also what tells a passed-through read from
     a read of the backing file by a process that opened it itself, outside the mount
     (``cred == real_cred``): that one is left out, and before the watched lookup, so
     every other read on the machine pays two loads and a compare, not a hash lookup.
-    Clobbers r0-r5, r7 and r8."""
+    The credentials in force also say *which* mount: those of this mount's daemon hold
+    its session keyring (:mod:`qosfs.core.keyring`), those of another mount of the same
+    source, or of overlayfs, do not; without the check each mount counted the others'
+    reads of a file it has open too. Clobbers r0-r5, r7 and r8."""
     p = f.p
     p.call(GET_CURRENT_TASK_BTF if f.typed else GET_CURRENT_TASK)
     p.alu_reg("mov", 7, 0)
@@ -193,6 +203,11 @@ def _reader(f: _Fields, o: Offsets, passthrough_only: bool) -> None:
     f.read(7, 7, o.real_cred)
     if passthrough_only:
         p.jump_reg("jeq", 7, 8, "out")
+        if keyring is not None:
+            f.read(8, 8, o.session_keyring)
+            p.jump("jeq", 8, 0, "out")
+            f.read(8, 8, o.key_serial, 4)
+            p.jump("jne", 8, keyring, "out")
     f.read(7, 7, o.cred_uid, 4)
     p.store(4, 10, _COUNT_KEY + 4, 7)
 
@@ -302,14 +317,17 @@ def _count(f: _Fields, counts_fast: int, fast_slots: int, counts: int, lost: int
 
 def filemap_program(o: Offsets, typed: bool, tgid: int, index: int, watched: int,
                     recent: int, counts_fast: int, counts: int, lost: int, *,
-                    fast_slots: int, passthrough_only: bool = True) -> bytes:
+                    fast_slots: int, passthrough_only: bool = True,
+                    keyring: int | None = None) -> bytes:
     """The buffered-read counter; its context is (mapping, first page, last page).
     *passthrough_only* False counts direct reads of a watched file too (the unit tests,
-    which read the file themselves, with no mount)."""
+    which read the file themselves, with no mount). *keyring*: the serial of the mount's
+    session keyring, which the credentials of its passed-through reads hold (None: any
+    passed-through read of a watched file counts, whichever mount it came through)."""
     p = Program()
     f = _Fields(p, typed)
     p.alu_reg("mov", 6, 1)
-    _reader(f, o, passthrough_only)
+    _reader(f, o, passthrough_only, keyring)
     p.load(8, 1, 6, 8)
     p.store(8, 10, _INDEX, 1)
     p.load(8, 1, 6, 16)
@@ -367,15 +385,15 @@ def filemap_program(o: Offsets, typed: bool, tgid: int, index: int, watched: int
 
 def direct_program(o: Offsets, typed: bool, tgid: int, index: int, watched: int,
                    counts_fast: int, counts: int, lost: int, *, fast_slots: int,
-                   passthrough_only: bool = True) -> bytes:
+                   passthrough_only: bool = True, keyring: int | None = None) -> bytes:
     """The O_DIRECT read counter; its context is (iocb, iter, dio_flags, done_before)
-    (*passthrough_only* as for :func:`filemap_program`)."""
+    (*passthrough_only* and *keyring* as for :func:`filemap_program`)."""
     p = Program()
     f = _Fields(p, typed)
     p.alu_reg("mov", 6, 1)
     p.load(8, 1, 6, 24)
     p.jump("jne", 1, 0, "out")  # a resumed request: its bytes were counted at its start
-    _reader(f, o, passthrough_only)
+    _reader(f, o, passthrough_only, keyring)
     p.load(8, 8, 6, 8)  # the iterator
     p.load(8, 9, 6, 0)  # the kiocb
     f.read(6, 8, o.iter_source, 1)

@@ -2,7 +2,8 @@
 mounts (qosfs.passthrough.read_counting): fio's buffered and O_DIRECT reads show in
 ``ctl stats``' read bytes and ops of their class, exactly enough to be within 2% of what
 fio read (source -> mountpoint and in place, ext4 and XFS); two users reading one file
-are each counted to their own tenant; an mmap reader works and ``ctl status`` says its
+are each counted to their own tenant; two mounts of one source count only the reads
+made through each; an mmap reader works and ``ctl status`` says its
 pages are not counted; a backing filesystem whose reads cannot be counted (tmpfs) is
 said per class, never shown as a silent 0."""
 
@@ -180,6 +181,37 @@ def test_reads_of_the_backing_file_outside_the_mount_are_not_counted(
         assert mounted.account() == (len(data), 1)
     finally:
         os.close(holder)
+
+
+def test_each_of_two_mounts_of_one_source_counts_only_the_reads_made_through_it(
+        mounted: Mounted, tmp_tree: Path) -> None:
+    """Two mounts of one source with the same file open: both watch its backing inode,
+    which is all a read's program sees. Each counts the reads made through it and none
+    of the other's (their credentials hold the reading mount's session keyring); before,
+    both counted every read."""
+    data = os.urandom(8 * MiB)
+    (mounted.view / "data/twice.bin").write_bytes(data)
+    (tmp_tree / "second").mkdir()
+    other = Mounted(tmp_tree / "second", mounted.src)
+    with other.mount:
+        if other.counting()["state"] != "on":
+            pytest.skip(f"reads are not counted here: {other.counting()['reason']}")
+        assert "another mount" not in other.counting()["reason"]
+        held = [os.open(m.mnt / "data/twice.bin", os.O_RDONLY) for m in (mounted, other)]
+        try:
+            for m in (mounted, other):
+                wait_for("the file watched", lambda m=m: m.counting()["watched"],
+                         until=bool, timeout=10)
+            assert os.pread(held[0], len(data), 0) == data
+            assert mounted.account() == (len(data), 1)
+            assert other.account() == (0, 0)
+            for _ in range(2):
+                assert os.pread(held[1], len(data), 0) == data
+            assert other.account() == (2 * len(data), 2)
+            assert mounted.account() == (len(data), 1)
+        finally:
+            for fd in held:
+                os.close(fd)
 
 
 def test_an_mmap_reader_reads_and_status_says_its_pages_are_not_counted(

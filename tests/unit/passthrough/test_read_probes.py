@@ -52,7 +52,7 @@ def _load(typed: bool) -> ReadProbes:
                                    passthrough_only=False)
         offsets, _ = kernel_layout()
         probes = ReadProbes(16, 16)
-        probes._attach_all(offsets, 1, None, passthrough_only=False)
+        probes._attach_all(offsets, 1, None, passthrough_only=False, keyring=None)
         probes.mode = "raw_tp"
         return probes
     except ProbeError as exc:
