@@ -1,10 +1,12 @@
 """The mount's session keyring (qosfs.core.keyring): a successor finds its predecessor's
-by name, the keys of the session keyring before stay reachable, and a refusal is said.
-Joining changes the calling thread's credentials, so each join runs in a process of its
-own, never in the test process."""
+by name, the keys of the session keyring before stay reachable, another user's keyring
+of the same name is not joined, and a refusal is said. Joining changes the calling
+thread's credentials, so each join runs in a process of its own, never in the test
+process."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import uuid
@@ -14,6 +16,7 @@ import pytest
 from qosfs.core import keyring
 from qosfs.passthrough import read_counting
 from qosfs.passthrough.read_counting import KernelReadCounting
+from tests.mounting import as_user
 
 JOIN = """
 import sys
@@ -21,11 +24,26 @@ from qosfs.core.keyring import join_mount_keyring
 print(*join_mount_keyring(sys.argv[1]), flush=True)
 sys.stdin.readline()  # holds the keyring until told to go
 """
+# Another user's keyring of the name a mount's would have, searchable by anyone (the
+# system's python: that user cannot reach this checkout).
+SQUAT = """
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+serial = libc.syscall(250, ctypes.c_long(1), sys.argv[1].encode())
+libc.syscall(250, ctypes.c_long(5), ctypes.c_long(serial), ctypes.c_long(0x3F3F3F3F))
+print(serial, flush=True)
+sys.stdin.readline()
+"""
+SYSTEM_PYTHON = "/usr/bin/python3"
 
 
-def _joiner(mountpoint: str) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen([sys.executable, "-c", JOIN, mountpoint], text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+def _joiner(mountpoint: str, script: str = JOIN,
+            uid: int | None = None) -> tuple[subprocess.Popen[str], int]:
+    python = sys.executable if uid is None else SYSTEM_PYTHON
+    proc = subprocess.Popen([python, "-c", script, mountpoint], text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            preexec_fn=None if uid is None else as_user(uid))
     assert proc.stdout is not None
     line = proc.stdout.readline().split()
     if not line or not line[0].isdigit():
@@ -53,6 +71,28 @@ def test_a_successor_joins_its_predecessors_keyring_by_name() -> None:
         assert line.rstrip().endswith(": 1"), line
     finally:
         first.communicate("\n", timeout=30)
+
+
+def test_another_users_keyring_of_the_same_name_is_not_joined() -> None:
+    """Were the name guessed (it carries a keyed hash of the mountpoint, keyed with a
+    secret only root reads), the keyring found under it is not the daemon's own user's:
+    the daemon leaves it at once for an anonymous one, and links nothing into it."""
+    if os.geteuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK):
+        pytest.skip("needs root (another user, and the secret in /run/qosfs) and "
+                    f"{SYSTEM_PYTHON}")
+    mountpoint = f"/test/{uuid.uuid4()}"
+    name = keyring.keyring_name(mountpoint)
+    assert mountpoint in name and name != keyring.PREFIX + mountpoint
+    squatter, theirs = _joiner(name, SQUAT, uid=65534)
+    try:
+        ours, serial = _joiner(mountpoint)
+        ours.communicate("\n", timeout=30)
+        assert serial != theirs
+        with open("/proc/keys") as keys:
+            line = next(k for k in keys if k.startswith(f"{theirs:08x} "))
+        assert line.rstrip().endswith(": empty"), line  # nothing of ours linked in
+    finally:
+        squatter.communicate("\n", timeout=30)
 
 
 def test_a_refused_keyctl_is_said(monkeypatch: pytest.MonkeyPatch) -> None:
