@@ -151,7 +151,7 @@ class KernelReadCounting:
             if slot == self._next_slot:
                 self._next_slot += 1
         else:
-            w.why_not = TABLE_FULL
+            w.why_not = probes.attach_error or TABLE_FULL
             if slot != self._next_slot:
                 self._free.append(slot)
         return w
@@ -261,7 +261,11 @@ class KernelReadCounting:
                 "reason": (f"BPF ({self._probes.mode}); {MMAP_NOT_COUNTED}"
                            + (f"; {self.other_mounts}" if self.other_mounts else "")
                            if self._probes is not None else self.off_reason),
-                "watched": len(self._by_slot), "read_bytes": dict(self.read_bytes),
+                "watched": len(self._by_slot),
+                # The programs cost every buffered read on the machine while attached:
+                # only while a file is watched (qosfs.passthrough.read_probes).
+                "attached": self._probes is not None and self._probes.attached,
+                "read_bytes": dict(self.read_bytes),
                 "reads": dict(self.reads),
                 "uncounted_opens": {c: dict(r) for c, r in self.uncounted.items()},
                 "lost_bytes": lost[0], "lost_reads": lost[1]}

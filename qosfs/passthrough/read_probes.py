@@ -16,6 +16,15 @@ every slot and a compare of each in Python: the event loop stalled that long twi
 second, reads or none. The ``index`` array, which the programs look a file up in, is
 mapped too: a watched file's entry is one store, where a map update through ``bpf(2)``
 cost a cold file's open ~25 us of the daemon's CPU.
+
+The programs are attached only while a file is watched. Attached, they cost every
+buffered read on the machine a call, through the mount or not (a 4 KiB page-cached read
+by any process: +100-180 ns, 6-12%, per mount with programs attached: ``python -m
+bench.probecost``'s ``other`` case), and a mount with nothing passed through would count
+nothing. So a mount between jobs, or one whose classes all stay in the daemon, costs the
+machine's other readers nothing; the first watched file attaches them (two ``bpf(2)``
+calls, before that open is answered, so before any of its reads), the last one
+unwatched detaches them.
 """
 
 from __future__ import annotations
@@ -77,7 +86,10 @@ class ReadProbes:
         # hash keys of those only (a delete of a key that is not there is a system call
         # for nothing, and most files are read by one uid, counted in the array).
         self._in_hash: set[int] = set()
-        self._fds: list[int] = []
+        self._fds: list[int] = []  # the programs loaded
+        self._targets: list[str | None] = []  # each one's tracepoint (None: BTF-typed)
+        self._links: list[int] = []  # while a file is watched: the programs attached
+        self.attach_error = ""  # why the programs could not be attached again, if so
         self.mode = ""  # "tp_btf" or "raw_tp", once loaded
 
     @classmethod
@@ -104,6 +116,7 @@ class ReadProbes:
         except ProbeError:
             probes.close()
             raise
+        probes._unlink()  # attached once to know they can be; again at the first watch
         return probes
 
     def _attach_all(self, o: Offsets, tgid: int, btf_ids: list[int] | None,
@@ -130,21 +143,48 @@ class ReadProbes:
         except OSError as exc:
             raise ProbeError(f"BPF program for {tracepoint} refused: {exc.strerror}") from None
         self._fds.append(prog)
+        self._targets.append(None if btf_id else tracepoint)
         try:
-            self._fds.append(bpf.raw_tracepoint_open(None if btf_id else tracepoint, prog))
+            self._links.append(bpf.raw_tracepoint_open(None if btf_id else tracepoint, prog))
         except OSError as exc:
             raise ProbeError(f"raw tracepoint {tracepoint}: {exc.strerror}") from None
 
+    def _link(self) -> bool:
+        """Attach the programs (the first file watched); False, and why in
+        ``attach_error``, if the kernel refuses now."""
+        try:
+            for target, prog in zip(self._targets, self._fds, strict=True):
+                self._links.append(bpf.raw_tracepoint_open(target, prog))
+        except OSError as exc:
+            self._unlink()
+            self.attach_error = f"the counting programs could not be attached: {exc.strerror}"
+            return False
+        self.attach_error = ""
+        return True
+
+    def _unlink(self) -> None:
+        """Detach the programs (no file watched): reads elsewhere no longer call them."""
+        for fd in reversed(self._links):
+            os.close(fd)
+        self._links.clear()
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._links)
+
     def _detach(self) -> None:
+        self._unlink()
         for fd in reversed(self._fds):
             os.close(fd)
         self._fds.clear()
+        self._targets.clear()
 
     def watch(self, st_dev: int, ino: int, slot: int) -> bool:
         """Count reads of the file (*st_dev*, *ino*) under *slot* (a store into the index's
-        mapping; a map update of the hash too where its index entry is taken); False if
-        *max_watched* files are watched."""
-        if self._watching >= self.max_watched:
+        mapping; a map update of the hash too where its index entry is taken; the
+        programs attached if it is the only one); False if *max_watched* files are
+        watched, or the programs cannot be attached (``attach_error``)."""
+        if self._watching >= self.max_watched or not (self._links or self._link()):
             return False
         dev, at = kernel_dev(st_dev), ino & (INDEX_SIZE - 1)
         entry = self._entries.setdefault(at, [0, 0, 0, 0])
@@ -177,6 +217,8 @@ class ReadProbes:
         if entry == [0, 0, 0, 0]:
             del self._entries[at]
         self._watching -= 1
+        if not self._watching:
+            self._unlink()
 
     def _write_entry(self, at: int, entry: list[int]) -> None:
         # A program may read the entry while it changes, as during a map update (which

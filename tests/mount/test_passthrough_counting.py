@@ -166,10 +166,12 @@ def test_reads_of_the_backing_file_outside_the_mount_are_not_counted(
     data = os.urandom(8 * MiB)
     (mounted.view / "data/both.bin").write_bytes(data)
     path = mounted.mnt / "data/both.bin"
+    assert not mounted.counting()["attached"]  # nothing watched: no cost to other reads
     holder = os.open(path, os.O_RDONLY)  # watched from here to its release
     try:
         wait_for("the file watched", lambda: mounted.counting()["watched"], until=bool,
                  timeout=10)
+        assert mounted.counting()["attached"]
         backing = mounted.view / "data/both.bin"
         for _ in range(3):
             assert xxhash.xxh64(backing.read_bytes()).digest() == xxhash.xxh64(data).digest()

@@ -24,6 +24,8 @@ class FakeProbes:
     """The programs' tables: ``counts`` is what the kernel would have counted."""
 
     mode = "fake"
+    attach_error = ""
+    attached = True
 
     def __init__(self, room: int = 100) -> None:
         self.watched: dict[tuple[int, int], int] = {}

@@ -102,6 +102,25 @@ def test_buffered_reads_are_counted_once_each_with_their_bytes(
         os.close(fd)
 
 
+def test_the_programs_are_attached_only_while_a_file_is_watched(
+        probes: ReadProbes, backing: Path) -> None:
+    """Attached, they cost every buffered read on the machine a call: a mount with
+    nothing watched detaches them, and its first watched file attaches them again."""
+    st = os.stat(backing)
+    fd = os.open(backing, os.O_RDONLY)
+    try:
+        assert probes.watch(st.st_dev, st.st_ino, SLOT) and probes.attached
+        assert len(os.pread(fd, 4 * KiB, 0)) == 4 * KiB
+        assert _counted(probes) == (4 * KiB, 1)
+        probes.unwatch(st.st_dev, st.st_ino)
+        assert not probes.attached
+        assert probes.watch(st.st_dev, st.st_ino, SLOT) and probes.attached
+        assert len(os.pread(fd, 4 * KiB, 4 * KiB)) == 4 * KiB
+        assert _counted(probes) == (8 * KiB, 2)
+    finally:
+        os.close(fd)
+
+
 def test_o_direct_reads_are_counted_with_their_bytes_and_writes_are_not(
         probes: ReadProbes, backing: Path) -> None:
     st = os.stat(backing)
