@@ -3,9 +3,9 @@ mounts (qosfs.passthrough.read_counting): fio's buffered and O_DIRECT reads show
 ``ctl stats``' read bytes and ops of their class, exactly enough to be within 2% of what
 fio read (source -> mountpoint and in place, ext4 and XFS); two users reading one file
 are each counted to their own tenant; two mounts of one source count only the reads
-made through each; an mmap reader works and ``ctl status`` says its
-pages are not counted; a backing filesystem whose reads cannot be counted (tmpfs) is
-said per class, never shown as a silent 0."""
+made through each, and neither counts the same file's reads through overlayfs; an mmap
+reader works and ``ctl status`` says its pages are not counted; a backing filesystem
+whose reads cannot be counted (tmpfs) is said per class, never shown as a silent 0."""
 
 from __future__ import annotations
 
@@ -214,6 +214,37 @@ def test_each_of_two_mounts_of_one_source_counts_only_the_reads_made_through_it(
         finally:
             for fd in held:
                 os.close(fd)
+
+
+def test_reads_of_the_same_file_through_overlayfs_are_not_counted(
+        mounted: Mounted, tmp_tree: Path) -> None:
+    """overlayfs reads a lower file with credentials of its own in force, as a passed-
+    through read does; only this mount's credentials (its session keyring) count."""
+    data = os.urandom(4 * MiB)
+    (mounted.view / "data/lower.bin").write_bytes(data)
+    overlay = tmp_tree / "overlay"
+    for d in ("upper", "work", "overlay"):
+        (tmp_tree / d).mkdir()
+    done = subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                           f"lowerdir={mounted.src},upperdir={tmp_tree / 'upper'},"
+                           f"workdir={tmp_tree / 'work'}", str(overlay)],
+                          capture_output=True, text=True, timeout=30)
+    if done.returncode:
+        pytest.skip(f"overlayfs cannot be mounted here: {done.stderr.strip()}")
+    try:
+        holder = os.open(mounted.mnt / "data/lower.bin", os.O_RDONLY)  # watched
+        try:
+            wait_for("the file watched", lambda: mounted.counting()["watched"], until=bool,
+                     timeout=10)
+            assert (overlay / "data/lower.bin").read_bytes() == data
+            assert mounted.account() == (0, 0)
+            assert os.pread(holder, len(data), 0) == data
+            assert mounted.account() == (len(data), 1)
+        finally:
+            os.close(holder)
+    finally:
+        if subprocess.run(["umount", str(overlay)], check=False).returncode:
+            subprocess.run(["umount", "-l", str(overlay)], check=False)
 
 
 def test_an_mmap_reader_reads_and_status_says_its_pages_are_not_counted(
