@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +23,7 @@ import yaml
 from bench.core.system import BenchError
 from bench.suites.training import workload
 from bench.suites.training.au_report import TrainingResult, headline, section
-from bench.suites.training.ckpt_storm import WAYS, read_records
+from bench.suites.training.ckpt_storm import WAYS, parse_args, read_records, should_stop
 
 DATA = Path(__file__).parent / "data"
 MiB = 1 << 20
@@ -111,6 +114,19 @@ def test_storm_records_make_rounds() -> None:
             assert r["write_s"] < r["duration_s"]
         else:
             assert r["write_s"] == pytest.approx(r["duration_s"])
+
+
+def test_the_storm_stops_when_the_bench_that_started_it_is_gone(tmp_path: Path) -> None:
+    finished = subprocess.Popen(["true"])  # reaped below: its pid names no process
+    finished.wait()
+    base = [str(tmp_path / "ckpt"), "--records", str(tmp_path), "--stop",
+            str(tmp_path / "stop")]
+    now = time.monotonic()
+    assert not should_stop(parse_args(base), now)
+    assert not should_stop(parse_args([*base, "--parent", str(os.getpid())]), now)
+    assert should_stop(parse_args([*base, "--parent", str(finished.pid)]), now)
+    (tmp_path / "stop").touch()
+    assert should_stop(parse_args(base), now)
 
 
 def test_a_round_a_rank_did_not_finish_is_left_out() -> None:

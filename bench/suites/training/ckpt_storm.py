@@ -104,8 +104,7 @@ def _rank(rank: int, args: argparse.Namespace) -> None:
             due = t_start + args.lead + n * args.interval
             while time.monotonic() < due:  # training steps
                 time.sleep(min(args.step, max(0.0, due - time.monotonic())))
-            flag[0] = 1.0 if Path(args.stop).exists() or \
-                time.monotonic() - t_start > args.max_seconds else 0.0
+            flag[0] = 1.0 if should_stop(args, t_start) else 0.0
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if flag[0] > 0:
                 break
@@ -179,6 +178,22 @@ def _rank(rank: int, args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
+def should_stop(args: argparse.Namespace, t_start: float) -> bool:
+    """Whether the storm ends before its next round: its stop file is there, it ran
+    ``--max-seconds``, or the process that started it (``--parent``) is gone. The last:
+    a bench interrupted twice (Ctrl-C, then Ctrl-C in its cleanup) never creates the stop
+    file, and the ranks went on writing 2 GiB rounds, parented to init, until the hour
+    was up."""
+    if Path(args.stop).exists() or time.monotonic() - t_start > args.max_seconds:
+        return True
+    if args.parent:
+        try:
+            os.kill(args.parent, 0)
+        except ProcessLookupError:
+            return True
+    return False
+
+
 def _spawned(rank: int, args: argparse.Namespace) -> None:
     _rank(rank, args)
 
@@ -198,6 +213,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-rounds", type=int, default=10_000)
     p.add_argument("--max-seconds", type=float, default=3600.0,
                    help="stop by itself after this long, stop file or not")
+    p.add_argument("--parent", type=int, default=0,
+                   help="stop once the process of this pid is gone (the bench's)")
     return p.parse_args(argv)
 
 

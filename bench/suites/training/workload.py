@@ -293,14 +293,14 @@ def _storm(top: Path, work: Path, storm: Storm, lead: float) -> Iterator[Path]:
     it, after a few latency-control windows of reading alone; :data:`RUNNING_LEAD`: the
     storm is writing when the block starts, one second in, so the first epoch begins in
     it); yields the records directory. Stopped by its stop file, killed (by its pid) if it
-    does not stop."""
+    does not stop; it stops by itself if this process is gone (``--parent``)."""
     records = work / f"storm-{time.monotonic_ns()}"
     records.mkdir()
     stop = records / "stop"
     cmd = [sys.executable, "-m", "bench.suites.training.ckpt_storm",
            str(top / "checkpoints" / "storm"), "--records", str(records), "--stop", str(stop),
            "--ranks", str(storm.ranks), "--shard", str(storm.shard),
-           "--interval", str(storm.interval), "--lead", str(lead)]
+           "--interval", str(storm.interval), "--lead", str(lead), "--parent", str(os.getpid())]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with open(records / "stderr.txt", "w") as err:
         proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=err, stderr=err,
