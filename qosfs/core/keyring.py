@@ -77,6 +77,7 @@ def _secret(path: Path) -> bytes | None:
     except FileNotFoundError:
         tmp = path.with_name(f"{path.name}.{os.getpid()}")
         try:
+            path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 os.write(fd, os.urandom(32))
@@ -123,8 +124,8 @@ def join_mount_keyring(mountpoint: str, secret_path: Path = SECRET) -> tuple[int
         owner = _owner(serial)
         if owner != os.geteuid():
             log.warning("a keyring named %s belongs to uid %d: joining an anonymous one "
-                        "(a successor's reads of this mount's files will not be counted)",
-                        name, owner)
+                        "(a successor will not count the reads of the backing ids it "
+                        "inherits from this daemon)", name, owner)
             serial = _keyctl(_JOIN_SESSION_KEYRING, 0)
         _keyctl(_SETPERM, serial, _PERM)
     except OSError as exc:

@@ -95,8 +95,9 @@ class ReadProbes:
     @classmethod
     def load(cls, tgid: int, max_watched: int = 65536, max_counts: int = 32768,
              passthrough_only: bool = True, keyring: int | None = None) -> ReadProbes:
-        """Load and attach both programs, counting reads by anyone but *tgid*: BTF-typed
-        where the kernel allows (``tp_btf``), else as plain raw tracepoints. Only reads
+        """Load both programs (attached from the first watched file on: the module
+        docstring says why), counting reads by anyone but *tgid*: BTF-typed where the
+        kernel allows (``tp_btf``), else as plain raw tracepoints. Only reads
         passed through a FUSE mount are counted, unless *passthrough_only* is False
         (then a watched file's direct reads are too: the unit tests'); given the serial
         of the mount's session *keyring*, only those passed through this mount."""
@@ -110,7 +111,7 @@ class ReadProbes:
                 probes._attach_all(offsets, tgid, ids, passthrough_only, keyring)
                 probes.mode = "tp_btf"
             except ProbeError:
-                probes._detach()
+                probes._unload()
                 probes._attach_all(offsets, tgid, None, passthrough_only, keyring)
                 probes.mode = "raw_tp"
         except ProbeError:
@@ -172,7 +173,7 @@ class ReadProbes:
     def attached(self) -> bool:
         return bool(self._links)
 
-    def _detach(self) -> None:
+    def _unload(self) -> None:
         self._unlink()
         for fd in reversed(self._fds):
             os.close(fd)
@@ -302,7 +303,7 @@ class ReadProbes:
         return struct.unpack("<QQ", value) if value else (0, 0)
 
     def close(self) -> None:
-        self._detach()
+        self._unload()
         self._fast.close()
         self._index.close()
         for m in (self.index, self.watched, self.recent, self.counts_fast, self.counts,
