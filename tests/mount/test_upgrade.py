@@ -535,8 +535,9 @@ def test_an_idle_backing_id_is_carried_over_and_let_go_at_unlink(
 def test_an_open_made_without_a_descriptor_reads_on_across_a_takeover(
         mount: Mount, how: str) -> None:
     """A reopen of a file whose backing id is idle takes the id and no descriptor of
-    the daemon's. Held across a handover or a crash, it reads on; an fsync and an
-    fchmod of it reach the file; its release leaves the id idle, and nothing leaks."""
+    the daemon's. Held across a handover or a crash, it reads on, counted by the new
+    daemon; an fsync and an fchmod of it reach the file; its release leaves the id
+    idle, and nothing leaks."""
     if not getattr(pyfuse3, "PASSTHROUGH_SUPPORTED", False):
         pytest.skip("pyfuse3 without kernel passthrough")
     data = os.urandom(4 * MiB + 5)
@@ -559,9 +560,17 @@ def test_an_open_made_without_a_descriptor_reads_on_across_a_takeover(
         else:
             _kill_9_and_recover(mount)
         registered = mount.status()["passthrough"]["registered"]
+        counting = mount.status()["passthrough"]["read_counting"]
+        counted = counting["read_bytes"].get("data", 0)
         for i, fd in enumerate(held):
             offset = i * 4096 * 51
             assert os.pread(fd, 8192, offset) == data[offset:offset + 8192]
+        if counting["state"] == "on":
+            # The successor counts the kernel's reads for the opens it inherited: its
+            # credentials hold its predecessor's session keyring (qosfs.core.keyring).
+            wait_for("the inherited opens' reads counted", lambda: mount.status()[
+                "passthrough"]["read_counting"]["read_bytes"].get("data", 0) - counted,
+                until=lambda n: n == 20 * 8192, timeout=10)
         os.fsync(held[0])
         os.fchmod(held[1], 0o640)
         assert stat.S_IMODE(os.stat(mount.source / "data" / "lazy.bin").st_mode) == 0o640
