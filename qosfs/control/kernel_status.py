@@ -52,9 +52,11 @@ def format_read_counting(rc: dict[str, Any] | None) -> list[str]:
         lines = [f"  reads served by the kernel: NOT COUNTED ({rc['reason']})"]
     else:
         total = sum(rc["read_bytes"].values())
+        # Detached, the programs cost the machine's other reads nothing (read_probes).
+        attached = "" if rc.get("attached", True) else " (programs detached until one is)"
         lines = [f"  reads served by the kernel: counted, {format_size(total)} in "
                  f"{sum(rc['reads'].values())} reads since mount, {rc['watched']} files "
-                 f"watched now; {rc['reason']}"]
+                 f"watched now{attached}; {rc['reason']}"]
         if rc.get("lost_bytes"):
             lines.append(f"    {format_size(rc['lost_bytes'])} in {rc['lost_reads']} reads "
                          "lost: the kernel's table of counts was full")

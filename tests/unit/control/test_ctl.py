@@ -10,6 +10,7 @@ import pytest
 
 from qosfs.control import ctl, top
 from qosfs.control.address import socket_name
+from qosfs.control.kernel_status import format_read_counting
 from qosfs.core.errors import EXIT_CONTROL, EXIT_POLICY, EXIT_USAGE, QosfsError
 
 MiB = 1 << 20
@@ -188,3 +189,12 @@ def test_status_says_which_version_serves_and_how_many_handovers_it_had() -> Non
     assert lines[0] == "qosfs /srv on /mnt (pid 7, qosfs 0.2.0, 3 handovers, up 65.0s)"
     first = ctl.format_status({**REPLY, "version": "0.1.0", "handovers": 1}).splitlines()
     assert first[0] == "qosfs /srv on /mnt (pid 7, qosfs 0.1.0, 1 handover, up 65.0s)"
+
+
+def test_status_says_when_the_counting_programs_are_detached() -> None:
+    entry = {"state": "on", "reason": "BPF (tp_btf)", "watched": 0, "attached": False,
+             "read_bytes": {}, "reads": {}, "uncounted_opens": {}, "lost_bytes": 0}
+    (idle,) = format_read_counting(entry)
+    assert "0 files watched now (programs detached until one is)" in idle
+    (busy,) = format_read_counting({**entry, "watched": 3, "attached": True})
+    assert "3 files watched now; BPF (tp_btf)" in busy
