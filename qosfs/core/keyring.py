@@ -31,18 +31,15 @@ an anonymous one (counted right, but not by a successor).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import hashlib
 import logging
 import os
 from pathlib import Path
 
+from qosfs.core.syscalls import keyctl as _keyctl
+
 log = logging.getLogger(__name__)
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-
-_SYS_KEYCTL = 250  # x86_64
 _GET_KEYRING_ID, _JOIN_SESSION_KEYRING, _SETPERM, _DESCRIBE, _LINK = 0, 1, 5, 6, 8
 _SPEC_SESSION_KEYRING = -3
 # Possessor: everything; same uid: view, read, search, link. Search is what lets a
@@ -51,15 +48,6 @@ _PERM = 0x3F1B0000
 
 PREFIX = "qosfs:"
 SECRET = Path("/run/qosfs/keyring.secret")
-
-
-def _keyctl(*args: int | bytes) -> int:
-    ret = int(_libc.syscall(ctypes.c_long(_SYS_KEYCTL),
-                            *(a if isinstance(a, bytes) else ctypes.c_long(a) for a in args)))
-    if ret < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return ret
 
 
 def _owner(serial: int) -> int:

@@ -120,6 +120,21 @@ def handle_of_fd(fd: int) -> tuple[bytes, int]:
     return _handle_buf.raw[:_HANDLE_HEADER + _handle_bytes.value], _mount_id.value
 
 
+_SYS_KEYCTL = 250  # x86_64; glibc has no keyctl() (libkeyutils does)
+_libc.syscall.restype = ctypes.c_long
+
+
+def keyctl(*args: int | bytes) -> int:
+    """keyctl(2): integers as C longs (addresses too), bytes as strings; its result, a
+    key's serial or a length (used by :mod:`qosfs.core.keyring`, once per start)."""
+    ret = int(_libc.syscall(ctypes.c_long(_SYS_KEYCTL),
+                            *(a if isinstance(a, bytes) else ctypes.c_long(a) for a in args)))
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return ret
+
+
 def open_by_handle(mount_fd: int, handle: bytes, flags: int) -> int:
     """Open the object a handle from :func:`handle_of_fd` names (needs CAP_DAC_READ_SEARCH).
 
