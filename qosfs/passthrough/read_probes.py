@@ -133,9 +133,11 @@ class ReadProbes:
                                    passthrough_only=passthrough_only, keyring=keyring))
         for i, (name, program) in enumerate(zip((FILEMAP_TRACEPOINT, DIRECT_TRACEPOINT),
                                                 programs, strict=True)):
-            self._attach(name, program, None if btf_ids is None else btf_ids[i])
+            self._load_program(name, program, None if btf_ids is None else btf_ids[i])
+        if not self._link():  # the kernel may load a program it then will not attach
+            raise ProbeError(self.attach_error)
 
-    def _attach(self, tracepoint: str, program: bytes, btf_id: int | None) -> None:
+    def _load_program(self, tracepoint: str, program: bytes, btf_id: int | None) -> None:
         try:
             if btf_id is None:
                 prog = bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, program)
@@ -145,10 +147,6 @@ class ReadProbes:
             raise ProbeError(f"BPF program for {tracepoint} refused: {exc.strerror}") from None
         self._fds.append(prog)
         self._targets.append(None if btf_id else tracepoint)
-        try:
-            self._links.append(bpf.raw_tracepoint_open(None if btf_id else tracepoint, prog))
-        except OSError as exc:
-            raise ProbeError(f"raw tracepoint {tracepoint}: {exc.strerror}") from None
 
     def _link(self) -> bool:
         """Attach the programs (the first file watched); False, and why in
