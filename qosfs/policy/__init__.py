@@ -8,6 +8,7 @@ of token buckets or FUSE.
 - ``build``: from ``tomllib``'s dicts to a validated model, with file, line and reason.
 - ``text``: policy TOML as text: rendering, quoting, a key's line, the default policy.
 - ``lint``: what ``qosfs check`` warns about in a valid policy.
+- ``globs``: path globs, compiled for matching and compared for proofs.
 - ``classify``: which class and tenant a caller's request belongs to.
 
 This file only describes the layer: import names from the module that defines them.

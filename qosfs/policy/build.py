@@ -23,7 +23,7 @@ from qosfs.core.units import (
     parse_size,
     show_value,
 )
-from qosfs.policy.classify import GlobError, compile_cgroup_glob, compile_glob, compile_value_glob
+from qosfs.policy.globs import GlobError, compile_cgroup_glob, compile_glob, compile_value_glob
 from qosfs.policy.keys import (
     CACHE_MODES,
     CLASS_KEYS,

@@ -41,13 +41,12 @@ Each check warns only where it can show the problem from the policy alone:
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from qosfs.core.limit_kinds import BY_KEY, CAP_KEYS
 from qosfs.core.units import format_iops
-from qosfs.policy.classify import compile_glob, compile_value_glob
+from qosfs.policy.globs import glob_covers, value_glob_covers
 from qosfs.policy.keys import PRIORITY_WEIGHTS
 from qosfs.policy.model import (
     MEASURED_IN_DAEMON,
@@ -67,7 +66,6 @@ DIRECTORY_NAMES = frozenset({
     "checkpoints", "checkpoint", "ckpt", "ckpts", "data", "datasets", "output", "outputs",
     "runs", "logs", "models", "weights",
 })
-_META = re.compile(r"[*?\[]")
 _IOPS_KEYS = (*(k for k in CAP_KEYS if not BY_KEY[k].per_byte), "burst_iops")
 
 
@@ -130,7 +128,7 @@ def _shadows(a: ClassRule, b: ClassRule) -> bool:
     if a.job_env is not None:
         if a.job_env != b.job_env:
             return False
-        if a.jobs and not (b.jobs and all(any(_value_covers(p, q) for p in a.jobs)
+        if a.jobs and not (b.jobs and all(any(value_glob_covers(p, q) for p in a.jobs)
                                           for q in b.jobs)):
             return False
     return (_ids_cover(a.uids, b.uids) and _ids_cover(a.gids, b.gids)
@@ -173,48 +171,6 @@ def _globs_cover(a: tuple[str, ...], b: tuple[str, ...], *, absolute: bool) -> b
     if not b:
         return False
     return all(any(glob_covers(x, y, absolute=absolute) for x in a) for y in b)
-
-
-def glob_covers(outer: str, inner: str, *, absolute: bool = False) -> bool:
-    """Whether the path glob *outer* provably matches every path *inner* matches
-    (cgroup globs: ``absolute``, both start with ``/``).
-
-    Example:
-        >>> glob_covers("**/*.pt", "runs/*/model.pt"), glob_covers("*.pt", "a/b.pt")
-        (True, False)
-    """
-    a, b = _parts(outer, absolute), _parts(inner, absolute)
-    memo: dict[tuple[int, int], bool] = {}
-
-    def covers(i: int, j: int) -> bool:
-        if (i, j) not in memo:
-            if i == len(a):
-                memo[i, j] = j == len(b)
-            elif a[i] == "**":  # any run of inner's components, "**" among them
-                memo[i, j] = any(covers(i + 1, k) for k in range(j, len(b) + 1))
-            else:
-                memo[i, j] = (j < len(b) and b[j] != "**" and _component_covers(a[i], b[j])
-                              and covers(i + 1, j + 1))
-        return memo[i, j]
-
-    return covers(0, 0)
-
-
-def _parts(glob: str, absolute: bool) -> list[str]:
-    parts = (glob[1:] if absolute else glob).split("/")
-    return [p for i, p in enumerate(parts) if not (p == "**" and i and parts[i - 1] == "**")]
-
-
-def _component_covers(p: str, q: str) -> bool:
-    if p == q or p == "*":
-        return True
-    return not _META.search(q) and compile_glob(p).fullmatch(q) is not None
-
-
-def _value_covers(p: str, q: str) -> bool:
-    if p == q or p == "*":
-        return True
-    return not _META.search(q) and compile_value_glob(p).fullmatch(q) is not None
 
 
 # ----------------------------------------------------------------------- no effect

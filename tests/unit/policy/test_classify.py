@@ -8,17 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from qosfs.policy.classify import (
-    Classifier,
-    GlobError,
-    JobCache,
-    JobInfo,
-    compile_cgroup_glob,
-    compile_glob,
-    compile_value_glob,
-    final_name,
-    read_job_info,
-)
+from qosfs.policy.classify import Classifier, JobCache, JobInfo, final_name, read_job_info
+from qosfs.policy.globs import GlobError, compile_cgroup_glob, compile_glob, compile_value_glob
 from qosfs.policy.loading import default_policy, parse_policy, policy_notes
 
 GLOBS = [

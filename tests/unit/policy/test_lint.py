@@ -16,8 +16,8 @@ from qosfs.core.errors import EXIT_POLICY
 from qosfs.daemon.cli import main
 from qosfs.plan.planner import PlanInputs, make_plan
 from qosfs.plan.report import plan_policy_text
-from qosfs.policy.classify import compile_glob
-from qosfs.policy.lint import glob_covers, policy_warnings
+from qosfs.policy.globs import compile_glob, glob_covers
+from qosfs.policy.lint import policy_warnings
 from qosfs.policy.loading import parse_policy
 from qosfs.policy.text import DEFAULT_POLICY_TEXT
 from tests.mounting import ROOT
