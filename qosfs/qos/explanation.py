@@ -27,15 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from qosfs.core.mountinfo import lies_within
 from qosfs.core.units import format_size
-from qosfs.policy.classify import (
-    CallerKey,
-    Classifier,
-    JobInfo,
-    compile_cgroup_glob,
-    compile_glob,
-    compile_value_glob,
-    read_job_info,
-)
+from qosfs.policy.classify import CallerKey, Classifier, JobInfo, read_job_info
+from qosfs.policy.globs import compile_cgroup_glob, compile_glob, compile_value_glob
 from qosfs.policy.model import (
     ClassRule,
     IdRange,
