@@ -22,7 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from qosfs.policy.globs import compile_cgroup_glob, compile_glob, compile_value_glob
+from qosfs.policy.globs import (
+    compile_cgroup_glob,
+    compile_glob,
+    compile_value_glob,
+    holds_every_entry,
+)
 
 if TYPE_CHECKING:  # the types only: qosfs.policy.build imports this module
     from qosfs.policy.model import ClassRule, IdRange, Policy, Tenant
@@ -32,6 +37,10 @@ __all__ = ["CacheTimeouts", "Classifier", "Decision", "JobCache", "JobInfo", "re
 #: (entry_timeout, attr_timeout) for an object's path relative to the mount root, None
 #: where the mount's option applies (:attr:`Classifier.cache_timeouts`).
 CacheTimeouts = Callable[[str], tuple[float | None, float | None]]
+_Decided = tuple["ClassRule", "Tenant | None"]
+#: Directories whose decision for their entries a classifier keeps (per caller); past
+#: that, it forgets them all and starts again (a dict, not an LRU: cheaper per hit).
+_DIRECTORIES_KEPT = 4096
 
 
 def _any_of(patterns: tuple[str, ...], compile_one: Callable[[str], re.Pattern[str]]
@@ -209,6 +218,18 @@ class _Rule:
             return "ops"
         if self.paths is not None and self.paths.fullmatch(path) is None:  # holds(), inlined
             return "paths"
+        return self._miss_after_path(caller, job, tenant)
+
+    def miss_beside_path(self, caller: CallerKey, job: JobInfo | None,
+                         tenant: Tenant | None) -> str | None:
+        """:meth:`miss` for a request whatever its path: the first other criterion it
+        fails."""
+        if self.ops and caller.op not in self.ops:
+            return "ops"
+        return self._miss_after_path(caller, job, tenant)
+
+    def _miss_after_path(self, caller: CallerKey, job: JobInfo | None,
+                         tenant: Tenant | None) -> str | None:
         if self.uids and not _in_ranges(caller.uid, self.uids):
             return "uids"
         if self.gids and not _in_ranges(caller.gid, self.gids):
@@ -314,6 +335,11 @@ class Classifier:
         self._uses_tenants = any(r.tenants for r in self._rules)
         self._classify = functools.lru_cache(maxsize=cache_size)(self._classify_uncached)
         self._tenant_of = functools.lru_cache(maxsize=cache_size)(self._tenant_of_uncached)
+        # (directory, caller) -> the class and tenant of every entry of the directory,
+        # or () where they may depend on the entry's name (resolve). Only while no
+        # tenant is defined by paths: a tenant's paths are not proved here.
+        self._entries_of: dict[tuple[str, CallerKey], _Decided | tuple[()]] | None = (
+            None if any(m.paths is not None for m in self._members) else {})
         self.cache_timeouts = self._cache_timeouts()
 
     def __repr__(self) -> str:
@@ -342,8 +368,47 @@ class Classifier:
 
     def resolve(self, path: str, caller: CallerKey,
                 job: JobInfo | None = None) -> tuple[ClassRule, Tenant | None]:
-        """The class and the tenant of *caller* acting on *path* (what the engine asks)."""
+        """The class and the tenant of *caller* acting on *path* (what the engine asks).
+
+        A loader opens each file of a directory once per epoch, so each open of a cold
+        file is a new path, which missed both caches: two regex matches and two cache
+        insertions (each evicting), 12-17 us of the daemon's CPU per cold file
+        (docs/performance.md). Where the policy provably gives every entry of the
+        directory the same class and tenant (``data/**`` for all of ``data/train``,
+        a class whose ``ops`` leave the request out whatever its path), that answer is
+        kept per directory and caller instead (:meth:`_decide_entries`).
+        """
+        memo = self._entries_of
+        if memo is not None and job is None and path:
+            cut = path.rfind("/")
+            key = (path[:cut] if cut >= 0 else "", caller)
+            decided = memo.get(key)
+            if decided is None:
+                if len(memo) >= _DIRECTORIES_KEPT:
+                    memo.clear()
+                decided = memo[key] = self._decide_entries(key[0], caller) or ()
+            if decided:  # () where the name may matter
+                return decided
         return self._classify(path, caller, job), self._tenant_of(path, caller, job)
+
+    def _decide_entries(self, directory: str, caller: CallerKey) -> _Decided | None:
+        """The class and tenant of *caller* acting on any entry of *directory*, or None
+        if they may depend on the entry's name. Classes are taken in policy order as
+        :meth:`_first_match` does: one the request fails by a criterion other than the
+        path is passed over whatever the name; one that holds every entry of the
+        directory (or has no paths) decides; any other one might match some names and
+        not others. The default class has no criteria, so the walk always ends. A
+        temporary name's final name (:func:`final_name`) changes nothing here: only the
+        default class can send a name there, and it is reached only when every other
+        class missed whatever the path."""
+        tenant = self._tenant_decided(directory, caller, None, None)  # tenants: no paths
+        for r in self._rules:
+            if r.miss_beside_path(caller, None, tenant) is not None:
+                continue
+            if r.paths is None or holds_every_entry(r.rule.paths, directory):
+                return r.rule, tenant
+            return None
+        return None
 
     def decide(self, path: str, caller: CallerKey, job: JobInfo | None = None) -> Decision:
         """What :meth:`resolve` answers, with how it got there (``qosfs explain``): the
@@ -402,7 +467,7 @@ class Classifier:
             return None
 
         @functools.lru_cache(maxsize=16384)
-        def timeouts(path: str) -> tuple[float | None, float | None]:
+        def by_path(path: str) -> tuple[float | None, float | None]:
             entry: float | None = None
             attr: float | None = None
             for r in rules:
@@ -415,6 +480,40 @@ class Classifier:
                 if entry is not None and attr is not None:
                     break
             return entry, attr
+
+        def of_entries(directory: str) -> tuple[float | None, float | None] | tuple[()]:
+            """by_path's answer for every entry of *directory*, or () if the name may
+            matter: as :meth:`_decide_entries`, a class that holds some entries and not
+            provably all of them leaves it open."""
+            entry: float | None = None
+            attr: float | None = None
+            for r in rules:
+                if r.paths is not None and not holds_every_entry(r.rule.paths, directory):
+                    return ()
+                if entry is None:
+                    entry = r.rule.entry_timeout
+                if attr is None:
+                    attr = r.rule.attr_timeout
+                if entry is not None and attr is not None:
+                    break
+            return entry, attr
+
+        # Asked at every lookup of a new name (the entry's timeouts): per directory where
+        # the policy allows, as resolve does, and for the same reason.
+        directories: dict[str, tuple[float | None, float | None] | tuple[()]] = {}
+
+        def timeouts(path: str) -> tuple[float | None, float | None]:
+            if path:
+                cut = path.rfind("/")
+                directory = path[:cut] if cut >= 0 else ""
+                decided = directories.get(directory)
+                if decided is None:
+                    if len(directories) >= _DIRECTORIES_KEPT:
+                        directories.clear()
+                    decided = directories[directory] = of_entries(directory)
+                if decided:
+                    return decided
+            return by_path(path)
 
         return timeouts
 

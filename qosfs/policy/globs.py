@@ -23,7 +23,7 @@ import json
 import re
 
 __all__ = ["GlobError", "compile_cgroup_glob", "compile_glob", "compile_value_glob",
-           "glob_covers", "value_glob_covers"]
+           "glob_covers", "holds_every_entry", "value_glob_covers"]
 
 _META = re.compile(r"[*?\[]")
 
@@ -183,3 +183,15 @@ def value_glob_covers(p: str, q: str) -> bool:
     if p == q or p == "*":
         return True
     return not _META.search(q) and compile_value_glob(p).fullmatch(q) is not None
+
+
+def holds_every_entry(globs: tuple[str, ...], directory: str) -> bool:
+    """Whether one of *globs* provably matches every entry of *directory* (relative to the
+    mount root, ``""`` the root), whatever the entry's name: ``data/**`` holds every entry
+    of ``data/train``, ``**/*.pt`` does not. False, too, where it cannot be shown: a name
+    of *directory* that holds a glob character (``[``, ``*``, ``?``) would be read as a
+    glob, not as the literal name it is."""
+    if _META.search(directory):
+        return False
+    entries = f"{directory}/*" if directory else "*"
+    return any(glob_covers(glob, entries) for glob in globs)
