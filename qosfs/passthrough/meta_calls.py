@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from qosfs.passthrough import odirect
 from qosfs.passthrough.backing_io import BackingIO
 from qosfs.passthrough.inode import Inode
 from qosfs.passthrough.inodes import InodeTable
@@ -68,6 +69,18 @@ class MetaCalls:
             if exc.errno not in FD_SHORTAGE or not inodes.relieve():
                 raise
         return inodes.resolve(parent if isinstance(parent, int) else parent.fd, name)
+
+    def reopen_inline(self, node: Inode, flags: int) -> tuple[int, bool]:
+        """:func:`odirect.open_backing <qosfs.passthrough.odirect.open_backing>` of
+        *node*'s own descriptor reopened with *flags*, on the event loop's thread, as
+        :meth:`opening` does it, without its two coroutine frames (as
+        :meth:`resolve_inline`): the cold open of every file of a loader makes one."""
+        try:
+            return odirect.open_backing(flags, odirect.reopen, node.fd)
+        except OSError as exc:
+            if exc.errno not in FD_SHORTAGE or not self._inodes.relieve():
+                raise
+        return odirect.open_backing(flags, odirect.reopen, node.fd)
 
 
 def _fds(args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -146,6 +146,7 @@ class PassthroughOperations(pyfuse3.Operations):
         self._meta = calls.run
         self._meta_opening = calls.opening
         self._resolve_inline = calls.resolve_inline
+        self._reopen_inline = calls.reopen_inline
         self._entries = entries
         self._entry = entries.of
         self._adopt = entries.adopt
@@ -326,14 +327,15 @@ class PassthroughOperations(pyfuse3.Operations):
         try:
             if not flags & _NEEDS_DESCRIPTOR and self._shares_backing_id(node):
                 # Read-only, and the kernel holds a backing id for this file (live, or
-                # kept idle since its last release): if the open passes its reads
-                # through, it takes that id and no request of it needs a descriptor of
-                # ours. Saves an open and a close per open of a warm loader (daemon CPU
-                # per file 76 -> 59 us, tmpfs, 4 readers; docs/performance.md).
+                # kept idle since its last release): if the open passes its reads through,
+                # it takes that id and needs no descriptor of ours. Saves an open and a
+                # close per warm open (76 -> 59 us per file, tmpfs; docs/performance.md).
                 charge = open_charge(self.qos, self.paths, node, ctx, os.O_RDONLY, False)
             if charge is None or not charge.flow.passes_reads_through():
                 handle = self.inodes.handle_to_open(node)
-                if handle is None:
+                if handle is None and self.io.mode is not IoMode.THREADS:
+                    fd, direct = self._reopen_inline(node, flags & ~OPEN_DROP)  # as lookup
+                elif handle is None:
                     fd, direct = await self._meta_opening(
                         odirect.open_backing, flags & ~OPEN_DROP, odirect.reopen, node)
                 else:  # its descriptor was evicted: straight from its handle
