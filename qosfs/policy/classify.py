@@ -466,12 +466,17 @@ class Classifier:
         if not rules:
             return None
 
-        @functools.lru_cache(maxsize=16384)
-        def by_path(path: str) -> tuple[float | None, float | None]:
+        def first_set(holds: Callable[[_Rule], bool | None],
+                      ) -> tuple[float | None, float | None] | None:
+            """Each timeout of the first class in order that *holds* the object and sets
+            it; None as soon as *holds* cannot tell for a class (None)."""
             entry: float | None = None
             attr: float | None = None
             for r in rules:
-                if not r.holds(path):
+                held = holds(r)
+                if held is None:
+                    return None
+                if not held:
                     continue
                 if entry is None:
                     entry = r.rule.entry_timeout
@@ -481,22 +486,18 @@ class Classifier:
                     break
             return entry, attr
 
+        @functools.lru_cache(maxsize=16384)
+        def by_path(path: str) -> tuple[float | None, float | None]:
+            found = first_set(lambda r: r.holds(path))
+            assert found is not None  # a path is held or not: never "cannot tell"
+            return found
+
         def of_entries(directory: str) -> tuple[float | None, float | None] | tuple[()]:
             """by_path's answer for every entry of *directory*, or () if the name may
             matter: as :meth:`_decide_entries`, a class that holds some entries and not
             provably all of them leaves it open."""
-            entry: float | None = None
-            attr: float | None = None
-            for r in rules:
-                if r.paths is not None and not holds_every_entry(r.rule.paths, directory):
-                    return ()
-                if entry is None:
-                    entry = r.rule.entry_timeout
-                if attr is None:
-                    attr = r.rule.attr_timeout
-                if entry is not None and attr is not None:
-                    break
-            return entry, attr
+            return first_set(lambda r: True if r.paths is None
+                             or holds_every_entry(r.rule.paths, directory) else None) or ()
 
         # Asked at every lookup of a new name (the entry's timeouts): per directory where
         # the policy allows, as resolve does, and for the same reason.
