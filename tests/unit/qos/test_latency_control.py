@@ -21,6 +21,7 @@ from qosfs.qos.flow import PolicyFlow
 from qosfs.qos.latency.decider import (
     DEEPEST,
     FLOOR,
+    INCREASE,
     STARTING_WINDOWS,
     ClassSample,
     LatencyDecider,
@@ -452,6 +453,33 @@ def test_a_class_becoming_active_protects_itself_before_any_judgement() -> None:
     assert "datasets" not in c.active
     c.step(3.5, active(), ck(write=800 * MiB))
     assert c.verdicts == {"datasets": "starting"} and c.active["datasets"].first_cut == 3.5
+
+
+def test_cuts_made_before_any_judgement_are_undone_fast_once_the_target_is_met() -> None:
+    """Three starting cuts take a storm to 1/64 of what it moved. Met windows take the cap
+    halfway back there (in ratio) each: 1/8, 1/2.8, 1/1.7... and a missed window ends
+    that, the usual steps again from there."""
+    c = LatencyDecider(policy())
+    rate = 400 * MiB
+    cap = rate
+    for i in range(STARTING_WINDOWS):
+        c.step(i * 0.5, active(), ck(write=cap, waited=True))
+        cap *= DEEPEST
+    assert c.caps()["checkpoints"].write_bandwidth == pytest.approx(rate / 64)
+    t = STARTING_WINDOWS * 0.5
+    climbed = []
+    for _ in range(3):  # met, with the least headroom: the usual step is 5 %
+        c.step(t, ds(0.0049), ck(write=cap, waited=True))
+        cap = c.caps()["checkpoints"].write_bandwidth
+        climbed.append(cap)
+        t += 0.5
+    assert climbed == [pytest.approx(rate / 8), pytest.approx(rate / 8 ** 0.5),
+                       pytest.approx(rate / 8 ** 0.25)]
+    c.step(t, ds(0.010), ck(write=cap, waited=True))  # missed: cut, and no more shortcut
+    cap = c.caps()["checkpoints"].write_bandwidth
+    assert cap == pytest.approx(climbed[-1] * 0.5)
+    c.step(t + 0.5, ds(0.0049), ck(write=cap, waited=True))
+    assert c.caps()["checkpoints"].write_bandwidth == pytest.approx(cap * (1 + INCREASE))
 
 
 def test_a_class_judged_in_its_first_window_is_not_cut_when_it_meets_its_target() -> None:
