@@ -53,7 +53,7 @@ class's and that have no target themselves.
   which no judgement asked for: each met window takes a cap halfway back there, in
   ratio (the geometric mean of the cap and that rate), until it is reached or a window
   is missed. Three starting cuts take a storm to 1/64 of its rate; at 5-25 % a window it
-  took 8-40 windows (4-20 s) to come back even when the reader never missed its
+  took 19-85 windows (9-43 s) to come back even when the reader never missed its
   target, so a checkpoint next to a short read kept 9-22 % of its capped rate
   (``python -m bench demo``, whose reader met its target throughout). The first cut of
   the class's activity, its reason and the baseline's source show in ``ctl status``.
