@@ -62,25 +62,25 @@ class MetaCalls:
         daemon is out of them), without its two coroutine frames. *parent* is an inode
         (its descriptor taken at each try: shedding may close the first) or a directory
         descriptor the caller holds open itself (a listing's)."""
-        inodes = self._inodes
-        try:
-            return inodes.resolve(parent if isinstance(parent, int) else parent.fd, name)
-        except OSError as exc:
-            if exc.errno not in FD_SHORTAGE or not inodes.relieve():
-                raise
-        return inodes.resolve(parent if isinstance(parent, int) else parent.fd, name)
+        return self.inline(self._inodes.resolve, parent, name)
 
     def reopen_inline(self, node: Inode, flags: int) -> tuple[int, bool]:
         """:func:`odirect.open_backing <qosfs.passthrough.odirect.open_backing>` of
         *node*'s own descriptor reopened with *flags*, on the event loop's thread, as
         :meth:`opening` does it, without its two coroutine frames (as
         :meth:`resolve_inline`): the cold open of every file of a loader makes one."""
+        return self.inline(odirect.open_backing, flags, odirect.reopen, node)
+
+    def inline(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """:meth:`opening` on the event loop's thread, for a call that never waits for
+        the backing store (local filesystems): its shed-and-retry, without its two
+        coroutine frames."""
         try:
-            return odirect.open_backing(flags, odirect.reopen, node.fd)
+            return fn(*_fds(args))
         except OSError as exc:
             if exc.errno not in FD_SHORTAGE or not self._inodes.relieve():
                 raise
-        return odirect.open_backing(flags, odirect.reopen, node.fd)
+        return fn(*_fds(args))
 
 
 def _fds(args: tuple[Any, ...]) -> tuple[Any, ...]:
