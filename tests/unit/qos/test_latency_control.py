@@ -618,6 +618,68 @@ async def test_the_first_open_into_a_running_storm_is_protected_within_one_check
 
 
 @mock_clock
+async def test_an_idle_mount_checks_once_a_window_and_every_check_once_a_file_is_open(
+        ) -> None:
+    """Nothing open, nothing moving: one wake-up a window (each costs the daemon CPU).
+    A reader and a storm that start together then: the reader is judged on the reads of
+    its first window, missed, and the storm cut, all by the next window at the latest;
+    the checks are back to every PROBE_CHECK."""
+    engine = PolicyQos(policy())
+    device = Device()
+    control = LatencyLoop(engine)
+    checks: list[float] = []
+    steer = control._steer_probe
+
+    def counted() -> None:
+        checks.append(trio.current_time())
+        steer()
+
+    control._steer_probe = counted  # type: ignore[method-assign]
+    reader = flow_for(engine, "data/x", "read")
+
+    async def read_loop() -> None:
+        while True:
+            waited = await reader.admit_read(65536)
+            latency = device.read_latency(trio.current_time())
+            await trio.sleep(latency)
+            reader.stats.record_read(65536, waited, int(latency * 1e9))
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(control.run)
+        await trio.sleep(2 * WINDOW)  # the first window finds everything quiet
+        checks.clear()
+        await trio.sleep(4 * WINDOW)
+        assert 3 <= len(checks) <= 5, checks  # one a window
+        charge = open_dataset(engine)
+        opened = trio.current_time()
+        nursery.start_soon(read_loop)
+        nursery.start_soon(_storm, engine, device)
+        await _until("the first cut", lambda: engine.auto_caps.get("checkpoints"))
+        assert trio.current_time() - opened <= 2 * WINDOW + 1e-6
+        checks.clear()
+        await trio.sleep(WINDOW)
+        assert len(checks) >= WINDOW / PROBE_CHECK - 1, checks  # every check again
+        charge.release()
+        nursery.cancel_scope.cancel()
+
+
+@mock_clock
+async def test_a_policy_without_a_protected_class_checks_once_a_window() -> None:
+    engine = PolicyQos(parse_policy('[classes.ckpt]\npaths = ["ckpt/**"]\n'
+                                    'write_bandwidth = "1GiB/s"\n[classes.default]\n', "t"))
+    control = LatencyLoop(engine)
+    checks: list[float] = []
+    steer = control._steer_probe
+    control._steer_probe = lambda: (checks.append(0.0), steer())[1]  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(control.run)
+        nursery.start_soon(_storm, engine)  # moving, but nothing above it to protect
+        await trio.sleep(4 * WINDOW + 0.01)
+        assert len(checks) <= 5, checks
+        nursery.cancel_scope.cancel()
+
+
+@mock_clock
 async def test_a_class_whose_reads_are_not_seen_is_judged_on_the_canary() -> None:
     """Kernel passthrough: the reader's reads never reach the daemon; its opens and the
     canary do. A relative target still protects it: cut at the open, baseline learned
