@@ -124,12 +124,13 @@ def _wakeups(pid: int) -> int:
     return total
 
 
+@BOTH_LAYOUTS
 def test_an_idle_mount_wakes_a_few_times_a_second_and_a_file_opened_is_watched(
-        tmp_tree: Path) -> None:
+        tmp_tree: Path, in_place: bool) -> None:
     # An idle mount's latency loop checks once a window (0.5 s), not every 50 ms: the
     # daemon woke 23 times a second before (1% of a core here), ~5 now (the windows, the
     # counting's drain, the rate sampler). Once a protected file is open, the canary runs.
-    m, mnt, sock, _ = _mount_with_shard(tmp_tree, POLICY, 1 << 20)
+    m, mnt, sock, _ = _mount_with_shard(tmp_tree, POLICY, 1 << 20, in_place=in_place)
     try:
         assert m.proc is not None
         wait_for("the first windows", lambda: _latency_status(sock)["windows"],

@@ -617,6 +617,19 @@ async def test_the_first_open_into_a_running_storm_is_protected_within_one_check
         nursery.cancel_scope.cancel()
 
 
+def _counted_checks(control: LatencyLoop) -> list[float]:
+    """The times of *control*'s checks from now on (each steers the canary once)."""
+    checks: list[float] = []
+    steer = control._steer_probe
+
+    def counted() -> None:
+        checks.append(trio.current_time())
+        steer()
+
+    control._steer_probe = counted  # type: ignore[method-assign]
+    return checks
+
+
 @mock_clock
 async def test_an_idle_mount_checks_once_a_window_and_every_check_once_a_file_is_open(
         ) -> None:
@@ -627,14 +640,7 @@ async def test_an_idle_mount_checks_once_a_window_and_every_check_once_a_file_is
     engine = PolicyQos(policy())
     device = Device()
     control = LatencyLoop(engine)
-    checks: list[float] = []
-    steer = control._steer_probe
-
-    def counted() -> None:
-        checks.append(trio.current_time())
-        steer()
-
-    control._steer_probe = counted  # type: ignore[method-assign]
+    checks = _counted_checks(control)
     reader = flow_for(engine, "data/x", "read")
 
     async def read_loop() -> None:
@@ -668,9 +674,7 @@ async def test_a_policy_without_a_protected_class_checks_once_a_window() -> None
     engine = PolicyQos(parse_policy('[classes.ckpt]\npaths = ["ckpt/**"]\n'
                                     'write_bandwidth = "1GiB/s"\n[classes.default]\n', "t"))
     control = LatencyLoop(engine)
-    checks: list[float] = []
-    steer = control._steer_probe
-    control._steer_probe = lambda: (checks.append(0.0), steer())[1]  # type: ignore[method-assign]
+    checks = _counted_checks(control)
     async with trio.open_nursery() as nursery:
         await nursery.start(control.run)
         nursery.start_soon(_storm, engine)  # moving, but nothing above it to protect
