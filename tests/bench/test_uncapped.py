@@ -38,3 +38,15 @@ def test_section_names_what_could_not_run() -> None:
     r = dataclasses.replace(stored(), errors={"disk": "no disk area in this run"})
     text = "\n".join(section({}, r))
     assert "Not measured, disk: no disk area in this run." in text
+
+
+def test_an_area_the_counting_cannot_see_shows_why_not_a_zero() -> None:
+    tmpfs = FioShape(area="tmpfs", shape="4k QD1", bare_iops=100.0, qosfs_iops=95.0,
+                     bare_mb_s=1.0, qosfs_mb_s=1.0, counted=None)
+    why = "not counted: tmpfs (device 0:27): its reads are not seen by the tracepoints"
+    r = dataclasses.replace(stored(), shapes=[tmpfs], counting={"tmpfs": why})
+    text = "\n".join(section({}, r))
+    row = next(line for line in text.splitlines() if line.startswith("| tmpfs | 4k QD1"))
+    assert row.rstrip(" |").endswith("—") and "0.000" not in row
+    assert f"- counting on tmpfs: {why}" in text
+    assert not [row for row in headline(r) if "counted" in row[0]]
