@@ -81,10 +81,11 @@ demo: deps
 # sources are byte-compiled first: the tests start a thousand daemons and CLI processes
 # from this tree, which an editable install leaves uncompiled, and where Python may not
 # write .pyc files itself (PYTHONDONTWRITEBYTECODE, as on the CI machines) each of them
-# compiled qosfs again: ~0.2 s a start.
+# compiled qosfs again: ~0.2 s a start. The suite is asked to stay near 15 minutes: each
+# run ends with its 25 slowest tests (--durations), so a run that grows says where.
 test: lint
 	$(PY) -m compileall -q qosfs bench tests >/dev/null
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # ruff (rule set in pyproject.toml) over everything; mypy --strict over the package.
 lint: deps
