@@ -178,9 +178,10 @@ def _fio_area(run: Run, area: str, source: Path, size_mib: int, runtime: float,
                 bare_mb_s=statistics.median(m for _, m in bare),
                 qosfs_mb_s=statistics.median(m for _, m in via),
                 counted=None if why_not is not None else statistics.median(counted)))
-            run.log(f"  uncapped {area} {shape[0]}: bare {shapes[-1].bare_iops:,.0f} IOPS, "
-                    f"qosfs {shapes[-1].qosfs_iops:,.0f} IOPS, counted "
-                    + ("not" if why_not is not None else f"{statistics.median(counted):.3f}"))
+            got = shapes[-1]
+            run.log(f"  uncapped {area} {shape[0]}: bare {got.bare_iops:,.0f} IOPS, "
+                    f"qosfs {got.qosfs_iops:,.0f} IOPS, counted "
+                    + ("not" if got.counted is None else f"{got.counted:.3f}"))
     return shapes, said
 
 
