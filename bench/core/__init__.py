@@ -4,6 +4,7 @@
 - ``epochs``: a small-file data loader's epoch (loader and peer suites, coldscale, opcost)
 - ``fuse_trace``: the kernel's FUSE requests to one mount, by opcode (tracepoint hist)
 - ``fio``: running a fio job file and reading its figures
+- ``floorfs``: the least a pyfuse3 daemon does, by one process or several (smallfiles, clones)
 - ``handler_times``: the daemon's CPU in each FUSE handler (opcost --handlers)
 - ``libfuse_peer``: libfuse's passthrough_hp: building it and mounting it
 - ``plotting``: matplotlib, the helpers plots share, and drawing a run's plots

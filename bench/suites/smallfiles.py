@@ -9,6 +9,10 @@ whole, close; every file once per pass, :func:`bench.core.epochs.read_files`):
 * ``bare``: the directory itself;
 * ``hp-single``, ``hp-multi``, ``hp-passthrough``: libfuse's ``passthrough_hp``
   (:mod:`bench.core.libfuse_peer`);
+* ``pyfuse3``: the least a pyfuse3 daemon does (:mod:`bench.core.floorfs`, one process:
+  LOOKUP, OPEN with a backing id kept per inode, RELEASE; no journal, classification or
+  descriptor cache), with the pyfuse3 build and busy polling qosfs uses: the floor under
+  qosfs's CPU per file, the part that is the transport and the interpreter, not qosfs;
 * ``no-qos``: qosfs ``--no-qos``; ``policy``: qosfs with its embedded default policy.
 
 For each side and thread count the daemon is mounted fresh, the caches dropped
@@ -29,6 +33,7 @@ from typing import Any
 
 from bench.core.context import Run
 from bench.core.epochs import make_tree, read_files
+from bench.core.floorfs import clonefs
 from bench.core.fuse_trace import FuseTrace
 from bench.core.libfuse_peer import PEER_OPTIONS, build_peer, peer_mount
 from bench.core.plotting import save
@@ -36,13 +41,16 @@ from bench.core.system import REPO, BenchError, cpu_seconds, describe_disk, drop
 from bench.core.tables import Plots, Rows, plot, ratio, table, verdict
 from bench.core.typed import Record
 
-SIDES = ("bare", "hp-single", "hp-multi", "hp-passthrough", "no-qos", "policy")
+SIDES = ("bare", "hp-single", "hp-multi", "hp-passthrough", "pyfuse3", "no-qos", "policy")
 THREADS = (1, 4, 16)
 PHASES = ("cold", "warm")
 FILES, QUICK_FILES, FILE_KIB = 8000, 1000, 112
 # a file's life, in order; other opcodes follow
 OPCODE_ORDER = ("LOOKUP", "GETATTR", "OPEN", "BACKING_OPEN", "READ", "FLUSH", "RELEASE",
                 "BACKING_CLOSE")
+# The pyfuse3 side polls as qosfs does by default (--busy-poll-us), and lets the kernel
+# keep entries and attributes as long as the default policy does for datasets.
+FLOOR_POLL_US, FLOOR_CACHE_S = 50, 60.0
 # issue 40's acceptance, policy against bare on disk, cold, by threads
 DISK_COLD_MIN = {1: 0.8, 4: 0.9, 16: 0.9}
 
@@ -91,6 +99,12 @@ def _side(run: Run, side: str, source: Path, peer: str | None,
         log = run.work / f"smallfiles-{side}.log"
         with peer_mount(str(REPO / peer), source, mnt, PEER_OPTIONS[side], log) as pid:
             yield mnt, pid
+    elif side == "pyfuse3":
+        mnt = run.work / "smallfiles-pyfuse3"
+        mnt.mkdir(exist_ok=True)
+        with clonefs(source, mnt, run.work, workers=1, burn_us=0, poll_us=FLOOR_POLL_US,
+                     cache_s=FLOOR_CACHE_S) as (pids, _):
+            yield mnt, pids[0]
     else:
         with run.mount(source, no_qos=side == "no-qos") as mounted:
             yield mounted.path, mounted.mount.pid
@@ -245,13 +259,18 @@ def section(plots: Plots, r: SmallfilesResult) -> list[str]:
         notes.append(f"passthrough_hp was not measured: {r.peer_missing}.")
     if r.trace is not None:
         notes.append(f"FUSE requests: {r.trace}.")
-    lines = ["## Small files: bare, passthrough_hp and qosfs side by side", "",
+    lines = ["## Small files: bare, passthrough_hp, a minimal pyfuse3 daemon and qosfs", "",
              f"{r.files:,} files of {r.file_kib} KiB under `data/`, read by 1, 4 and 16 "
              "threads of one process (open, read whole, close; each file once per pass). "
              "Each side and thread count is mounted fresh; `cold`: the first pass, caches "
              "dropped just before; `warm`: the next. files/s, in brackets the ratio to bare "
              "(same area, pass and threads). The daemon's CPU is counted in clock ticks "
-             f"(10 ms over {r.files:,} files: steps of {1e4 / r.files:.0f} µs).", "",
+             f"(10 ms over {r.files:,} files: steps of {1e4 / r.files:.0f} µs). "
+             "`pyfuse3` is the least a pyfuse3 daemon does with qosfs's pyfuse3 build and "
+             "polling (LOOKUP, OPEN answered with a backing id kept per inode, RELEASE; "
+             "no journal, classification or descriptor cache; entries kept 60 s, as the "
+             "default policy keeps datasets'): what the transport and the "
+             "interpreter cost a file, under qosfs's own work.", "",
              *plot(plots, "smallfiles", "files/s by threads, each area and pass"), ""]
     for area, what in (("tmpfs", "tmpfs"), ("disk", r.disk or "no disk area")):
         if not any(p.area == area for p in r.passes):

@@ -1,8 +1,9 @@
-"""One FUSE connection served by two processes (bench.clones, the measurement of
-docs/architecture.md's "Past one core"): the second process reads a clone of the first's
-descriptor (FUSE_DEV_IOC_CLONE) and adopts the session the first initialised, each
-request is answered by whichever process read it, and what a reader gets through the
-mount is the tree underneath, byte for byte."""
+"""One FUSE connection served by two processes (bench.core.floorfs, which bench.clones
+measures for docs/architecture.md's "Past one core"): the second process reads a clone of
+the first's descriptor (FUSE_DEV_IOC_CLONE) and adopts the session the first initialised,
+each request is answered by whichever process read it, and what a reader gets through
+the mount is the tree underneath, byte for byte. One process alone is the floor daemon
+of ``bench smallfiles``."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import pyfuse3
 import pytest
 import xxhash
 
-from bench.clones import MAX_WORKERS, clone_fuse_fd, clonefs
 from bench.core.epochs import make_tree
+from bench.core.floorfs import MAX_WORKERS, clone_fuse_fd, clonefs
 from tests.mounting import is_mounted
 
 pytestmark = [pytest.mark.mount, pytest.mark.root]
@@ -65,3 +66,28 @@ def test_a_clone_of_a_descriptor_that_is_no_connection_is_refused() -> None:
             clone_fuse_fd(fd)
     finally:
         os.close(fd)
+
+
+def test_one_process_alone_serves_the_tree_and_passes_its_reads_to_the_kernel(
+        tmp_path: Path) -> None:
+    """The ``pyfuse3`` side of ``bench smallfiles``: the floor daemon on its own."""
+    src, mnt = tmp_path / "src", tmp_path / "mnt"
+    names = make_tree(src, 200, 64 * 1024)
+    mnt.mkdir()
+    with clonefs(src, mnt, tmp_path, workers=1, burn_us=0, poll_us=50) as (pids, shared):
+        assert len(pids) == 1
+        before = _read_bytes(pids[0])
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda n: digest(mnt / n), names))
+        assert got == [digest(src / n) for n in names]
+        # LOOKUP, OPEN and RELEASE at least, per file, reached it; the bytes did not.
+        assert int.from_bytes(shared[0:8], "little") >= 3 * len(names)
+        assert _read_bytes(pids[0]) - before < len(names) * 64 * 1024 // 10
+    assert not is_mounted(mnt)
+
+
+def _read_bytes(pid: int) -> int:
+    """What process *pid* has read with read calls so far (its requests from /dev/fuse
+    too), from /proc/PID/io."""
+    io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+    return int(io["rchar"])
