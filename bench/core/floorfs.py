@@ -248,7 +248,6 @@ def clonefs(source: Path, mnt: Path, work: Path, workers: int, burn_us: int,
         unmount_and_reap(mnt, proc, 20)
 
 
-
 def main(argv: list[str]) -> int:
     """``python -m bench.core.floorfs --serve SPEC``: one process of clonefs (:func:`clonefs`
     starts them)."""
