@@ -40,6 +40,8 @@ from bench.core.plotting import save
 from bench.core.system import REPO, BenchError, cpu_seconds, describe_disk, drop_caches, wait_quiet
 from bench.core.tables import Plots, Rows, plot, ratio, table, verdict
 from bench.core.typed import Record
+from qosfs.daemon.config import MountConfig
+from qosfs.policy.loading import default_policy
 
 SIDES = ("bare", "hp-single", "hp-multi", "hp-passthrough", "pyfuse3", "no-qos", "policy")
 THREADS = (1, 4, 16)
@@ -48,9 +50,6 @@ FILES, QUICK_FILES, FILE_KIB = 8000, 1000, 112
 # a file's life, in order; other opcodes follow
 OPCODE_ORDER = ("LOOKUP", "GETATTR", "OPEN", "BACKING_OPEN", "READ", "FLUSH", "RELEASE",
                 "BACKING_CLOSE")
-# The pyfuse3 side polls as qosfs does by default (--busy-poll-us), and lets the kernel
-# keep entries and attributes as long as the default policy does for datasets.
-FLOOR_POLL_US, FLOOR_CACHE_S = 50, 60.0
 # issue 40's acceptance, policy against bare on disk, cold, by threads
 DISK_COLD_MIN = {1: 0.8, 4: 0.9, 16: 0.9}
 
@@ -102,12 +101,22 @@ def _side(run: Run, side: str, source: Path, peer: str | None,
     elif side == "pyfuse3":
         mnt = run.work / "smallfiles-pyfuse3"
         mnt.mkdir(exist_ok=True)
-        with clonefs(source, mnt, run.work, workers=1, burn_us=0, poll_us=FLOOR_POLL_US,
-                     cache_s=FLOOR_CACHE_S) as (pids, _):
+        poll_us, cache_s = _as_qosfs_defaults()
+        with clonefs(source, mnt, run.work, workers=1, burn_us=0, poll_us=poll_us,
+                     cache_s=cache_s) as (pids, _):
             yield mnt, pids[0]
     else:
         with run.mount(source, no_qos=side == "no-qos") as mounted:
             yield mounted.path, mounted.mount.pid
+
+
+def _as_qosfs_defaults() -> tuple[int, float]:
+    """What the pyfuse3 side takes from qosfs as users mount it: its busy polling
+    (``--busy-poll-us``), and how long the embedded policy lets the kernel keep the
+    entries of a dataset (:func:`make_tree`'s files are the ``datasets`` class's)."""
+    cfg = MountConfig(source="", mountpoint="")
+    datasets = next(c for c in default_policy().classes if c.name == "datasets")
+    return cfg.busy_poll_us, datasets.entry_timeout or cfg.fs_options.entry_timeout
 
 
 def _passes(run: Run, area: str, side: str, source: Path, names: list[str], threads: int,
@@ -268,8 +277,8 @@ def section(plots: Plots, r: SmallfilesResult) -> list[str]:
              f"(10 ms over {r.files:,} files: steps of {1e4 / r.files:.0f} µs). "
              "`pyfuse3` is the least a pyfuse3 daemon does with qosfs's pyfuse3 build and "
              "polling (LOOKUP, OPEN answered with a backing id kept per inode, RELEASE; "
-             "no journal, classification or descriptor cache; entries kept 60 s, as the "
-             "default policy keeps datasets'): what the transport and the "
+             "no journal, classification or descriptor cache; polling and keeping entries "
+             "as qosfs's defaults do for datasets): what the transport and the "
              "interpreter cost a file, under qosfs's own work.", "",
              *plot(plots, "smallfiles", "files/s by threads, each area and pass"), ""]
     for area, what in (("tmpfs", "tmpfs"), ("disk", r.disk or "no disk area")):
